@@ -1,0 +1,76 @@
+"""ckpt-engine: sharded DCP checkpoints for PyTorch training, extended through pluggy hooks.
+
+>>> from ckpt_engine import CheckpointEngine, EngineConfig
+>>> engine = CheckpointEngine(EngineConfig(save_dir="runs/exp1/checkpoints"))  # doctest: +SKIP
+"""
+
+from ._markers import PROJECT_NAME, hookimpl
+from .config import EngineConfig, PluginEntry
+from .engine import CheckpointEngine, SaveHandle
+from .errors import (
+    CheckpointLoadError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CkptEngineError,
+    ConfigError,
+    CorruptCheckpointError,
+    HookContractError,
+    IncompleteCheckpointError,
+    LoadStrictnessError,
+    PluginConfigError,
+    PluginConflictError,
+    PluginLoadError,
+    UnsafeCheckpointError,
+)
+from .report import ComponentReport, LoadReport
+from .types import (
+    Decision,
+    LoadContext,
+    LoadResult,
+    PlanEntry,
+    RemapContext,
+    SaveContext,
+    SaveResult,
+    StagedState,
+    ValueSpec,
+    WriteContext,
+    WriteResult,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PROJECT_NAME",
+    "CheckpointEngine",
+    "CheckpointLoadError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CkptEngineError",
+    "ComponentReport",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "Decision",
+    "EngineConfig",
+    "HookContractError",
+    "IncompleteCheckpointError",
+    "LoadContext",
+    "LoadReport",
+    "LoadResult",
+    "LoadStrictnessError",
+    "PlanEntry",
+    "PluginConfigError",
+    "PluginConflictError",
+    "PluginEntry",
+    "PluginLoadError",
+    "RemapContext",
+    "SaveContext",
+    "SaveHandle",
+    "SaveResult",
+    "StagedState",
+    "UnsafeCheckpointError",
+    "ValueSpec",
+    "WriteContext",
+    "WriteResult",
+    "__version__",
+    "hookimpl",
+]

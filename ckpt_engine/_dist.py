@@ -1,0 +1,59 @@
+"""torch.distributed helpers: everything also works with no process group (one process)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if initialized() else 1
+
+
+def barrier() -> None:
+    if initialized():
+        dist.barrier()
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order; ``[obj]`` without a process group."""
+    if not initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank."""
+    if not initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+@contextlib.contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """Silence DCP warnings that say nothing to an engine user.
+
+    * "torch.distributed is disabled ..." is issued on every single-process save/load;
+    * "Detected an existing checkpoint ..." is issued when the engine rewrites its own
+      uncommitted folder, which it does on purpose.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint in")
+        yield

@@ -1,0 +1,218 @@
+"""Engine configuration (pydantic v2).
+
+Two layers, as in pytest and tox: the engine validates the shape of the configuration (which
+plugins, their order, whether enabled); each plugin validates its own ``options``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+from .types import STANDARD_COMPONENTS
+
+__all__ = ["DEFAULT_PLUGINS", "EngineConfig", "PluginEntry"]
+
+#: Plugins that are on unless the config lists them with ``enabled: false``. The original
+#: checkpointer always skipped Transformer-Engine ``_extra_state``.
+DEFAULT_PLUGINS: tuple[str, ...] = ("te_extra_state",)
+
+
+def _toml_loads(text: str) -> Any:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
+_COMPONENT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+class PluginEntry(BaseModel):
+    """One plugin in :attr:`EngineConfig.plugins`; the list order is the fold order."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="Entry-point name, or a name for a `path` plugin.")
+    path: str | None = Field(
+        default=None,
+        description="`package.module:attr` of a plugin that is not installed as an entry point.",
+    )
+    enabled: bool = Field(default=True, description="False keeps the plugin from being imported at all.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Validated by the plugin's `Options`.")
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[\w.]+:[\w.]+", v):
+            raise ValueError(f"{v!r} is not of the form 'package.module:attr'")
+        return v
+
+    @property
+    def source(self) -> str:
+        return self.path or self.name
+
+
+def _coerce_entry(item: Any) -> Any:
+    if isinstance(item, str):
+        return {"name": item, "path": item} if ":" in item else {"name": item}
+    return item
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs to know, from keyword arguments, a dict or a file.
+
+    Unknown fields are errors that name the field.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    save_dir: str = Field(min_length=1, description="Folder that receives `iter_XXXXXXXXX/` checkpoints.")
+    load_dir: str | None = Field(
+        default=None, description="Folder whose `latest_checkpoint.txt` is resumed; default: `save_dir`."
+    )
+    load_path: str | None = Field(
+        default=None,
+        description="Used when there is no `latest_checkpoint.txt`: a checkpoint folder "
+        "(`.../iter_000000100`) or a `.pth` model state dict.",
+    )
+    load_training_state: bool = Field(
+        default=False, description="With `load_path`: load every component, not just `model`."
+    )
+    only_load_scheduler_state: bool = Field(
+        default=False, description="With `load_path`: load `model` and `scheduler`."
+    )
+    strict: bool = Field(
+        default=True,
+        description="A key the model expects but the checkpoint lacks, or an unresolved shape "
+        "mismatch, is an error (else skipped and reported).",
+    )
+    strict_unexpected: bool = Field(default=False, description="Checkpoint keys that nothing reads are an error too.")
+    keys_not_to_resume: tuple[str, ...] = Field(
+        default=(), description="Components never loaded (`model`, `optim`, `scheduler`, `trainer`, extras)."
+    )
+    trust_checkpoint: bool = Field(
+        default=False,
+        description="Unpickle non-tensor values without `weights_only=True`. Only for trusted "
+        "legacy checkpoints: it runs code from the checkpoint.",
+    )
+    thread_count: int = Field(default=1, ge=1, le=64, description="Writer threads per rank (DCP).")
+    sync_files: bool = Field(default=True, description="fsync checkpoint files before commit.")
+    plugins: tuple[PluginEntry, ...] = Field(
+        default=(),
+        description="Plugins in fold order: names, `package.module:attr` strings or entries "
+        f"with options. Default plugins ({', '.join(DEFAULT_PLUGINS)}) are prepended unless listed.",
+    )
+
+    @field_validator("plugins", mode="before")
+    @classmethod
+    def _coerce_plugins(cls, v: Any) -> Any:
+        if isinstance(v, (str, Mapping)):
+            v = [v]
+        return [_coerce_entry(item) for item in v] if isinstance(v, (list, tuple)) else v
+
+    @field_validator("plugins")
+    @classmethod
+    def _defaults_and_duplicates(cls, v: tuple[PluginEntry, ...]) -> tuple[PluginEntry, ...]:
+        names = [e.name for e in v]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"plugin(s) {dupes} listed more than once; list each plugin once")
+        missing_defaults = [PluginEntry(name=n) for n in DEFAULT_PLUGINS if n not in names]
+        return (*missing_defaults, *v)
+
+    @field_validator("keys_not_to_resume", mode="before")
+    @classmethod
+    def _coerce_keys(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v
+
+    @field_validator("keys_not_to_resume")
+    @classmethod
+    def _check_keys(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for key in v:
+            if not _COMPONENT_NAME.match(key):
+                raise ValueError(
+                    f"{key!r} is not a component name; components are {', '.join(STANDARD_COMPONENTS)} "
+                    "or the names of `extra=` components"
+                )
+        return v
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> EngineConfig:
+        if self.load_training_state and self.only_load_scheduler_state:
+            raise ValueError(
+                "load_training_state and only_load_scheduler_state are both set; "
+                "load_training_state already loads the scheduler: set only one"
+            )
+        return self
+
+    @property
+    def resolved_load_dir(self) -> str:
+        return self.load_dir or self.save_dir
+
+    def enabled_plugins(self) -> tuple[PluginEntry, ...]:
+        return tuple(e for e in self.plugins if e.enabled)
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> EngineConfig:
+        """Read a YAML (``.yaml``/``.yml``), TOML (``.toml``) or JSON (``.json``) file.
+
+        A TOML file may hold the fields at top level or under ``[ckpt_engine]``; YAML and JSON
+        likewise under a ``ckpt_engine`` key.
+        """
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"cannot read config file {str(p)!r}: {err.strerror or err}") from err
+        suffix = p.suffix.lower()
+        try:
+            data: Any
+            if suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            elif suffix == ".toml":
+                data = _toml_loads(text)
+            elif suffix == ".json":
+                data = json.loads(text)
+            else:
+                raise ConfigError(
+                    f"config file {str(p)!r} has unknown suffix {suffix!r}; use .yaml, .yml, .toml or .json"
+                )
+        except ConfigError:
+            raise
+        except Exception as err:
+            raise ConfigError(f"cannot parse config file {str(p)!r}: {err}") from err
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of fields, got {type(data).__name__}")
+        if "ckpt_engine" in data and isinstance(data["ckpt_engine"], Mapping):
+            data = data["ckpt_engine"]
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(f"invalid config in {str(p)!r}:\n{err}") from err
+
+    @classmethod
+    def coerce(cls, config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str]) -> EngineConfig:
+        """Accept a config, a mapping of fields, or a path to a config file."""
+        if isinstance(config, EngineConfig):
+            return config
+        if isinstance(config, Mapping):
+            return cls.model_validate(dict(config))
+        if isinstance(config, (str, os.PathLike)):
+            return cls.from_file(config)
+        raise ConfigError(
+            f"config must be an EngineConfig, a mapping or a path to a YAML/TOML/JSON file, got {type(config).__name__}"
+        )

@@ -1,0 +1,44 @@
+"""The engine's default ``stage`` and ``write`` providers.
+
+They are implementations of the same hooks a plugin provides, registered in every plugin
+manager under :data:`DEFAULT_PLUGIN_NAME`; the engine calls them when no enabled plugin
+provides the hook.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from ._dist import quiet_dcp
+from ._markers import hookimpl
+from .types import SaveContext, StagedState, WriteContext, WriteResult
+
+DEFAULT_PLUGIN_NAME = "ckpt_engine.defaults"
+
+
+class DefaultIO:
+    """Synchronous staging and an in-process DCP ``FileSystemWriter``."""
+
+    @hookimpl
+    def stage(self, ctx: SaveContext, state: Mapping[str, dict[str, Any]]) -> StagedState:
+        # No copy: the default write finishes before save() returns, so the live state is the
+        # point-in-time state. DCP itself moves device tensors to host while writing.
+        return StagedState(components=dict(state), is_copy=False)
+
+    @hookimpl
+    def write(self, ctx: WriteContext, state_dict: dict[str, Any]) -> WriteResult:
+        start = time.perf_counter()
+        writer = dcp.FileSystemWriter(
+            ctx.path,
+            thread_count=ctx.thread_count,
+            sync_files=ctx.sync_files,
+            overwrite=True,
+        )
+        with quiet_dcp():
+            metadata = dcp.save(state_dict, storage_writer=writer, planner=ctx.planner, process_group=ctx.process_group)
+        nbytes = sum(info.length for info in (metadata.storage_data or {}).values())
+        return WriteResult(component=ctx.component, bytes_written=nbytes, seconds=time.perf_counter() - start)

@@ -1,0 +1,635 @@
+"""``CheckpointEngine``: save and restore the full training state as DCP checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from . import _dist
+from ._metadata import SafeFileSystemReader
+from .config import EngineConfig
+from .errors import (
+    CheckpointLoadError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CkptEngineError,
+    ConfigError,
+    IncompleteCheckpointError,
+)
+from .layout import (
+    check_complete,
+    commit_rename,
+    iter_dirname,
+    partial_dirname,
+    read_latest,
+    remove_tree,
+    write_latest,
+)
+from .loading import build_plugin_manager
+from .pipeline import Pipeline
+from .planner import EngineLoadPlanner, EngineSavePlanner, flat_keys
+from .report import ComponentReport, LoadReport, SkipRecord
+from .state import TrainingObjects, apply_component, component_state_dict
+from .types import (
+    STANDARD_COMPONENTS,
+    LoadResult,
+    RemapContext,
+    SaveContext,
+    SaveResult,
+    WriteContext,
+    WriteResult,
+)
+
+__all__ = ["CheckpointEngine", "SaveHandle"]
+
+logger = logging.getLogger("ckpt_engine")
+
+
+class SaveHandle:
+    """The outcome of one ``save()``; completes when the checkpoint is committed or has failed."""
+
+    def __init__(self, iteration: int, path: str, future: Future[SaveResult]) -> None:
+        self.iteration = iteration
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        """The save's :class:`SaveResult`; raises :class:`CheckpointSaveError` if it failed."""
+        result = self._future.result(timeout)
+        if not result.succeeded:
+            raise CheckpointSaveError(
+                f"saving iteration {self.iteration} to {self.path} failed: {result.error}"
+            ) from result.error
+        return result
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"SaveHandle(iteration={self.iteration}, path={self.path!r}, {state})"
+
+
+def _unwrap(exc: BaseException) -> tuple[BaseException, list[int]]:
+    """The first underlying error of a DCP ``CheckpointException`` and the ranks that failed."""
+    if isinstance(exc, CheckpointException):
+        failures = exc.failures
+        ranks = sorted(failures)
+        if ranks:
+            err = failures[ranks[0]]
+            inner = err[0] if isinstance(err, tuple) else err
+            return inner, ranks
+    return exc, [_dist.rank()]
+
+
+class CheckpointEngine:
+    """Saves and restores model, optimizer, scheduler, grad scaler, iteration and extra state.
+
+    ``config`` is an :class:`EngineConfig`, a mapping of its fields, or a path to a YAML, TOML
+    or JSON file. ``plugins`` are plugin objects registered in addition to the configured ones.
+    Works in one process without a process group and on every rank under ``torchrun``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        plugins: Sequence[Any] = (),
+    ) -> None:
+        self.config = EngineConfig.coerce(config)
+        self._plugins = build_plugin_manager(self.config, plugins)
+        self.pipeline = Pipeline(self._plugins)
+        self._pending: list[SaveHandle] = []
+        self._lock = threading.Lock()
+        self._committer: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # -- context manager --------------------------------------------------------------------
+
+    def __enter__(self) -> CheckpointEngine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except CkptEngineError:
+                logger.exception("closing the checkpoint engine failed while handling another error")
+
+    @property
+    def save_dir(self) -> str:
+        return self.config.save_dir
+
+    @property
+    def plugin_names(self) -> tuple[str, ...]:
+        """Registered plugins, in fold order."""
+        return self._plugins.order
+
+    # -- save -------------------------------------------------------------------------------
+
+    def save(
+        self,
+        iteration: int,
+        *,
+        model: nn.Module | Sequence[nn.Module],
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        scheduler: Any = None,
+        grad_scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Save the training state as ``<save_dir>/iter_{iteration:09}/``.
+
+        Returns once the checkpoint's content is fixed: later in-place updates never leak into
+        it. With the default (synchronous) providers the checkpoint is also committed; with a
+        background writer, ``handle.result()`` or :meth:`wait` waits for the commit.
+        """
+        self._check_open()
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+        objs = TrainingObjects.from_args(model, optimizer, scheduler, grad_scaler, extra)
+        if not objs.modules:
+            raise ValueError("save() needs model=: a module or a list of modules")
+        self._wait_pending()  # one save in flight: never re-stage while a write may read the buffers
+
+        t0 = time.perf_counter()
+        rank, world = _dist.rank(), _dist.world_size()
+        final_dir = os.path.join(self.save_dir, iter_dirname(iteration))
+        partial_dir = os.path.join(self.save_dir, partial_dirname(iteration))
+        components = tuple(objs.available())
+        timings = {"staging": 0.0}
+        try:
+            prepared = self._prepare_save(objs, iteration, components, partial_dir, rank, world, timings)
+        except Exception as err:
+            result = SaveResult(
+                iteration=iteration,
+                path=final_dir,
+                succeeded=False,
+                error=err,
+                components=components,
+                blocked_seconds=time.perf_counter() - t0,
+                total_seconds=time.perf_counter() - t0,
+            )
+            self._finish(result, partial_dir, cleanup=False)
+            raise CheckpointSaveError(f"saving iteration {iteration} to {final_dir} failed: {err}") from err
+
+        staged, key_maps = prepared
+        write_start = time.perf_counter()
+        outcomes: list[WriteResult | Future[WriteResult]] = []
+        try:
+            for name in components:
+                ctx = WriteContext(
+                    component=name,
+                    iteration=iteration,
+                    path=os.path.join(partial_dir, name),
+                    rank=rank,
+                    world_size=world,
+                    planner=EngineSavePlanner(key_maps[name]),
+                    staged_copy=staged.is_copy,
+                    thread_count=self.config.thread_count,
+                    sync_files=self.config.sync_files,
+                )
+                out = self.pipeline.write(ctx, staged.components[name])
+                if isinstance(out, Future) and not staged.is_copy:
+                    out = out.result()  # the live state: must be written before save() returns
+                outcomes.append(out)
+        except (Exception, CheckpointException) as exc:
+            cause, ranks = _unwrap(exc)
+            raise self._fail_sync(
+                iteration, final_dir, partial_dir, components, cause, ranks, t0, timings, write_start
+            ) from cause
+
+        blocked = time.perf_counter() - t0
+        future: Future[SaveResult] = Future()
+        handle = SaveHandle(iteration, final_dir, future)
+        if all(isinstance(o, WriteResult) for o in outcomes):
+            result = self._commit(
+                iteration,
+                final_dir,
+                partial_dir,
+                components,
+                outcomes,
+                t0,
+                blocked,
+                timings,
+                write_start,
+                collective=True,
+            )
+            future.set_result(result)
+            if not result.succeeded:
+                raise CheckpointSaveError(
+                    f"saving iteration {iteration} to {final_dir} failed: {result.error}"
+                ) from result.error
+            return handle
+
+        # Background writes: commit from the engine's commit thread (no collectives there; the
+        # last DCP write of every component already synchronised all ranks).
+        with self._lock:
+            if self._committer is None:
+                self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-engine-commit")
+            self._pending.append(handle)
+        self._committer.submit(
+            self._commit_background,
+            future,
+            iteration,
+            final_dir,
+            partial_dir,
+            components,
+            outcomes,
+            t0,
+            blocked,
+            timings,
+            write_start,
+        )
+        return handle
+
+    def _prepare_save(
+        self,
+        objs: TrainingObjects,
+        iteration: int,
+        components: tuple[str, ...],
+        partial_dir: str,
+        rank: int,
+        world: int,
+        timings: dict[str, float],
+    ) -> tuple[Any, dict[str, dict[str, str]]]:
+        """Build state dicts, run ``remap_keys`` and ``stage``; every rank agrees on success."""
+        error: str | None = None
+        staged: Any = None
+        key_maps: dict[str, dict[str, str]] = {}
+        try:
+            state = {name: component_state_dict(objs, name, iteration) for name in components}
+            for name, sd in state.items():
+                ctx = RemapContext(
+                    component=name,
+                    direction="save",
+                    storage_keys=None,
+                    checkpoint_path=os.path.join(self.save_dir, iter_dirname(iteration)),
+                    rank=rank,
+                    world_size=world,
+                )
+                key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
+            if rank == 0:
+                os.makedirs(self.save_dir, exist_ok=True)
+                if os.path.exists(partial_dir):
+                    remove_tree(partial_dir)  # left behind by a crashed save of this iteration
+            t_stage = time.perf_counter()
+            staged = self.pipeline.stage(
+                SaveContext(
+                    iteration=iteration,
+                    checkpoint_path=os.path.join(self.save_dir, iter_dirname(iteration)),
+                    components=components,
+                    rank=rank,
+                    world_size=world,
+                ),
+                state,
+            )
+            if staged.completion is not None:
+                staged.completion.result()
+            timings["staging"] = time.perf_counter() - t_stage
+        except Exception as exc:
+            if world == 1:
+                raise
+            error = f"{type(exc).__name__}: {exc}"
+            local_err: Exception | None = exc
+        else:
+            local_err = None
+        # Consensus (also the barrier after rank 0 cleared the partial folder): a failure on
+        # one rank fails the save on all ranks before anyone enters DCP's collectives.
+        errors = _dist.all_gather_object(error)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            if local_err is not None:
+                raise local_err
+            r, e = failed[0]
+            raise CheckpointSaveError(f"rank {r} failed while preparing the save: {e}")
+        return staged, key_maps
+
+    def _fail_sync(
+        self,
+        iteration: int,
+        final_dir: str,
+        partial_dir: str,
+        components: tuple[str, ...],
+        err: BaseException,
+        ranks: list[int],
+        t0: float,
+        timings: dict[str, float],
+        write_start: float,
+    ) -> CheckpointSaveError:
+        """Report a failed write and return the error to raise."""
+        now = time.perf_counter()
+        result = SaveResult(
+            iteration=iteration,
+            path=final_dir,
+            succeeded=False,
+            error=err,
+            components=components,
+            blocked_seconds=now - t0,
+            staging_seconds=timings["staging"],
+            write_seconds=now - write_start,
+            total_seconds=now - t0,
+        )
+        self._finish(result, partial_dir, cleanup=True)
+        where = f" on rank(s) {ranks}" if _dist.world_size() > 1 else ""
+        return CheckpointSaveError(
+            f"saving iteration {iteration} to {final_dir} failed{where}: {type(err).__name__}: {err}; "
+            "the previous checkpoint is untouched"
+        )
+
+    def _commit(
+        self,
+        iteration: int,
+        final_dir: str,
+        partial_dir: str,
+        components: tuple[str, ...],
+        outcomes: Sequence[Any],
+        t0: float,
+        blocked: float,
+        timings: dict[str, float],
+        write_start: float,
+        *,
+        collective: bool,
+    ) -> SaveResult:
+        error: BaseException | None = None
+        nbytes = 0
+        try:
+            results = [self.pipeline.check_write_result(o.result() if isinstance(o, Future) else o) for o in outcomes]
+            nbytes = sum(r.bytes_written for r in results)
+        except (Exception, CheckpointException) as exc:
+            error = _unwrap(exc)[0]
+        write_end = time.perf_counter()
+        if error is None and _dist.rank() == 0:
+            try:
+                commit_rename(partial_dir, final_dir)
+                write_latest(self.save_dir, iter_dirname(iteration))
+            except Exception as err:
+                error = err
+        if collective and _dist.world_size() > 1:
+            # Doubles as the barrier that keeps ranks from running ahead of the commit.
+            errors = _dist.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+            if error is None:
+                failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+                if failed:
+                    error = CheckpointSaveError(f"rank {failed[0][0]} failed to commit: {failed[0][1]}")
+        now = time.perf_counter()
+        result = SaveResult(
+            iteration=iteration,
+            path=final_dir,
+            succeeded=error is None,
+            error=error,
+            components=components,
+            bytes_written=nbytes,
+            blocked_seconds=blocked,
+            staging_seconds=timings["staging"],
+            write_seconds=write_end - write_start,
+            total_seconds=now - t0,
+        )
+        self._finish(result, partial_dir, cleanup=error is not None)
+        return result
+
+    def _commit_background(self, future: Future[SaveResult], *args: Any) -> None:
+        try:
+            future.set_result(self._commit(*args, collective=False))
+        except BaseException as exc:  # an observer raised: surface it through the handle
+            future.set_exception(exc)
+
+    def _finish(self, result: SaveResult, partial_dir: str, *, cleanup: bool) -> None:
+        if cleanup and _dist.rank() == 0 and os.path.exists(partial_dir):
+            try:
+                remove_tree(partial_dir)
+            except OSError:
+                logger.warning("could not remove uncommitted folder %s", partial_dir, exc_info=True)
+        if result.succeeded:
+            if _dist.rank() == 0:
+                logger.info(
+                    "saved iteration %d to %s (%.1f MB, blocked %.3fs, total %.3fs)",
+                    result.iteration,
+                    result.path,
+                    result.bytes_written / 1e6,
+                    result.blocked_seconds,
+                    result.total_seconds,
+                )
+        else:
+            logger.error("save of iteration %d failed: %s", result.iteration, result.error)
+        self.pipeline.on_save_done(result)
+
+    def _wait_pending(self) -> list[SaveResult]:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        results = []
+        first_error: CheckpointSaveError | None = None
+        for handle in pending:
+            try:
+                results.append(handle.result())
+            except CheckpointSaveError as err:
+                first_error = first_error or err
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def wait(self) -> None:
+        """Block until every pending save is committed; raise if one failed."""
+        self._wait_pending()
+
+    def close(self) -> None:
+        """Wait for pending saves, then release workers. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._wait_pending()
+        finally:
+            self._closed = True
+            if self._committer is not None:
+                self._committer.shutdown(wait=True)
+                self._committer = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CkptEngineError("this CheckpointEngine is closed; create a new one")
+
+    # -- load -------------------------------------------------------------------------------
+
+    def load(
+        self,
+        *,
+        model: nn.Module | Sequence[nn.Module] | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        scheduler: Any = None,
+        grad_scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> LoadResult:
+        """Resume by the rules of DESIGN section 4; returns the iteration, path and report.
+
+        1. ``latest_checkpoint.txt`` in the load directory: every component passed in.
+        2. else ``load_path`` is a checkpoint folder: ``model`` (all with
+           ``load_training_state``; ``model`` + ``scheduler`` with ``only_load_scheduler_state``).
+        3. else ``load_path`` ends in ``.pth``: a plain model state dict, non-strict.
+        4. else nothing: iteration 0.
+        """
+        self._check_open()
+        self.wait()  # never read a checkpoint that is still being committed
+        objs = TrainingObjects.from_args(model, optimizer, scheduler, grad_scaler, extra)
+        self._check_keys_not_to_resume(objs)
+        cfg = self.config
+        load_dir = cfg.resolved_load_dir
+        latest = read_latest(load_dir)
+        if latest is not None:
+            path = os.path.join(load_dir, latest)
+            if not os.path.isdir(path):
+                raise CheckpointNotFoundError(
+                    f"{os.path.join(load_dir, 'latest_checkpoint.txt')} names {latest!r}, but {path} does not "
+                    "exist; restore it, or point latest_checkpoint.txt at an existing checkpoint"
+                )
+            wanted = [*STANDARD_COMPONENTS, *objs.extra]
+            return self._load_checkpoint(objs, path, wanted, "latest")
+        if cfg.load_path:
+            lp = cfg.load_path
+            if lp.endswith(".pth"):
+                return self._load_pth(objs, lp)
+            if not os.path.isdir(lp):
+                raise CheckpointNotFoundError(
+                    f"load_path {lp!r} does not exist or is not a checkpoint folder (nor a .pth file); "
+                    "fix load_path, or unset it to start from scratch"
+                )
+            if cfg.load_training_state:
+                wanted = [*STANDARD_COMPONENTS, *objs.extra]
+            elif cfg.only_load_scheduler_state:
+                wanted = ["model", "scheduler"]
+            else:
+                wanted = ["model"]
+            return self._load_checkpoint(objs, lp, wanted, "load_path")
+        if _dist.rank() == 0:
+            logger.info("no checkpoint in %s and no load_path: starting from scratch", load_dir)
+        return LoadResult(iteration=0, checkpoint_path=None, report=LoadReport(), source="scratch")
+
+    def _check_keys_not_to_resume(self, objs: TrainingObjects) -> None:
+        known = {*STANDARD_COMPONENTS, *objs.extra}
+        unknown = [k for k in self.config.keys_not_to_resume if k not in known]
+        if unknown:
+            raise ConfigError(
+                f"keys_not_to_resume names {unknown}, which are not components of this load; components: "
+                f"{', '.join(sorted(known))}. Fix the name, or pass the extra= component it refers to"
+            )
+
+    def _load_checkpoint(self, objs: TrainingObjects, path: str, wanted: list[str], source: Any) -> LoadResult:
+        checked = check_complete(path)
+        excluded = set(self.config.keys_not_to_resume)
+        available = set(objs.available())
+        names = [n for n in wanted if n not in excluded and n in available]
+        reports: dict[str, ComponentReport] = {}
+        iteration = 0
+        for name in names:
+            if name not in checked.components:
+                if name == "trainer" and objs.grad_scaler is None:
+                    continue  # nothing to restore but the iteration: 0
+                if self.config.strict:
+                    raise IncompleteCheckpointError(
+                        f"checkpoint {path} has no component {name!r} (it has: {', '.join(checked.components)}); "
+                        f"add {name!r} to keys_not_to_resume, don't pass it, or set strict=False"
+                    )
+                logger.warning("checkpoint %s has no component %r; not loaded", path, name)
+                continue
+            sd = component_state_dict(objs, name, 0)
+            planner = self._load_component(name, os.path.join(path, name), sd, checked.components[name], objs)
+            assert planner.report is not None
+            reports[name] = planner.report
+            apply_component(objs, name, sd, planner.untouched_roots)
+            if name == "trainer":
+                iteration = int(sd.get("iteration", 0))
+        report = LoadReport(reports)
+        if _dist.rank() == 0:
+            logger.info("loaded %s (iteration %d)\n%s", path, iteration, report.summary())
+        return LoadResult(
+            iteration=iteration, checkpoint_path=path, report=report, source=source, components=tuple(reports)
+        )
+
+    def _load_component(
+        self, name: str, component_dir: str, sd: dict[str, Any], metadata: Any, objs: TrainingObjects
+    ) -> EngineLoadPlanner:
+        planner = EngineLoadPlanner(
+            component=name,
+            checkpoint_dir=component_dir,
+            pipeline=self.pipeline,
+            strict=self.config.strict,
+            strict_unexpected=self.config.strict_unexpected,
+            trust_checkpoint=self.config.trust_checkpoint,
+            ignore_unexpected_prefixes=("grad_scaler.",) if name == "trainer" and objs.grad_scaler is None else (),
+            rank=_dist.rank(),
+            world_size=_dist.world_size(),
+        )
+        try:
+            with _dist.quiet_dcp():
+                dcp.load(sd, storage_reader=SafeFileSystemReader(component_dir, metadata), planner=planner)
+        except (Exception, CheckpointException) as exc:
+            err, ranks = _unwrap(exc)
+            if isinstance(err, CkptEngineError):
+                raise err from None
+            where = f" (failed on rank(s) {ranks})" if _dist.world_size() > 1 else ""
+            raise CheckpointLoadError(
+                f"loading component {name!r} from {component_dir} failed{where}: {type(err).__name__}: {err}"
+            ) from err
+        return planner
+
+    def _load_pth(self, objs: TrainingObjects, path: str) -> LoadResult:
+        if not os.path.isfile(path):
+            raise CheckpointNotFoundError(f"load_path {path!r} does not exist; fix load_path or unset it")
+        if not objs.modules:
+            raise ValueError("a .pth load_path loads a model: pass model=")
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise CheckpointLoadError(
+                f"cannot load {path} as a model state dict with weights_only=True: {err}"
+            ) from err
+        if isinstance(loaded, Mapping) and "model" in loaded and isinstance(loaded["model"], Mapping):
+            loaded = loaded["model"]
+        if not isinstance(loaded, Mapping):
+            raise CheckpointLoadError(f"{path} holds a {type(loaded).__name__}, not a model state dict")
+        target = component_state_dict(objs, "model")
+        converted: dict[str, Any] = {}
+        loaded_keys, skipped = [], {}
+        for key, value in loaded.items():
+            live = target.get(key)
+            if live is None:
+                continue
+            if isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor) and value.shape != live.shape:
+                skipped[key] = SkipRecord(reason=f"shape {list(value.shape)} != target {list(live.shape)}")
+                continue
+            if isinstance(live, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                value = distribute_tensor(value.to(live.dtype), live.device_mesh, live.placements)
+            converted[key] = value
+            loaded_keys.append(key)
+        for module in objs.modules:
+            set_model_state_dict(module, converted, options=StateDictOptions(strict=False))
+        report = LoadReport(
+            {
+                "model": ComponentReport(
+                    component="model",
+                    checkpoint_dir=path,
+                    loaded=tuple(loaded_keys),
+                    missing=tuple(sorted(set(target) - set(loaded))),
+                    unexpected=tuple(sorted(set(loaded) - set(target))),
+                    skipped=skipped,
+                )
+            }
+        )
+        if _dist.rank() == 0:
+            logger.info("loaded model weights from %s (non-strict)\n%s", path, report.summary())
+        return LoadResult(iteration=0, checkpoint_path=path, report=report, source="pth", components=("model",))

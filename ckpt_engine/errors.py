@@ -1,0 +1,91 @@
+"""The engine's typed errors.
+
+Every error the engine raises on purpose derives from :class:`CkptEngineError`, an ordinary
+``Exception`` (DCP's own ``CheckpointException`` is a ``BaseException``; the engine unwraps it).
+Messages follow one template: who, what happened, what was expected, how to fix it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class CkptEngineError(Exception):
+    """Base class of every error raised by ckpt-engine."""
+
+
+class ConfigError(CkptEngineError, ValueError):
+    """The engine configuration is invalid (a bad file, an impossible combination)."""
+
+
+class PluginLoadError(CkptEngineError):
+    """A plugin could not be found, imported or instantiated."""
+
+
+class PluginConfigError(ConfigError):
+    """A plugin's options failed validation."""
+
+
+class PluginConflictError(ConfigError):
+    """Two enabled plugins provide the same provider hook, or two plugins share a name."""
+
+
+class HookContractError(CkptEngineError):
+    """A plugin's hook implementation returned something the hook contract does not allow."""
+
+
+class CheckpointNotFoundError(CkptEngineError, FileNotFoundError):
+    """A checkpoint that the configuration points at does not exist."""
+
+
+class IncompleteCheckpointError(CkptEngineError):
+    """A checkpoint exists but is not complete (missing ``.metadata`` or truncated data)."""
+
+
+class CorruptCheckpointError(CkptEngineError):
+    """A checkpoint file is unreadable, truncated or fails its integrity check."""
+
+
+class UnsafeCheckpointError(CkptEngineError):
+    """A checkpoint contains a pickled object the safe loader refuses to construct."""
+
+
+class CheckpointLoadError(CkptEngineError):
+    """Loading a component failed."""
+
+
+class LoadStrictnessError(CheckpointLoadError):
+    """Strict loading found unresolved problems; the message lists every one of them."""
+
+    def __init__(
+        self, component: str, missing: Sequence[str], mismatched: Sequence[str], unexpected: Sequence[str] = ()
+    ) -> None:
+        self.component = component
+        self.missing = tuple(missing)
+        self.mismatched = tuple(mismatched)
+        self.unexpected = tuple(unexpected)
+        parts = []
+        if self.missing:
+            parts.append(f"{len(self.missing)} missing key(s)")
+        if self.mismatched:
+            parts.append(f"{len(self.mismatched)} mismatch(es)")
+        if self.unexpected:
+            parts.append(f"{len(self.unexpected)} unexpected key(s)")
+        lines = [f"strict load of component {component!r} failed: {', '.join(parts)}"]
+        lines += [f"  missing: {k}" for k in self.missing]
+        lines += [f"  mismatch: {m}" for m in self.mismatched]
+        lines += [f"  unexpected: {k}" for k in self.unexpected]
+        lines.append(
+            "fix: enable a plugin that resolves them (e.g. size_mismatch, ema), remap the keys, "
+            "or set strict=False to skip and report them"
+        )
+        super().__init__("\n".join(lines))
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[LoadStrictnessError], tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
+        return (type(self), (self.component, self.missing, self.mismatched, self.unexpected))
+
+
+class CheckpointSaveError(CkptEngineError):
+    """Saving a checkpoint failed; the previous ``latest`` checkpoint is untouched."""

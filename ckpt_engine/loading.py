@@ -1,0 +1,189 @@
+"""Building the plugin manager: entry points, ``module:attr`` plugins and plugin objects.
+
+Only enabled plugins are imported (a disabled plugin's import side effects never run), each is
+instantiated with its validated options, and ``check_pending()`` catches misspelled hook names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import pluggy
+from pydantic import BaseModel, ValidationError
+
+from . import hookspecs
+from ._markers import PROJECT_NAME
+from .config import EngineConfig, PluginEntry
+from .defaults import DEFAULT_PLUGIN_NAME, DefaultIO
+from .errors import PluginConfigError, PluginConflictError, PluginLoadError
+
+__all__ = ["LoadedPlugins", "build_plugin_manager", "describe_entry_point", "installed_plugins"]
+
+
+@dataclass(frozen=True)
+class LoadedPlugins:
+    """A plugin manager plus what the engine needs to call it: fold order and descriptions."""
+
+    pm: pluggy.PluginManager
+    #: Registered plugin names in fold order (config order, then ``plugins=`` objects).
+    order: tuple[str, ...]
+    #: name -> human description ("plugin 'x' (module:attr, from dist 1.0)").
+    descriptions: dict[str, str]
+
+
+def installed_plugins() -> dict[str, EntryPoint]:
+    """Entry points of the ``ckpt_engine`` group, by name."""
+    return {ep.name: ep for ep in entry_points(group=PROJECT_NAME)}
+
+
+def describe_entry_point(ep: EntryPoint) -> str:
+    dist = f", from {ep.dist.name} {ep.dist.version}" if ep.dist is not None else ""
+    return f"plugin {ep.name!r} ({ep.value}{dist})"
+
+
+def _import_path(path: str, who: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as err:
+        raise PluginLoadError(f"{who}: cannot import module {module_name!r}: {err}") from err
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as err:
+            raise PluginLoadError(f"{who}: module {module_name!r} has no attribute {attr!r}") from err
+    return obj
+
+
+def instantiate(obj: Any, options: dict[str, Any], who: str) -> Any:
+    """Turn what an entry point or ``module:attr`` names into a registrable plugin.
+
+    * a module or an instance: registered as is; ``options`` must be empty;
+    * a class with a pydantic ``Options`` model: ``cls(cls.Options.model_validate(options))``;
+    * a class without ``Options``: ``cls()``; ``options`` must be empty.
+    """
+    if inspect.isclass(obj):
+        opts_model = getattr(obj, "Options", None)
+        if isinstance(opts_model, type) and issubclass(opts_model, BaseModel):
+            try:
+                validated = opts_model.model_validate(options)
+            except ValidationError as err:
+                raise PluginConfigError(f"{who} has invalid options:\n{err}") from err
+            try:
+                return obj(validated)  # type: ignore[call-arg]
+            except Exception as err:
+                raise PluginLoadError(f"{who}: constructing {obj.__qualname__} failed: {err}") from err
+        if options:
+            raise PluginConfigError(
+                f"{who} takes no options (its class has no pydantic `Options` model), got {sorted(options)}"
+            )
+        try:
+            return obj()
+        except Exception as err:
+            raise PluginLoadError(f"{who}: constructing {obj.__qualname__}() failed: {err}") from err
+    if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+        raise PluginLoadError(
+            f"{who} names a function ({getattr(obj, '__qualname__', obj)!r}); a plugin is a module, "
+            "a class or an object with @hookimpl methods"
+        )
+    if options:
+        raise PluginConfigError(
+            f"{who} is a {'module' if isinstance(obj, types.ModuleType) else 'plugin object'} and takes "
+            f"no options, got {sorted(options)}; give it a class with a pydantic `Options` model"
+        )
+    return obj
+
+
+def _load_entry(entry: PluginEntry, installed: dict[str, EntryPoint]) -> tuple[Any, str]:
+    if entry.path is not None:
+        who = f"plugin {entry.name!r} ({entry.path})"
+        return instantiate(_import_path(entry.path, who), dict(entry.options), who), who
+    ep = installed.get(entry.name)
+    if ep is None:
+        available = ", ".join(sorted(installed)) or "(none)"
+        raise PluginLoadError(
+            f"plugin {entry.name!r} is enabled in EngineConfig.plugins but no installed distribution "
+            f"provides it; installed plugins: {available}. For a plugin of your own, give "
+            "'package.module:attr' (or an entry with `path`)"
+        )
+    who = describe_entry_point(ep)
+    try:
+        obj = ep.load()
+    except Exception as err:
+        raise PluginLoadError(f"{who}: import failed: {err}") from err
+    return instantiate(obj, dict(entry.options), who), who
+
+
+def _object_name(obj: Any) -> str:
+    name = getattr(obj, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    return type(obj).__name__ if not inspect.isclass(obj) else obj.__name__
+
+
+def build_plugin_manager(config: EngineConfig, objects: Sequence[Any] = ()) -> LoadedPlugins:
+    """Build a fresh manager for ``config`` plus plugin ``objects`` (``CheckpointEngine(plugins=...)``).
+
+    Objects are named by their ``name`` attribute (else their class name). A config entry with
+    the same name (and no ``path``) places an object in the fold order instead of importing.
+    """
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs.CkptSpecs)
+    pm.register(DefaultIO(), name=DEFAULT_PLUGIN_NAME)
+
+    by_name: dict[str, Any] = {}
+    for obj in objects:
+        if inspect.isclass(obj):
+            obj = instantiate(obj, {}, f"plugin object {obj.__qualname__}")
+        name = _object_name(obj)
+        if name in by_name:
+            raise PluginConflictError(f"two plugin objects are both named {name!r}; give them distinct `name`s")
+        by_name[name] = obj
+
+    installed: dict[str, EntryPoint] | None = None
+    order: list[str] = []
+    descriptions: dict[str, str] = {}
+    for entry in config.enabled_plugins():
+        if entry.path is None and entry.name in by_name:
+            if entry.options:
+                raise PluginConfigError(
+                    f"plugin {entry.name!r} is passed as an object; options in the config cannot apply to it"
+                )
+            plugin, who = by_name.pop(entry.name), f"plugin {entry.name!r} (object)"
+        else:
+            if installed is None:
+                installed = installed_plugins()
+            plugin, who = _load_entry(entry, installed)
+        _register(pm, plugin, entry.name, who)
+        order.append(entry.name)
+        descriptions[entry.name] = who
+    for name, obj in by_name.items():
+        if any(e.name == name and not e.enabled for e in config.plugins):
+            continue  # disabled in config: not registered
+        who = f"plugin {name!r} (object {type(obj).__qualname__})"
+        _register(pm, obj, name, who)
+        order.append(name)
+        descriptions[name] = who
+    pm.check_pending()
+    return LoadedPlugins(pm=pm, order=tuple(order), descriptions=descriptions)
+
+
+def _register(pm: pluggy.PluginManager, plugin: Any, name: str, who: str) -> None:
+    if name == DEFAULT_PLUGIN_NAME or pm.has_plugin(name):
+        raise PluginConflictError(f"{who}: the name {name!r} is already taken; rename the plugin")
+    if pm.is_registered(plugin):
+        raise PluginConflictError(f"{who}: this plugin object is already registered under another name")
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError:
+        raise
+    except ValueError as err:
+        raise PluginConflictError(f"{who}: {err}") from err

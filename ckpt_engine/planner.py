@@ -1,0 +1,331 @@
+"""DCP planners that run the engine's hooks inside DCP's own phases.
+
+Load: :class:`EngineLoadPlanner` runs ``remap_keys`` and ``pre_load_plan`` in
+``create_local_plan`` (DCP's "plan" step), so an error on one rank is raised on every rank as a
+``CheckpointException`` instead of leaving the others waiting in a collective. Read items are
+stock DCP read items whose ``storage_index`` names the storage key and whose ``dest_index``
+names the destination key: DCP reads by the former and places by the latter. A storage key that
+feeds several destinations is read once; :meth:`commit_tensor` and :meth:`load_bytes` copy it to
+the other destinations.
+
+Save: :class:`EngineSavePlanner` renames flattened keys by a precomputed key map. It holds only
+plain data, so it can be pickled to a background writer process.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
+
+from ._torch_private import local_chunks
+from .errors import LoadStrictnessError, UnsafeCheckpointError
+from .pipeline import Pipeline
+from .report import ComponentReport, OverlapRecord, SkipRecord
+from .types import Decision, LoadContext, PlanEntry, RemapContext, ValueSpec
+
+__all__ = ["EngineLoadPlanner", "EngineSavePlanner", "flat_keys", "target_spec"]
+
+
+def target_spec(value: Any) -> ValueSpec:
+    if isinstance(value, torch.Tensor):  # DTensor included: .shape is the global shape
+        return ValueSpec(is_tensor=True, shape=tuple(value.shape), dtype=value.dtype)
+    return ValueSpec(is_tensor=False, type_name=type(value).__name__)
+
+
+def stored_spec(md: TensorStorageMetadata | BytesStorageMetadata | None) -> ValueSpec | None:
+    if md is None:
+        return None
+    if isinstance(md, TensorStorageMetadata):
+        return ValueSpec(is_tensor=True, shape=tuple(md.size), dtype=md.properties.dtype)
+    return ValueSpec(is_tensor=False, type_name="bytes")
+
+
+def _redirect(item: ReadItem, dest: str) -> ReadItem:
+    if item.dest_index.fqn == dest:
+        return item
+    return dataclasses.replace(item, dest_index=dataclasses.replace(item.dest_index, fqn=dest))
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Whether one read of a storage key can be copied verbatim from destination ``a`` to ``b``."""
+    if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+        return False
+    if not isinstance(a, torch.Tensor):
+        return True
+    if a.shape != b.shape or isinstance(a, DTensor) != isinstance(b, DTensor):
+        return False
+    return [(c.offsets, c.sizes) for c in local_chunks(a)] == [(c.offsets, c.sizes) for c in local_chunks(b)]
+
+
+def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    cur = root
+    for part in path[:-1]:
+        cur = cur[part]
+    cur[path[-1]] = value
+
+
+class EngineLoadPlanner(DefaultLoadPlanner):
+    """Load planner for one component. After ``dcp.load``, :attr:`report` holds what happened."""
+
+    def __init__(
+        self,
+        *,
+        component: str,
+        checkpoint_dir: str,
+        pipeline: Pipeline,
+        strict: bool,
+        strict_unexpected: bool = False,
+        trust_checkpoint: bool = False,
+        ignore_unexpected_prefixes: tuple[str, ...] = (),
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=False)
+        self.component = component
+        self.checkpoint_dir = checkpoint_dir
+        self.pipeline = pipeline
+        self.strict = strict
+        self.strict_unexpected = strict_unexpected
+        self.trust_checkpoint = trust_checkpoint
+        self.ignore_unexpected_prefixes = ignore_unexpected_prefixes
+        self.rank = rank
+        self.world_size = world_size
+        self.report: ComponentReport | None = None
+        #: Top-level keys of the original state dict whose value was not (fully) replaced.
+        self.untouched_roots: set[Any] = set()
+        self._aliases: dict[str, list[str]] = {}
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None  # set by set_up_planner; DCP always passes it on load
+        saved = self.metadata.state_dict_metadata
+        storage_keys = frozenset(saved)
+        dest_keys = list(self.state_dict)
+
+        key_map = self.pipeline.remap_keys(
+            RemapContext(
+                component=self.component,
+                direction="load",
+                storage_keys=storage_keys,
+                checkpoint_path=self.checkpoint_dir,
+                rank=self.rank,
+                world_size=self.world_size,
+            ),
+            dest_keys,
+        )
+        entries = tuple(self._initial_entry(dest, key_map[dest], saved) for dest in dest_keys)
+        entries = self.pipeline.pre_load_plan(
+            LoadContext(
+                component=self.component,
+                checkpoint_path=self.checkpoint_dir,
+                strict=self.strict,
+                rank=self.rank,
+                world_size=self.world_size,
+                storage_keys=storage_keys,
+            ),
+            entries,
+        )
+        claimed = {e.storage_key for e in entries if e.stored is not None}
+        unexpected = sorted(k for k in storage_keys - claimed if not k.startswith(self.ignore_unexpected_prefixes))
+        self._apply_strictness(entries, unexpected)
+        items = self._read_items(entries)
+        self.report = self._build_report(entries, unexpected)
+        return LoadPlan(items)
+
+    def _initial_entry(self, dest: str, storage: str, saved: Mapping[str, Any]) -> PlanEntry:
+        target = target_spec(self.state_dict[dest])
+        stored = stored_spec(saved.get(storage))
+        entry = PlanEntry(dest_key=dest, storage_key=storage, target=target, stored=stored, decision=Decision.LOAD)
+        if stored is None:
+            return dataclasses.replace(entry, decision=Decision.MISSING)
+        if entry.shape_mismatch:
+            return dataclasses.replace(entry, decision=Decision.MISMATCH)
+        return entry
+
+    def _apply_strictness(self, entries: tuple[PlanEntry, ...], unexpected: list[str]) -> None:
+        missing = [
+            e.dest_key + (f" (reads {e.storage_key})" if e.storage_key != e.dest_key else "")
+            for e in entries
+            if e.decision is Decision.MISSING
+        ]
+        mismatched = [
+            f"{e.dest_key}: stored {e.stored}, target {e.target}" for e in entries if e.decision is Decision.MISMATCH
+        ]
+        bad_unexpected = unexpected if self.strict_unexpected else []
+        if (self.strict and (missing or mismatched)) or bad_unexpected:
+            raise LoadStrictnessError(
+                self.component,
+                missing if self.strict else [],
+                mismatched if self.strict else [],
+                bad_unexpected,
+            )
+
+    def _read_items(self, entries: tuple[PlanEntry, ...]) -> list[ReadItem]:
+        assert self.metadata is not None
+        saved = self.metadata.state_dict_metadata
+        # Group full loads by storage key: the first destination is read, compatible others are
+        # filled from it (one read per storage key); incompatible ones get a read of their own.
+        rounds: list[dict[str, str]] = []
+        primaries: dict[str, list[str]] = {}
+        for e in entries:
+            if e.decision is not Decision.LOAD:
+                continue
+            target = self.state_dict[e.dest_key]
+            placed = False
+            for primary in primaries.get(e.storage_key, ()):
+                if _same_layout(self.state_dict[primary], target):
+                    self._aliases.setdefault(primary, []).append(e.dest_key)
+                    placed = True
+                    break
+            if placed:
+                continue
+            level = len(primaries.setdefault(e.storage_key, []))
+            primaries[e.storage_key].append(e.dest_key)
+            if level == len(rounds):
+                rounds.append({})
+            rounds[level][e.storage_key] = e.dest_key
+
+        items: list[ReadItem] = []
+        for round_ in rounds:
+            by_storage = {storage: self.state_dict[dest] for storage, dest in round_.items()}
+            plan = create_default_local_load_plan(by_storage, self.metadata, strict=True)
+            items += [_redirect(it, round_[it.dest_index.fqn]) for it in plan.items]
+        for e in entries:
+            if e.decision is Decision.OVERLAP:
+                md = saved[e.storage_key]
+                assert isinstance(md, TensorStorageMetadata)
+                chunks = local_chunks(self.state_dict[e.dest_key])
+                items += [
+                    _redirect(it, e.dest_key) for it in create_read_items_for_chunk_list(e.storage_key, md, chunks)
+                ]
+        return items
+
+    def _build_report(self, entries: tuple[PlanEntry, ...], unexpected: list[str]) -> ComponentReport:
+        loaded, missing = [], []
+        skipped: dict[str, SkipRecord] = {}
+        overlap: dict[str, OverlapRecord] = {}
+        renamed: dict[str, str] = {}
+        cast: dict[str, tuple[str, str]] = {}
+        for e in entries:
+            if e.storage_key != e.dest_key:
+                renamed[e.dest_key] = e.storage_key
+            d = e.decision
+            if d is Decision.LOAD:
+                loaded.append(e.dest_key)
+                if e.dtype_mismatch:
+                    cast[e.dest_key] = (_dtype_name(e.stored), _dtype_name(e.target))
+            elif d is Decision.OVERLAP:
+                assert e.stored is not None
+                overlap[e.dest_key] = OverlapRecord(
+                    saved_shape=tuple(e.stored.shape or ()),
+                    target_shape=tuple(e.target.shape or ()),
+                    plugin=e.decided_by,
+                )
+                if e.dtype_mismatch:
+                    cast[e.dest_key] = (_dtype_name(e.stored), _dtype_name(e.target))
+            elif d is Decision.SKIP:
+                skipped[e.dest_key] = SkipRecord(reason=e.reason, plugin=e.decided_by)
+            elif d is Decision.MISSING:
+                missing.append(e.dest_key)
+            else:  # unresolved mismatch in non-strict mode
+                skipped[e.dest_key] = SkipRecord(
+                    reason=f"mismatch: stored {e.stored}, target {e.target} (strict=False)", plugin=None
+                )
+            if d not in (Decision.LOAD, Decision.OVERLAP):
+                self.untouched_roots.add(self.mappings[e.dest_key][0] if self.mappings else e.dest_key)
+        return ComponentReport(
+            component=self.component,
+            checkpoint_dir=self.checkpoint_dir,
+            loaded=tuple(loaded),
+            missing=tuple(missing),
+            unexpected=tuple(unexpected),
+            skipped=skipped,
+            overlap=overlap,
+            renamed=renamed,
+            cast=cast,
+        )
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        for alias in self._aliases.get(read_item.dest_index.fqn, ()):
+            self.resolve_tensor(_redirect(read_item, alias)).detach().copy_(tensor)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        dest = read_item.dest_index.fqn
+        obj = self._unpickle(dest, read_item.storage_index.fqn, value)
+        for i, key in enumerate([dest, *self._aliases.get(dest, ())]):
+            v = obj if i == 0 else copy.deepcopy(obj)
+            if self.flatten_state_dict:
+                _set_path(self.original_state_dict, tuple(self.mappings[key]), v)
+            else:
+                self.state_dict[key] = v
+
+    def _unpickle(self, dest: str, storage: str, value: io.BytesIO) -> Any:
+        if self.trust_checkpoint:
+            return torch.load(value, weights_only=False)
+        try:
+            return torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UnsafeCheckpointError(
+                f"component {self.component!r}, key {storage!r} (into {dest!r}) in {self.checkpoint_dir}: "
+                f"the stored value needs more than weights_only=True unpickling allows ({first}); "
+                "it was not loaded. If you trust this checkpoint, set trust_checkpoint=True"
+            ) from None
+
+
+def _dtype_name(spec: ValueSpec | None) -> str:
+    return str(spec.dtype).removeprefix("torch.") if spec is not None else "?"
+
+
+class EngineSavePlanner(DefaultSavePlanner):
+    """Save planner that writes replicated data once and renames keys by a key map."""
+
+    def __init__(self, key_map: Mapping[str, str] | None = None) -> None:
+        super().__init__(dedup_save_to_lowest_rank=True)
+        self.key_map = {k: v for k, v in (key_map or {}).items() if k != v}
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        if not self.key_map:
+            return
+        renamed: dict[str, Any] = {}
+        for key, value in self.state_dict.items():
+            renamed[self.key_map.get(key, key)] = value
+        self.state_dict = renamed
+        if self.mappings:
+            self.mappings = {
+                self.key_map.get(k, k): ((self.key_map[k],) if k in self.key_map else path)
+                for k, path in self.mappings.items()
+            }
+
+
+def flat_keys(state_dict: dict[str, Any]) -> list[str]:
+    """The flattened keys DCP will save ``state_dict`` under (no data is copied)."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, None, False)
+    return list(planner.state_dict)

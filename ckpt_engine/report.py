@@ -1,0 +1,141 @@
+"""The load report: what happened to every key of every component."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ComponentReport", "LoadReport", "OverlapRecord", "SkipRecord", "collapse_keys"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SkipRecord:
+    reason: str
+    #: The plugin that decided to skip, or ``None`` for the engine (non-strict mode).
+    plugin: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OverlapRecord:
+    saved_shape: tuple[int, ...]
+    target_shape: tuple[int, ...]
+    plugin: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComponentReport:
+    """Per-key outcome of loading one component.
+
+    Every destination key is in exactly one of ``loaded``, ``overlap``, ``skipped``, ``missing``;
+    every storage key is read by some entry or listed in ``unexpected``.
+    """
+
+    component: str
+    checkpoint_dir: str
+    loaded: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    skipped: Mapping[str, SkipRecord] = field(default_factory=dict)
+    overlap: Mapping[str, OverlapRecord] = field(default_factory=dict)
+    #: destination key -> storage key, for every entry whose keys differ.
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    #: destination key -> (stored dtype, target dtype), for values cast on load.
+    cast: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "component": self.component,
+            "checkpoint_dir": self.checkpoint_dir,
+            "loaded": list(self.loaded),
+            "missing": list(self.missing),
+            "unexpected": list(self.unexpected),
+            "skipped": {k: {"reason": v.reason, "plugin": v.plugin} for k, v in self.skipped.items()},
+            "overlap": {
+                k: {"saved_shape": list(v.saved_shape), "target_shape": list(v.target_shape), "plugin": v.plugin}
+                for k, v in self.overlap.items()
+            },
+            "renamed": dict(self.renamed),
+            "cast": {k: list(v) for k, v in self.cast.items()},
+        }
+
+    def summary_lines(self, threshold: int = 8) -> list[str]:
+        head = (
+            f"{self.component}: {len(self.loaded)} loaded, {len(self.overlap)} overlap, "
+            f"{len(self.skipped)} skipped, {len(self.missing)} missing, {len(self.unexpected)} unexpected"
+        )
+        lines = [head]
+        if self.renamed:
+            pairs = sorted({_rename_rule(d, s) for d, s in self.renamed.items()})
+            lines += [f"  renamed {p}" for p in pairs[:threshold]]
+            if len(pairs) > threshold:
+                lines.append(f"  ... and {len(pairs) - threshold} more rename patterns")
+        by_reason: dict[str, list[str]] = {}
+        for key, rec in self.skipped.items():
+            who = f" [{rec.plugin}]" if rec.plugin else ""
+            by_reason.setdefault(f"{rec.reason}{who}", []).append(key)
+        for reason, keys in sorted(by_reason.items()):
+            lines += [f"  skipped ({reason}): {g}" for g in collapse_keys(keys, threshold)]
+        for key, ov in sorted(self.overlap.items()):
+            lines.append(f"  overlap: {key} saved {list(ov.saved_shape)} -> target {list(ov.target_shape)}")
+        lines += [f"  missing: {g}" for g in collapse_keys(self.missing, threshold)]
+        lines += [f"  unexpected: {g}" for g in collapse_keys(self.unexpected, threshold)]
+        if self.cast:
+            casts: dict[tuple[str, str], list[str]] = {}
+            for key, pair in self.cast.items():
+                casts.setdefault(pair, []).append(key)
+            for (src, dst), keys in sorted(casts.items()):
+                lines += [f"  cast {src} -> {dst}: {g}" for g in collapse_keys(keys, threshold)]
+        return lines
+
+
+def _rename_rule(dest: str, storage: str) -> str:
+    """Collapse ``net.a.b <- net_ema.a.b`` into ``net.* <- net_ema.*`` where the suffixes agree."""
+    d_parts, s_parts = dest.split("."), storage.split(".")
+    common = 0
+    while common < min(len(d_parts), len(s_parts)) - 1 and d_parts[-1 - common] == s_parts[-1 - common]:
+        common += 1
+    if common == 0:
+        return f"{dest} <- {storage}"
+    return f"{'.'.join(d_parts[:-common])}.* <- {'.'.join(s_parts[:-common])}.*"
+
+
+def collapse_keys(keys: Iterable[str], threshold: int = 8) -> list[str]:
+    """Group keys by their first dotted segment; groups larger than ``threshold`` become one line."""
+    groups: dict[str, list[str]] = {}
+    for key in sorted(keys):
+        groups.setdefault(key.split(".", 1)[0], []).append(key)
+    out: list[str] = []
+    for prefix, members in groups.items():
+        if len(members) > threshold:
+            out.append(f"{prefix}.* ({len(members)} keys)")
+        else:
+            out.extend(members)
+    return out
+
+
+class LoadReport(Mapping[str, ComponentReport]):
+    """``report[component]`` -> :class:`ComponentReport`, in load order."""
+
+    def __init__(self, components: Mapping[str, ComponentReport] | None = None) -> None:
+        self._components: dict[str, ComponentReport] = dict(components or {})
+
+    def __getitem__(self, component: str) -> ComponentReport:
+        return self._components[component]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._components)
+
+    def __len__(self) -> int:
+        return len(self._components)
+
+    def __repr__(self) -> str:
+        return f"LoadReport({list(self._components)})"
+
+    def summary(self, threshold: int = 8) -> str:
+        if not self._components:
+            return "nothing loaded"
+        return "\n".join(line for rep in self._components.values() for line in rep.summary_lines(threshold))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: rep.to_dict() for name, rep in self._components.items()}

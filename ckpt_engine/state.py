@@ -1,0 +1,173 @@
+"""Component state dicts, built as the original checkpointer built them (DESIGN section 2).
+
+* ``model``: ``get_model_state_dict`` over one module or a list of modules, keys merged.
+* ``optim``: ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` per
+  (module, optimizer) pair, keys merged.
+* ``scheduler``: ``scheduler.state_dict()``.
+* ``trainer``: ``{"grad_scaler": scaler.state_dict(), "iteration": iteration}``.
+* extras: ``obj.state_dict()`` of each ``Stateful``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .errors import ConfigError
+from .types import STANDARD_COMPONENTS
+
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _as_list(obj: Any) -> list[Any]:
+    if obj is None:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return list(obj)
+    return [obj]
+
+
+@dataclass
+class TrainingObjects:
+    """What the caller passed to ``save()`` or ``load()``, normalised and validated."""
+
+    modules: list[nn.Module] = field(default_factory=list)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    scheduler: Any = None
+    grad_scaler: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_args(
+        cls,
+        model: nn.Module | Sequence[nn.Module] | None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+        scheduler: Any,
+        grad_scaler: Any,
+        extra: Mapping[str, Any] | None,
+    ) -> TrainingObjects:
+        modules = _as_list(model)
+        for i, m in enumerate(modules):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"model[{i}] is a {type(m).__name__}, not a torch.nn.Module")
+        optimizers = _as_list(optimizer)
+        for i, o in enumerate(optimizers):
+            if not isinstance(o, torch.optim.Optimizer):
+                raise TypeError(f"optimizer[{i}] is a {type(o).__name__}, not a torch.optim.Optimizer")
+        if optimizers and len(optimizers) != len(modules):
+            raise ValueError(
+                f"{len(optimizers)} optimizer(s) for {len(modules)} module(s): optimizers are paired with "
+                "modules; pass one optimizer per module, in the same order"
+            )
+        for name, obj in (("scheduler", scheduler), ("grad_scaler", grad_scaler)):
+            if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"{name} ({type(obj).__name__}) has no state_dict()/load_state_dict()")
+        extras = dict(extra or {})
+        for name, obj in extras.items():
+            if name in STANDARD_COMPONENTS:
+                raise ConfigError(
+                    f"extra component {name!r} clashes with a standard component "
+                    f"({', '.join(STANDARD_COMPONENTS)}); choose another name"
+                )
+            if not name or not (name[0].isalpha() or name[0] == "_") or not all(c.isalnum() or c in "_-" for c in name):
+                raise ConfigError(
+                    f"extra component name {name!r} must be a plain folder name ([A-Za-z_][A-Za-z0-9_-]*)"
+                )
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(
+                    f"extra component {name!r} ({type(obj).__name__}) is not Stateful: it needs "
+                    "state_dict() and load_state_dict()"
+                )
+        return cls(modules, optimizers, scheduler, grad_scaler, extras)
+
+    def available(self) -> list[str]:
+        """Components these objects can fill, in load order (``trainer`` always: the iteration)."""
+        names = []
+        if self.modules:
+            names.append("model")
+        if self.optimizers:
+            names.append("optim")
+        if self.scheduler is not None:
+            names.append("scheduler")
+        names.append("trainer")
+        return names + list(self.extra)
+
+
+def _merge(dicts: Iterable[dict[str, Any]], what: str) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for i, d in enumerate(dicts):
+        for k, v in d.items():
+            if k in merged:
+                raise ConfigError(
+                    f"{what} of module {i} has key {k!r}, which an earlier module also has; merged keys must "
+                    "be unique: wrap the modules in one nn.ModuleDict so their keys get distinct prefixes"
+                )
+            merged[k] = v
+    return merged
+
+
+def model_state_dict(modules: Sequence[nn.Module]) -> dict[str, Any]:
+    return _merge((get_model_state_dict(m) for m in modules), "model state dict")
+
+
+def optim_state_dict(modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+    return _merge(
+        (get_optimizer_state_dict(m, o, options=_OPTIM_OPTIONS) for m, o in zip(modules, optimizers, strict=True)),
+        "optimizer state dict",
+    )
+
+
+def trainer_state_dict(grad_scaler: Any, iteration: int) -> dict[str, Any]:
+    sd: dict[str, Any] = {"iteration": iteration}
+    if grad_scaler is not None:
+        sd["grad_scaler"] = grad_scaler.state_dict()
+    return sd
+
+
+def component_state_dict(objs: TrainingObjects, component: str, iteration: int = 0) -> dict[str, Any]:
+    """The state dict of one component (the save content, or the load template)."""
+    if component == "model":
+        return model_state_dict(objs.modules)
+    if component == "optim":
+        return optim_state_dict(objs.modules, objs.optimizers)
+    if component == "scheduler":
+        sd: dict[str, Any] = objs.scheduler.state_dict()
+        return sd
+    if component == "trainer":
+        return trainer_state_dict(objs.grad_scaler, iteration)
+    extra_sd: dict[str, Any] = objs.extra[component].state_dict()
+    return extra_sd
+
+
+def apply_component(objs: TrainingObjects, component: str, sd: dict[str, Any], untouched: set[Any]) -> None:
+    """Hand a loaded state dict back to its objects.
+
+    DCP filled tensors in place and replaced other values in ``sd``; ``untouched`` holds the
+    top-level keys whose value was skipped or missing. Non-tensor values in ``untouched`` are
+    left out, so a module's own ``_extra_state`` stays as it was when the plugin skipped it.
+    """
+    if component == "model":
+        keep = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) or k not in untouched}
+        for module in objs.modules:
+            set_model_state_dict(module, keep, options=StateDictOptions(strict=False))
+    elif component == "optim":
+        for module, optim in zip(objs.modules, objs.optimizers, strict=True):
+            set_optimizer_state_dict(module, optim, optim_state_dict=sd, options=_OPTIM_OPTIONS)
+    elif component == "scheduler":
+        objs.scheduler.load_state_dict(sd)
+    elif component == "trainer":
+        if objs.grad_scaler is not None and "grad_scaler" in sd and "grad_scaler" not in untouched:
+            objs.grad_scaler.load_state_dict(sd["grad_scaler"])
+    else:
+        objs.extra[component].load_state_dict(sd)

@@ -1,0 +1,241 @@
+"""Value types passed through hooks.
+
+Inputs and outputs are frozen, keyword-only dataclasses: a plugin cannot change another plugin's
+input, and new fields never break existing plugins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    from .report import LoadReport
+
+__all__ = [
+    "Decision",
+    "LoadContext",
+    "LoadResult",
+    "PlanEntry",
+    "RemapContext",
+    "SaveContext",
+    "SaveResult",
+    "StagedState",
+    "ValueSpec",
+    "WriteContext",
+    "WriteResult",
+]
+
+#: The standard components, in save and load order.
+STANDARD_COMPONENTS: tuple[str, ...] = ("model", "optim", "scheduler", "trainer")
+
+
+class Decision(str, enum.Enum):
+    """What the planner will do with one destination key."""
+
+    LOAD = "load"
+    """Read the storage key into the destination (cast to the destination dtype if they differ)."""
+    OVERLAP = "overlap"
+    """Read only the region both shapes share (index 0 up to the smaller extent per dimension)."""
+    SKIP = "skip"
+    """Read nothing; the destination keeps its current value. Requires a reason."""
+    MISSING = "missing"
+    """Unresolved: the storage key is not in the checkpoint."""
+    MISMATCH = "mismatch"
+    """Unresolved: stored and destination shapes (or tensor-ness) differ."""
+
+    @property
+    def resolved(self) -> bool:
+        return self in (Decision.LOAD, Decision.OVERLAP, Decision.SKIP)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValueSpec:
+    """Shape and type of one value, on either side of a load.
+
+    ``shape`` is the *global* shape (a DTensor's full shape, not its local shard).
+    """
+
+    is_tensor: bool
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    type_name: str = ""
+
+    def __str__(self) -> str:
+        if self.is_tensor:
+            dtype = str(self.dtype).removeprefix("torch.")
+            return f"{dtype}{list(self.shape or ())}"
+        return f"<{self.type_name or 'object'}>"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanEntry:
+    """One destination key of a component being loaded, as ``pre_load_plan`` sees it.
+
+    ``dest_key`` is the flattened key in the live state dict, ``storage_key`` the key it reads
+    from (after ``remap_keys``), ``stored`` the checkpoint's metadata for it (``None`` when the
+    checkpoint lacks it). Plugins return changed copies through :meth:`skip`, :meth:`overlap`
+    and :meth:`load`; the identity fields must not change.
+    """
+
+    dest_key: str
+    storage_key: str
+    target: ValueSpec
+    stored: ValueSpec | None
+    decision: Decision
+    reason: str = ""
+    decided_by: str | None = None
+
+    @property
+    def shape_mismatch(self) -> bool:
+        s = self.stored
+        if s is None:
+            return False
+        if s.is_tensor != self.target.is_tensor:
+            return True
+        return s.is_tensor and s.shape != self.target.shape
+
+    @property
+    def dtype_mismatch(self) -> bool:
+        s = self.stored
+        return bool(s and s.is_tensor and self.target.is_tensor and s.dtype != self.target.dtype)
+
+    def skip(self, reason: str) -> PlanEntry:
+        """Read nothing into this key; it keeps its current value."""
+        if not reason:
+            raise ValueError(f"skipping {self.dest_key!r} needs a reason")
+        return dataclasses.replace(self, decision=Decision.SKIP, reason=reason)
+
+    def overlap(self, reason: str = "") -> PlanEntry:
+        """Read the region both shapes share; the rest of the destination keeps its values."""
+        return dataclasses.replace(self, decision=Decision.OVERLAP, reason=reason)
+
+    def load(self, reason: str = "") -> PlanEntry:
+        """Read the whole stored value (only valid when the shapes agree)."""
+        return dataclasses.replace(self, decision=Decision.LOAD, reason=reason)
+
+    def same_identity(self, other: PlanEntry) -> bool:
+        return (
+            self.dest_key == other.dest_key
+            and self.storage_key == other.storage_key
+            and self.target == other.target
+            and self.stored == other.stored
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemapContext:
+    """Input of ``remap_keys``."""
+
+    component: str
+    direction: Literal["save", "load"]
+    #: Keys present in the checkpoint (load only; ``None`` on save).
+    storage_keys: frozenset[str] | None
+    checkpoint_path: str
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadContext:
+    """Input of ``pre_load_plan``."""
+
+    component: str
+    checkpoint_path: str
+    strict: bool
+    rank: int
+    world_size: int
+    #: Every key in the checkpoint's component (after no remapping: the raw storage keys).
+    storage_keys: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveContext:
+    """Input of ``stage``."""
+
+    iteration: int
+    checkpoint_path: str
+    components: tuple[str, ...]
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagedState:
+    """Output of ``stage``: the state to write, per component.
+
+    ``is_copy`` tells whether the state is a host copy owned by the stager (safe to write after
+    ``save()`` returns) or the live state itself (then the write must finish before ``save()``
+    returns, which the engine enforces). ``completion``, when set, completes when the copy is
+    done; the engine waits for it before ``save()`` returns.
+    """
+
+    components: Mapping[str, dict[str, Any]]
+    is_copy: bool
+    completion: Future[None] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriteContext:
+    """Input of ``write``: where and how to persist one component."""
+
+    component: str
+    iteration: int
+    #: Folder that receives this component's DCP files (inside the uncommitted checkpoint).
+    path: str
+    rank: int
+    world_size: int
+    #: The save planner to hand to DCP: it applies ``remap_keys`` and replica de-duplication.
+    planner: SavePlanner
+    #: Whether the live state was staged into a copy (see :class:`StagedState`).
+    staged_copy: bool
+    thread_count: int = 1
+    sync_files: bool = True
+    process_group: Any = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriteResult:
+    """Output of ``write`` (directly, or through a ``Future``)."""
+
+    component: str
+    bytes_written: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveResult:
+    """The record of one save, given to ``on_save_done`` and returned by ``SaveHandle.result()``."""
+
+    iteration: int
+    path: str
+    succeeded: bool
+    error: BaseException | None = None
+    components: tuple[str, ...] = ()
+    bytes_written: int = 0
+    #: Seconds ``save()`` blocked the caller.
+    blocked_seconds: float = 0.0
+    staging_seconds: float = 0.0
+    write_seconds: float = 0.0
+    #: Seconds from the ``save()`` call until committed (or failed).
+    total_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadResult:
+    """What ``CheckpointEngine.load`` did."""
+
+    iteration: int
+    checkpoint_path: str | None
+    report: LoadReport
+    #: Which resume rule applied: ``latest``, ``load_path``, ``pth`` or ``scratch``.
+    source: Literal["latest", "load_path", "pth", "scratch"] = "scratch"
+    components: tuple[str, ...] = field(default_factory=tuple)
