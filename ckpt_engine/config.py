@@ -109,6 +109,7 @@ class EngineConfig(BaseModel):
     sync_files: bool = Field(default=True, description="fsync checkpoint files before commit.")
     plugins: tuple[PluginEntry, ...] = Field(
         default=(),
+        validate_default=True,  # so the default plugins are added to a config that lists none
         description="Plugins in fold order: names, `package.module:attr` strings or entries "
         f"with options. Default plugins ({', '.join(DEFAULT_PLUGINS)}) are prepended unless listed.",
     )

@@ -1,0 +1,100 @@
+"""Helpers for testing ckpt-engine plugins (yours and ours), on CPU, with real DCP checkpoints.
+
+>>> from ckpt_engine.testing import TinyTrainingState, make_engine
+>>> state = TinyTrainingState.create(seed=0)                       # doctest: +SKIP
+>>> engine = make_engine(tmp_path / "ckpt", MyRemapPlugin())       # doctest: +SKIP
+>>> engine.save(3, **state.objects())                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+import torch
+from torch import nn
+
+from ._markers import PROJECT_NAME
+from .config import EngineConfig
+from .engine import CheckpointEngine
+from .hookspecs import CkptSpecs
+
+__all__ = ["TinyTrainingState", "assert_state_dicts_equal", "bare_plugin_manager", "make_engine"]
+
+
+def bare_plugin_manager() -> pluggy.PluginManager:
+    """A plugin manager with the ckpt_engine hookspecs and no plugins at all."""
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(CkptSpecs)
+    return pm
+
+
+def make_engine(save_dir: str | os.PathLike[str], *plugins: Any, **config: Any) -> CheckpointEngine:
+    """An engine saving to ``save_dir`` with plugin objects registered (after configured ones)."""
+    return CheckpointEngine(EngineConfig(save_dir=os.fspath(save_dir), **config), plugins=plugins)
+
+
+@dataclass
+class TinyTrainingState:
+    """A small model, AdamW, StepLR and a CPU GradScaler, trained a few steps."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    grad_scaler: Any
+    losses: list[float] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, seed: int = 0, hidden: int = 16, steps: int = 2) -> TinyTrainingState:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        state = cls(model, optimizer, scheduler, torch.amp.GradScaler("cpu", init_scale=2.0**10))
+        state.train(steps, seed=seed)
+        return state
+
+    def train(self, steps: int, seed: int = 0) -> list[float]:
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(steps):
+            x = torch.randn(16, 8, generator=gen)
+            y = torch.randn(16, 4, generator=gen)
+            loss = nn.functional.mse_loss(self.model(x), y)
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            out.append(loss.item())
+        self.losses += out
+        return out
+
+    def objects(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "grad_scaler": self.grad_scaler,
+        }
+
+
+def assert_state_dicts_equal(a: Mapping[str, Any], b: Mapping[str, Any], path: str = "") -> None:
+    """Recursive, bit-exact comparison of (nested) state dicts; tensors must match dtype too."""
+    assert set(a) == set(b), f"{path or '<root>'}: keys differ: {sorted(set(a) ^ set(b))}"
+    for key in a:
+        va, vb, where = a[key], b[key], f"{path}.{key}" if path else str(key)
+        if isinstance(va, torch.Tensor):
+            assert isinstance(vb, torch.Tensor), f"{where}: tensor vs {type(vb).__name__}"
+            assert va.dtype == vb.dtype, f"{where}: dtype {va.dtype} != {vb.dtype}"
+            assert torch.equal(va, vb), f"{where}: values differ"
+        elif isinstance(va, Mapping):
+            assert isinstance(vb, Mapping), f"{where}: mapping vs {type(vb).__name__}"
+            assert_state_dicts_equal(va, vb, where)
+        elif isinstance(va, (list, tuple)) and any(isinstance(x, (Mapping, torch.Tensor)) for x in va):
+            assert isinstance(vb, (list, tuple)) and len(va) == len(vb), f"{where}: sequence differs"
+            assert_state_dicts_equal(dict(enumerate(va)), dict(enumerate(vb)), where)
+        else:
+            assert va == vb, f"{where}: {va!r} != {vb!r}"

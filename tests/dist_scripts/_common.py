@@ -1,0 +1,110 @@
+"""Helpers shared by the torchrun test scripts (imported with tests/dist_scripts on sys.path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def init() -> tuple[int, int]:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def report(payload: Any) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    print(f"RESULT {rank} {json.dumps(payload)}", flush=True)
+
+
+def ckpt_test_exit(code: int = 0) -> None:
+    """Flush, tear down the process group and exit without interpreter teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        os._exit(code)
+
+
+# -- helpers for the core_*.py scripts ---------------------------------------------------------
+
+
+def report_ordered(payload: Any) -> None:
+    """``report()`` from every rank in turn (rank 0 first), with a barrier after each.
+
+    Two ranks share torchrun's stdout pipe: unsynchronised lines can interleave (``print``
+    writes the text and the newline separately, and writes over PIPE_BUF are not atomic).
+    Every rank must call this.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for r in range(world):
+        if r == rank:
+            report(payload)
+        dist.barrier()
+
+
+#: Layer sizes of the test model: dim 0 of the weights/biases is 16 (even shards), 5 (3 + 2) and
+#: 1 (1 + an empty shard on rank 1) when sharded over 2 ranks.
+LINEAR_SIZES = ((8, 16), (16, 5), (5, 1))
+
+
+def make_model(seed: int, sizes: tuple[tuple[int, int], ...] = LINEAR_SIZES) -> torch.nn.Sequential:
+    """``Sequential(Linear, ReLU, Linear, Linear)``: keys ``0.*``, ``2.*``, ``3.*``."""
+    torch.manual_seed(seed)
+    first, *rest = sizes
+    layers: list[torch.nn.Module] = [torch.nn.Linear(*first), torch.nn.ReLU()]
+    layers += [torch.nn.Linear(*s) for s in rest]
+    return torch.nn.Sequential(*layers)
+
+
+def cpu_mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def shard_fsdp2(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """FSDP2: every Linear is its own group, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def train_inputs() -> torch.Tensor:
+    return torch.randn(4, LINEAR_SIZES[0][0], generator=torch.Generator().manual_seed(1234))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The full value of a (D)Tensor (a collective for a DTensor: every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def params_full(model: torch.nn.Module) -> dict[str, list[Any]]:
+    return {n: full(p.detach()).tolist() for n, p in model.named_parameters()}
+
+
+def optim_full(model: torch.nn.Module, optim: torch.optim.Optimizer, field: str) -> dict[str, Any]:
+    out = {}
+    for n, p in model.named_parameters():
+        value = optim.state[p][field]
+        out[n] = full(value).tolist()
+    return out

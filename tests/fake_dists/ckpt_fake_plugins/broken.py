@@ -1,0 +1,1 @@
+raise ImportError("fake_broken cannot be imported (on purpose)")

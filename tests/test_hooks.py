@@ -1,0 +1,326 @@
+"""The pluggy host: plugin loading, fold order, providers, contract checks."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pluggy
+import pytest
+import torch
+from torch import nn
+
+from ckpt_engine import (
+    CheckpointEngine,
+    CheckpointLoadError,
+    CheckpointSaveError,
+    EngineConfig,
+    HookContractError,
+    LoadContext,
+    PlanEntry,
+    PluginConfigError,
+    PluginConflictError,
+    PluginLoadError,
+    RemapContext,
+    SaveResult,
+    hookimpl,
+)
+from ckpt_engine.defaults import DEFAULT_PLUGIN_NAME
+from ckpt_engine.loading import build_plugin_manager
+from ckpt_engine.pipeline import Pipeline
+from ckpt_engine.testing import TinyTrainingState, bare_plugin_manager, make_engine
+
+
+class Appender:
+    """remap_keys plugin appending a tag to every storage key (to observe fold order)."""
+
+    def __init__(self, name: str, tag: str, calls: list[str]) -> None:
+        self.name, self.tag, self.calls = name, tag, calls
+
+    @hookimpl
+    def remap_keys(self, ctx: RemapContext, key_map: Mapping[str, str]) -> dict[str, str]:
+        self.calls.append(self.name)
+        return {d: s + self.tag for d, s in key_map.items()}
+
+
+def _pipeline(save_dir: str, plugins: Sequence[Any], names: Sequence[str] = ()) -> Pipeline:
+    cfg = EngineConfig(save_dir=save_dir, plugins=list(names))
+    return Pipeline(build_plugin_manager(cfg, plugins))
+
+
+def _remap_ctx() -> RemapContext:
+    return RemapContext(component="model", direction="load", storage_keys=frozenset(), checkpoint_path="x",
+                        rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("order", [["a", "b", "c"], ["c", "a", "b"]])
+def test_fold_runs_in_config_order_not_registration_order(save_dir: str, order: list[str]) -> None:
+    calls: list[str] = []
+    plugins = [Appender(n, f"+{n}", calls) for n in ("a", "b", "c")]  # registered a, b, c
+    pipe = _pipeline(save_dir, plugins, order)
+    out = pipe.remap_keys(_remap_ctx(), ["w"])
+    assert calls == order
+    assert out == {"w": "w" + "".join(f"+{n}" for n in order)}
+
+
+def test_objects_not_listed_in_config_fold_after_listed_ones(save_dir: str) -> None:
+    calls: list[str] = []
+    plugins = [Appender(n, n, calls) for n in ("x", "y")]
+    pipe = _pipeline(save_dir, plugins, ["y"])
+    pipe.remap_keys(_remap_ctx(), ["k"])
+    assert calls == ["y", "x"]
+
+
+def test_two_providers_of_one_hook_is_a_config_error_naming_both(save_dir: str) -> None:
+    cfg = EngineConfig(save_dir=save_dir, plugins=["fake_stager_a", "fake_stager_b"])
+    with pytest.raises(PluginConflictError) as info:
+        CheckpointEngine(cfg)
+    msg = str(info.value)
+    assert "'stage'" in msg and "fake_stager_a" in msg and "fake_stager_b" in msg
+    assert "ckpt-engine-fake 1.0" in msg  # the distribution is named
+
+
+def test_single_provider_replaces_the_default(save_dir: str) -> None:
+    pipe = _pipeline(save_dir, [], ["fake_stager_a"])
+    assert pipe.providers == {"stage": "fake_stager_a", "write": DEFAULT_PLUGIN_NAME}
+    default = _pipeline(save_dir, [])
+    assert default.providers == {"stage": DEFAULT_PLUGIN_NAME, "write": DEFAULT_PLUGIN_NAME}
+
+
+def test_defaults_are_hookimpls_in_the_plugin_manager(save_dir: str) -> None:
+    loaded = build_plugin_manager(EngineConfig(save_dir=save_dir))
+    impls = {i.plugin_name for i in loaded.pm.hook.write.get_hookimpls()}
+    assert impls == {DEFAULT_PLUGIN_NAME}
+    assert {i.plugin_name for i in loaded.pm.hook.stage.get_hookimpls()} == {DEFAULT_PLUGIN_NAME}
+
+
+def test_unknown_plugin_name_lists_installed_ones(save_dir: str) -> None:
+    with pytest.raises(PluginLoadError) as info:
+        CheckpointEngine({"save_dir": save_dir, "plugins": ["no_such_plugin"]})
+    msg = str(info.value)
+    assert "'no_such_plugin'" in msg and "size_mismatch" in msg and "te_extra_state" in msg
+
+
+def test_import_failure_names_plugin_and_distribution(save_dir: str) -> None:
+    with pytest.raises(PluginLoadError, match=r"fake_broken.*ckpt-engine-fake 1\.0.*import failed"):
+        CheckpointEngine({"save_dir": save_dir, "plugins": ["fake_broken"]})
+
+
+def test_entry_point_naming_a_function_is_refused(save_dir: str) -> None:
+    with pytest.raises(PluginLoadError, match="names a function"):
+        CheckpointEngine({"save_dir": save_dir, "plugins": ["fake_function"]})
+
+
+def test_misspelled_hook_name_fails_at_build(save_dir: str) -> None:
+    with pytest.raises(pluggy.PluginValidationError, match="remap_key"):
+        CheckpointEngine({"save_dir": save_dir, "plugins": ["fake_misspelled"]})
+
+
+def test_disabled_plugin_is_never_imported(save_dir: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("CKPT_FAKE_SIDE_EFFECT_MARKER", str(marker))
+    sys.modules.pop("ckpt_fake_plugins.side_effect", None)
+    CheckpointEngine({"save_dir": save_dir, "plugins": [{"name": "fake_side_effect", "enabled": False}]})
+    assert not marker.exists()
+    assert "ckpt_fake_plugins.side_effect" not in sys.modules
+    CheckpointEngine({"save_dir": save_dir, "plugins": ["fake_side_effect"]})  # the control
+    assert marker.read_text() == "imported"
+
+
+def test_plugin_options_are_validated_by_the_plugin(save_dir: str) -> None:
+    with pytest.raises(PluginConfigError) as info:
+        CheckpointEngine({"save_dir": save_dir, "plugins": [{"name": "fake_prefix", "options": {"prefx": "m."}}]})
+    assert "prefx" in str(info.value) and "fake_prefix" in str(info.value)
+
+
+def test_module_plugin_takes_no_options(save_dir: str) -> None:
+    with pytest.raises(PluginConfigError, match="module"):
+        CheckpointEngine({"save_dir": save_dir, "plugins": [{"name": "fake_module", "options": {"x": 1}}]})
+
+
+def test_module_plugin_observes_saves(save_dir: str) -> None:
+    from ckpt_fake_plugins import module_plugin  # type: ignore[import-not-found]
+
+    module_plugin.RESULTS.clear()
+    state = TinyTrainingState.create()
+    engine = CheckpointEngine({"save_dir": save_dir, "plugins": ["fake_module"]})
+    engine.save(7, **state.objects())
+    [result] = module_plugin.RESULTS
+    assert result.succeeded and result.iteration == 7 and result.bytes_written > 0
+    assert result.components == ("model", "optim", "scheduler", "trainer")
+
+
+def test_path_plugin_by_module_attr(save_dir: str) -> None:
+    engine = CheckpointEngine({"save_dir": save_dir, "plugins": ["ckpt_fake_plugins.prefix:PrefixRemap"]})
+    assert engine.plugin_names == ("te_extra_state", "ckpt_fake_plugins.prefix:PrefixRemap")
+
+
+def test_bad_module_attr_path_is_a_load_error(save_dir: str) -> None:
+    with pytest.raises(PluginLoadError, match="has no attribute 'Nope'"):
+        CheckpointEngine({"save_dir": save_dir, "plugins": ["ckpt_fake_plugins.prefix:Nope"]})
+    with pytest.raises(PluginLoadError, match="cannot import module 'no_such_mod'"):
+        CheckpointEngine({"save_dir": save_dir, "plugins": ["no_such_mod:X"]})
+
+
+def test_two_objects_with_one_name_conflict(save_dir: str) -> None:
+    calls: list[str] = []
+    with pytest.raises(PluginConflictError, match="'a'"):
+        make_engine(save_dir, Appender("a", "1", calls), Appender("a", "2", calls))
+
+
+# -- contract checks --------------------------------------------------------------------------
+
+
+class BadRemap:
+    name = "bad_remap"
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+    @hookimpl
+    def remap_keys(self, ctx: RemapContext, key_map: Mapping[str, str]) -> Any:
+        return self.result(key_map) if callable(self.result) else self.result
+
+
+@pytest.mark.parametrize(
+    ("result", "match"),
+    [
+        (["not", "a", "map"], "must return a mapping"),
+        (lambda m: {**m, "extra": "x"}, "must keep exactly the destination keys"),
+        (lambda m: {k: 3 for k in m}, "non-string"),
+    ],
+)
+def test_remap_contract_violations_name_the_plugin(save_dir: str, result: Any, match: str) -> None:
+    pipe = _pipeline(save_dir, [BadRemap(result)])
+    with pytest.raises(HookContractError, match=match) as info:
+        pipe.remap_keys(_remap_ctx(), ["a", "b"])
+    assert "bad_remap" in str(info.value)
+
+
+def test_many_to_one_remap_on_save_is_an_error(save_dir: str) -> None:
+    state = TinyTrainingState.create()
+    engine = make_engine(save_dir, BadRemap(lambda m: dict.fromkeys(m, "same")))
+    with pytest.raises(CheckpointSaveError, match="both map to storage key 'same'"):
+        engine.save(1, model=state.model)
+    assert not (save_dir and __import__("os").path.exists(f"{save_dir}/latest_checkpoint.txt"))
+
+
+class PlanPlugin:
+    name = "plan_plugin"
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    @hookimpl
+    def pre_load_plan(self, ctx: LoadContext, entries: tuple[PlanEntry, ...]) -> Any:
+        return self.fn(entries)
+
+
+def _saved(save_dir: str) -> TinyTrainingState:
+    state = TinyTrainingState.create()
+    make_engine(save_dir).save(1, model=state.model)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("fn", "match"),
+    [
+        (lambda es: es[:-1], "returned 3 entries for 4"),
+        (lambda es: [e.overlap() if e.dest_key.endswith("bias") else e for e in es], None),  # legal
+        (lambda es: [__import__("dataclasses").replace(e, storage_key="zz") for e in es], "identity"),
+        (lambda es: "nope", "must return a sequence"),
+    ],
+)
+def test_pre_load_plan_contract(save_dir: str, fn: Any, match: str | None) -> None:
+    _saved(save_dir)
+    engine = make_engine(save_dir, PlanPlugin(fn))
+    fresh = TinyTrainingState.create(seed=1)
+    if match is None:
+        result = engine.load(model=fresh.model)
+        assert set(result.report["model"].overlap) == {"0.bias", "2.bias"}
+        assert all(r.plugin == "plan_plugin" for r in result.report["model"].overlap.values())
+    else:
+        with pytest.raises(HookContractError, match=match) as info:
+            engine.load(model=fresh.model)
+        assert "plan_plugin" in str(info.value)
+
+
+def test_overlap_on_non_tensor_is_refused(save_dir: str) -> None:
+    state = _saved(save_dir)
+    engine = make_engine(save_dir, PlanPlugin(lambda es: [e.overlap() for e in es]))
+    with pytest.raises(HookContractError, match="overlap needs a stored tensor"):
+        engine.load(model=state.model, grad_scaler=state.grad_scaler)
+
+
+def test_hook_exception_during_load_is_an_ordinary_exception(save_dir: str) -> None:
+    """DCP wraps planner errors in CheckpointException (a BaseException); the engine unwraps it."""
+    _saved(save_dir)
+
+    def boom(entries: Any) -> Any:
+        raise RuntimeError("plugin exploded")
+
+    engine = make_engine(save_dir, PlanPlugin(boom))
+    with pytest.raises(CheckpointLoadError, match="plugin exploded") as info:
+        engine.load(model=TinyTrainingState.create().model)
+    assert isinstance(info.value, Exception)
+
+
+def test_on_save_done_sees_failures(save_dir: str) -> None:
+    seen: list[SaveResult] = []
+
+    class Observer:
+        name = "observer"
+
+        @hookimpl
+        def on_save_done(self, result: SaveResult) -> None:
+            seen.append(result)
+
+    class FailingWriter:
+        name = "failing_writer"
+
+        @hookimpl
+        def write(self, ctx: Any, state_dict: Any) -> Any:
+            raise OSError(28, "No space left on device")
+
+    state = TinyTrainingState.create()
+    engine = make_engine(save_dir, Observer(), FailingWriter())
+    with pytest.raises(CheckpointSaveError, match="No space left on device"):
+        engine.save(4, model=state.model)
+    [result] = seen
+    assert not result.succeeded and isinstance(result.error, OSError)
+    import os
+
+    assert not os.path.exists(os.path.join(save_dir, "latest_checkpoint.txt"))
+    assert not os.path.exists(os.path.join(save_dir, ".iter_000000004.partial"))
+    assert not os.path.exists(os.path.join(save_dir, "iter_000000004"))
+
+
+def test_bare_plugin_manager_has_specs_only() -> None:
+    pm = bare_plugin_manager()
+    assert pm.get_plugins() == set()
+    assert {"remap_keys", "pre_load_plan", "stage", "write", "on_save_done"} <= set(dir(pm.hook))
+
+
+def test_user_remap_plugin_renames_on_save_and_load(save_dir: str) -> None:
+    """A key-remap plugin enabled by 'module:attr' renames keys on save; loading maps them back."""
+    import torch.distributed.checkpoint as dcp
+
+    state = TinyTrainingState.create()
+    cfg = {"save_dir": save_dir, "plugins": [{"name": "pfx", "path": "ckpt_fake_plugins.prefix:PrefixRemap",
+                                              "options": {"prefix": "module."}}]}
+    CheckpointEngine(cfg).save(2, model=state.model)
+    md = dcp.FileSystemReader(f"{save_dir}/iter_000000002/model").read_metadata()
+    assert set(md.state_dict_metadata) == {"module.0.weight", "module.0.bias", "module.2.weight", "module.2.bias"}
+
+    fresh = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    result = CheckpointEngine(cfg).load(model=fresh)
+    for a, b in zip(state.model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert result.report["model"].renamed == {k: "module." + k for k in fresh.state_dict()}
+    # Without the plugin the renamed checkpoint does not fit: strict load lists every key.
+    from ckpt_engine import LoadStrictnessError
+
+    with pytest.raises(LoadStrictnessError) as info:
+        CheckpointEngine({"save_dir": save_dir}).load(model=fresh)
+    assert sorted(info.value.missing) == ["0.bias", "0.weight", "2.bias", "2.weight"]
