@@ -83,9 +83,14 @@ options = { policy = "overlap", patterns = ["*.stem.weight"] }
 @pytest.mark.parametrize(("suffix", "text"), [(".yaml", YAML), (".toml", TOML), (".json", None)])
 def test_from_file(tmp_path: Path, suffix: str, text: str | None) -> None:
     if text is None:
-        text = json.dumps({"save_dir": "runs/exp1/checkpoints", "strict": False, "keys_not_to_resume": ["optim"],
-                           "plugins": [{"name": "size_mismatch",
-                                        "options": {"policy": "overlap", "patterns": ["*.stem.weight"]}}]})
+        text = json.dumps(
+            {
+                "save_dir": "runs/exp1/checkpoints",
+                "strict": False,
+                "keys_not_to_resume": ["optim"],
+                "plugins": [{"name": "size_mismatch", "options": {"policy": "overlap", "patterns": ["*.stem.weight"]}}],
+            }
+        )
     path = tmp_path / f"engine{suffix}"
     path.write_text(text)
     for cfg in (EngineConfig.from_file(path), EngineConfig.coerce(str(path))):

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from ckpt_engine import (
     CheckpointEngine,
     CheckpointNotFoundError,
+    CheckpointSaveError,
     ConfigError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -108,11 +109,13 @@ def test_layout_matches_the_original_checkpointer(save_dir: str) -> None:
     assert trainer["iteration"] == 12
     assert trainer["grad_scaler"] == state.grad_scaler.state_dict()
     fresh = _fresh()
-    osd = get_optimizer_state_dict(fresh.model, fresh.optimizer,
-                                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+    osd = get_optimizer_state_dict(
+        fresh.model, fresh.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
     dcp.load(osd, checkpoint_id=str(ckpt / "optim"))
-    ref = get_optimizer_state_dict(state.model, state.optimizer,
-                                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+    ref = get_optimizer_state_dict(
+        state.model, state.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
     assert_state_dicts_equal(osd, ref)
 
 
@@ -123,8 +126,9 @@ def test_plain_dcp_checkpoint_in_original_layout_loads(save_dir: str) -> None:
     planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     parts = {
         "model": get_model_state_dict(state.model),
-        "optim": get_optimizer_state_dict(state.model, state.optimizer,
-                                          options=StateDictOptions(flatten_optimizer_state_dict=True)),
+        "optim": get_optimizer_state_dict(
+            state.model, state.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+        ),
         "scheduler": state.scheduler.state_dict(),
         "trainer": {"grad_scaler": state.grad_scaler.state_dict(), "iteration": 9},
     }
@@ -167,7 +171,7 @@ def test_model_and_optimizer_lists(save_dir: str) -> None:
 
 def test_model_list_with_colliding_keys_is_refused(save_dir: str) -> None:
     a, b = _fresh(1), _fresh(2)
-    with pytest.raises(Exception, match="wrap the modules in one nn.ModuleDict"):
+    with pytest.raises(CheckpointSaveError, match=r"wrap the modules in one nn\.ModuleDict"):
         CheckpointEngine({"save_dir": save_dir}).save(1, model=[a.model, b.model])
     assert not os.path.exists(os.path.join(save_dir, "latest_checkpoint.txt"))
 
@@ -207,8 +211,9 @@ def test_rule1_iteration_resumes_without_grad_scaler(save_dir: str) -> None:
         ({"only_load_scheduler_state": True}, ("model", "scheduler"), 0),
     ],
 )
-def test_rule2_load_path_folder(tmp_path: Path, flags: dict[str, bool], components: tuple[str, ...],
-                                iteration: int) -> None:
+def test_rule2_load_path_folder(
+    tmp_path: Path, flags: dict[str, bool], components: tuple[str, ...], iteration: int
+) -> None:
     old = str(tmp_path / "old_run")
     state = _save_run(old)
     fresh = _fresh()
@@ -298,7 +303,7 @@ def test_latest_naming_a_missing_checkpoint_is_an_error(save_dir: str) -> None:
 def test_bad_latest_pointer_is_refused(save_dir: str, content: str) -> None:
     os.makedirs(save_dir)
     Path(save_dir, "latest_checkpoint.txt").write_text(content)
-    with pytest.raises(CorruptCheckpointError, match="latest_checkpoint.txt"):
+    with pytest.raises(CorruptCheckpointError, match=r"latest_checkpoint\.txt"):
         CheckpointEngine({"save_dir": save_dir}).load(model=_fresh().model)
 
 

@@ -50,8 +50,9 @@ def _pipeline(save_dir: str, plugins: Sequence[Any], names: Sequence[str] = ()) 
 
 
 def _remap_ctx() -> RemapContext:
-    return RemapContext(component="model", direction="load", storage_keys=frozenset(), checkpoint_path="x",
-                        rank=0, world_size=1)
+    return RemapContext(
+        component="model", direction="load", storage_keys=frozenset(), checkpoint_path="x", rank=0, world_size=1
+    )
 
 
 @pytest.mark.parametrize("order", [["a", "b", "c"], ["c", "a", "b"]])
@@ -307,8 +308,10 @@ def test_user_remap_plugin_renames_on_save_and_load(save_dir: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = TinyTrainingState.create()
-    cfg = {"save_dir": save_dir, "plugins": [{"name": "pfx", "path": "ckpt_fake_plugins.prefix:PrefixRemap",
-                                              "options": {"prefix": "module."}}]}
+    cfg = {
+        "save_dir": save_dir,
+        "plugins": [{"name": "pfx", "path": "ckpt_fake_plugins.prefix:PrefixRemap", "options": {"prefix": "module."}}],
+    }
     CheckpointEngine(cfg).save(2, model=state.model)
     md = dcp.FileSystemReader(f"{save_dir}/iter_000000002/model").read_metadata()
     assert set(md.state_dict_metadata) == {"module.0.weight", "module.0.bias", "module.2.weight", "module.2.bias"}
