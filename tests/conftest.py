@@ -11,9 +11,7 @@ from hypothesis import HealthCheck, settings
 settings.register_profile(
     "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
-settings.register_profile(
-    "thorough", max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("thorough", max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("CKPT_ENGINE_HYPOTHESIS", "ci"))
 
 torch.set_num_threads(1)
