@@ -449,7 +449,11 @@ class CheckpointEngine:
         self._wait_pending()
 
     def close(self) -> None:
-        """Wait for pending saves, then release workers. Idempotent."""
+        """Wait for pending saves, then release workers and plugin resources. Idempotent.
+
+        Plugins that hold resources (a writer process, host buffers) expose a ``close()``
+        method; it is called once, in reverse fold order, after every pending save finished.
+        """
         if self._closed:
             return
         try:
@@ -459,6 +463,17 @@ class CheckpointEngine:
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None
+            errors: list[BaseException] = []
+            for name in reversed(self._plugins.order):
+                closer = getattr(self._plugins.pm.get_plugin(name), "close", None)
+                if callable(closer):
+                    try:
+                        closer()
+                    except Exception as err:
+                        errors.append(err)
+                        logger.error("closing %s failed: %s", self.pipeline.describe(name), err)
+            if errors:
+                raise CkptEngineError(f"closing plugins failed: {errors[0]}") from errors[0]
 
     def _check_open(self) -> None:
         if self._closed:

@@ -327,3 +327,23 @@ def test_user_remap_plugin_renames_on_save_and_load(save_dir: str) -> None:
     with pytest.raises(LoadStrictnessError) as info:
         CheckpointEngine({"save_dir": save_dir}).load(model=fresh)
     assert sorted(info.value.missing) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def test_close_calls_plugin_close_once_in_reverse_fold_order(save_dir: str) -> None:
+    closed: list[str] = []
+
+    class Resource:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        @hookimpl
+        def on_save_done(self, result: SaveResult) -> None:
+            pass
+
+        def close(self) -> None:
+            closed.append(self.name)
+
+    engine = make_engine(save_dir, Resource("first"), Resource("second"))
+    engine.close()
+    engine.close()
+    assert closed == ["second", "first"]
