@@ -65,7 +65,7 @@ class TinyTrainingState:
             y = torch.randn(16, 4, generator=gen)
             loss = nn.functional.mse_loss(self.model(x), y)
             self.optimizer.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             self.optimizer.step()
             self.scheduler.step()
             out.append(loss.item())
@@ -95,6 +95,8 @@ def assert_state_dicts_equal(a: Mapping[str, Any], b: Mapping[str, Any], path: s
             assert_state_dicts_equal(va, vb, where)
         elif isinstance(va, (list, tuple)) and any(isinstance(x, (Mapping, torch.Tensor)) for x in va):
             assert isinstance(vb, (list, tuple)) and len(va) == len(vb), f"{where}: sequence differs"
-            assert_state_dicts_equal(dict(enumerate(va)), dict(enumerate(vb)), where)
+            assert_state_dicts_equal(
+                {str(i): x for i, x in enumerate(va)}, {str(i): x for i, x in enumerate(vb)}, where
+            )
         else:
             assert va == vb, f"{where}: {va!r} != {vb!r}"
