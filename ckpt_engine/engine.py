@@ -187,7 +187,8 @@ class CheckpointEngine:
                 total_seconds=time.perf_counter() - t0,
             )
             self._finish(result, partial_dir, cleanup=False)
-            raise CheckpointSaveError(f"saving iteration {iteration} to {final_dir} failed: {err}") from err
+            detail = str(err) if isinstance(err, CkptEngineError) else f"{type(err).__name__}: {err}"
+            raise CheckpointSaveError(f"saving iteration {iteration} to {final_dir} failed: {detail}") from err
 
         staged, key_maps = prepared
         write_start = time.perf_counter()
@@ -315,10 +316,9 @@ class CheckpointEngine:
         errors = _dist.all_gather_object(error)
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
-            if local_err is not None:
-                raise local_err
             r, e = failed[0]
-            raise CheckpointSaveError(f"rank {r} failed while preparing the save: {e}")
+            # The same message on every rank; the failing rank keeps its traceback as the cause.
+            raise CheckpointSaveError(f"rank {r} failed while preparing the save: {e}") from local_err
         return staged, key_maps
 
     def _fail_sync(

@@ -18,8 +18,21 @@ def init() -> tuple[int, int]:
 
 
 def report(payload: Any) -> None:
+    """Record a JSON result for the test.
+
+    Results go to a per-rank file in ``$CKPT_TEST_RESULTS_DIR`` (set by ``run_torchrun``): ranks
+    share torchrun's stdout pipe, where lines from two ranks can interleave. Without the
+    variable (a script run by hand) they are printed.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    print(f"RESULT {rank} {json.dumps(payload)}", flush=True)
+    line = f"RESULT {rank} {json.dumps(payload)}\n"
+    results_dir = os.environ.get("CKPT_TEST_RESULTS_DIR")
+    if results_dir:
+        with open(os.path.join(results_dir, f"rank{rank}.jsonl"), "a", encoding="utf-8") as f:
+            f.write(line)
+    else:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def ckpt_test_exit(code: int = 0) -> None:
@@ -39,9 +52,7 @@ def ckpt_test_exit(code: int = 0) -> None:
 def report_ordered(payload: Any) -> None:
     """``report()`` from every rank in turn (rank 0 first), with a barrier after each.
 
-    Two ranks share torchrun's stdout pipe: unsynchronised lines can interleave (``print``
-    writes the text and the newline separately, and writes over PIPE_BUF are not atomic).
-    Every rank must call this.
+    Keeps the results of all ranks in rank order; every rank must call it.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     for r in range(world):

@@ -1,0 +1,91 @@
+"""2 ranks: a plugin that fails on rank 1 only must fail the load (and the save) on both ranks.
+
+argv: save_dir. Saves iteration 1 (FSDP2 model + AdamW), then:
+
+* ``load``: a plugin whose ``pre_load_plan`` raises on rank 1 only;
+* ``save``: a plugin whose ``remap_keys`` raises on rank 1 only, on save (iteration 2);
+* ``recover``: a plain engine loads iteration 1 into a fresh model on both ranks.
+
+Each rank reports, per step, the error type and message it got and the seconds it took.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _common import ckpt_test_exit, cpu_mesh, init, make_model, params_full, report_ordered, shard_fsdp2
+
+from ckpt_engine import CheckpointEngine, CkptEngineError, hookimpl
+
+FAILING_RANK = 1
+
+
+class FailPlanOnRank:
+    name = "fail_plan_on_rank"
+
+    @hookimpl
+    def pre_load_plan(self, ctx: Any, entries: Any) -> None:
+        if ctx.rank == FAILING_RANK:
+            raise RuntimeError(f"planned pre_load_plan failure on rank {ctx.rank} ({ctx.component})")
+
+
+class FailSaveRemapOnRank:
+    name = "fail_save_remap_on_rank"
+
+    @hookimpl
+    def remap_keys(self, ctx: Any, key_map: Any) -> None:
+        if ctx.direction == "save" and ctx.rank == FAILING_RANK:
+            raise RuntimeError(f"planned remap_keys failure on rank {ctx.rank} ({ctx.component})")
+
+
+def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"raised": None, "message": ""}
+    try:
+        fn()
+    except CkptEngineError as err:
+        out = {"raised": type(err).__name__, "message": str(err)}
+    except BaseException as err:  # a non-engine error (e.g. DCP's CheckpointException) is a failure
+        out = {"raised": f"NOT-ENGINE:{type(err).__module__}.{type(err).__name__}", "message": str(err)}
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def main() -> None:
+    save_dir = sys.argv[1]
+    init()
+    mesh = cpu_mesh()
+    src = shard_fsdp2(make_model(seed=0), mesh)
+    src_optim = torch.optim.AdamW(src.parameters(), lr=0.1)
+    src(torch.ones(2, 8)).sum().backward()
+    src_optim.step()
+    with CheckpointEngine({"save_dir": save_dir}) as engine:
+        engine.save(1, model=src, optimizer=src_optim)
+    saved = params_full(src)
+
+    dst = shard_fsdp2(make_model(seed=3), mesh)
+    dst_optim = torch.optim.AdamW(dst.parameters(), lr=0.1)
+    load_engine = CheckpointEngine({"save_dir": save_dir}, plugins=[FailPlanOnRank()])
+    load = attempt(lambda: load_engine.load(model=dst, optimizer=dst_optim))
+
+    save_engine = CheckpointEngine({"save_dir": save_dir}, plugins=[FailSaveRemapOnRank()])
+    save = attempt(lambda: save_engine.save(2, model=src, optimizer=src_optim))
+    save["listing"] = sorted(os.listdir(save_dir))
+    with open(os.path.join(save_dir, "latest_checkpoint.txt")) as f:
+        save["latest"] = f.read()
+
+    good = shard_fsdp2(make_model(seed=4), mesh)
+    with CheckpointEngine({"save_dir": save_dir}) as engine:
+        result = engine.load(model=good)
+    recover = {"iteration": result.iteration, "equal": params_full(good) == saved}
+    report_ordered({"load": load, "save": save, "recover": recover, "plugins": list(load_engine.plugin_names)})
+    ckpt_test_exit()
+
+
+if __name__ == "__main__":
+    main()
