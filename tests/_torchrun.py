@@ -1,8 +1,9 @@
 """Launch a script under ``torchrun --standalone`` with gloo ranks, with a hard time limit.
 
 Scripts in ``tests/dist_scripts/`` record results with ``_common.report()`` (one JSON line per
-call, in a per-rank file) that tests parse with ``TorchrunResult.results()``; they end with ``ckpt_test_exit()`` (flush, destroy the process group, ``os._exit``) to
-avoid gloo's occasional SIGABRT at interpreter teardown.
+call, in a per-rank file) that tests parse with ``TorchrunResult.results()``. They end with
+``ckpt_test_exit()`` (flush, destroy the process group, ``os._exit``) to avoid gloo's occasional
+SIGABRT at interpreter teardown.
 """
 
 from __future__ import annotations
