@@ -110,6 +110,9 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         #: Top-level keys of the original state dict whose value was not (fully) replaced.
         self.untouched_roots: set[Any] = set()
         self._aliases: dict[str, list[str]] = {}
+        #: Primaries whose aliases differ from them in dtype: read into a buffer of the stored
+        #: dtype, then cast into every destination from it (never through the primary's dtype).
+        self._staged: set[str] = set()
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -202,6 +205,11 @@ class EngineLoadPlanner(DefaultLoadPlanner):
                 rounds.append({})
             rounds[level][e.storage_key] = e.dest_key
 
+        for primary, aliases in self._aliases.items():
+            value = self.state_dict[primary]
+            if isinstance(value, torch.Tensor) and any(self.state_dict[a].dtype != value.dtype for a in aliases):
+                self._staged.add(primary)
+
         items: list[ReadItem] = []
         for round_ in rounds:
             by_storage = {storage: self.state_dict[dest] for storage, dest in round_.items()}
@@ -264,10 +272,22 @@ class EngineLoadPlanner(DefaultLoadPlanner):
 
     # -- reading ----------------------------------------------------------------------------
 
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        if read_item.dest_index.fqn in self._staged:
+            assert self.metadata is not None
+            md = self.metadata.state_dict_metadata[read_item.storage_index.fqn]
+            assert isinstance(md, TensorStorageMetadata)
+            return torch.empty(tuple(read_item.lengths), dtype=md.properties.dtype)
+        target: torch.Tensor = super().resolve_tensor(read_item)
+        return target
+
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        dest = read_item.dest_index.fqn
+        if dest in self._staged:  # ``tensor`` is the stored-dtype buffer from resolve_tensor
+            super().resolve_tensor(read_item).detach().copy_(tensor)
         super().commit_tensor(read_item, tensor)
-        for alias in self._aliases.get(read_item.dest_index.fqn, ()):
-            self.resolve_tensor(_redirect(read_item, alias)).detach().copy_(tensor)
+        for alias in self._aliases.get(dest, ()):
+            super().resolve_tensor(_redirect(read_item, alias)).detach().copy_(tensor)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         dest = read_item.dest_index.fqn
