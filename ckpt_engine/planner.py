@@ -245,6 +245,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
                     saved_shape=tuple(e.stored.shape or ()),
                     target_shape=tuple(e.target.shape or ()),
                     plugin=e.decided_by,
+                    reason=e.reason,
                 )
                 if e.dtype_mismatch:
                     cast[e.dest_key] = (_dtype_name(e.stored), _dtype_name(e.target))

@@ -21,6 +21,7 @@ class OverlapRecord:
     saved_shape: tuple[int, ...]
     target_shape: tuple[int, ...]
     plugin: str | None = None
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,7 +53,12 @@ class ComponentReport:
             "unexpected": list(self.unexpected),
             "skipped": {k: {"reason": v.reason, "plugin": v.plugin} for k, v in self.skipped.items()},
             "overlap": {
-                k: {"saved_shape": list(v.saved_shape), "target_shape": list(v.target_shape), "plugin": v.plugin}
+                k: {
+                    "saved_shape": list(v.saved_shape),
+                    "target_shape": list(v.target_shape),
+                    "plugin": v.plugin,
+                    "reason": v.reason,
+                }
                 for k, v in self.overlap.items()
             },
             "renamed": dict(self.renamed),
@@ -70,14 +76,27 @@ class ComponentReport:
             lines += [f"  renamed {p}" for p in pairs[:threshold]]
             if len(pairs) > threshold:
                 lines.append(f"  ... and {len(pairs) - threshold} more rename patterns")
-        by_reason: dict[str, list[str]] = {}
+        # Skips are grouped by who decided; a large group is one line with a count and an example
+        # (reasons often differ per key only in the shapes they quote).
+        by_plugin: dict[str, list[str]] = {}
         for key, rec in self.skipped.items():
-            who = f" [{rec.plugin}]" if rec.plugin else ""
-            by_reason.setdefault(f"{rec.reason}{who}", []).append(key)
-        for reason, keys in sorted(by_reason.items()):
-            lines += [f"  skipped ({reason}): {g}" for g in collapse_keys(keys, threshold)]
-        for key, ov in sorted(self.overlap.items()):
+            by_plugin.setdefault(rec.plugin or "engine", []).append(key)
+        for who, keys in sorted(by_plugin.items()):
+            keys.sort()
+            if len(keys) > threshold:
+                example = keys[0]
+                groups = ", ".join(collapse_keys(keys, threshold))
+                lines.append(
+                    f"  skipped by {who}: {len(keys)} keys ({groups}); e.g. {example}: {self.skipped[example].reason}"
+                )
+            else:
+                lines += [f"  skipped by {who}: {k}: {self.skipped[k].reason}" for k in keys]
+        overlaps = sorted(self.overlap.items())
+        shown = overlaps if len(overlaps) <= threshold else overlaps[:threshold]
+        for key, ov in shown:
             lines.append(f"  overlap: {key} saved {list(ov.saved_shape)} -> target {list(ov.target_shape)}")
+        if len(overlaps) > len(shown):
+            lines.append(f"  ... and {len(overlaps) - len(shown)} more overlap-loaded keys")
         lines += [f"  missing: {g}" for g in collapse_keys(self.missing, threshold)]
         lines += [f"  unexpected: {g}" for g in collapse_keys(self.unexpected, threshold)]
         if self.cast:
