@@ -1,0 +1,57 @@
+"""The benchmark suite runs end to end in its tiny ``--smoke`` mode (untimed: nothing is asserted
+about speed), so it cannot rot. The real run is documented in docs/performance.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks" / "bench.py"
+
+
+def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--workdir", str(tmp_path / "work"), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "median s" in proc.stdout  # the table was printed
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_smoke_run_covers_every_method(tmp_path: Path) -> None:
+    result = _run(tmp_path, "--dirs", "repo", "--plot", str(tmp_path / "plot.png"))
+    rows = result["rows"]
+    errors = [(r["method"], r.get("note")) for r in rows if "median" not in r and "Skip" not in str(r.get("note"))]
+    skipped = {r["method"]: r.get("note") for r in rows if "median" not in r}
+    # only optional dependencies may be missing; nothing may fail
+    assert all(m.startswith("safetensors") for m in skipped), errors
+    measured = {r["method"] for r in rows if "median" in r}
+    for name in ("raw_write", "raw_read", "memcpy", "dcp_save", "dcp_load", "ours_save", "ours_load"):
+        assert name in measured
+    assert {"small_dcp_save", "small_dcp_load", "small_ours_save", "small_ours_load"} <= measured
+    ours_load = next(r for r in rows if r["method"] == "ours_load")
+    assert ours_load["x_limit"] > 0 and ours_load["speedup_vs_dcp"] > 0 and ours_load["peak_extra_bytes"] >= 0
+    assert result["machine"]["loadavg"] and result["rss_mode"]
+    assert not os.listdir(tmp_path / "work")  # every child cleaned up after itself
+
+
+@pytest.mark.dist
+def test_smoke_run_of_the_two_rank_rows(tmp_path: Path) -> None:
+    result = _run(tmp_path, "--dirs", "repo", "--small", "", "--methods", "raw_write")
+    dist_rows = [r for r in result["rows"] if r["method"].startswith("ours_2rank")]
+    assert {r["method"] for r in dist_rows} == {"ours_2rank_save", "ours_2rank_load_resharded"}
+    assert all(r["bit_exact"] for r in dist_rows)
+    assert result["dist_errors"] == []

@@ -1,0 +1,325 @@
+"""Pins every non-public torch behaviour that ``ckpt_engine._torch_private`` relies on.
+
+A torch upgrade that changes one of them fails here, by name, instead of mis-loading checkpoints.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import warnings
+import zipfile
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+from ckpt_engine._torch_private import (
+    ARCHIVE_DTYPES,
+    SavedTensorLayout,
+    local_chunks,
+    parse_torch_save_tensor,
+    storage_info,
+    tensor_archive,
+    tensor_data_pkl,
+)
+
+warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.uint16,  # no legacy storage class: saved through _rebuild_tensor_v3
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+
+
+def _archive(obj: Any, **kwargs: Any) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf, **kwargs)
+    buf.seek(0)
+    return buf
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.randint(0, 100, shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+# -- the torch.save archive of one tensor ---------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (7,), (5, 4), (2, 3, 4), (1, 1, 9)], ids=str)
+def test_layout_points_at_the_tensor_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = _sample(dtype, shape)
+    buf = _archive(t)
+    layout = parse_torch_save_tensor(buf)
+    assert layout == SavedTensorLayout(
+        dtype=dtype, size=shape, data_offset=layout.data_offset if layout else -1, nbytes=t.numel() * t.element_size()
+    )
+    raw = buf.getvalue()
+    assert raw[layout.data_offset : layout.data_offset + layout.nbytes] == _bits(t)
+    # The data offset is where the stdlib zipfile finds the record's bytes, too.
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        (name,) = [n for n in zf.namelist() if n.endswith("/data/0")]
+        assert zf.getinfo(name).compress_type == zipfile.ZIP_STORED
+        assert zf.read(name) == _bits(t)
+
+
+def test_archive_record_names_the_parser_expects() -> None:
+    """``<prefix>/data.pkl``, ``<prefix>/byteorder`` and ``<prefix>/data/<key>``, uncompressed."""
+    with zipfile.ZipFile(_archive(torch.ones(3))) as zf:
+        names = zf.namelist()
+        prefix = names[0].split("/")[0]
+        assert f"{prefix}/data.pkl" in names
+        assert f"{prefix}/data/0" in names
+        assert zf.read(f"{prefix}/byteorder").decode() == "little"
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: torch.ones(4, 3).t(), id="non-contiguous"),
+        pytest.param(lambda: torch.arange(10.0)[2:5], id="storage-offset-view"),
+        pytest.param(lambda: torch.arange(10.0)[::2], id="strided-view"),
+        pytest.param(lambda: {"a": torch.ones(2)}, id="dict"),
+        pytest.param(lambda: [torch.ones(2), torch.ones(2)], id="list"),
+        pytest.param(lambda: 3, id="int"),
+        pytest.param(lambda: torch.nn.Parameter(torch.ones(2)), id="parameter"),
+    ],
+)
+def test_anything_but_one_plain_tensor_is_refused(make: Any) -> None:
+    assert parse_torch_save_tensor(_archive(make())) is None
+
+
+def test_legacy_non_zip_format_is_refused() -> None:
+    buf = _archive(torch.ones(3), _use_new_zipfile_serialization=False)
+    assert parse_torch_save_tensor(buf) is None
+
+
+def _rewrite(buf: io.BytesIO, edit: Any, compress: int = zipfile.ZIP_STORED) -> io.BytesIO:
+    out = io.BytesIO()
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(out, "w", compression=compress) as dst:
+        for info in src.infolist():
+            data = edit(info.filename, src.read(info.filename))
+            if data is not None:
+                dst.writestr(info.filename, data)
+    out.seek(0)
+    return out
+
+
+def test_compressed_records_are_refused() -> None:
+    assert parse_torch_save_tensor(_rewrite(_archive(torch.ones(64)), lambda n, d: d, zipfile.ZIP_DEFLATED)) is None
+    # The same rewrite without compression still parses: the refusal is about compression.
+    assert parse_torch_save_tensor(_rewrite(_archive(torch.ones(64)), lambda n, d: d)) is not None
+
+
+def test_foreign_byte_order_is_refused() -> None:
+    edited = _rewrite(_archive(torch.ones(4)), lambda n, d: b"big" if n.endswith("/byteorder") else d)
+    assert parse_torch_save_tensor(edited) is None
+    missing = _rewrite(_archive(torch.ones(4)), lambda n, d: None if n.endswith("/byteorder") else d)
+    assert parse_torch_save_tensor(missing) is None
+
+
+def test_record_size_mismatch_is_refused() -> None:
+    short = _rewrite(_archive(torch.ones(4)), lambda n, d: d[:-4] if n.endswith("/data/0") else d)
+    assert parse_torch_save_tensor(short) is None
+
+
+def test_unknown_globals_are_refused_without_running_them() -> None:
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, ("echo pwned > /dev/null",))
+
+    raw = pickle.dumps(Evil(), protocol=2)
+    edited = _rewrite(_archive(torch.ones(4)), lambda n, d: raw if n.endswith("/data.pkl") else d)
+    assert parse_torch_save_tensor(edited) is None
+
+
+def test_truncated_and_garbage_archives_are_refused() -> None:
+    raw = _archive(torch.ones(100)).getvalue()
+    for cut in (0, 10, len(raw) // 2, len(raw) - 1):
+        assert parse_torch_save_tensor(io.BytesIO(raw[:cut])) is None
+    assert parse_torch_save_tensor(io.BytesIO(b"PK" + b"\0" * 200)) is None
+
+
+def test_dcp_items_are_torch_save_archives_at_their_storage_offsets(tmp_path: Any) -> None:
+    """DCP's FileSystemWriter writes each tensor item as one torch.save archive (TORCH_SAVE)."""
+    state = {f"t{i}": _sample(dtype, (3, i + 1)) for i, dtype in enumerate(DTYPES)}
+    state["text"] = "not a tensor"  # type: ignore[assignment]
+    path = str(tmp_path / "ckpt")
+    md = dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=2))
+    assert md.storage_data
+    seen = 0
+    for index, info in md.storage_data.items():
+        if index.fqn == "text":
+            continue
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            item = io.BytesIO(f.read(info.length))
+        assert info.transform_descriptors is None  # no stream transforms by default
+        layout = parse_torch_save_tensor(item)
+        assert layout is not None, index.fqn
+        want = state[index.fqn]
+        assert layout.dtype == want.dtype and layout.size == tuple(want.shape)
+        assert item.getvalue()[layout.data_offset : layout.data_offset + layout.nbytes] == _bits(want)
+        seen += 1
+    assert seen == len(DTYPES)
+
+
+def test_dcp_reader_loads_items_with_torch_load(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback the fast path relies on: DCP's reader torch.loads each tensor item."""
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(3)}, storage_writer=FileSystemWriter(path))
+    calls: list[Any] = []
+    real = torch.load
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("weights_only"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    out = {"w": torch.zeros(3)}
+    dcp.load(out, storage_reader=FileSystemReader(path))
+    assert calls == [True] and torch.equal(out["w"], torch.ones(3))
+
+
+# -- DTensor.__create_chunk_list__ -----------------------------------------------------------
+
+
+def test_local_chunks_of_a_plain_tensor() -> None:
+    assert local_chunks(torch.zeros(3, 4)) == [
+        ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([3, 4]))
+    ]
+    assert local_chunks(torch.tensor(1.0)) == [ChunkStorageMetadata(offsets=torch.Size([]), sizes=torch.Size([]))]
+
+
+@pytest.fixture
+def one_rank_mesh() -> Any:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_chunks_of_a_dtensor_match_dcp(tmp_path: Any, one_rank_mesh: Any) -> None:
+    """``__create_chunk_list__`` gives the chunks DCP itself records for the DTensor."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    state = {
+        "shard0": distribute_tensor(torch.randn(6, 4), one_rank_mesh, [Shard(0)]),
+        "shard1": distribute_tensor(torch.randn(6, 4), one_rank_mesh, [Shard(1)]),
+        "repl": distribute_tensor(torch.randn(5), one_rank_mesh, [Replicate()]),
+    }
+    md = dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "ckpt")))
+    for key, value in state.items():
+        stored = md.state_dict_metadata[key]
+        assert isinstance(stored, TensorStorageMetadata)
+        assert local_chunks(value) == stored.chunks, key
+        assert value.__create_chunk_list__() == stored.chunks  # the protocol method itself
+
+
+# -- writing archives without torch.save -------------------------------------------------------
+
+
+def _dense_sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype in (torch.uint32, torch.uint64):
+        return torch.ones(shape, dtype=dtype)  # no randint / casts for these
+    return _sample(dtype, shape)
+
+
+@pytest.mark.parametrize("dtype", sorted(ARCHIVE_DTYPES, key=str), ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (5,), (2, 3, 4)], ids=str)
+def test_data_pkl_is_byte_identical_to_torch_save(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = _dense_sample(dtype, shape)
+    with zipfile.ZipFile(_archive(t)) as zf:
+        (name,) = [n for n in zf.namelist() if n.endswith("/data.pkl")]
+        assert tensor_data_pkl(dtype, shape) == zf.read(name)
+
+
+@pytest.mark.parametrize("dtype", sorted(ARCHIVE_DTYPES, key=str), ids=str)
+def test_tensor_archive_loads_with_torch_load(dtype: torch.dtype) -> None:
+    t = _dense_sample(dtype, (4, 5))
+    parts = tensor_archive(dtype, (4, 5))
+    assert parts is not None and parts.nbytes == t.numel() * t.element_size()
+    raw = parts.head + _bits(t) + parts.tail
+    assert len(raw) == parts.length and len(parts.head) % 64 == 0  # data 64-byte aligned
+    back = torch.load(io.BytesIO(raw), weights_only=True)
+    assert back.dtype == dtype and back.shape == t.shape and _bits(back) == _bits(t)
+    layout = parse_torch_save_tensor(io.BytesIO(raw))
+    assert layout is not None and layout.data_offset == len(parts.head)
+    # the stdlib agrees on every record but the data's CRC (0: not recorded, as torch writes
+    # it with set_crc32_options(False))
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        assert zf.testzip() in (None, "archive/data/0")
+        assert {n.split("/", 1)[1] for n in zf.namelist()} == {
+            "data.pkl", ".format_version", ".storage_alignment", "byteorder", "data/0", "version",
+            ".data/serialization_id",
+        }  # fmt: skip
+    assert tensor_archive(torch.qint8, (3,)) is None
+
+
+def test_torch_save_without_crc_is_still_parsed() -> None:
+    """Archives torch writes with CRCs off carry 0 CRCs; the parser accepts them."""
+    torch.serialization.set_crc32_options(False)
+    try:
+        buf = _archive(torch.arange(6.0))
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zf:
+        assert all(i.CRC == 0 for i in zf.infolist())
+    assert parse_torch_save_tensor(buf) is not None
+
+
+def test_zip64_records_load_and_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Items over 4 GiB get zip64 fields; exercised with a lowered limit."""
+    import ckpt_engine._torch_private as tp
+
+    monkeypatch.setattr(tp, "_ZIP64_LIMIT", 100)
+    t = torch.arange(1000.0)
+    parts = tensor_archive(t.dtype, (1000,))
+    assert parts is not None
+    raw = parts.head + _bits(t) + parts.tail
+    assert torch.equal(torch.load(io.BytesIO(raw), weights_only=True), t)
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        assert zf.getinfo("archive/data/0").file_size == 4000
+    # the struct parser leaves zip64 entries to zipfile; both give the same layout
+    assert parse_torch_save_tensor(io.BytesIO(raw)) == parse_torch_save_tensor(io.BytesIO(raw), use_zipfile=True)
+    assert parse_torch_save_tensor(io.BytesIO(raw)) is not None
+
+
+def test_both_directory_parsers_agree_on_torch_archives() -> None:
+    for t in (torch.ones(3), torch.zeros(2, 2, dtype=torch.bfloat16), torch.tensor(1), torch.empty(0)):
+        buf = _archive(t)
+        assert parse_torch_save_tensor(buf) == parse_torch_save_tensor(buf, use_zipfile=True) is not None
+
+
+def test_storage_info_is_dcp_storage_record() -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    info = storage_info("__0_0.distcp", 10, 20)
+    assert info == _StorageInfo("__0_0.distcp", 10, 20)
+    assert info.transform_descriptors is None  # "no transforms", as DCP's writer records it
