@@ -7,15 +7,27 @@ classes DCP writes, and hands the result to DCP through :class:`SafeFileSystemRe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
+import re
+import zipfile
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
-from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from .errors import (
+    CheckpointLoadError,
+    CheckpointPermissionError,
+    CkptEngineError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+)
 
 METADATA_FILE = ".metadata"
 
@@ -65,7 +77,11 @@ def read_metadata(component_dir: str | os.PathLike[str]) -> Metadata:
             f"{path} does not exist: the component was never committed (an interrupted save?)"
         ) from err
     except PermissionError as err:
-        raise CorruptCheckpointError(f"{path}: permission denied; make it readable") from err
+        raise CheckpointPermissionError(f"cannot read {path}: permission denied; make it readable") from err
+    except IsADirectoryError as err:
+        raise CorruptCheckpointError(f"{path} is a folder, not a DCP metadata file") from err
+    except OSError as err:
+        raise CheckpointLoadError(f"cannot read {path}: {err.strerror or err}") from err
     except pickle.UnpicklingError as err:
         if "forbidden global" in str(err):
             raise UnsafeCheckpointError(
@@ -93,3 +109,61 @@ class SafeFileSystemReader(FileSystemReader):
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id  # as the stock reader does
         return md
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read, one data file at a time, so that a failure names the file it came from."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for rel, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except CkptEngineError:
+                raise
+            except Exception as err:
+                mapped = _read_error(os.path.join(os.fspath(self.path), rel), items, err)
+                if mapped is err:
+                    raise
+                raise mapped from err
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _raised_by_deserialisation(err: BaseException) -> bool:
+    """Whether ``err`` came out of ``torch.load`` / zip parsing (and not, say, the load planner)."""
+    tb = err.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+        if name.endswith(("torch/serialization.py", "/zipfile.py", "/pickle.py", "torch/_weights_only_unpickler.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _read_error(path: str, items: list[ReadItem], err: Exception) -> Exception:
+    """A typed error naming ``path`` for a failure reading it; ``err`` itself if it is no read error."""
+    keys = sorted({i.storage_index.fqn for i in items})
+    what = f"{keys[0]!r}" + (f" and {len(keys) - 1} more key(s)" if len(keys) > 1 else "")
+    # torch's weights-only errors bury the reason under a paragraph of advice
+    inner = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(err))
+    first_line = inner.group(1) if inner else next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+    detail = f"{type(err).__name__}: {first_line[:300]}"
+    if isinstance(err, PermissionError):
+        return CheckpointPermissionError(f"cannot read {path}: permission denied; make it readable")
+    if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        return UnsafeCheckpointError(
+            f"{path}: the data of {what} references {found.group(1) if found else 'a global'}, which "
+            "weights_only=True refuses to construct; the file may have been tampered with"
+        )
+    if isinstance(err, OSError):
+        return CheckpointLoadError(f"cannot read {path} (reading {what}): {detail}")
+    if isinstance(err, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile)) or (
+        isinstance(err, (RuntimeError, ValueError)) and _raised_by_deserialisation(err)
+    ):
+        return CorruptCheckpointError(
+            f"{path} is corrupt: reading {what} failed with {detail}. Check the checkpoint with "
+            "verify='checksums' (or the CLI's verify command) to find every damaged file"
+        )
+    return err

@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -105,6 +105,35 @@ class EngineConfig(BaseModel):
         description="Unpickle non-tensor values without `weights_only=True`. Only for trusted "
         "legacy checkpoints: it runs code from the checkpoint.",
     )
+    verify: Literal["off", "sizes", "checksums"] = Field(
+        default="sizes",
+        description="Checks before anything is loaded, beyond completeness (always checked): `sizes` "
+        "compares every file's size with the checkpoint's manifest (a stat per file); `checksums` also "
+        "reads every file and compares its checksum (catches flipped bytes; reads the checkpoint once "
+        "more, split among ranks); `off` skips the manifest.",
+    )
+    save_checksums: bool = Field(
+        default=True,
+        description="Checksum every file into the manifest at commit (re-reads what was just written, "
+        "usually from the page cache). False: the manifest records sizes only.",
+    )
+    fallback_to_last_complete: bool = Field(
+        default=False,
+        description="When `latest_checkpoint.txt` is unreadable or names a missing, incomplete or corrupt "
+        "checkpoint, load the newest checkpoint that passes the checks instead of raising (logged, "
+        "and reported in `LoadResult.fell_back_from`).",
+    )
+    keep_last: int | None = Field(
+        default=None,
+        ge=1,
+        description="After each commit, delete all but the N newest complete checkpoints (never the one "
+        "`latest` names, nor newer ones). None: delete nothing.",
+    )
+    keep_every: int | None = Field(
+        default=None,
+        ge=1,
+        description="With `keep_last`: also keep every checkpoint whose iteration is a multiple of M.",
+    )
     thread_count: int = Field(default=1, ge=1, le=64, description="Writer threads per rank (DCP).")
     sync_files: bool = Field(default=True, description="fsync checkpoint files before commit.")
     plugins: tuple[PluginEntry, ...] = Field(
@@ -153,6 +182,11 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 "load_training_state and only_load_scheduler_state are both set; "
                 "load_training_state already loads the scheduler: set only one"
+            )
+        if self.keep_every is not None and self.keep_last is None:
+            raise ValueError(
+                "keep_every is set without keep_last; keep_every only spares checkpoints from keep_last's "
+                "deletions: set keep_last too (or unset keep_every to keep everything)"
             )
         return self
 

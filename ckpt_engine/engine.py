@@ -6,10 +6,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -18,8 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import _dist
-from ._metadata import SafeFileSystemReader
+from . import _dist, errors
+from ._fast_read import FastFileSystemReader
 from .config import EngineConfig
 from .errors import (
     CheckpointLoadError,
@@ -28,11 +29,33 @@ from .errors import (
     CkptEngineError,
     ConfigError,
     IncompleteCheckpointError,
+    IntegrityError,
+    SaveDirLockedError,
+)
+from .integrity import (
+    DEFAULT_ALGORITHM,
+    FileEntry,
+    check_against_manifest,
+    hash_files,
+    list_files,
+    lookup_manifest,
+    new_manifest,
+    owner_rank,
+    referenced_files,
+    shard_files,
+    write_manifest,
 )
 from .layout import (
+    LATEST_FILE,
+    CheckedCheckpoint,
+    SaveDirLock,
     check_complete,
+    cleanup_leftovers,
     commit_rename,
+    disk_full_hint,
+    find_leftovers,
     iter_dirname,
+    list_checkpoints,
     partial_dirname,
     read_latest,
     remove_tree,
@@ -42,6 +65,7 @@ from .loading import build_plugin_manager
 from .pipeline import Pipeline
 from .planner import EngineLoadPlanner, EngineSavePlanner, flat_keys
 from .report import ComponentReport, LoadReport, SkipRecord
+from .retention import apply_retention
 from .state import TrainingObjects, apply_component, component_state_dict
 from .types import (
     STANDARD_COMPONENTS,
@@ -56,6 +80,17 @@ from .types import (
 __all__ = ["CheckpointEngine", "SaveHandle"]
 
 logger = logging.getLogger("ckpt_engine")
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class _Validated:
+    """A checkpoint that passed the pre-load checks."""
+
+    checked: CheckedCheckpoint
+    verified: bool
+    reason: str | None
 
 
 class SaveHandle:
@@ -116,6 +151,44 @@ class CheckpointEngine:
         self._lock = threading.Lock()
         self._committer: ThreadPoolExecutor | None = None
         self._closed = False
+        #: Held by rank 0 from the first save until close(): a second engine saving into the
+        #: same save_dir gets SaveDirLockedError instead of interleaving checkpoints.
+        self._save_lock = SaveDirLock(self.save_dir)
+        self._remove_leftovers_at_start()
+
+    def _remove_leftovers_at_start(self) -> None:
+        """Rank 0 removes the hidden folders a crashed save or deletion left in ``save_dir``.
+
+        Only under the save_dir lock (taken briefly), so the folders of another engine that is
+        saving there right now are never touched. Where there is nothing to remove, nothing is
+        opened or written: an engine that only loads leaves the folder as it found it.
+        """
+        if _dist.initialized():
+            rank = _dist.rank()
+        else:  # constructed before init_process_group: torchrun's RANK still says who is rank 0
+            try:
+                rank = int(os.environ.get("RANK", "0"))
+            except ValueError:
+                rank = 0
+        if rank != 0:
+            return
+        leftovers = find_leftovers(self.save_dir)
+        if not leftovers:
+            return
+        holder = self._save_lock.try_hold_briefly()
+        if holder is None:
+            logger.info(
+                "%s holds %d leftover temporary folder(s), but another engine holds its lock (or it cannot "
+                "be locked); leaving them",
+                self.save_dir,
+                len(leftovers),
+            )
+            return
+        try:
+            for line in cleanup_leftovers(self.save_dir, leftovers):
+                logger.warning("%s", line)
+        finally:
+            holder.release()
 
     # -- context manager --------------------------------------------------------------------
 
@@ -166,7 +239,9 @@ class CheckpointEngine:
         objs = TrainingObjects.from_args(model, optimizer, scheduler, grad_scaler, extra)
         if not objs.modules:
             raise ValueError("save() needs model=: a module or a list of modules")
-        self._wait_pending()  # one save in flight: never re-stage while a write may read the buffers
+        # One save in flight (more only where the stage provider says so): never re-stage while
+        # a write may still read the buffers.
+        self._wait_pending(keep=self._saves_to_keep(iteration))
 
         t0 = time.perf_counter()
         rank, world = _dist.rank(), _dist.world_size()
@@ -187,6 +262,8 @@ class CheckpointEngine:
                 total_seconds=time.perf_counter() - t0,
             )
             self._finish(result, partial_dir, cleanup=False)
+            if isinstance(err, SaveDirLockedError):
+                raise
             detail = str(err) if isinstance(err, CkptEngineError) else f"{type(err).__name__}: {err}"
             raise CheckpointSaveError(f"saving iteration {iteration} to {final_dir} failed: {detail}") from err
 
@@ -288,6 +365,9 @@ class CheckpointEngine:
                 key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
             if rank == 0:
                 os.makedirs(self.save_dir, exist_ok=True)
+                if self._save_lock.acquire():  # first save: also clear what a crash left behind
+                    for line in cleanup_leftovers(self.save_dir):
+                        logger.warning("%s", line)
                 if os.path.exists(partial_dir):
                     remove_tree(partial_dir)  # left behind by a crashed save of this iteration
             t_stage = time.perf_counter()
@@ -346,10 +426,11 @@ class CheckpointEngine:
             write_seconds=now - write_start,
             total_seconds=now - t0,
         )
+        hint = disk_full_hint(self.save_dir, err)  # before the partial folder frees its space
         self._finish(result, partial_dir, cleanup=True)
         where = f" on rank(s) {ranks}" if _dist.world_size() > 1 else ""
         return CheckpointSaveError(
-            f"saving iteration {iteration} to {final_dir} failed{where}: {type(err).__name__}: {err}; "
+            f"saving iteration {iteration} to {final_dir} failed{where}: {type(err).__name__}: {err}{hint}; "
             "the previous checkpoint is untouched"
         )
 
@@ -367,6 +448,12 @@ class CheckpointEngine:
         *,
         collective: bool,
     ) -> SaveResult:
+        """Manifest, rename, ``latest``: the commit protocol (docs/reliability.md).
+
+        ``collective``: every rank calls this at the same point (synchronous saves); each rank
+        checksums the files it wrote and the ranks agree before rank 0 commits. Otherwise (the
+        commit thread of background writes) no collective is used: rank 0 checksums every file.
+        """
         error: BaseException | None = None
         nbytes = 0
         try:
@@ -375,13 +462,40 @@ class CheckpointEngine:
         except (Exception, CheckpointException) as exc:
             error = _unwrap(exc)[0]
         write_end = time.perf_counter()
-        if error is None and _dist.rank() == 0:
+        rank, world = _dist.rank(), _dist.world_size()
+        algorithm = DEFAULT_ALGORITHM if self.config.save_checksums else None
+        entries: dict[str, FileEntry] = {}
+        if collective and world > 1:
+            # Each rank sizes and checksums the files it wrote (still in its page cache), then
+            # all ranks agree that every write succeeded before rank 0 commits anything.
+            if error is None:
+                try:
+                    mine = [rel for rel in list_files(partial_dir) if owner_rank(rel, world) == rank]
+                    entries = hash_files(partial_dir, mine, algorithm)
+                except Exception as err:
+                    error = err
+            local = None if error is None else f"{type(error).__name__}: {error}"
+            gathered = _dist.all_gather_object((local, entries))
+            if error is None:
+                failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+                if failed:
+                    error = CheckpointSaveError(f"rank {failed[0][0]} failed to write its files: {failed[0][1]}")
+            entries = {rel: entry for _, part in gathered for rel, entry in part.items()}
+        if error is None and rank == 0:
             try:
+                t_manifest = time.perf_counter()
+                covered = self._write_manifest(iteration, partial_dir, components, algorithm, entries, world)
+                logger.debug(
+                    "manifest of iteration %d: %.1f MB covered in %.3fs",
+                    iteration,
+                    covered / 1e6,
+                    time.perf_counter() - t_manifest,
+                )
                 commit_rename(partial_dir, final_dir)
                 write_latest(self.save_dir, iter_dirname(iteration))
             except Exception as err:
                 error = err
-        if collective and _dist.world_size() > 1:
+        if collective and world > 1:
             # Doubles as the barrier that keeps ranks from running ahead of the commit.
             errors = _dist.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
             if error is None:
@@ -396,13 +510,36 @@ class CheckpointEngine:
             error=error,
             components=components,
             bytes_written=nbytes,
-            blocked_seconds=blocked,
+            # A synchronous save blocks the caller through the commit too.
+            blocked_seconds=now - t0 if collective else blocked,
             staging_seconds=timings["staging"],
             write_seconds=write_end - write_start,
             total_seconds=now - t0,
         )
         self._finish(result, partial_dir, cleanup=error is not None)
         return result
+
+    def _write_manifest(
+        self,
+        iteration: int,
+        partial_dir: str,
+        components: tuple[str, ...],
+        algorithm: str | None,
+        entries: dict[str, FileEntry],
+        world: int,
+    ) -> int:
+        """Rank 0: check the uncommitted checkpoint is complete, checksum what no rank did, and
+        write the manifest into it. Returns the bytes the manifest covers."""
+        checked = check_complete(partial_dir)
+        missing = [c for c in components if c not in checked.components]
+        if missing:
+            raise IncompleteCheckpointError(f"{partial_dir}: components {missing} were not written")
+        expected = set(list_files(partial_dir)) | referenced_files(checked)
+        entries = dict(entries)
+        entries.update(hash_files(partial_dir, expected - set(entries), algorithm))
+        manifest = new_manifest(iteration, world, components, algorithm, entries)
+        write_manifest(partial_dir, manifest)
+        return manifest.total_bytes
 
     def _commit_background(self, future: Future[SaveResult], *args: Any) -> None:
         try:
@@ -426,13 +563,38 @@ class CheckpointEngine:
                     result.blocked_seconds,
                     result.total_seconds,
                 )
+                self._apply_retention()
         else:
             logger.error("save of iteration %d failed: %s", result.iteration, result.error)
         self.pipeline.on_save_done(result)
 
-    def _wait_pending(self) -> list[SaveResult]:
+    def _apply_retention(self) -> None:
+        """Rank 0, after a commit: ``keep_last`` / ``keep_every``. A best-effort side job: a
+        failure is logged and retried after the next commit, never raised into training."""
+        if self.config.keep_last is None:
+            return
+        try:
+            apply_retention(self.save_dir, self.config.keep_last, self.config.keep_every)
+        except Exception:
+            logger.warning("retention in %s failed; retrying after the next commit", self.save_dir, exc_info=True)
+
+    def _saves_to_keep(self, iteration: int) -> int:
+        """How many earlier saves may stay pending while a new one stages: the stage provider's
+        ``max_saves_in_flight`` (default 1) minus one; none when one of them is this iteration."""
+        provider = self._plugins.pm.get_plugin(self.pipeline.providers["stage"])
+        limit = getattr(provider, "max_saves_in_flight", 1)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            limit = 1
         with self._lock:
-            pending, self._pending = self._pending, []
+            if any(h.iteration == iteration for h in self._pending):
+                return 0
+        return limit - 1
+
+    def _wait_pending(self, keep: int = 0) -> list[SaveResult]:
+        """Wait for pending saves, oldest first, until at most ``keep`` remain."""
+        with self._lock:
+            cut = max(0, len(self._pending) - keep)
+            pending, self._pending = self._pending[:cut], self._pending[cut:]
         results = []
         first_error: CheckpointSaveError | None = None
         for handle in pending:
@@ -453,9 +615,18 @@ class CheckpointEngine:
 
         Plugins that hold resources (a writer process, host buffers) expose a ``close()``
         method; it is called once, in reverse fold order, after every pending save finished.
+        A plugin's optional ``begin_close()`` is called first, before the wait, so that it can
+        bound how long its in-flight work may still take.
         """
         if self._closed:
             return
+        for name in self._plugins.order:  # lets a plugin bound the wait below (pinned_staging: close_timeout_s)
+            begin_close = getattr(self._plugins.pm.get_plugin(name), "begin_close", None)
+            if callable(begin_close):
+                try:
+                    begin_close()
+                except Exception as err:
+                    logger.error("%s: begin_close() failed: %s", self.pipeline.describe(name), err)
         try:
             self._wait_pending()
         finally:
@@ -463,6 +634,7 @@ class CheckpointEngine:
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None
+            self._save_lock.release()
             errors: list[BaseException] = []
             for name in reversed(self._plugins.order):
                 closer = getattr(self._plugins.pm.get_plugin(name), "close", None)
@@ -504,16 +676,27 @@ class CheckpointEngine:
         self._check_keys_not_to_resume(objs)
         cfg = self.config
         load_dir = cfg.resolved_load_dir
-        latest = read_latest(load_dir)
+        wanted_all = [*STANDARD_COMPONENTS, *objs.extra]
+        latest_file = os.path.join(load_dir, LATEST_FILE)
+        try:
+            latest = self._agreed(lambda: read_latest(load_dir))
+        except CkptEngineError as err:
+            if not cfg.fallback_to_last_complete:
+                raise
+            return self._load_fallback(objs, load_dir, latest_file, err, wanted_all)
         if latest is not None:
             path = os.path.join(load_dir, latest)
-            if not os.path.isdir(path):
-                raise CheckpointNotFoundError(
-                    f"{os.path.join(load_dir, 'latest_checkpoint.txt')} names {latest!r}, but {path} does not "
-                    "exist; restore it, or point latest_checkpoint.txt at an existing checkpoint"
+            try:
+                validated = self._validate(
+                    path,
+                    missing_hint=f"{latest_file} names {latest!r}, but {path} does not exist; restore it, or "
+                    "point latest_checkpoint.txt at an existing checkpoint (or set fallback_to_last_complete)",
                 )
-            wanted = [*STANDARD_COMPONENTS, *objs.extra]
-            return self._load_checkpoint(objs, path, wanted, "latest")
+            except CkptEngineError as err:
+                if not cfg.fallback_to_last_complete:
+                    raise
+                return self._load_fallback(objs, load_dir, path, err, wanted_all)
+            return self._load_checkpoint(objs, path, wanted_all, "latest", validated)
         if cfg.load_path:
             lp = cfg.load_path
             if lp.endswith(".pth"):
@@ -529,7 +712,7 @@ class CheckpointEngine:
                 wanted = ["model", "scheduler"]
             else:
                 wanted = ["model"]
-            return self._load_checkpoint(objs, lp, wanted, "load_path")
+            return self._load_checkpoint(objs, lp, wanted, "load_path", self._validate(lp))
         if _dist.rank() == 0:
             logger.info("no checkpoint in %s and no load_path: starting from scratch", load_dir)
         return LoadResult(iteration=0, checkpoint_path=None, report=LoadReport(), source="scratch")
@@ -543,8 +726,116 @@ class CheckpointEngine:
                 f"{', '.join(sorted(known))}. Fix the name, or pass the extra= component it refers to"
             )
 
-    def _load_checkpoint(self, objs: TrainingObjects, path: str, wanted: list[str], source: Any) -> LoadResult:
-        checked = check_complete(path)
+    # -- load: validation and fallback -------------------------------------------------------
+
+    def _agreed(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on every rank; if it raises on any rank, raise on every rank (the error of
+        the lowest failing rank), so that no rank walks into a collective the others skip."""
+        local: CkptEngineError | None = None
+        value: Any = None
+        try:
+            value = fn()
+        except CkptEngineError as err:
+            local = err
+        except Exception as err:
+            local = CheckpointLoadError(f"{type(err).__name__}: {err}")
+            local.__cause__ = err
+        if _dist.world_size() > 1:
+            gathered = _dist.all_gather_object(None if local is None else (type(local).__name__, str(local)))
+            failed = [(r, g) for r, g in enumerate(gathered) if g is not None]
+            if failed and local is None:
+                r, (name, message) = failed[0]
+                found = getattr(errors, name, None)
+                cls: type[CkptEngineError] = CheckpointLoadError
+                # LoadStrictnessError needs more than a message to be built: it stays the default.
+                if (
+                    isinstance(found, type)
+                    and issubclass(found, CkptEngineError)
+                    and found is not errors.LoadStrictnessError
+                ):
+                    cls = found
+                raise cls(f"{message} (found by rank {r})")
+        if local is not None:
+            raise local
+        return value  # type: ignore[no-any-return]
+
+    def _validate(self, path: str, missing_hint: str | None = None) -> _Validated:
+        """Everything checked before any tensor is read, agreed by every rank: the folder exists,
+        the checkpoint is complete (DESIGN section 2) and, per ``verify``, its files match the
+        manifest (checksums split among ranks)."""
+        level = self.config.verify
+        rank, world = _dist.rank(), _dist.world_size()
+
+        def check() -> _Validated:
+            if not os.path.isdir(path):
+                raise CheckpointNotFoundError(missing_hint or f"checkpoint folder {path} does not exist")
+            checked = check_complete(path)
+            if level == "off":
+                return _Validated(checked, False, "verify='off'")
+            lookup = lookup_manifest(path)
+            if lookup.manifest is None:
+                return _Validated(checked, False, lookup.reason)
+            share = shard_files(lookup.manifest.files, world)[rank] if level == "checksums" else None
+            found = check_against_manifest(
+                path, lookup.manifest, level, referenced=referenced_files(checked), checksum_only=share
+            )
+            if found.problems:
+                shown = found.problems[:20]
+                more = f"\n  ... and {len(found.problems) - 20} more" if len(found.problems) > 20 else ""
+                raise IntegrityError(
+                    f"checkpoint {path} does not match its manifest ({len(found.problems)} problem(s); nothing "
+                    "was loaded):\n  " + "\n  ".join(shown) + more
+                )
+            return _Validated(checked, found.complete_check, found.reason)
+
+        return self._agreed(check)
+
+    def _load_fallback(
+        self, objs: TrainingObjects, load_dir: str, bad: str, err: CkptEngineError, wanted: list[str]
+    ) -> LoadResult:
+        """``fallback_to_last_complete``: the newest checkpoint that passes :meth:`_validate`."""
+        candidates: list[str] = _dist.broadcast_object(
+            [p for _, p in reversed(list_checkpoints(load_dir)) if os.path.abspath(p) != os.path.abspath(bad)]
+        )
+        tried = []
+        for path in candidates:
+            try:
+                validated = self._validate(path)
+            except CkptEngineError as cand_err:
+                tried.append(f"{os.path.basename(path)}: {type(cand_err).__name__}")
+                continue
+            if _dist.rank() == 0:
+                logger.warning(
+                    "%s cannot be loaded (%s: %s); fell back to %s, the newest checkpoint that passes the "
+                    "checks (fallback_to_last_complete=True)",
+                    bad,
+                    type(err).__name__,
+                    err,
+                    path,
+                )
+            return self._load_checkpoint(objs, path, wanted, "latest", validated, fell_back_from=bad)
+        detail = f" (refused: {'; '.join(tried)})" if tried else ""
+        raise type(err)(
+            f"{err}; fallback_to_last_complete found no other complete checkpoint in {load_dir}{detail}"
+        ) from err
+
+    def _load_checkpoint(
+        self,
+        objs: TrainingObjects,
+        path: str,
+        wanted: list[str],
+        source: Any,
+        validated: _Validated,
+        *,
+        fell_back_from: str | None = None,
+    ) -> LoadResult:
+        checked = validated.checked
+        if self.config.trust_checkpoint and _dist.rank() == 0:
+            logger.warning(
+                "trust_checkpoint=True: non-tensor values of %s are unpickled without weights_only, which runs "
+                "any code the checkpoint holds; use it only for checkpoints you trust",
+                path,
+            )
         excluded = set(self.config.keys_not_to_resume)
         available = set(objs.available())
         names = [n for n in wanted if n not in excluded and n in available]
@@ -570,9 +861,16 @@ class CheckpointEngine:
                 iteration = int(sd.get("iteration", 0))
         report = LoadReport(reports)
         if _dist.rank() == 0:
-            logger.info("loaded %s (iteration %d)\n%s", path, iteration, report.summary())
+            how = f"verified: {self.config.verify}" if validated.verified else f"unverified: {validated.reason}"
+            logger.info("loaded %s (iteration %d, %s)\n%s", path, iteration, how, report.summary())
         return LoadResult(
-            iteration=iteration, checkpoint_path=path, report=report, source=source, components=tuple(reports)
+            iteration=iteration,
+            checkpoint_path=path,
+            report=report,
+            source=source,
+            components=tuple(reports),
+            verified=validated.verified,
+            fell_back_from=fell_back_from,
         )
 
     def _load_component(
@@ -591,7 +889,7 @@ class CheckpointEngine:
         )
         try:
             with _dist.quiet_dcp():
-                dcp.load(sd, storage_reader=SafeFileSystemReader(component_dir, metadata), planner=planner)
+                dcp.load(sd, storage_reader=FastFileSystemReader(component_dir, metadata), planner=planner)
         except (Exception, CheckpointException) as exc:
             err, ranks = _unwrap(exc)
             if isinstance(err, CkptEngineError):

@@ -89,3 +89,15 @@ class LoadStrictnessError(CheckpointLoadError):
 
 class CheckpointSaveError(CkptEngineError):
     """Saving a checkpoint failed; the previous ``latest`` checkpoint is untouched."""
+
+
+class SaveDirLockedError(CheckpointSaveError):
+    """Another engine (in this or another process) is saving into the same ``save_dir``."""
+
+
+class CheckpointPermissionError(CkptEngineError, PermissionError):
+    """A checkpoint file or folder cannot be read (or written) for lack of permission."""
+
+
+class IntegrityError(CorruptCheckpointError):
+    """A checkpoint file does not match the manifest written when it was committed (size or checksum)."""

@@ -7,11 +7,18 @@
       latest_checkpoint.txt                                      # "iter_000000005\\n"
 
 Uncommitted saves live in a hidden sibling (``.iter_000000005.partial``) and are renamed into
-place only when every component is written.
+place only when every component is written. The engine's other temporary folders are hidden too:
+``.iter_000000005.replaced.<pid>`` (an old checkpoint being replaced by a save of the same
+iteration) and ``.iter_000000005.deleting`` (a checkpoint being deleted by retention). Loaders
+never look at hidden names; :func:`cleanup_leftovers` removes what a crash left behind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import logging
 import os
 import re
 import shutil
@@ -21,11 +28,23 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ._metadata import METADATA_FILE, read_metadata
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import (
+    CheckpointNotFoundError,
+    CheckpointPermissionError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    SaveDirLockedError,
+)
+
+logger = logging.getLogger("ckpt_engine")
 
 LATEST_FILE = "latest_checkpoint.txt"
 _ITER_RE = re.compile(r"^iter_(\d{9,})$")
 PARTIAL_SUFFIX = ".partial"
+DELETING_SUFFIX = ".deleting"
+#: Hidden lock file, used only where the filesystem refuses to lock the folder itself (NFS).
+LOCK_FILE = ".ckpt_engine.lock"
+_LEFTOVER_RE = re.compile(r"^\.(iter_\d{9,})(\.partial|\.deleting|\.replaced\.\d+)$")
 
 
 def iter_dirname(iteration: int) -> str:
@@ -67,6 +86,10 @@ def read_latest(load_dir: str | os.PathLike[str]) -> str | None:
             raw = f.read(4096)
     except FileNotFoundError:
         return None
+    except PermissionError as err:
+        raise CheckpointPermissionError(f"cannot read {path}: permission denied; make it readable") from err
+    except IsADirectoryError as err:
+        raise CorruptCheckpointError(f"{path} is a folder; expected a file naming the latest checkpoint") from err
     except UnicodeDecodeError as err:
         raise CorruptCheckpointError(f"{path} is not text; expected a folder name like 'iter_000000100'") from err
     except OSError as err:
@@ -106,6 +129,10 @@ def component_dirs(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
         raise CheckpointNotFoundError(f"checkpoint folder {os.fspath(checkpoint_dir)!r} does not exist") from err
     except NotADirectoryError as err:
         raise CheckpointNotFoundError(f"{os.fspath(checkpoint_dir)!r} is not a checkpoint folder") from err
+    except PermissionError as err:
+        raise CheckpointPermissionError(
+            f"cannot list checkpoint folder {os.fspath(checkpoint_dir)!r}: permission denied"
+        ) from err
     return [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
 
 
@@ -143,6 +170,8 @@ def check_complete(checkpoint_dir: str | os.PathLike[str]) -> CheckedCheckpoint:
                 size = os.stat(fpath).st_size
             except FileNotFoundError as err:
                 raise IncompleteCheckpointError(f"{fpath} is missing; {METADATA_FILE} references it") from err
+            except PermissionError as err:
+                raise CheckpointPermissionError(f"cannot stat {fpath}: permission denied") from err
             if size < end:
                 raise IncompleteCheckpointError(
                     f"{fpath} is truncated: {size} bytes, but {METADATA_FILE} needs at least {end}"
@@ -167,6 +196,224 @@ def list_checkpoints(save_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
     shutil.rmtree(path, ignore_errors=False)
+
+
+def disk_full_hint(save_dir: str | os.PathLike[str], err: BaseException) -> str:
+    """`` (disk full: ...)`` when a failed write looks like one, else ``""``.
+
+    torch's zip writer reports a full disk as ``RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos ...``; the free space of ``save_dir``'s filesystem
+    (measured before the failed save's folder is removed) tells what happened.
+    """
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ""  # already says so
+    try:
+        st = os.statvfs(save_dir)
+    except OSError:
+        return ""
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if total and (free < 16 << 20 or free < total // 100):
+        return f" (the filesystem of {os.fspath(save_dir)} has {free} of {total} bytes free: disk full?)"
+    return ""
+
+
+def remove_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Delete a committed checkpoint folder so that a crash never leaves a half-deleted one under
+    its ``iter_*`` name: rename it to a hidden ``.iter_*.deleting`` first, then remove that."""
+    path = Path(path)
+    trash = path.with_name(f".{path.name}{DELETING_SUFFIX}")
+    if trash.exists():
+        shutil.rmtree(trash)  # an earlier attempt got as far as the rename
+    os.replace(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash)
+
+
+@dataclass(frozen=True)
+class Leftover:
+    path: str
+    #: ``partial``, ``deleting`` or ``replaced``
+    kind: str
+    #: The ``iter_*`` name the folder belongs to.
+    checkpoint: str
+
+
+def find_leftovers(save_dir: str | os.PathLike[str]) -> list[Leftover]:
+    """The engine's hidden temporary folders in ``save_dir`` (see the module docstring)."""
+    try:
+        entries = list(os.scandir(save_dir))
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    out = []
+    for e in entries:
+        m = _LEFTOVER_RE.match(e.name)
+        if m and e.is_dir(follow_symlinks=False):
+            kind = m.group(2).split(".")[1]
+            out.append(Leftover(path=e.path, kind=kind, checkpoint=m.group(1)))
+    return sorted(out, key=lambda lo: lo.path)
+
+
+def cleanup_leftovers(save_dir: str | os.PathLike[str], leftovers: list[Leftover] | None = None) -> list[str]:
+    """Remove what crashed saves and deletions left behind; returns one line per action.
+
+    Call only while holding the save_dir lock (no other engine may be saving there). A
+    ``.replaced`` folder whose checkpoint is missing (a crash between the two renames of a
+    re-save) is renamed back into place instead of deleted. Errors are logged, never raised:
+    this is housekeeping and the next start retries.
+    """
+    done = []
+    for lo in find_leftovers(save_dir) if leftovers is None else leftovers:
+        final = os.path.join(os.fspath(save_dir), lo.checkpoint)
+        try:
+            if lo.kind == "replaced" and not os.path.exists(final):
+                os.replace(lo.path, final)
+                fsync_dir(save_dir)
+                done.append(f"restored {final} from {lo.path} (a re-save of it was interrupted)")
+            else:
+                shutil.rmtree(lo.path)
+                done.append(f"removed {lo.path} (left behind by an interrupted save or deletion)")
+        except FileNotFoundError:
+            continue  # someone else (another rank) got there first
+        except OSError as err:
+            # Best-effort housekeeping: an uncommitted folder is invisible to loaders; retry next start.
+            logger.warning("could not remove leftover folder %s: %s", lo.path, err)
+    return done
+
+
+# -- the save_dir lock --------------------------------------------------------------------------
+
+_UNSUPPORTED_LOCK_ERRNOS = {errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
+
+
+def _flock(fd: int) -> bool:
+    """Try an exclusive non-blocking flock: True if acquired, False if another holder has it.
+    Raises OSError where the filesystem does not support it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _lock_holder(fd: int) -> str:
+    """Best effort: ``pid N`` of the process holding a flock on ``fd``'s file (from /proc/locks)."""
+    try:
+        st = os.fstat(fd)
+        with open("/proc/locks", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return "another process"
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == want:
+            pid = parts[4]
+            return f"this process (pid {pid})" if pid == str(os.getpid()) else f"pid {pid}"
+    return "another process"
+
+
+class SaveDirLock:
+    """An exclusive advisory lock on a save_dir, so two engines never save into it at once.
+
+    It locks the folder itself (``flock`` on a directory descriptor): no file is created and the
+    layout stays exactly the original checkpointer's. Where the filesystem refuses a directory
+    lock (NFS turns ``flock`` into POSIX locks, which need a writable descriptor), it locks a
+    hidden file ``save_dir/.ckpt_engine.lock`` instead. Where neither works, it logs a warning
+    and saves unlocked. The lock dies with the process (a crashed trainer never blocks the next).
+    """
+
+    def __init__(self, save_dir: str | os.PathLike[str]) -> None:
+        self.save_dir = os.fspath(save_dir)
+        self._fd: int | None = None
+        self._unsupported = False
+        #: ``directory``, ``file``, ``none`` (unsupported) or ``None`` (not held).
+        self.method: str | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None or self._unsupported
+
+    def _try(self) -> tuple[int | None, str]:
+        """Open and lock; returns (fd, method) with fd None if another holder has the lock."""
+        fd = os.open(self.save_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            got = _flock(fd)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in _UNSUPPORTED_LOCK_ERRNOS:
+                raise
+        else:
+            if got:
+                return fd, "directory"
+            holder = _lock_holder(fd)
+            os.close(fd)
+            return None, holder
+        fd = os.open(os.path.join(self.save_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            got = _flock(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        if got:
+            return fd, "file"
+        holder = _lock_holder(fd)
+        os.close(fd)
+        return None, holder
+
+    def acquire(self) -> bool:
+        """Take the lock for good (until :meth:`release`); True if newly taken, False if already
+        held. Raises :class:`SaveDirLockedError` if another engine holds it."""
+        if self.held:
+            return False
+        try:
+            fd, info = self._try()
+        except OSError as err:
+            if err.errno in _UNSUPPORTED_LOCK_ERRNOS:
+                logger.warning(
+                    "cannot lock %s (%s): this filesystem supports no flock; two engines saving into it "
+                    "at once would not be detected",
+                    self.save_dir,
+                    err.strerror or err,
+                )
+                self._unsupported, self.method = True, "none"
+                return True
+            raise
+        if fd is None:
+            raise SaveDirLockedError(
+                f"save_dir {self.save_dir!r} is locked by another CheckpointEngine ({info}) that is saving "
+                "into it; two engines saving into one folder would interleave their checkpoints. Use a "
+                "different save_dir, or close() the other engine first"
+            )
+        self._fd, self.method = fd, info
+        return True
+
+    def try_hold_briefly(self) -> SaveDirLock | None:
+        """A second lock object holding the lock now, or None if it is taken (or unsupported)."""
+        other = SaveDirLock(self.save_dir)
+        try:
+            fd, info = other._try()
+        except OSError:
+            return None
+        if fd is None:
+            return None
+        other._fd, other.method = fd, info
+        return other
+
+    def __del__(self) -> None:
+        # An engine dropped without close(): closing the descriptor releases the lock.
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        self._unsupported, self.method = False, None
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)  # also for copies of the descriptor in forked children
+            finally:
+                os.close(fd)
 
 
 def commit_rename(partial: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:

@@ -239,3 +239,10 @@ class LoadResult:
     #: Which resume rule applied: ``latest``, ``load_path``, ``pth`` or ``scratch``.
     source: Literal["latest", "load_path", "pth", "scratch"] = "scratch"
     components: tuple[str, ...] = field(default_factory=tuple)
+    #: Whether the checkpoint's manifest existed and every file matched it at the configured
+    #: ``verify`` level before anything was loaded (False for checkpoints without a manifest,
+    #: ``verify="off"``, a ``.pth`` file or a fresh start).
+    verified: bool = False
+    #: With ``fallback_to_last_complete``: the checkpoint ``latest_checkpoint.txt`` named (or the
+    #: pointer file itself, when unreadable) that was refused in favour of ``checkpoint_path``.
+    fell_back_from: str | None = None

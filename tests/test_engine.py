@@ -96,7 +96,9 @@ def test_layout_matches_the_original_checkpointer(save_dir: str) -> None:
     assert sorted(os.listdir(save_dir)) == ["iter_000000005", "iter_000000012", "latest_checkpoint.txt"]
     assert Path(save_dir, "latest_checkpoint.txt").read_text() == "iter_000000012\n"
     ckpt = Path(save_dir, "iter_000000012")
-    assert sorted(os.listdir(ckpt)) == ["model", "optim", "scheduler", "trainer"]
+    # The original layout, plus the engine's manifest at the checkpoint level (never inside a
+    # component folder, so every component stays a plain DCP checkpoint).
+    assert sorted(os.listdir(ckpt)) == ["ckpt_engine_manifest.json", "model", "optim", "scheduler", "trainer"]
     for component in ("model", "optim", "scheduler", "trainer"):
         assert sorted(os.listdir(ckpt / component)) == [".metadata", "__0_0.distcp"]
 
@@ -462,3 +464,20 @@ def test_invalid_iteration(save_dir: str) -> None:
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(ValueError, match="iteration"):
             engine.save(bad, model=_fresh().model)  # type: ignore[arg-type]
+
+
+def test_summary_collapses_large_skip_groups_and_keeps_small_ones() -> None:
+    from ckpt_engine.report import ComponentReport, SkipRecord
+
+    skipped = {
+        f"net_ema.blocks.{i}.w": SkipRecord(reason=f"shape [{i}] != [9]", plugin="size_mismatch") for i in range(300)
+    }
+    skipped["head.w"] = SkipRecord(reason="fresh head")
+    rep = ComponentReport(component="model", checkpoint_dir="x", skipped=skipped)
+    lines = rep.summary_lines(threshold=8)
+    big = [line for line in lines if "size_mismatch" in line]
+    assert big == [
+        "  skipped by size_mismatch: 300 keys (net_ema.* (300 keys)); e.g. net_ema.blocks.0.w: shape [0] != [9]"
+    ]
+    assert "  skipped by engine: head.w: fresh head" in lines
+    assert len(lines) == 3

@@ -1,0 +1,257 @@
+"""SIGKILL a process at random moments while it saves checkpoints in a loop; check every restore.
+
+Run by ``tests/test_crash.py`` (and by hand: ``python tests/crash_scripts/save_loop.py --help``).
+This process imports torch once, then per trial forks a child (no import cost) that:
+
+1. constructs an engine on ``--dir`` (which removes what the previous kill left behind),
+2. resumes with ``load()`` and checks the restored state is exactly the state of that iteration,
+3. saves iterations k+1, k+2, ... forever, each with a state that is a pure function of the
+   iteration (model, AdamW, StepLR, GradScaler, iteration, and a 4 MB ``extra`` tensor).
+
+The child reports ``START i`` before each save and ``COMMITTED i`` once a save is committed,
+through a pipe. This process waits until the child has resumed, sleeps a random time, kills the
+child's whole process group with SIGKILL, notes which temporary folders the kill left, then
+loads the checkpoint with ``verify="checksums"`` in a fresh engine and checks:
+
+* the loaded iteration k is at least the last committed one (a committed save survives) and at
+  most the last started one;
+* every component equals, bit for bit, the state of iteration k (never a partial checkpoint);
+* ``verify_checkpoint`` of the loaded checkpoint finds no problem.
+
+One JSON line per trial on stdout (``TRIAL {...}``), then ``SUMMARY {...}``. Exit status 0 when
+every trial passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import select
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from ckpt_engine import CheckpointEngine
+from ckpt_engine.integrity import verify_checkpoint
+from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
+
+BLOB = 1 << 20  # float32 elements: 4 MB per save, so that a save spans many instructions
+
+
+class Blob:
+    """An ``extra=`` component: a large tensor and a counter derived from the iteration."""
+
+    def __init__(self, iteration: int) -> None:
+        gen = torch.Generator().manual_seed(10_000 + iteration)
+        self.data = torch.randn(BLOB, generator=gen)
+        self.counter = iteration * 7
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data": self.data, "counter": self.counter}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.data.copy_(sd["data"])
+        self.counter = sd["counter"]
+
+
+def make_state(iteration: int) -> tuple[TinyTrainingState, Blob]:
+    return TinyTrainingState.create(seed=iteration, hidden=64, steps=2), Blob(iteration)
+
+
+def snapshot(state: TinyTrainingState, blob: Blob) -> dict[str, Any]:
+    return {
+        "model": {k: v.clone() for k, v in state.model.state_dict().items()},
+        "optim": state.optimizer.state_dict(),
+        "scheduler": state.scheduler.state_dict(),
+        "scaler": state.grad_scaler.state_dict(),
+        "blob": {"data": blob.data.clone(), "counter": blob.counter},
+    }
+
+
+def restore(config: dict[str, Any]) -> tuple[int, dict[str, Any] | None, Any]:
+    """Load into a fresh state; returns (iteration, snapshot or None when from scratch, result)."""
+    state, blob = make_state(999_999)
+    blob.counter = -1
+    with CheckpointEngine(config) as engine:
+        result = engine.load(**state.objects(), extra={"blob": blob})
+    if result.checkpoint_path is None:
+        return 0, None, result
+    return result.iteration, snapshot(state, blob), result
+
+
+def expected(iteration: int) -> dict[str, Any]:
+    return snapshot(*make_state(iteration))
+
+
+def child(config: dict[str, Any], out: int) -> None:
+    os.setpgid(0, 0)  # the parent kills the whole group: any writer process dies with us
+
+    def say(line: str) -> None:
+        os.write(out, f"{line}\n".encode())
+
+    try:
+        k, got, _ = restore(config)
+        if got is not None:
+            assert_state_dicts_equal(got, expected(k))
+        say(f"RESUMED {k}")
+        with CheckpointEngine(config) as engine:
+            pending = None
+            i = k
+            while True:
+                i += 1
+                state, blob = make_state(i)
+                say(f"START {i}")
+                handle = engine.save(i, **state.objects(), extra={"blob": blob})
+                if pending is not None:
+                    pending[1].result()
+                    say(f"COMMITTED {pending[0]}")
+                pending = (i, handle)
+                if handle.done():
+                    handle.result()
+                    say(f"COMMITTED {i}")
+                    pending = None
+    except BaseException:
+        say("ERROR " + traceback.format_exc().replace("\n", " | "))
+        os._exit(3)
+
+
+def read_lines(fd: int, until: str | None, timeout: float) -> list[str]:
+    """Read the child's lines; stop after a line starting with ``until`` or at EOF/timeout."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    lines: list[str] = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            break
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        buf += chunk
+        *done, buf_rest = buf.split(b"\n")
+        buf = buf_rest
+        lines += [d.decode() for d in done]
+        if until is not None and any(line.startswith(until) or line.startswith("ERROR") for line in lines):
+            break
+    return lines
+
+
+def leftovers(save_dir: str) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(save_dir) if n.startswith("."))
+    except FileNotFoundError:
+        return []
+
+
+def trial(n: int, config: dict[str, Any], rng: random.Random, max_delay: float, arm_after: str) -> dict[str, Any]:
+    save_dir = config["save_dir"]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        child(config, w)
+        os._exit(4)  # unreachable: child() loops until killed
+    os.close(w)
+    record: dict[str, Any] = {"trial": n}
+    t0 = time.monotonic()
+    # Arm the kill once the child is saving: after it resumed (sync saves), or after its first
+    # commit (async saves, whose first save waits for the writer process to start).
+    lines = read_lines(r, arm_after, timeout=120.0)
+    armed = time.monotonic()
+    delay = rng.uniform(0.0, max_delay)
+    time.sleep(delay)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    lines += read_lines(r, None, timeout=10.0)
+    os.close(r)
+    record["armed_after_s"] = round(armed - t0, 2)
+    record["left_behind"] = leftovers(save_dir)
+    record["total_s"] = round(time.monotonic() - t0, 2)
+    record["delay"] = round(delay, 3)
+    errors = [line for line in lines if line.startswith("ERROR")]
+    resumed = [int(line.split()[1]) for line in lines if line.startswith("RESUMED")]
+    started = [int(line.split()[1]) for line in lines if line.startswith("START")]
+    committed = [int(line.split()[1]) for line in lines if line.startswith("COMMITTED")]
+    record.update(
+        resumed=resumed[0] if resumed else None,
+        last_started=max(started, default=None),
+        last_committed=max(committed, default=None),
+    )
+    problems = [f"child: {e}" for e in errors]
+    if not resumed:
+        problems.append("the child never resumed")
+    try:
+        k, got, result = restore({**config, "verify": "checksums"})
+        record["loaded"] = k
+        record["verified"] = bool(result.verified)
+        floor = max(committed, default=resumed[0] if resumed else 0)
+        ceiling = max(started, default=floor)
+        if not floor <= k <= ceiling:
+            problems.append(f"loaded iteration {k}, expected between {floor} (committed) and {ceiling} (started)")
+        if got is not None:
+            try:
+                assert_state_dicts_equal(got, expected(k))
+            except AssertionError as err:
+                problems.append(f"iteration {k} restored with different contents: {err}")
+            report = verify_checkpoint(result.checkpoint_path, "checksums")
+            if not report.verified:
+                problems.append(f"verify_checkpoint: {report.unverified_reason}: {report.problems}")
+        kept = sorted(e for e in os.listdir(save_dir) if e.startswith("iter_"))
+        record["checkpoints"] = len(kept)
+    except Exception as err:  # a refused load is a failed trial, with the reason
+        problems.append(f"load failed: {type(err).__name__}: {err}")
+    record["problems"] = problems
+    return record
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", required=True, help="save_dir (created)")
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-delay", type=float, default=0.5, help="kill up to this many seconds after resume")
+    parser.add_argument("--keep-last", type=int, default=3, help="retention during the run (0: off)")
+    parser.add_argument("--plugin", action="append", default=[], help="plugins to enable (e.g. an async writer)")
+    parser.add_argument(
+        "--arm-after",
+        choices=["RESUMED", "COMMITTED"],
+        default="RESUMED",
+        help="start the kill timer when the child reports this (COMMITTED: after its first commit)",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config: dict[str, Any] = {"save_dir": args.dir, "plugins": args.plugin}
+    if args.keep_last:
+        config["keep_last"] = args.keep_last
+    rng = random.Random(args.seed)
+    failed = 0
+    mid_save = 0
+    t0 = time.perf_counter()
+    for n in range(args.trials):
+        record = trial(n, config, rng, args.max_delay, args.arm_after)
+        failed += bool(record["problems"])
+        mid_save += any(name.endswith(".partial") for name in record["left_behind"])
+        print("TRIAL " + json.dumps(record), flush=True)
+    summary = {
+        "trials": args.trials,
+        "failed": failed,
+        "killed_mid_save": mid_save,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    print("SUMMARY " + json.dumps(summary), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
