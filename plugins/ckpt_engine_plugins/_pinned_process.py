@@ -1,0 +1,377 @@
+"""The training process's handle on one ``pinned_staging`` writer process (private).
+
+The writer is a plain subprocess (``python -m ckpt_engine_plugins._pinned_writer``) with two
+pipes. A sender thread writes requests, so a busy or stopped writer never blocks the training
+loop on a full pipe; a reader thread resolves the futures the ``write`` hook returned. The end
+of the pipe is the death signal: when the writer exits or is killed, every pending future fails
+with a :class:`PinnedWriterError` that names the pid, the exit status and the writes that were
+in flight. Nothing here waits on the child without a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_engine import CheckpointSaveError, WriteResult
+
+from ._pinned_ipc import (
+    Done,
+    Init,
+    Mapped,
+    PipeClosed,
+    Ready,
+    Shutdown,
+    StartFailed,
+    encode,
+    read_message,
+)
+
+WRITER_MODULE = "ckpt_engine_plugins._pinned_writer"
+
+logger = logging.getLogger("ckpt_engine.pinned_staging")
+
+
+class PinnedWriterError(CheckpointSaveError):
+    """The ``pinned_staging`` writer process failed, died, or could not be started."""
+
+
+PinnedWriterError.__module__ = "ckpt_engine_plugins.pinned_staging"
+
+
+@dataclass
+class Pending:
+    """One ``write`` request the writer has not answered yet."""
+
+    future: Future[WriteResult]
+    iteration: int
+    component: str
+    submitted: float = field(default_factory=time.monotonic)
+
+    def describe(self) -> str:
+        return f"iteration {self.iteration} component {self.component!r}"
+
+
+def _status(returncode: int | None, killed_by_us: bool) -> str:
+    if returncode is None:
+        return "did not exit after SIGKILL"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        why = ""
+        if name == "SIGKILL" and not killed_by_us:
+            why = " (by another process, or by the kernel's out-of-memory killer)"
+        return f"was killed by {name}{why}, exit code {returncode}"
+    return f"exited with code {returncode}"
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The writer reads host memory only: hiding GPUs keeps DCP from creating a CUDA context
+    # (hundreds of MB of device memory per rank) in a process that never uses it.
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("TORCHELASTIC_ERROR_FILE", None)  # the training process's error file is not ours
+    # Whatever the training process can import (the engine, planners, classes of saved
+    # values), the writer can import too; the training script itself is never run.
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+class WriterProcess:
+    """Spawn, feed and watch one writer process."""
+
+    def __init__(
+        self,
+        init: Init,
+        generation: int,
+        *,
+        on_lost: Callable[[WriterProcess, PinnedWriterError], None],
+        on_mapped: Callable[[int, str | None], None],
+        on_failed_write: Callable[[WriterProcess], None],
+    ) -> None:
+        self.rank = init.rank
+        self.generation = generation
+        self.start_timeout_s = init.start_timeout_s
+        self._on_lost = on_lost
+        self._on_mapped = on_mapped
+        self._on_failed_write = on_failed_write
+        self._lock = threading.Lock()
+        self._pending: dict[int, Pending] = {}
+        self._outbox: queue.Queue[bytes | None] = queue.Queue()
+        self._ready_or_lost = threading.Event()
+        self._lost = threading.Event()
+        self.ready = False
+        self.ready_seconds: float | None = None
+        self.started = time.monotonic()
+        self.error: PinnedWriterError | None = None
+        self._start_error: str | None = None
+        self._kill_reason: str | None = None
+        self._expected_exit = False
+
+        child_in, parent_out = os.pipe()
+        parent_in, child_out = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", WRITER_MODULE, str(child_in), str(child_out)],
+                pass_fds=(child_in, child_out),
+                stdin=subprocess.DEVNULL,
+                env=_child_env(),
+            )
+        except BaseException:
+            for fd in (parent_out, parent_in):
+                os.close(fd)
+            raise
+        finally:
+            os.close(child_in)
+            os.close(child_out)
+        self.pid = self.proc.pid
+        self._fd_out, self._fd_in = parent_out, parent_in
+        os.set_blocking(parent_out, False)  # send() must never wait for the writer
+        self._backlog = 1  # frames queued for the sender thread and not yet fully written
+        self._outbox.put(encode(init))
+        self._sender = threading.Thread(target=self._send_loop, name=f"pinned-writer-send-{self.pid}", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name=f"pinned-writer-recv-{self.pid}", daemon=True)
+        self._sender.start()
+        self._reader.start()
+
+    def __repr__(self) -> str:
+        state = "lost" if self._lost.is_set() else "ready" if self.ready else "starting"
+        return f"WriterProcess(pid={self.pid}, generation={self.generation}, {state})"
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return not self._lost.is_set()
+
+    def pending_futures(self) -> list[Future[WriteResult]]:
+        with self._lock:
+            return [p.future for p in self._pending.values()]
+
+    def oldest_pending_age(self) -> float | None:
+        with self._lock:
+            if not self._pending:
+                return None
+            return time.monotonic() - min(p.submitted for p in self._pending.values())
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds the writer took to start; raises if it died or did not start in ``timeout``."""
+        if not self._ready_or_lost.wait(timeout):
+            self.kill(f"it did not become ready within writer_start_timeout_s={timeout:g}s")
+        if self.error is not None:
+            raise self.error
+        assert self.ready_seconds is not None
+        return self.ready_seconds
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def send(self, message: object, pending: tuple[int, Pending] | None = None) -> None:
+        """Send ``message``; raises the writer's error if it is gone. Never blocks on the pipe.
+
+        The frame goes straight into the pipe when nothing is queued before it and the pipe has
+        room (the common case: no thread hand-off in the training loop); otherwise, or for what
+        did not fit, the sender thread finishes it, in order.
+        """
+        frame = encode(message)
+        with self._lock:
+            if self.error is not None:
+                raise self.error
+            if self._lost.is_set():
+                raise PinnedWriterError(f"the pinned_staging writer process (pid {self.pid}) has stopped")
+            if pending is not None:
+                self._pending[pending[0]] = pending[1]
+            if self._backlog == 0:
+                try:
+                    written = os.write(self._fd_out, frame)
+                except (BlockingIOError, InterruptedError):
+                    written = 0
+                except OSError:
+                    written = 0  # a broken pipe: the sender thread reports it
+                if written == len(frame):
+                    return
+                frame = frame[written:]
+            self._backlog += 1
+            self._outbox.put(frame)
+
+    def _send_loop(self) -> None:
+        try:
+            while True:
+                frame = self._outbox.get()
+                if frame is None:
+                    return
+                try:
+                    _write_blocking(self._fd_out, frame)
+                except OSError as err:
+                    self._handle_loss(f"the pipe to it broke ({err})")
+                    return
+                with self._lock:
+                    self._backlog -= 1
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(self._fd_out)
+
+    def _read_loop(self) -> None:
+        reason: str | None = None
+        while True:
+            try:
+                msg = read_message(self._fd_in)
+            except PipeClosed:
+                break
+            except (OSError, pickle.UnpicklingError, EOFError) as err:
+                reason = f"its messages could not be read ({err})"
+                break
+            if isinstance(msg, Done):
+                self._resolve(msg)
+            elif isinstance(msg, Mapped):
+                self._on_mapped(msg.set_id, msg.error)
+            elif isinstance(msg, Ready):
+                self.ready, self.ready_seconds = True, msg.seconds
+                self._ready_or_lost.set()
+            elif isinstance(msg, StartFailed):
+                self._start_error = msg.error
+        with contextlib.suppress(OSError):
+            os.close(self._fd_in)
+        self._handle_loss(reason)
+
+    def _resolve(self, msg: Done) -> None:
+        with self._lock:
+            pending = self._pending.pop(msg.req_id, None)
+        if pending is None:
+            return
+        logger.debug(
+            "rank %d: writer pid %d %s %s in %.3fs (%d bytes; %.3fs after the request)",
+            self.rank,
+            self.pid,
+            "wrote" if msg.ok else "failed to write",
+            pending.describe(),
+            msg.seconds,
+            msg.bytes_written,
+            time.monotonic() - pending.submitted,
+        )
+        if msg.ok:
+            _settle(
+                pending.future,
+                WriteResult(component=pending.component, bytes_written=msg.bytes_written, seconds=msg.seconds),
+            )
+            return
+        _settle(
+            pending.future,
+            PinnedWriterError(
+                f"the pinned_staging writer process (pid {self.pid}, rank {self.rank}) failed to write "
+                f"{pending.describe()}: {msg.error}"
+            ),
+        )
+        self._on_failed_write(self)
+
+    # -- ending -----------------------------------------------------------------------------
+
+    def kill(self, reason: str) -> None:
+        """SIGKILL the writer and fail what it had pending with ``reason``; idempotent."""
+        with self._lock:
+            if self._kill_reason is None:
+                self._kill_reason = reason
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        self._handle_loss(reason)
+
+    def shutdown(self, timeout: float) -> None:
+        """Ask the writer to exit once its queue is empty; kill it after ``timeout``."""
+        with self._lock:
+            lost = self._lost.is_set()
+            if not lost:
+                self._expected_exit = True
+                self._outbox.put(encode(Shutdown()))
+        if not lost:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill(f"it did not exit within {timeout:g}s of being asked to stop")
+        self._handle_loss(None)
+        self._reader.join(5.0)
+        self._sender.join(5.0)
+
+    def _handle_loss(self, reason: str | None) -> None:
+        with self._lock:
+            if self._lost.is_set():
+                return
+            self._lost.set()
+            pending = list(self._pending.values())
+            self._pending.clear()
+            killed_by_us = self._kill_reason is not None
+            reason = self._kill_reason or reason
+            expected = self._expected_exit
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(OSError):
+                    self.proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(10.0)
+        self._outbox.put(None)  # stop the sender
+        rc = self.proc.returncode
+        error: PinnedWriterError | None = None
+        if not (expected and rc == 0 and not pending):
+            parts = [
+                f"the pinned_staging writer process (pid {self.pid}, rank {self.rank}) {_status(rc, killed_by_us)}"
+            ]
+            if reason:
+                parts.append(f"because {reason}" if killed_by_us else reason)
+            if self._start_error:
+                parts.append(f"it failed to start: {self._start_error}")
+            if pending:
+                writes = ", ".join(p.describe() for p in pending)
+                parts.append(
+                    f"{len(pending)} write(s) were in flight ({writes}); that checkpoint was not committed and "
+                    "latest_checkpoint.txt still names the previous one"
+                )
+            error = PinnedWriterError("; ".join(parts))
+            self.error = error
+            for p in pending:
+                _settle(p.future, error)
+        self._ready_or_lost.set()
+        if error is not None and not expected:
+            self._on_lost(self, error)
+
+    def close_fds_after_fork(self) -> None:
+        """In a forked child: drop this process's copies of the pipe ends (never write to them)."""
+        for fd in (self._fd_out, self._fd_in):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _write_blocking(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to the non-blocking ``fd``, waiting for room as needed."""
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(fd, view)
+        except (BlockingIOError, InterruptedError):
+            select.select([], [fd], [], 1.0)
+            continue
+        view = view[written:]
+
+
+def _settle(future: Future[Any], outcome: Any) -> None:
+    with contextlib.suppress(InvalidStateError):
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)

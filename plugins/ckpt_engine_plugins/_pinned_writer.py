@@ -1,0 +1,294 @@
+"""The ``pinned_staging`` writer process (private).
+
+Started by the plugin as ``python -m ckpt_engine_plugins._pinned_writer FD_IN FD_OUT``: a
+fresh interpreter that never imports the training script (no ``__main__`` guard needed) and
+receives no file descriptors but its two pipe ends. It maps the buffer sets the training
+process announces, and for every ``Save`` request runs ``dcp.save`` of one component from
+those buffers with a ``FileSystemWriter`` and the planner it was sent, then reports the result.
+
+With several ranks, the writers form one gloo process group of their own. They meet through
+the job's existing rendezvous store (torchrun's ``MASTER_ADDR``/``MASTER_PORT``) under a key
+prefix unique to the engine instance and writer generation: no port is picked or bound here.
+Before every DCP save the writers agree, in one ``all_gather_object``, that every rank can
+write (buffers mapped, values importable) and which DeviceMeshes the component's DTensors use;
+a rank that cannot write fails the save on every rank instead of leaving the others waiting.
+
+The process exits when the training process closes the pipe (it died: nothing would commit
+what this process writes), ignores SIGINT (a Ctrl-C in the terminal must not kill an accepted
+save; the training process decides), and uses one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Any
+
+from ._pinned_ipc import (
+    Alloc,
+    Done,
+    Free,
+    Init,
+    Mapped,
+    MeshSpec,
+    PipeClosed,
+    Ready,
+    Save,
+    Shutdown,
+    SkeletonUnpickler,
+    StartFailed,
+    encode,
+    read_message,
+    write_frame,
+)
+
+#: Exit codes that the training process reports.
+EXIT_PARENT_GONE = 5
+EXIT_START_FAILED = 3
+EXIT_PROTOCOL = 2
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an error, unwrapping DCP's ``CheckpointException`` (a ``BaseException``)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        ranks = sorted(failures)
+        first = failures[ranks[0]]
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, BaseException):
+            return f"{type(inner).__name__}: {inner} (DCP failed on writer rank(s) {ranks})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class _Writer:
+    def __init__(self, init: Init) -> None:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        # Import now what the first save would import (DCP, the engine's planner classes), so
+        # the first checkpoint is not slower than the others.
+        import torch.distributed.checkpoint
+
+        import ckpt_engine  # noqa: F401
+
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint in")
+        self.rank, self.world = init.rank, init.world_size
+        self.write_timeout = timedelta(seconds=init.write_timeout_s)
+        self.slabs: dict[int, Any] = {}
+        self.slab_errors: dict[int, str] = {}
+        self.meshes: dict[MeshSpec, Any] = {}
+        if self.world > 1:
+            if init.store_host is None or init.store_port is None:
+                raise RuntimeError("no rendezvous store address for a multi-rank writer group")
+            store = dist.TCPStore(
+                init.store_host, init.store_port, is_master=False, timeout=timedelta(seconds=init.start_timeout_s)
+            )
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore(init.store_prefix, store),
+                rank=self.rank,
+                world_size=self.world,
+                timeout=self.write_timeout,
+            )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def alloc(self, msg: Alloc) -> Mapped:
+        from ._pinned_buffers import WriterSlab
+
+        try:
+            self.slabs[msg.set_id] = WriterSlab(msg.path, msg.nbytes, msg.slots)
+        except Exception as err:
+            self.slab_errors[msg.set_id] = f"cannot map buffer set {msg.set_id} ({msg.path}): {_describe(err)}"
+            return Mapped(msg.set_id, self.slab_errors[msg.set_id])
+        return Mapped(msg.set_id, None)
+
+    def free(self, msg: Free) -> None:
+        slab = self.slabs.pop(msg.set_id, None)
+        self.slab_errors.pop(msg.set_id, None)
+        if slab is not None:
+            slab.release()
+            gc.collect()
+
+    def _slab(self, set_id: int) -> Any:
+        slab = self.slabs.get(set_id)
+        if slab is None:
+            raise RuntimeError(self.slab_errors.get(set_id, f"unknown buffer set {set_id}"))
+        return slab
+
+    def _mesh(self, spec: MeshSpec) -> Any:
+        mesh = self.meshes.get(spec)
+        if mesh is None:
+            import torch
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import DeviceMesh
+
+            if not dist.is_initialized():  # one rank with DTensors: a local group of one
+                dist.init_process_group(
+                    "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=self.write_timeout
+                )
+            ranks = torch.tensor(spec.ranks, dtype=torch.int).view(spec.shape)
+            mesh = DeviceMesh("cpu", ranks, mesh_dim_names=spec.dim_names)
+            self.meshes[spec] = mesh
+        return mesh
+
+    def save(self, msg: Save) -> Done:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.tensor import DTensor
+
+        t0 = time.perf_counter()
+        local_error: str | None = None
+        slab: Any = None
+        try:
+            slab = self._slab(msg.set_id)
+            # Dry run: every class the values need must be importable here, before any rank
+            # commits to the collective save.
+            SkeletonUnpickler(msg.skeleton, lambda pid: None, forbid_main=True).load()
+        except Exception as err:
+            local_error = _describe(err)
+        try:
+            needed: list[MeshSpec] = list(msg.meshes)
+            if self.world > 1:
+                gathered: list[Any] = [None] * self.world
+                dist.all_gather_object(gathered, (local_error, msg.meshes))
+                failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+                if failed:
+                    r, e = failed[0]
+                    where = "" if r == self.rank else f"writer rank {r}: "
+                    return Done(msg.req_id, False, 0, time.perf_counter() - t0, where + e)
+                needed = sorted({m for _, specs in gathered for m in specs}, key=_mesh_key)
+            elif local_error is not None:
+                return Done(msg.req_id, False, 0, time.perf_counter() - t0, local_error)
+            for spec in needed:  # same meshes, same order, on every rank (group creation is collective)
+                self._mesh(spec)
+            tensors = slab.tensors
+
+            def resolve(pid: Any) -> Any:
+                if pid[0] == "t":
+                    return tensors[pid[1]]
+                _, slot, mesh_index, placements, shape, stride = pid
+                return DTensor.from_local(
+                    tensors[slot],
+                    self.meshes[msg.meshes[mesh_index]],
+                    placements,
+                    run_check=False,
+                    shape=torch.Size(shape),
+                    stride=stride,
+                )
+
+            state_dict = SkeletonUnpickler(msg.skeleton, resolve, forbid_main=True).load()
+            writer = _storage_writer_class()(
+                msg.path, thread_count=msg.thread_count, sync_files=msg.sync_files, overwrite=True
+            )
+            metadata = dcp.save(state_dict, storage_writer=writer, planner=msg.planner)
+            nbytes = sum(info.length for info in (metadata.storage_data or {}).values())
+            return Done(msg.req_id, True, nbytes, time.perf_counter() - t0, None)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            return Done(msg.req_id, False, 0, time.perf_counter() - t0, _describe(err))
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        for slab in self.slabs.values():
+            slab.release()
+        self.slabs.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _storage_writer_class() -> Any:
+    """The storage writer the engine's own synchronous ``write`` uses, so that an async save writes
+    the same files as fast as a sync one: ``ckpt_engine._fast_write.FastFileSystemWriter`` (DCP's
+    format without a ``torch.save`` per tensor) where this engine version has it, else DCP's
+    ``FileSystemWriter``. The one private import of this plugin, kept here and nowhere else."""
+    try:
+        from ckpt_engine._fast_write import FastFileSystemWriter
+    except ImportError:  # an engine without the fast writer
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.FileSystemWriter
+    return FastFileSystemWriter
+
+
+def _mesh_key(spec: MeshSpec) -> tuple[Any, ...]:
+    return (spec.shape, spec.ranks, spec.dim_names or ())
+
+
+def _pump(fd_in: int, inbox: queue.Queue[Any]) -> None:
+    """Move requests from the pipe to the inbox; exit the process if the training process is gone."""
+    while True:
+        try:
+            msg = read_message(fd_in)
+        except (PipeClosed, OSError, pickle.UnpicklingError):
+            os._exit(EXIT_PARENT_GONE)
+        inbox.put(msg)
+        if isinstance(msg, Shutdown):
+            return
+
+
+def main(argv: list[str]) -> None:
+    fd_in, fd_out = int(argv[1]), int(argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    out_lock = threading.Lock()
+
+    def send(message: object) -> None:
+        frame = encode(message)
+        with out_lock:
+            write_frame(fd_out, frame)
+
+    t0 = time.perf_counter()
+    try:
+        init = read_message(fd_in)
+    except (PipeClosed, OSError):
+        os._exit(EXIT_PARENT_GONE)
+    if not isinstance(init, Init):
+        os._exit(EXIT_PROTOCOL)
+    inbox: queue.Queue[Any] = queue.Queue()
+    threading.Thread(target=_pump, args=(fd_in, inbox), name="pinned-writer-pump", daemon=True).start()
+    try:
+        writer = _Writer(init)
+    except BaseException as err:
+        tb = "".join(traceback.format_exception_only(type(err), err)).strip()
+        try:
+            send(StartFailed(f"{tb} (rank {init.rank} of {init.world_size})"))
+        finally:
+            os._exit(EXIT_START_FAILED)
+    try:
+        send(Ready(os.getpid(), time.perf_counter() - t0))
+        while True:
+            msg = inbox.get()
+            if isinstance(msg, Shutdown):
+                break
+            if isinstance(msg, Alloc):
+                send(writer.alloc(msg))
+            elif isinstance(msg, Free):
+                writer.free(msg)
+            elif isinstance(msg, Save):
+                send(writer.save(msg))
+            else:
+                os._exit(EXIT_PROTOCOL)
+    except OSError:  # the pipe back is gone: so is the training process
+        os._exit(EXIT_PARENT_GONE)
+    writer.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
