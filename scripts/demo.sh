@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Set up a virtual environment (CPU torch, pinned) and run the example: train, SIGKILL, resume, compare.
+# The README's first command: set up a virtual environment (CPU torch, pinned) and run
+# `ckpt-engine demo`: train, SIGKILL in the middle of a save, resume, compare the losses.
+# Arguments go to the demo, e.g. `bash scripts/demo.sh --fast` or `bash scripts/demo.sh --ranks 2`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${CKPT_ENGINE_VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
-exec "$VENV/bin/python" examples/train_resume.py "$@"
+# [test]: the test tools (and safetensors, for `ckpt-engine convert`); [demo]: matplotlib, for the plot.
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,demo]"
+exec "$VENV/bin/ckpt-engine" demo "$@"

@@ -1,0 +1,186 @@
+"""``ckpt-engine plan``: a dry run of a load, with the engine's real planner and plugins.
+
+The load goes through ``dcp.load`` exactly as :meth:`CheckpointEngine.load` does (same planner,
+same plugins, same strictness), with a storage reader whose ``read_data`` reads nothing. So the
+report is the one a real load would produce, no tensor data is read, the model is untouched and
+nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from ._cli_read import resolve
+from ._dist import quiet_dcp
+from ._metadata import SafeFileSystemReader, read_metadata
+from .config import EngineConfig
+from .engine import CheckpointEngine
+from .errors import CheckpointLoadError, CkptEngineError, LoadStrictnessError
+from .planner import EngineLoadPlanner
+from .report import ComponentReport, LoadReport
+from .state import TrainingObjects, component_state_dict
+
+
+class NoReadReader(SafeFileSystemReader):
+    """A reader that plans like the real one and reads nothing."""
+
+    planned_items = 0
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self.planned_items = len(plan.items)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    if isinstance(exc, CheckpointException):
+        for _, err in sorted(exc.failures.items()):
+            return err[0] if isinstance(err, tuple) else err
+    return exc
+
+
+def dry_run_component(
+    engine: CheckpointEngine,
+    objs: TrainingObjects,
+    name: str,
+    component_dir: str,
+    *,
+    strict: bool,
+    strict_unexpected: bool,
+) -> tuple[ComponentReport, int]:
+    """Plan the load of one component; returns its report and the number of read items planned."""
+    sd = component_state_dict(objs, name, 0)
+    cfg = engine.config
+    planner = EngineLoadPlanner(
+        component=name,
+        checkpoint_dir=component_dir,
+        pipeline=engine.pipeline,
+        strict=strict,
+        strict_unexpected=strict_unexpected,
+        trust_checkpoint=cfg.trust_checkpoint,
+        ignore_unexpected_prefixes=("grad_scaler.",) if name == "trainer" and objs.grad_scaler is None else (),
+    )
+    reader = NoReadReader(component_dir, read_metadata(component_dir))
+    try:
+        with quiet_dcp():
+            dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True)
+    except (Exception, CheckpointException) as exc:
+        err = _unwrap(exc)
+        if isinstance(err, CkptEngineError):
+            raise err from None
+        raise CheckpointLoadError(
+            f"planning the load of component {name!r} from {component_dir} failed: {type(err).__name__}: {err}"
+        ) from err
+    assert planner.report is not None
+    return planner.report, reader.planned_items
+
+
+def _split_unresolved(rep: ComponentReport) -> tuple[ComponentReport, dict[str, str]]:
+    """Separate what a lenient re-plan skipped only because strict was off (the unresolved
+    mismatches a strict load fails on) from what plugins decided to skip."""
+    unresolved = {
+        k: r.reason.removeprefix("mismatch: ").removesuffix(" (strict=False)")
+        for k, r in rep.skipped.items()
+        if r.plugin is None and r.reason.startswith("mismatch: ")
+    }
+    if not unresolved:
+        return rep, {}
+    kept = {k: r for k, r in rep.skipped.items() if k not in unresolved}
+    return dataclasses.replace(rep, skipped=kept), unresolved
+
+
+def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
+    target = resolve(args.checkpoint)
+    if args.config:
+        config = EngineConfig.from_file(args.config)
+    else:
+        config = EngineConfig(save_dir=os.path.dirname(target.checkpoint) or ".")
+    wanted = [n for n in objs.available() if n not in config.keys_not_to_resume]
+    if args.component:
+        unknown = [c for c in args.component if c not in objs.available()]
+        if unknown:
+            from .cli import CliError
+
+            raise CliError(
+                f"--component {', '.join(unknown)}: the factory gives nothing to load it into "
+                f"(it gives: {', '.join(objs.available())})"
+            )
+        wanted = [n for n in wanted if n in args.component]
+    lines = [f"plan: load {target.describe()}", f"into: {args.model}"]
+    reports: dict[str, ComponentReport] = {}
+    failures: list[str] = []
+    absent: list[str] = []
+    items = 0
+    with CheckpointEngine(config) as engine:
+        plugins = ", ".join(engine.plugin_names) or "(none)"
+        lines.append(f"plugins (fold order): {plugins}; strict={config.strict}")
+        for name in wanted:
+            cdir = target.components.get(name)
+            if cdir is None:
+                if name == "trainer" and objs.grad_scaler is None:
+                    continue
+                absent.append(name)
+                if config.strict:
+                    failures.append(
+                        f"the checkpoint has no component {name!r} (it has: {', '.join(target.components)})"
+                    )
+                continue
+            try:
+                report, n = dry_run_component(
+                    engine, objs, name, cdir, strict=config.strict, strict_unexpected=config.strict_unexpected
+                )
+            except LoadStrictnessError as err:
+                failures.append(str(err))  # plan again, leniently, for the full report
+                report, n = dry_run_component(engine, objs, name, cdir, strict=False, strict_unexpected=False)
+            reports[name] = report
+            items += n
+    load_report = LoadReport(reports)
+    ok = not failures
+    if args.json:
+        import json
+
+        print(
+            json.dumps(
+                {
+                    "checkpoint": target.checkpoint,
+                    "ok": ok,
+                    "report": load_report.to_dict(),
+                    "absent": absent,
+                    "errors": failures,
+                },
+                indent=2,
+            )
+        )
+        return 0 if ok else 1
+    threshold = 10**9 if args.all else 8
+    lines.append("")
+    for rep in reports.values():
+        rep, unresolved = _split_unresolved(rep)
+        head, *rest = rep.summary_lines(threshold)
+        lines.append(head + (f", {len(unresolved)} MISMATCHED" if unresolved else ""))
+        lines += rest
+        lines += [f"  MISMATCH: {k}: {why}" for k, why in sorted(unresolved.items())]
+        if args.all:
+            lines += [f"  loaded: {k}" + (f" <- {rep.renamed[k]}" if k in rep.renamed else "") for k in rep.loaded]
+    for name in absent:
+        lines.append(f"{name}: not in the checkpoint")
+    lines.append("")
+    if ok:
+        lines.append(f"ok: the load would succeed ({items} reads planned; nothing was read or written)")
+    else:
+        lines.append("FAILED: the load would fail:")
+        for failure in failures:
+            # The keys are listed above; keep the error's headline and its fix.
+            err_lines = failure.splitlines()
+            lines.append(f"  {err_lines[0]}")
+            lines += [f"  {line}" for line in err_lines[1:] if line.startswith("fix:")]
+    print("\n".join(lines))
+    return 0 if ok else 1

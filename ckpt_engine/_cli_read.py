@@ -1,0 +1,337 @@
+"""What the command line reads from checkpoints: paths, key tables, values, streamed tensors.
+
+Everything here reads metadata with :func:`ckpt_engine._metadata.read_metadata` (a restricted
+unpickler) and values with ``torch.load(weights_only=True)``: inspecting an untrusted checkpoint
+never runs code from it. Tensors are read a batch at a time (a batch holds at most ``budget``
+bytes, or one tensor when a tensor is larger), so memory is bounded by the largest tensor, not
+by the checkpoint.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import io
+import os
+import pickle
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ._dist import quiet_dcp
+from ._metadata import METADATA_FILE, SafeFileSystemReader, read_metadata
+from .errors import CheckpointNotFoundError, CkptEngineError, CorruptCheckpointError
+from .layout import LATEST_FILE, component_dirs, list_checkpoints, parse_iteration, read_latest
+
+#: Default bytes of tensor data read per batch (a single larger tensor is read on its own).
+DEFAULT_BUDGET = 64 << 20
+
+
+@dataclass(frozen=True)
+class Target:
+    """A path given on the command line, resolved to a checkpoint and its component folders."""
+
+    given: str
+    checkpoint: str
+    #: component name -> component folder, sorted by name.
+    components: dict[str, str]
+    #: How ``given`` was resolved: ``checkpoint``, ``component`` or ``latest`` (a save folder).
+    via: str = "checkpoint"
+
+    def describe(self) -> str:
+        if self.via == "latest":
+            return f"{self.checkpoint} (named by {os.path.join(self.given, LATEST_FILE)})"
+        if self.via == "component":
+            return f"{self.checkpoint} (component {next(iter(self.components))!r})"
+        return self.checkpoint
+
+
+def is_component_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+def is_save_dir(path: str) -> bool:
+    """A folder with ``latest_checkpoint.txt`` or ``iter_*`` checkpoint folders in it."""
+    return os.path.isfile(os.path.join(path, LATEST_FILE)) or bool(list_checkpoints(path))
+
+
+def resolve(path: str, components: Sequence[str] = ()) -> Target:
+    """Resolve ``path``: a checkpoint folder, one component folder, or a save folder (its latest).
+
+    ``components`` (optional) selects components; an unknown one is an error naming the rest.
+    """
+    path = os.path.normpath(path)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"{path} does not exist")
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"{path} is a file, not a checkpoint folder")
+    via = "checkpoint"
+    if is_component_dir(path):
+        found = {os.path.basename(path): path}
+        checkpoint, via = os.path.dirname(path) or ".", "component"
+    else:
+        checkpoint = path
+        if os.path.isfile(os.path.join(path, LATEST_FILE)):
+            name = read_latest(path)
+            assert name is not None
+            checkpoint, via = os.path.join(path, name), "latest"
+            if not os.path.isdir(checkpoint):
+                raise CheckpointNotFoundError(
+                    f"{os.path.join(path, LATEST_FILE)} names {name!r}, but {checkpoint} does not exist"
+                )
+        elif list_checkpoints(path):
+            names = ", ".join(os.path.basename(p) for _, p in list_checkpoints(path)[-3:])
+            raise CheckpointNotFoundError(
+                f"{path} is a save folder without {LATEST_FILE}; name one of its checkpoints, e.g. "
+                f"{os.path.join(path, os.path.basename(list_checkpoints(path)[-1][1]))} (newest: {names})"
+            )
+        found = {name: os.path.join(checkpoint, name) for name in component_dirs(checkpoint)}
+        if not found:
+            raise CheckpointNotFoundError(
+                f"{checkpoint} is not a checkpoint: it has no component folders (model/, optim/, ...)"
+            )
+    if components:
+        unknown = [c for c in components if c not in found]
+        if unknown:
+            raise CheckpointNotFoundError(
+                f"{checkpoint} has no component {', '.join(map(repr, unknown))}; it has: {', '.join(found)}"
+            )
+        found = {c: found[c] for c in components}
+    return Target(given=path, checkpoint=checkpoint, components=dict(sorted(found.items())), via=via)
+
+
+# -- keys -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """One storage key of a component, from its metadata."""
+
+    key: str
+    is_tensor: bool
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+    #: Chunks the tensor is stored in (one per saved shard); 1 for a non-tensor value.
+    shards: int = 1
+    #: Bytes the key occupies in the data files.
+    stored_bytes: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full tensor in memory (0 for a non-tensor value)."""
+        if not self.is_tensor or self.dtype is None:
+            return 0
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.") if self.dtype is not None else "-"
+
+    def spec(self) -> str:
+        return f"{self.dtype_name}{list(self.shape)}" if self.is_tensor else "<value>"
+
+
+def key_infos(md: Metadata) -> dict[str, KeyInfo]:
+    """Every key of a component's metadata, in metadata order."""
+    stored: dict[str, int] = {}
+    for index, info in (md.storage_data or {}).items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + int(getattr(info, "length", 0))
+    out: dict[str, KeyInfo] = {}
+    for key, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            out[key] = KeyInfo(
+                key=key,
+                is_tensor=True,
+                dtype=item.properties.dtype,
+                shape=tuple(item.size),
+                shards=len(item.chunks),
+                stored_bytes=stored.get(key, 0),
+            )
+        else:
+            assert isinstance(item, BytesStorageMetadata)
+            out[key] = KeyInfo(key=key, is_tensor=False, stored_bytes=stored.get(key, 0))
+    return out
+
+
+def match_keys(keys: Iterable[str], patterns: Sequence[str]) -> list[str]:
+    """Keys matching any of the ``fnmatch`` ``patterns`` (all keys when there are none)."""
+    if not patterns:
+        return list(keys)
+    return [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+
+
+def prefix_of(key: str) -> str:
+    return key.split(".", 1)[0]
+
+
+# -- reading values -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A non-tensor value that ``weights_only=True`` unpickling refuses (it needs arbitrary code)."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return f"<not readable with weights_only=True: {self.reason}>"
+
+
+class _ReadPlanner(DefaultLoadPlanner):
+    """Reads the requested flat storage keys; non-tensor values with ``weights_only=True``."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj: Any = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            obj = Unreadable(first[:200])
+        # Not flattened: the keys are the flat storage keys of the dict handed to dcp.load.
+        self.original_state_dict[read_item.dest_index.fqn] = obj
+
+
+@dataclass
+class ComponentReader:
+    """Reads values of one component folder, safely and a batch at a time."""
+
+    path: str
+    metadata: Metadata = field(init=False)
+    keys: dict[str, KeyInfo] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metadata = read_metadata(self.path)
+        self.keys = key_infos(self.metadata)
+
+    def read(self, keys: Sequence[str]) -> dict[str, Any]:
+        """Full values of ``keys`` (tensors assembled from all their shards), in one read."""
+        template: dict[str, Any] = {}
+        for key in keys:
+            info = self.keys[key]
+            template[key] = torch.empty(info.shape, dtype=info.dtype) if info.is_tensor else None
+        if not template:
+            return {}
+        reader = SafeFileSystemReader(self.path, self.metadata)
+        try:
+            with quiet_dcp():
+                dcp.load(template, storage_reader=reader, planner=_ReadPlanner(), no_dist=True)
+        except (Exception, CheckpointException) as exc:
+            err = _first_failure(exc)
+            if isinstance(err, CkptEngineError):
+                raise err from None
+            what = keys[0] if len(keys) == 1 else f"{len(keys)} keys from {keys[0]!r}"
+            raise CorruptCheckpointError(
+                f"{self.path}: cannot read {what}: {type(err).__name__}: {str(err).strip().splitlines()[0]}"
+                " (the data file is corrupt or truncated; `ckpt-engine verify` checks it)"
+                if str(err).strip()
+                else f"{self.path}: cannot read {what}: {type(err).__name__}"
+            ) from err
+        return template
+
+    def iter_values(self, keys: Sequence[str], budget: int = DEFAULT_BUDGET) -> Iterator[tuple[str, Any]]:
+        """``(key, value)`` for ``keys`` in order, read in batches of at most ``budget`` tensor bytes."""
+        for batch in batches(keys, self.keys, budget):
+            values = self.read(batch)
+            for key in batch:
+                yield key, values.pop(key)
+
+
+def batches(keys: Sequence[str], infos: dict[str, KeyInfo], budget: int) -> Iterator[list[str]]:
+    """Consecutive groups of ``keys`` whose tensors total at most ``budget`` bytes (or one tensor)."""
+    batch: list[str] = []
+    size = 0
+    for key in keys:
+        n = infos[key].nbytes
+        if batch and size + n > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += n
+    if batch:
+        yield batch
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    if isinstance(exc, CheckpointException):
+        for _, err in sorted(exc.failures.items()):
+            return err[0] if isinstance(err, tuple) else err
+    return exc
+
+
+# -- listing --------------------------------------------------------------------------------
+
+
+def disk_usage(path: str) -> tuple[int, int]:
+    """``(bytes, files)`` under ``path``."""
+    total = files = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+            files += 1
+    return total, files
+
+
+def uncommitted_dirs(save_dir: str) -> list[tuple[int, str]]:
+    """``(iteration, path)`` of leftover ``.iter_*.partial`` folders (interrupted saves)."""
+    out = []
+    try:
+        entries = list(os.scandir(save_dir))
+    except OSError:
+        return []
+    for e in entries:
+        if e.name.startswith(".iter_") and e.name.endswith(".partial") and e.is_dir():
+            it = parse_iteration(e.name[1 : -len(".partial")])
+            if it is not None:
+                out.append((it, e.path))
+    return sorted(out)
+
+
+# -- formatting -----------------------------------------------------------------------------
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def summarize_value(value: Any, limit: int = 60) -> str:
+    if isinstance(value, Unreadable):
+        return str(value)
+    if isinstance(value, torch.Tensor):
+        return f"tensor {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def table(rows: Sequence[Sequence[str]], header: Sequence[str], right: Iterable[int] = ()) -> list[str]:
+    """Rows as aligned text columns; columns in ``right`` are right-aligned."""
+    right = set(right)
+    cols = list(zip(*([list(header), *[list(r) for r in rows]]), strict=True)) if rows else [[h] for h in header]
+    widths = [max(len(c) for c in col) for col in cols]
+    out = []
+    for row in [header, *rows]:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        out.append("  ".join(cells).rstrip())
+    return out
