@@ -149,6 +149,8 @@ class _Writer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.tensor import DTensor
 
+        from ckpt_engine.storage import EngineFileSystemWriter
+
         t0 = time.perf_counter()
         local_error: str | None = None
         slab: Any = None
@@ -190,7 +192,7 @@ class _Writer:
                 )
 
             state_dict = SkeletonUnpickler(msg.skeleton, resolve, forbid_main=True).load()
-            writer = _storage_writer_class()(
+            writer = EngineFileSystemWriter(
                 msg.path, thread_count=msg.thread_count, sync_files=msg.sync_files, overwrite=True
             )
             metadata = dcp.save(state_dict, storage_writer=writer, planner=msg.planner)
