@@ -257,6 +257,8 @@ class SafetensorsSave(Method):
 
 
 class SafetensorsLoad(Method):
+    """``safetensors.torch.load_file``: maps the file; tensor pages are read on first touch."""
+
     name, group, op, reference = "safetensors_load", "baseline", "load", "raw_read"
 
     def prepare(self, ctx: Ctx) -> None:
@@ -272,6 +274,26 @@ class SafetensorsLoad(Method):
 
     def after_rep(self, ctx: Ctx, rep: int) -> None:
         ctx.scratch["out"] = None
+
+
+class SafetensorsLoadInto(SafetensorsLoad):
+    """``load_file`` maps the file and returns tensors over the mapping without reading them;
+    this row also copies them into preallocated destinations, as loading a model does."""
+
+    name = "safetensors_load_into"
+
+    def prepare(self, ctx: Ctx) -> None:
+        super().prepare(ctx)
+        ctx.scratch["dest"] = ctx.zeros()
+
+    def run(self, ctx: Ctx, rep: int) -> dict[str, float]:
+        dest = ctx.scratch["dest"]
+
+        def load() -> None:
+            for k, t in self.st.load_file(ctx.path("state.safetensors"), device="cpu").items():
+                dest[k].copy_(t)
+
+        return _timed(load)
 
 
 class DcpSave(Method):
@@ -547,6 +569,7 @@ METHODS: dict[str, type[Method]] = {
         TorchLoad,
         SafetensorsSave,
         SafetensorsLoad,
+        SafetensorsLoadInto,
         DcpSave,
         DcpSaveTuned,
         DcpLoad,

@@ -259,7 +259,7 @@ def build_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["kind"] == "small":
             dcp_name = "small_dcp_save" if r["op"] == "save" else "small_dcp_load"
         dcp_row = index.get((*key, dcp_name or "", "time"))
-        if dcp_row is not None and dcp_row.get("median") and r["method"] != dcp_name:
+        if dcp_row is not None and dcp_row.get("median") and r["method"] != dcp_name and r["group"] != "limit":
             r["speedup_vs_dcp"] = dcp_row["median"] / r["median"]
     return rows
 
@@ -286,7 +286,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         extra = ""
         if r["kind"] == "small":
-            extra = f"{r['us_per_tensor']:.0f} us/tensor"
+            extra = f"{r['us_per_tensor']:.0f} us/tensor, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB"
             plans = (r.get("extra") or {}).get("plans")
             if plans:
                 extra += f"; DCP global plans per save: {[p['global'] for p in plans]}"
@@ -310,33 +310,44 @@ def plot(rows: list[dict[str, Any]], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: no plot"
-    big = [r for r in rows if r.get("kind") == "big" and r.get("gbps")]
+    # safetensors_load only maps the file (its row is not a read): left out of the plot
+    big = [r for r in rows if r.get("kind") == "big" and r.get("gbps") and r["method"] != "safetensors_load"]
     dirs = sorted({r["dir"] for r in big})
     if not big:
         return "nothing to plot"
-    fig, axes = plt.subplots(1, 2 * len(dirs), figsize=(6 * len(dirs) * 2, 4.5), squeeze=False)
+    fig, axes = plt.subplots(len(dirs), 2, figsize=(13, 4.2 * len(dirs)), squeeze=False)
+    colors = plt.get_cmap("tab20").colors
     for i, d in enumerate(dirs):
         for j, op in enumerate(("save", "load")):
-            ax = axes[0][2 * i + j]
+            ax = axes[i][j]
             ops = {"save": ("save", "copy", "async"), "load": ("load",)}[op]
             series: dict[str, list[tuple[int, float]]] = {}
             for r in big:
-                if r["dir"] == d and r["op"] in ops and r["metric"] in ("time", "blocking", "total"):
+                if r["dir"] == d and r["op"] in ops:
                     label = r["method"] + ("" if r["metric"] == "time" else f" ({r['metric']})")
                     series.setdefault(label, []).append((r["size_mib"], r["gbps"]))
-            for label, pts in sorted(series.items()):
+            for n, (label, pts) in enumerate(sorted(series.items())):
                 pts.sort()
-                style = "--" if label.startswith(("raw", "memcpy")) else ("-" if label.startswith("ours") else ":")
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label)
+                limit = label.startswith(("raw", "memcpy"))
+                style = "--" if limit else ("-" if label.startswith("ours") else ":")
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    style,
+                    marker="o",
+                    color="black" if limit and "cold" not in label else colors[n % len(colors)],
+                    linewidth=2.2 if label.startswith("ours") else 1.2,
+                    label=label,
+                )
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("state size (MiB)")
             ax.set_ylabel("GB/s (median)")
-            ax.set_title(f"{op} on {d}")
+            ax.set_title(f"{op} on {d} (solid: ours, dashed: limits, dotted: baselines)", fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=6)
+            ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=70)
     plt.close(fig)
     return None
 

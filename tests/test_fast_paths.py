@@ -404,3 +404,22 @@ def test_fast_writer_leaves_stream_transforms_to_dcp(tmp_path: Any) -> None:
     dcp.save({"w": torch.randn(100)}, storage_writer=FastFileSystemWriter(path, _extensions=[zstd]))
     md = FileSystemReader(path).read_metadata()
     assert all(info.transform_descriptors for info in md.storage_data.values())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_large_reads_split_over_threads_stay_bit_exact(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    import ckpt_engine._fast_read as fr
+
+    monkeypatch.setattr(fr, "_PARALLEL_MIN_BYTES", 1)
+    g = torch.Generator().manual_seed(7)
+    state = {f"w{i}": torch.randn(3000 + i, generator=g) for i in range(7)}
+    path = str(tmp_path / "ckpt")
+    dcp.save(state, storage_writer=FileSystemWriter(path))
+    reader = FastFileSystemReader(path)
+    reader.threads = threads
+    out = _load(path, {k: torch.zeros_like(v) for k, v in state.items()}, reader)
+    assert reader.stats.direct == len(state)
+    for k, v in state.items():
+        assert _bits(out[k]) == _bits(v), k
