@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -19,5 +20,18 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 @pytest.fixture
-def save_dir(tmp_path):
+def save_dir(tmp_path: Any) -> str:
     return str(tmp_path / "checkpoints")
+
+
+@pytest.fixture
+def one_rank_mesh() -> Any:
+    """A 1-rank gloo process group (in-memory store, no port) and a CPU device mesh over it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

@@ -261,18 +261,6 @@ def test_stats_are_per_read(tmp_path: Any) -> None:
     assert reader.stats == first
 
 
-@pytest.fixture
-def one_rank_mesh() -> Any:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_dtensor_destinations_read_directly(tmp_path: Any, one_rank_mesh: Any) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 

@@ -213,18 +213,6 @@ def test_local_chunks_of_a_plain_tensor() -> None:
     assert local_chunks(torch.tensor(1.0)) == [ChunkStorageMetadata(offsets=torch.Size([]), sizes=torch.Size([]))]
 
 
-@pytest.fixture
-def one_rank_mesh() -> Any:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_local_chunks_of_a_dtensor_match_dcp(tmp_path: Any, one_rank_mesh: Any) -> None:
     """``__create_chunk_list__`` gives the chunks DCP itself records for the DTensor."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
