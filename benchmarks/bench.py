@@ -166,6 +166,11 @@ def _child(spec: dict[str, Any], timeout: float, inproc: bool = False) -> dict[s
             return {"error": f"{type(err).__name__}: {err}"}
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    return _run_for_result(cmd, env, timeout, "child")
+
+
+def _run_for_result(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> dict[str, Any]:
+    """Run a measurement process; its last ``RESULT <json>`` line, or an ``error`` record."""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     except subprocess.TimeoutExpired:
@@ -174,7 +179,7 @@ def _child(spec: dict[str, Any], timeout: float, inproc: bool = False) -> dict[s
         if line.startswith("RESULT "):
             result: dict[str, Any] = json.loads(line[len("RESULT ") :])
             return result
-    return {"error": f"child exited {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
+    return {"error": f"{what} exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-2000:]}"}
 
 
 def _dist(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -189,15 +194,7 @@ def _dist(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         json.dumps(spec),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f}s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            result: dict[str, Any] = json.loads(line[len("RESULT ") :])
-            return result
-    return {"error": f"torchrun exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-2000:]}"}
+    return _run_for_result(cmd, env, timeout, "torchrun")
 
 
 def _dir_root(kind: str, args: argparse.Namespace) -> str:
