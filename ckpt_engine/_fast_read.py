@@ -105,10 +105,15 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
 
 
 def _readinto(fd: int, buf: memoryview, offset: int) -> bool:
-    """Fill ``buf`` from ``fd`` at ``offset``; ``False`` on a short read (a truncated file)."""
+    """Fill ``buf`` from ``fd`` at ``offset``; ``False`` on a short read (a truncated file) or an
+    I/O error: the item then goes through the base reader, which reports the error as a typed
+    engine error naming the file."""
     done = 0
     while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [buf[done:]], offset + done)
+        except OSError:
+            return False
         if n <= 0:
             return False
         done += n

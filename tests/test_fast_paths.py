@@ -411,3 +411,24 @@ def test_large_reads_split_over_threads_stay_bit_exact(
     assert reader.stats.direct == len(state)
     for k, v in state.items():
         assert _bits(out[k]) == _bits(v), k
+
+
+def test_io_error_on_the_direct_path_falls_back_to_the_mapped_reader(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk I/O error cannot be produced here, so os.preadv fails instead: every item then goes
+    through the base reader (whose errors are typed and name the file), and the load is exact."""
+    import errno
+
+    state = {"a": torch.randn(64, 64), "b": torch.arange(1000, dtype=torch.int64)}
+    path = str(tmp_path / "ckpt")
+    dcp.save(state, storage_writer=FileSystemWriter(path))
+
+    def failing_preadv(*args: Any, **kwargs: Any) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", failing_preadv)
+    reader = FastFileSystemReader(path)
+    loaded = _load(path, {"a": torch.zeros(64, 64), "b": torch.zeros(1000, dtype=torch.int64)}, reader)
+    assert torch.equal(loaded["a"], state["a"]) and torch.equal(loaded["b"], state["b"])
+    assert reader.stats.direct == 0 and reader.stats.fallback == 2
