@@ -67,9 +67,7 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 120.0
                 f"torchrun {script} did not finish within {timeout}s (a hang)\n"
                 f"stdout: {(err.stdout or b'')[-3000:]!r}\nstderr: {(err.stderr or b'')[-3000:]!r}"
             ) from err
-        lines = "".join(
-            Path(results_dir, name).read_text(encoding="utf-8") for name in sorted(os.listdir(results_dir))
-        )
+        lines = "".join(Path(results_dir, name).read_text(encoding="utf-8") for name in sorted(os.listdir(results_dir)))
     finally:
         shutil.rmtree(results_dir, ignore_errors=True)
     return TorchrunResult(proc.returncode, proc.stdout, proc.stderr, lines)
