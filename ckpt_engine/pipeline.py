@@ -7,6 +7,7 @@ instead of surfacing later as a corrupt checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -155,15 +156,7 @@ class Pipeline:
                 )
             if new.decision is not old.decision or new.reason != old.reason:
                 _check_decision(who, new)
-                new = PlanEntry(
-                    dest_key=new.dest_key,
-                    storage_key=new.storage_key,
-                    target=new.target,
-                    stored=new.stored,
-                    decision=new.decision,
-                    reason=new.reason,
-                    decided_by=name,
-                )
+                new = dataclasses.replace(new, decided_by=name)
             out.append(new)
         return tuple(out)
 
