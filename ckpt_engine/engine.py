@@ -707,7 +707,7 @@ class CheckpointEngine:
                     "fix load_path, or unset it to start from scratch"
                 )
             if cfg.load_training_state:
-                wanted = [*STANDARD_COMPONENTS, *objs.extra]
+                wanted = wanted_all
             elif cfg.only_load_scheduler_state:
                 wanted = ["model", "scheduler"]
             else:
