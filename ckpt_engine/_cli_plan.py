@@ -22,7 +22,7 @@ from ._dist import quiet_dcp
 from ._metadata import SafeFileSystemReader, read_metadata
 from .config import EngineConfig
 from .engine import CheckpointEngine
-from .errors import CheckpointLoadError, CkptEngineError, LoadStrictnessError
+from .errors import CheckpointLoadError, CkptEngineError, LoadStrictnessError, first_failure
 from .planner import EngineLoadPlanner
 from .report import ComponentReport, LoadReport
 from .state import TrainingObjects, component_state_dict
@@ -38,13 +38,6 @@ class NoReadReader(SafeFileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    if isinstance(exc, CheckpointException):
-        for _, err in sorted(exc.failures.items()):
-            return err[0] if isinstance(err, tuple) else err
-    return exc
 
 
 def dry_run_component(
@@ -73,7 +66,7 @@ def dry_run_component(
         with quiet_dcp():
             dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True)
     except (Exception, CheckpointException) as exc:
-        err = _unwrap(exc)
+        err = first_failure(exc)[0]
         if isinstance(err, CkptEngineError):
             raise err from None
         raise CheckpointLoadError(

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ._dist import quiet_dcp
 from ._metadata import METADATA_FILE, SafeFileSystemReader, read_metadata
-from .errors import CheckpointNotFoundError, CkptEngineError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CkptEngineError, CorruptCheckpointError, first_failure
 from .layout import LATEST_FILE, component_dirs, list_checkpoints, parse_iteration, read_latest
 
 #: Default bytes of tensor data read per batch (a single larger tensor is read on its own).
@@ -231,7 +231,7 @@ class ComponentReader:
             with quiet_dcp():
                 dcp.load(template, storage_reader=reader, planner=_ReadPlanner(), no_dist=True)
         except (Exception, CheckpointException) as exc:
-            err = _first_failure(exc)
+            err = first_failure(exc)[0]
             if isinstance(err, CkptEngineError):
                 raise err from None
             what = keys[0] if len(keys) == 1 else f"{len(keys)} keys from {keys[0]!r}"
@@ -264,13 +264,6 @@ def batches(keys: Sequence[str], infos: dict[str, KeyInfo], budget: int) -> Iter
         size += n
     if batch:
         yield batch
-
-
-def _first_failure(exc: BaseException) -> BaseException:
-    if isinstance(exc, CheckpointException):
-        for _, err in sorted(exc.failures.items()):
-            return err[0] if isinstance(err, tuple) else err
-    return exc
 
 
 # -- listing --------------------------------------------------------------------------------

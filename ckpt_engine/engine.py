@@ -31,6 +31,7 @@ from .errors import (
     IncompleteCheckpointError,
     IntegrityError,
     SaveDirLockedError,
+    first_failure,
 )
 from .integrity import (
     DEFAULT_ALGORITHM,
@@ -119,15 +120,9 @@ class SaveHandle:
 
 
 def _unwrap(exc: BaseException) -> tuple[BaseException, list[int]]:
-    """The first underlying error of a DCP ``CheckpointException`` and the ranks that failed."""
-    if isinstance(exc, CheckpointException):
-        failures = exc.failures
-        ranks = sorted(failures)
-        if ranks:
-            err = failures[ranks[0]]
-            inner = err[0] if isinstance(err, tuple) else err
-            return inner, ranks
-    return exc, [_dist.rank()]
+    """:func:`~ckpt_engine.errors.first_failure`; an error raised outside DCP is this rank's."""
+    err, ranks = first_failure(exc)
+    return err, ranks or [_dist.rank()]
 
 
 class CheckpointEngine:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 
 class CkptEngineError(Exception):
     """Base class of every error raised by ckpt-engine."""
@@ -101,3 +103,15 @@ class CheckpointPermissionError(CkptEngineError, PermissionError):
 
 class IntegrityError(CorruptCheckpointError):
     """A checkpoint file does not match the manifest written when it was committed (size or checksum)."""
+
+
+def first_failure(exc: BaseException) -> tuple[BaseException, list[int]]:
+    """The error behind DCP's ``CheckpointException`` (a ``BaseException`` gathering every failed
+    rank's error) and the failed ranks, lowest first; any other exception comes back as is, with
+    no ranks."""
+    if isinstance(exc, CheckpointException):
+        ranks = sorted(exc.failures)
+        if ranks:
+            err = exc.failures[ranks[0]]
+            return (err[0] if isinstance(err, tuple) else err), ranks
+    return exc, []

@@ -350,3 +350,15 @@ def test_close_calls_plugin_close_once_in_reverse_fold_order(save_dir: str) -> N
     engine.close()
     engine.close()
     assert closed == ["second", "first"]
+
+
+def test_first_failure_unwraps_dcp_checkpoint_exception() -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckpt_engine.errors import first_failure
+
+    inner1, inner3 = ValueError("rank 1 broke"), KeyError("rank 3")
+    exc = CheckpointException("plan", {3: (inner3, None), 1: (inner1, None)})
+    assert first_failure(exc) == (inner1, [1, 3])
+    plain = RuntimeError("not DCP")
+    assert first_failure(plain) == (plain, [])
