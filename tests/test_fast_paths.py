@@ -83,6 +83,14 @@ def _flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Te
     return out
 
 
+@pytest.fixture
+def zstd() -> Any:
+    """DCP's zstd stream transform (experimental module); ``zstandard`` is in the test extra."""
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    return ZStandard()
+
+
 def _load(path: str, template: dict[str, Any], reader: Any) -> dict[str, Any]:
     dcp.load(template, storage_reader=reader, planner=DefaultLoadPlanner())
     return template
@@ -127,12 +135,7 @@ def test_fallbacks_stay_bit_exact(tmp_path: Any) -> None:
     assert torch.equal(ours["a"], state["a"])
 
 
-def test_compressed_items_fall_back(tmp_path: Any) -> None:
-    ext = pytest.importorskip("torch.distributed.checkpoint._extension")
-    try:
-        zstd = ext.ZStandard()
-    except Exception as err:  # zstandard / pyzstd not installed
-        pytest.skip(f"no zstd: {err}")
+def test_compressed_items_fall_back(tmp_path: Any, zstd: Any) -> None:
     state = {"w": torch.randn(100, 10)}
     path = str(tmp_path / "ckpt")
     dcp.save(state, storage_writer=FileSystemWriter(path, _extensions=[zstd]))
@@ -380,14 +383,9 @@ def test_engine_save_uses_the_fast_writer_and_stays_loadable(tmp_path: Any) -> N
             assert data.CRC == 0
 
 
-def test_fast_writer_leaves_stream_transforms_to_dcp(tmp_path: Any) -> None:
+def test_fast_writer_leaves_stream_transforms_to_dcp(tmp_path: Any, zstd: Any) -> None:
     from ckpt_engine._fast_write import FastFileSystemWriter
 
-    ext = pytest.importorskip("torch.distributed.checkpoint._extension")
-    try:
-        zstd = ext.ZStandard()
-    except Exception as err:  # zstandard / pyzstd not installed
-        pytest.skip(f"no zstd: {err}")
     path = str(tmp_path / "ckpt")
     dcp.save({"w": torch.randn(100)}, storage_writer=FastFileSystemWriter(path, _extensions=[zstd]))
     md = FileSystemReader(path).read_metadata()
