@@ -5,7 +5,7 @@
 """
 
 from ._markers import PROJECT_NAME, hookimpl
-from .config import EngineConfig, PluginEntry
+from .config import EngineConfig, PluginEntry, StorageOptions
 from .engine import CheckpointEngine, SaveHandle
 from .errors import (
     CheckpointLoadError,
@@ -23,6 +23,7 @@ from .errors import (
     PluginConflictError,
     PluginLoadError,
     SaveDirLockedError,
+    StorageError,
     UnsafeCheckpointError,
 )
 from .report import ComponentReport, LoadReport
@@ -73,6 +74,8 @@ __all__ = [
     "SaveHandle",
     "SaveResult",
     "StagedState",
+    "StorageError",
+    "StorageOptions",
     "UnsafeCheckpointError",
     "ValueSpec",
     "WriteContext",

@@ -8,6 +8,7 @@ classes DCP writes, and hands the result to DCP through :class:`SafeFileSystemRe
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pickle
 import re
@@ -27,7 +28,9 @@ from .errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
+    denied,
 )
+from .store import Store, store_for
 
 METADATA_FILE = ".metadata"
 
@@ -66,18 +69,24 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def read_metadata(component_dir: str | os.PathLike[str]) -> Metadata:
-    """Read ``component_dir/.metadata`` safely; typed errors name the file."""
-    path = os.path.join(os.fspath(component_dir), METADATA_FILE)
+def read_metadata(component_dir: str | os.PathLike[str], store: Store | None = None) -> Metadata:
+    """Read ``component_dir/.metadata`` safely (from any :class:`~ckpt_engine.store.Store`);
+    typed errors name the file."""
+    component_dir = os.fspath(component_dir)
+    store = store_for(component_dir, store)
+    path = store.join(component_dir, METADATA_FILE)
     try:
-        with open(path, "rb") as f:
-            md = _RestrictedUnpickler(f).load()
+        if store.is_object_store:
+            md = _RestrictedUnpickler(io.BytesIO(store.read_bytes(path))).load()
+        else:
+            with open(path, "rb") as f:
+                md = _RestrictedUnpickler(f).load()
     except FileNotFoundError as err:
         raise IncompleteCheckpointError(
             f"{path} does not exist: the component was never committed (an interrupted save?)"
         ) from err
     except PermissionError as err:
-        raise CheckpointPermissionError(f"cannot read {path}: permission denied; make it readable") from err
+        raise CheckpointPermissionError(f"cannot read {path}: {denied(err, 'make it readable')}") from err
     except IsADirectoryError as err:
         raise CorruptCheckpointError(f"{path} is a folder, not a DCP metadata file") from err
     except OSError as err:
@@ -150,7 +159,7 @@ def _read_error(path: str, items: list[ReadItem], err: Exception) -> Exception:
     first_line = inner.group(1) if inner else next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
     detail = f"{type(err).__name__}: {first_line[:300]}"
     if isinstance(err, PermissionError):
-        return CheckpointPermissionError(f"cannot read {path}: permission denied; make it readable")
+        return CheckpointPermissionError(f"cannot read {path}: {denied(err, 'make it readable')}")
     if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
         found = re.search(r"GLOBAL (\S+)", str(err))
         return UnsafeCheckpointError(

@@ -14,12 +14,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 from .types import STANDARD_COMPONENTS
 
-__all__ = ["DEFAULT_PLUGINS", "EngineConfig", "PluginEntry"]
+__all__ = ["DEFAULT_PLUGINS", "EngineConfig", "PluginEntry", "StorageOptions"]
 
 #: Plugins that are on unless the config lists them with ``enabled: false``. The original
 #: checkpointer always skipped Transformer-Engine ``_extra_state``.
@@ -68,6 +68,80 @@ def _coerce_entry(item: Any) -> Any:
     return item
 
 
+class StorageOptions(BaseModel):
+    """How to reach a `save_dir` / `load_dir` / `load_path` given as a URL (`s3://...`, any fsspec
+    filesystem); ignored for local paths. Unset credentials fall back to the standard sources
+    (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, `~/.aws`, instance roles).
+    Secrets are `SecretStr`: never printed, logged or put in an error message."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint_url: str | None = Field(
+        default=None, description="S3-compatible endpoint (MinIO, Ceph, a local test server); default: AWS."
+    )
+    region: str | None = Field(default=None, description="S3 region; default: boto's (`AWS_DEFAULT_REGION`).")
+    access_key_id: SecretStr | None = Field(default=None, description="S3 access key id.")
+    secret_access_key: SecretStr | None = Field(default=None, description="S3 secret access key.")
+    session_token: SecretStr | None = Field(default=None, description="S3 session token (temporary credentials).")
+    profile: str | None = Field(default=None, description="Profile in `~/.aws/credentials`.")
+    anon: bool = Field(default=False, description="Unsigned requests (public buckets, read only).")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments for the fsspec filesystem (any protocol); they override the fields above.",
+    )
+    max_concurrency: int = Field(default=8, ge=1, le=256, description="Parallel uploads and range reads per rank.")
+    part_size_mb: int = Field(
+        default=64, ge=5, le=5120, description="Multipart upload part size (S3 allows 5 MiB to 5 GiB)."
+    )
+    retries: int = Field(default=5, ge=1, le=100, description="Attempts per request for transient errors.")
+    retry_backoff_s: float = Field(
+        default=0.5, ge=0, le=60, description="First wait between attempts; doubles each time, with jitter."
+    )
+    spool_dir: str | None = Field(
+        default=None,
+        description="Local folder where each rank writes its files before uploading them (object stores "
+        "only; needs room for one rank's share of a checkpoint). Default: the system temp folder.",
+    )
+    local_dir: str | None = Field(
+        default=None,
+        description="Two-tier saves: commit every checkpoint to this local folder first, upload it in the "
+        "background, and resume from it when its checkpoint is complete and at least as new as the "
+        "object store's. Must be visible to every rank (one node, or a shared filesystem).",
+    )
+    local_keep_last: int = Field(
+        default=1, ge=1, description="Two-tier saves: local checkpoints kept after their upload."
+    )
+    commit_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Background saves to an object store: how long rank 0 waits for every rank's upload.",
+    )
+
+    @field_validator("spool_dir", "local_dir")
+    @classmethod
+    def _local_only(cls, v: str | None) -> str | None:
+        if v is not None and "://" in v and not v.startswith("file://"):
+            raise ValueError(f"{v!r} must be a local folder, not a URL")
+        return v[len("file://") :] if v is not None and v.startswith("file://") else v
+
+    def fsspec_options(self, protocol: str) -> dict[str, Any]:
+        """Keyword arguments for ``fsspec.filesystem(protocol, ...)`` (secrets included: never log them)."""
+        if protocol in ("s3", "s3a"):
+            from .store import s3_options
+
+            return s3_options(
+                endpoint_url=self.endpoint_url,
+                region=self.region,
+                access_key_id=self.access_key_id.get_secret_value() if self.access_key_id else None,
+                secret_access_key=self.secret_access_key.get_secret_value() if self.secret_access_key else None,
+                session_token=self.session_token.get_secret_value() if self.session_token else None,
+                profile=self.profile,
+                anon=self.anon,
+                extra=self.options,
+            )
+        return dict(self.options)
+
+
 class EngineConfig(BaseModel):
     """Everything the engine needs to know, from keyword arguments, a dict or a file.
 
@@ -76,7 +150,11 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    save_dir: str = Field(min_length=1, description="Folder that receives `iter_XXXXXXXXX/` checkpoints.")
+    save_dir: str = Field(
+        min_length=1,
+        description="Folder that receives `iter_XXXXXXXXX/` checkpoints: a path, or a URL "
+        "(`s3://bucket/run`, any fsspec filesystem; see `storage`).",
+    )
     load_dir: str | None = Field(
         default=None, description="Folder whose `latest_checkpoint.txt` is resumed; default: `save_dir`."
     )
@@ -136,6 +214,10 @@ class EngineConfig(BaseModel):
     )
     thread_count: int = Field(default=1, ge=1, le=64, description="Writer threads per rank (DCP).")
     sync_files: bool = Field(default=True, description="fsync checkpoint files before commit.")
+    storage: StorageOptions = Field(
+        default_factory=StorageOptions,
+        description="Credentials, endpoint and transfer settings for URLs; the two-tier `local_dir` (docs/storage.md).",
+    )
     plugins: tuple[PluginEntry, ...] = Field(
         default=(),
         validate_default=True,  # so the default plugins are added to a config that lists none
@@ -159,6 +241,18 @@ class EngineConfig(BaseModel):
             raise ValueError(f"plugin(s) {dupes} listed more than once; list each plugin once")
         missing_defaults = [PluginEntry(name=n) for n in DEFAULT_PLUGINS if n not in names]
         return (*missing_defaults, *v)
+
+    @field_validator("save_dir", "load_dir", "load_path")
+    @classmethod
+    def _strip_file_url(cls, v: str | None) -> str | None:
+        # file:// URLs are local folders: they keep the local fast path and the rename commit.
+        if v is not None and v.startswith("file://"):
+            v = v[len("file://") :]
+            if not v:
+                raise ValueError("'file://' names no folder")
+        if v is not None and "://" in v and v.rstrip("/").count("/") < 2:
+            raise ValueError(f"{v!r} names no bucket or folder; use e.g. 's3://bucket/run/checkpoints'")
+        return v.rstrip("/") if v is not None and "://" in v else v
 
     @field_validator("keys_not_to_resume", mode="before")
     @classmethod

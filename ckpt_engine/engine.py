@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import _dist, errors
 from ._fast_read import FastFileSystemReader
+from ._object_read import ObjectStoreReader
 from .config import EngineConfig
 from .errors import (
     CheckpointLoadError,
@@ -31,10 +36,13 @@ from .errors import (
     IncompleteCheckpointError,
     IntegrityError,
     SaveDirLockedError,
+    StorageError,
     first_failure,
 )
 from .integrity import (
     DEFAULT_ALGORITHM,
+    MANIFEST_FILE,
+    RANK_PART_PREFIX,
     FileEntry,
     check_against_manifest,
     hash_files,
@@ -57,8 +65,10 @@ from .layout import (
     find_leftovers,
     iter_dirname,
     list_checkpoints,
+    parse_iteration,
     partial_dirname,
     read_latest,
+    remove_checkpoint,
     remove_tree,
     write_latest,
 )
@@ -68,6 +78,7 @@ from .planner import EngineLoadPlanner, EngineSavePlanner, flat_keys
 from .report import ComponentReport, LoadReport, SkipRecord
 from .retention import apply_retention
 from .state import TrainingObjects, apply_component, component_state_dict
+from .store import FsspecStore, Store, open_store
 from .types import (
     STANDARD_COMPONENTS,
     LoadResult,
@@ -92,6 +103,32 @@ class _Validated:
     checked: CheckedCheckpoint
     verified: bool
     reason: str | None
+    store: Store
+
+
+@dataclass
+class _Phase:
+    """What the commit phase of a save found (filled in as it goes)."""
+
+    error: BaseException | None = None
+    nbytes: int = 0
+    write_end: float = 0.0
+
+
+@dataclass(frozen=True)
+class _SavePaths:
+    """Where one save goes. ``final`` is the checkpoint's name for users (a local folder or a URL);
+    ``partial`` the local folder the write providers write into; ``local_final`` the local folder
+    it is renamed to (``None`` when the checkpoint lives only in an object store)."""
+
+    iteration: int
+    final: str
+    partial: str
+    local_final: str | None
+
+    @property
+    def name(self) -> str:
+        return iter_dirname(self.iteration)
 
 
 class SaveHandle:
@@ -101,13 +138,18 @@ class SaveHandle:
         self.iteration = iteration
         self.path = path
         self._future = future
+        #: Whether :meth:`result` has handed the outcome to the caller.
+        self.reported = False
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> SaveResult:
-        """The save's :class:`SaveResult`; raises :class:`CheckpointSaveError` if it failed."""
+        """The save's :class:`SaveResult`; raises :class:`CheckpointSaveError` if it failed.
+
+        A failure seen here is not raised again by the engine's next ``save()`` / ``wait()``."""
         result = self._future.result(timeout)
+        self.reported = True
         if not result.succeeded:
             raise CheckpointSaveError(
                 f"saving iteration {self.iteration} to {self.path} failed: {result.error}"
@@ -146,9 +188,22 @@ class CheckpointEngine:
         self._lock = threading.Lock()
         self._committer: ThreadPoolExecutor | None = None
         self._closed = False
+        storage = self.config.storage
+        self._store = open_store(self.save_dir, storage)
+        self._remote = self._store.is_object_store
+        #: Two-tier saves (``storage.local_dir``): local commit first, upload in the background.
+        self._local_dir = storage.local_dir if self._remote else None
+        #: The local folder that receives uncommitted saves: ``save_dir`` itself, the two-tier
+        #: ``local_dir``, or a spool folder for this save_dir URL (same path on every rank).
+        self._staging_root = self.save_dir
+        if self._remote:
+            digest = hashlib.sha1(self.save_dir.encode()).hexdigest()[:16]
+            base = storage.spool_dir or tempfile.gettempdir()
+            self._staging_root = self._local_dir or os.path.join(base, "ckpt-engine-spool", digest)
         #: Held by rank 0 from the first save until close(): a second engine saving into the
-        #: same save_dir gets SaveDirLockedError instead of interleaving checkpoints.
-        self._save_lock = SaveDirLock(self.save_dir)
+        #: same folder gets SaveDirLockedError instead of interleaving checkpoints. (An object
+        #: store has no lock: the local staging folder is what is locked there.)
+        self._save_lock = SaveDirLock(self._staging_root)
         self._remove_leftovers_at_start()
 
     def _remove_leftovers_at_start(self) -> None:
@@ -167,7 +222,7 @@ class CheckpointEngine:
                 rank = 0
         if rank != 0:
             return
-        leftovers = find_leftovers(self.save_dir)
+        leftovers = find_leftovers(self._staging_root)
         if not leftovers:
             return
         holder = self._save_lock.try_hold_briefly()
@@ -175,12 +230,12 @@ class CheckpointEngine:
             logger.info(
                 "%s holds %d leftover temporary folder(s), but another engine holds its lock (or it cannot "
                 "be locked); leaving them",
-                self.save_dir,
+                self._staging_root,
                 len(leftovers),
             )
             return
         try:
-            for line in cleanup_leftovers(self.save_dir, leftovers):
+            for line in cleanup_leftovers(self._staging_root, leftovers):
                 logger.warning("%s", line)
         finally:
             holder.release()
@@ -240,12 +295,12 @@ class CheckpointEngine:
 
         t0 = time.perf_counter()
         rank, world = _dist.rank(), _dist.world_size()
-        final_dir = os.path.join(self.save_dir, iter_dirname(iteration))
-        partial_dir = os.path.join(self.save_dir, partial_dirname(iteration))
+        paths = self._save_paths(iteration)
+        final_dir, partial_dir = paths.final, paths.partial
         components = tuple(objs.available())
         timings = {"staging": 0.0}
         try:
-            prepared = self._prepare_save(objs, iteration, components, partial_dir, rank, world, timings)
+            prepared = self._prepare_save(objs, paths, components, rank, world, timings)
         except Exception as err:
             result = SaveResult(
                 iteration=iteration,
@@ -256,7 +311,7 @@ class CheckpointEngine:
                 blocked_seconds=time.perf_counter() - t0,
                 total_seconds=time.perf_counter() - t0,
             )
-            self._finish(result, partial_dir, cleanup=False)
+            self._finish(result, paths, cleanup=False)
             if isinstance(err, SaveDirLockedError):
                 raise
             detail = str(err) if isinstance(err, CkptEngineError) else f"{type(err).__name__}: {err}"
@@ -284,26 +339,27 @@ class CheckpointEngine:
                 outcomes.append(out)
         except (Exception, CheckpointException) as exc:
             cause, ranks = _unwrap(exc)
-            raise self._fail_sync(
-                iteration, final_dir, partial_dir, components, cause, ranks, t0, timings, write_start
-            ) from cause
+            raise self._fail_sync(paths, components, cause, ranks, t0, timings, write_start) from cause
 
         blocked = time.perf_counter() - t0
         future: Future[SaveResult] = Future()
         handle = SaveHandle(iteration, final_dir, future)
         if all(isinstance(o, WriteResult) for o in outcomes):
-            result = self._commit(
-                iteration,
-                final_dir,
-                partial_dir,
-                components,
-                outcomes,
-                t0,
-                blocked,
-                timings,
-                write_start,
-                collective=True,
-            )
+            if self._local_dir is not None:
+                # Two-tier: commit the local copy now, upload it in the background.
+                phase = self._commit_phase(paths, components, outcomes, collective=True)
+                if phase.error is not None:
+                    result = self._result(paths, components, phase, t0, blocked, timings, write_start, True)
+                    self._finish(result, paths, cleanup=True)
+                    future.set_result(result)
+                    raise CheckpointSaveError(
+                        f"saving iteration {iteration} to {final_dir} failed: {result.error}"
+                    ) from result.error
+                self._submit(
+                    handle, self._upload_background, future, paths, components, phase, t0, blocked, timings, write_start
+                )
+                return handle
+            result = self._commit(paths, components, outcomes, t0, blocked, timings, write_start, collective=True)
             future.set_result(result)
             if not result.succeeded:
                 raise CheckpointSaveError(
@@ -313,31 +369,31 @@ class CheckpointEngine:
 
         # Background writes: commit from the engine's commit thread (no collectives there; the
         # last DCP write of every component already synchronised all ranks).
+        self._submit(
+            handle, self._commit_background, future, paths, components, outcomes, t0, blocked, timings, write_start
+        )
+        return handle
+
+    def _submit(self, handle: SaveHandle, fn: Callable[..., None], *args: Any) -> None:
         with self._lock:
             if self._committer is None:
                 self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-engine-commit")
             self._pending.append(handle)
-        self._committer.submit(
-            self._commit_background,
-            future,
-            iteration,
-            final_dir,
-            partial_dir,
-            components,
-            outcomes,
-            t0,
-            blocked,
-            timings,
-            write_start,
-        )
-        return handle
+        self._committer.submit(fn, *args)
+
+    def _save_paths(self, iteration: int) -> _SavePaths:
+        name = iter_dirname(iteration)
+        partial = os.path.join(self._staging_root, partial_dirname(iteration))
+        if not self._remote:
+            return _SavePaths(iteration, os.path.join(self.save_dir, name), partial, os.path.join(self.save_dir, name))
+        local_final = os.path.join(self._local_dir, name) if self._local_dir is not None else None
+        return _SavePaths(iteration, self._store.join(self.save_dir, name), partial, local_final)
 
     def _prepare_save(
         self,
         objs: TrainingObjects,
-        iteration: int,
+        paths: _SavePaths,
         components: tuple[str, ...],
-        partial_dir: str,
         rank: int,
         world: int,
         timings: dict[str, float],
@@ -347,29 +403,38 @@ class CheckpointEngine:
         staged: Any = None
         key_maps: dict[str, dict[str, str]] = {}
         try:
-            state = {name: component_state_dict(objs, name, iteration) for name in components}
+            state = {name: component_state_dict(objs, name, paths.iteration) for name in components}
             for name, sd in state.items():
                 ctx = RemapContext(
                     component=name,
                     direction="save",
                     storage_keys=None,
-                    checkpoint_path=os.path.join(self.save_dir, iter_dirname(iteration)),
+                    checkpoint_path=paths.final,
                     rank=rank,
                     world_size=world,
                 )
                 key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
             if rank == 0:
-                os.makedirs(self.save_dir, exist_ok=True)
+                os.makedirs(self._staging_root, exist_ok=True)
                 if self._save_lock.acquire():  # first save: also clear what a crash left behind
-                    for line in cleanup_leftovers(self.save_dir):
+                    for line in cleanup_leftovers(self._staging_root):
                         logger.warning("%s", line)
-                if os.path.exists(partial_dir):
-                    remove_tree(partial_dir)  # left behind by a crashed save of this iteration
+                if os.path.exists(paths.partial):
+                    remove_tree(paths.partial)  # left behind by a crashed save of this iteration
+                if self._remote and self._local_dir is None and self._store.exists(paths.final):
+                    # A re-save of this iteration (or what a killed save uploaded): the old marker
+                    # goes first, so that no reader ever takes the mix for a checkpoint.
+                    logger.warning(
+                        "%s exists; deleting it before saving iteration %d again", paths.final, paths.iteration
+                    )
+                    remove_checkpoint(paths.final, self._store)
+            elif self._remote:
+                self._remove_own_files(paths.partial, rank)  # a node-local spool another node cannot clear
             t_stage = time.perf_counter()
             staged = self.pipeline.stage(
                 SaveContext(
-                    iteration=iteration,
-                    checkpoint_path=os.path.join(self.save_dir, iter_dirname(iteration)),
+                    iteration=paths.iteration,
+                    checkpoint_path=paths.final,
                     components=components,
                     rank=rank,
                     world_size=world,
@@ -396,11 +461,21 @@ class CheckpointEngine:
             raise CheckpointSaveError(f"rank {r} failed while preparing the save: {e}") from local_err
         return staged, key_maps
 
+    @staticmethod
+    def _remove_own_files(partial: str, rank: int) -> None:
+        """Remove this rank's data files from an earlier attempt of a save in ``partial``."""
+        if not os.path.isdir(partial):
+            return
+        for rel in list_files(partial):
+            if os.path.basename(rel).startswith(f"__{rank}_"):
+                try:
+                    os.remove(os.path.join(partial, rel))
+                except FileNotFoundError:
+                    continue
+
     def _fail_sync(
         self,
-        iteration: int,
-        final_dir: str,
-        partial_dir: str,
+        paths: _SavePaths,
         components: tuple[str, ...],
         err: BaseException,
         ranks: list[int],
@@ -411,8 +486,8 @@ class CheckpointEngine:
         """Report a failed write and return the error to raise."""
         now = time.perf_counter()
         result = SaveResult(
-            iteration=iteration,
-            path=final_dir,
+            iteration=paths.iteration,
+            path=paths.final,
             succeeded=False,
             error=err,
             components=components,
@@ -421,19 +496,17 @@ class CheckpointEngine:
             write_seconds=now - write_start,
             total_seconds=now - t0,
         )
-        hint = disk_full_hint(self.save_dir, err)  # before the partial folder frees its space
-        self._finish(result, partial_dir, cleanup=True)
+        hint = disk_full_hint(self._staging_root, err)  # before the partial folder frees its space
+        self._finish(result, paths, cleanup=True)
         where = f" on rank(s) {ranks}" if _dist.world_size() > 1 else ""
         return CheckpointSaveError(
-            f"saving iteration {iteration} to {final_dir} failed{where}: {type(err).__name__}: {err}{hint}; "
+            f"saving iteration {paths.iteration} to {paths.final} failed{where}: {type(err).__name__}: {err}{hint}; "
             "the previous checkpoint is untouched"
         )
 
     def _commit(
         self,
-        iteration: int,
-        final_dir: str,
-        partial_dir: str,
+        paths: _SavePaths,
         components: tuple[str, ...],
         outcomes: Sequence[Any],
         t0: float,
@@ -443,81 +516,121 @@ class CheckpointEngine:
         *,
         collective: bool,
     ) -> SaveResult:
-        """Manifest, rename, ``latest``: the commit protocol (docs/reliability.md).
+        """The commit protocol (docs/reliability.md, docs/storage.md), then ``_finish``.
 
         ``collective``: every rank calls this at the same point (synchronous saves); each rank
         checksums the files it wrote and the ranks agree before rank 0 commits. Otherwise (the
-        commit thread of background writes) no collective is used: rank 0 checksums every file.
+        commit thread of background writes) no collective is used.
         """
-        error: BaseException | None = None
-        nbytes = 0
+        phase = self._commit_phase(paths, components, outcomes, collective=collective)
+        if phase.error is None and self._local_dir is not None and _dist.rank() == 0:
+            phase.error = self._upload_local_copy(paths)
+        result = self._result(paths, components, phase, t0, blocked, timings, write_start, collective)
+        self._finish(result, paths, cleanup=phase.error is not None)
+        return result
+
+    def _commit_phase(
+        self, paths: _SavePaths, components: tuple[str, ...], outcomes: Sequence[Any], *, collective: bool
+    ) -> _Phase:
+        """Wait for the writes, then commit: locally (manifest, rename, ``latest``), or straight
+        into the object store (every rank uploads its own files; rank 0 writes the manifest, the
+        completion marker, then ``latest``)."""
+        phase = _Phase()
         try:
             results = [self.pipeline.check_write_result(o.result() if isinstance(o, Future) else o) for o in outcomes]
-            nbytes = sum(r.bytes_written for r in results)
+            phase.nbytes = sum(r.bytes_written for r in results)
         except (Exception, CheckpointException) as exc:
-            error = _unwrap(exc)[0]
-        write_end = time.perf_counter()
+            phase.error = _unwrap(exc)[0]
+        phase.write_end = time.perf_counter()
         rank, world = _dist.rank(), _dist.world_size()
         algorithm = DEFAULT_ALGORITHM if self.config.save_checksums else None
         entries: dict[str, FileEntry] = {}
-        if collective and world > 1:
-            # Each rank sizes and checksums the files it wrote (still in its page cache), then
-            # all ranks agree that every write succeeded before rank 0 commits anything.
-            if error is None:
+        direct = self._remote and self._local_dir is None
+        if direct or (collective and world > 1):
+            # Each rank sizes and checksums the files it wrote (still in its page cache) and, for an
+            # object store, uploads them; then the ranks agree that every write succeeded.
+            if phase.error is None:
                 try:
-                    mine = [rel for rel in list_files(partial_dir) if owner_rank(rel, world) == rank]
-                    entries = hash_files(partial_dir, mine, algorithm)
+                    mine = [rel for rel in list_files(paths.partial) if owner_rank(rel, world) == rank]
+                    entries = hash_files(paths.partial, mine, algorithm)
+                    if direct:
+                        self._upload_files(paths.partial, paths.final, mine)
                 except Exception as err:
-                    error = err
-            local = None if error is None else f"{type(error).__name__}: {error}"
-            gathered = _dist.all_gather_object((local, entries))
-            if error is None:
-                failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
-                if failed:
-                    error = CheckpointSaveError(f"rank {failed[0][0]} failed to write its files: {failed[0][1]}")
-            entries = {rel: entry for _, part in gathered for rel, entry in part.items()}
-        if error is None and rank == 0:
+                    phase.error = err
+            if collective and world > 1:
+                local = None if phase.error is None else f"{type(phase.error).__name__}: {phase.error}"
+                gathered = _dist.all_gather_object((local, entries))
+                if phase.error is None:
+                    failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+                    if failed:
+                        phase.error = CheckpointSaveError(
+                            f"rank {failed[0][0]} failed to write its files: {failed[0][1]}"
+                        )
+                entries = {rel: entry for _, part in gathered for rel, entry in part.items()}
+            elif direct and world > 1:
+                try:
+                    entries = self._exchange_parts(paths, entries, phase.error)
+                except Exception as err:
+                    phase.error = phase.error or err
+        if phase.error is None and rank == 0:
             try:
                 t_manifest = time.perf_counter()
-                covered = self._write_manifest(iteration, partial_dir, components, algorithm, entries, world)
+                if direct:
+                    covered = self._write_remote_manifest(paths, components, algorithm, entries, world)
+                    write_latest(self.save_dir, paths.name, self._store)
+                else:
+                    covered = self._write_manifest(paths, components, algorithm, entries, world)
+                    assert paths.local_final is not None
+                    commit_rename(paths.partial, paths.local_final)
+                    write_latest(os.path.dirname(paths.local_final), paths.name)
                 logger.debug(
                     "manifest of iteration %d: %.1f MB covered in %.3fs",
-                    iteration,
+                    paths.iteration,
                     covered / 1e6,
                     time.perf_counter() - t_manifest,
                 )
-                commit_rename(partial_dir, final_dir)
-                write_latest(self.save_dir, iter_dirname(iteration))
             except Exception as err:
-                error = err
+                phase.error = err
         if collective and world > 1:
             # Doubles as the barrier that keeps ranks from running ahead of the commit.
-            errors = _dist.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-            if error is None:
+            errors = _dist.all_gather_object(
+                None if phase.error is None else f"{type(phase.error).__name__}: {phase.error}"
+            )
+            if phase.error is None:
                 failed = [(r, e) for r, e in enumerate(errors) if e is not None]
                 if failed:
-                    error = CheckpointSaveError(f"rank {failed[0][0]} failed to commit: {failed[0][1]}")
+                    phase.error = CheckpointSaveError(f"rank {failed[0][0]} failed to commit: {failed[0][1]}")
+        return phase
+
+    def _result(
+        self,
+        paths: _SavePaths,
+        components: tuple[str, ...],
+        phase: _Phase,
+        t0: float,
+        blocked: float,
+        timings: dict[str, float],
+        write_start: float,
+        collective: bool,
+    ) -> SaveResult:
         now = time.perf_counter()
-        result = SaveResult(
-            iteration=iteration,
-            path=final_dir,
-            succeeded=error is None,
-            error=error,
+        return SaveResult(
+            iteration=paths.iteration,
+            path=paths.final,
+            succeeded=phase.error is None,
+            error=phase.error,
             components=components,
-            bytes_written=nbytes,
+            bytes_written=phase.nbytes,
             # A synchronous save blocks the caller through the commit too.
             blocked_seconds=now - t0 if collective else blocked,
             staging_seconds=timings["staging"],
-            write_seconds=write_end - write_start,
+            write_seconds=phase.write_end - write_start,
             total_seconds=now - t0,
         )
-        self._finish(result, partial_dir, cleanup=error is not None)
-        return result
 
     def _write_manifest(
         self,
-        iteration: int,
-        partial_dir: str,
+        paths: _SavePaths,
         components: tuple[str, ...],
         algorithm: str | None,
         entries: dict[str, FileEntry],
@@ -525,6 +638,7 @@ class CheckpointEngine:
     ) -> int:
         """Rank 0: check the uncommitted checkpoint is complete, checksum what no rank did, and
         write the manifest into it. Returns the bytes the manifest covers."""
+        partial_dir = paths.partial
         checked = check_complete(partial_dir)
         missing = [c for c in components if c not in checked.components]
         if missing:
@@ -532,9 +646,144 @@ class CheckpointEngine:
         expected = set(list_files(partial_dir)) | referenced_files(checked)
         entries = dict(entries)
         entries.update(hash_files(partial_dir, expected - set(entries), algorithm))
-        manifest = new_manifest(iteration, world, components, algorithm, entries)
+        manifest = new_manifest(paths.iteration, world, components, algorithm, entries)
         write_manifest(partial_dir, manifest)
         return manifest.total_bytes
+
+    # -- object stores ------------------------------------------------------------------------
+
+    def _upload_files(self, local_root: str, remote_root: str, rels: Sequence[str]) -> None:
+        """Upload ``rels`` (relative to ``local_root``) under ``remote_root``, in parallel."""
+        store = self._store
+        assert isinstance(store, FsspecStore)
+        pairs = [(os.path.join(local_root, *rel.split("/")), store.join(remote_root, rel)) for rel in rels]
+        t = time.perf_counter()
+        nbytes = store.upload_many(pairs)
+        logger.debug(
+            "uploaded %d file(s), %.1f MB, to %s in %.3fs",
+            len(pairs),
+            nbytes / 1e6,
+            remote_root,
+            time.perf_counter() - t,
+        )
+
+    def _write_remote_manifest(
+        self,
+        paths: _SavePaths,
+        components: tuple[str, ...],
+        algorithm: str | None,
+        entries: dict[str, FileEntry],
+        world: int,
+    ) -> int:
+        """Rank 0, after every rank uploaded: check the uploaded checkpoint is complete (its DCP
+        metadata against one listing of the prefix), then write the manifest: the completion
+        marker. Returns the bytes the manifest covers."""
+        checked = check_complete(paths.final, self._store)
+        missing = [c for c in components if c not in checked.components]
+        if missing:
+            raise IncompleteCheckpointError(f"{paths.final}: components {missing} were not uploaded")
+        unreported = referenced_files(checked) - set(entries)
+        if unreported:
+            raise IncompleteCheckpointError(
+                f"{paths.final}: {sorted(unreported)[:5]} are referenced by DCP metadata but no rank reported "
+                "uploading them"
+            )
+        manifest = new_manifest(paths.iteration, world, components, algorithm, entries)
+        write_manifest(paths.final, manifest, self._store)
+        return manifest.total_bytes
+
+    def _exchange_parts(
+        self, paths: _SavePaths, entries: dict[str, FileEntry], error: BaseException | None
+    ) -> dict[str, FileEntry]:
+        """Background saves to an object store, several ranks, no collectives: every rank reports
+        its upload in a small object next to the checkpoint; rank 0 waits for all of them
+        (``storage.commit_timeout_s``) and returns the merged entries, or raises the first
+        rank's failure."""
+        rank, world = _dist.rank(), _dist.world_size()
+        store = self._store
+        part = {
+            "rank": rank,
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "files": {rel: {"size": e.size, "checksum": e.checksum} for rel, e in entries.items()},
+        }
+        store.write_bytes(store.join(paths.final, f"{RANK_PART_PREFIX}{rank:05d}.json"), json.dumps(part).encode())
+        if error is not None:
+            raise error
+        if rank != 0:
+            return entries
+        merged = dict(entries)
+        deadline = time.monotonic() + self.config.storage.commit_timeout_s
+        waiting = set(range(1, world))
+        delay = 0.05
+        while waiting:
+            for r in sorted(waiting):
+                path = store.join(paths.final, f"{RANK_PART_PREFIX}{r:05d}.json")
+                try:
+                    doc = json.loads(store.read_bytes(path))
+                except FileNotFoundError:
+                    continue
+                if doc.get("error"):
+                    raise CheckpointSaveError(f"rank {r} failed to upload its files: {doc['error']}")
+                for rel, e in doc.get("files", {}).items():
+                    merged[rel] = FileEntry(size=int(e["size"]), checksum=e.get("checksum"))
+                waiting.discard(r)
+            if waiting:
+                if time.monotonic() > deadline:
+                    raise CheckpointSaveError(
+                        f"rank(s) {sorted(waiting)} did not report their uploads to {paths.final} within "
+                        f"{self.config.storage.commit_timeout_s}s (storage.commit_timeout_s); did they crash?"
+                    )
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+        return merged
+
+    def _remove_parts(self, paths: _SavePaths) -> None:
+        store = self._store
+        parts = [store.join(paths.final, f"{RANK_PART_PREFIX}{r:05d}.json") for r in range(_dist.world_size())]
+        try:
+            if isinstance(store, FsspecStore):
+                store.remove_files(parts)
+        except (OSError, CkptEngineError):  # bookkeeping only: loaders and listings ignore them
+            logger.debug("could not remove the upload reports of %s", paths.final, exc_info=True)
+
+    def _upload_local_copy(self, paths: _SavePaths) -> BaseException | None:
+        """Two-tier, rank 0: upload the committed local copy; the manifest (the completion marker)
+        goes last, then ``latest``. Returns the error, if any (the local copy stays complete)."""
+        assert paths.local_final is not None
+        try:
+            if self._store.exists(paths.final):  # a re-save: the old marker goes first
+                remove_checkpoint(paths.final, self._store)
+            rels = list_files(paths.local_final)
+            self._upload_files(paths.local_final, paths.final, rels)
+            marker = os.path.join(paths.local_final, MANIFEST_FILE)
+            with open(marker, "rb") as f:
+                self._store.write_bytes(self._store.join(paths.final, MANIFEST_FILE), f.read())
+            write_latest(self.save_dir, paths.name, self._store)
+        except Exception as err:
+            if isinstance(err, StorageError):
+                err.args = (f"{err}; the local copy {paths.local_final} is complete and is resumed from",)
+            return err
+        return None
+
+    def _upload_background(
+        self,
+        future: Future[SaveResult],
+        paths: _SavePaths,
+        components: tuple[str, ...],
+        phase: _Phase,
+        t0: float,
+        blocked: float,
+        timings: dict[str, float],
+        write_start: float,
+    ) -> None:
+        try:
+            if _dist.rank() == 0:
+                phase.error = self._upload_local_copy(paths)
+            result = self._result(paths, components, phase, t0, blocked, timings, write_start, False)
+            self._finish(result, paths, cleanup=False)
+            future.set_result(result)
+        except BaseException as exc:  # an observer raised: surface it through the handle
+            future.set_exception(exc)
 
     def _commit_background(self, future: Future[SaveResult], *args: Any) -> None:
         try:
@@ -542,14 +791,20 @@ class CheckpointEngine:
         except BaseException as exc:  # an observer raised: surface it through the handle
             future.set_exception(exc)
 
-    def _finish(self, result: SaveResult, partial_dir: str, *, cleanup: bool) -> None:
-        if cleanup and _dist.rank() == 0 and os.path.exists(partial_dir):
+    def _finish(self, result: SaveResult, paths: _SavePaths, *, cleanup: bool) -> None:
+        partial_dir = paths.partial
+        direct = self._remote and self._local_dir is None
+        if (cleanup or direct) and _dist.rank() == 0 and os.path.exists(partial_dir):
             try:
                 remove_tree(partial_dir)
             except OSError:
                 logger.warning("could not remove uncommitted folder %s", partial_dir, exc_info=True)
+        elif direct:
+            self._remove_own_files(partial_dir, _dist.rank())
         if result.succeeded:
             if _dist.rank() == 0:
+                if direct and _dist.world_size() > 1:
+                    self._remove_parts(paths)
                 logger.info(
                     "saved iteration %d to %s (%.1f MB, blocked %.3fs, total %.3fs)",
                     result.iteration,
@@ -564,14 +819,19 @@ class CheckpointEngine:
         self.pipeline.on_save_done(result)
 
     def _apply_retention(self) -> None:
-        """Rank 0, after a commit: ``keep_last`` / ``keep_every``. A best-effort side job: a
-        failure is logged and retried after the next commit, never raised into training."""
-        if self.config.keep_last is None:
-            return
-        try:
-            apply_retention(self.save_dir, self.config.keep_last, self.config.keep_every)
-        except Exception:
-            logger.warning("retention in %s failed; retrying after the next commit", self.save_dir, exc_info=True)
+        """Rank 0, after a commit: ``keep_last`` / ``keep_every`` (and, two-tier, the local
+        folder's ``local_keep_last``). A best-effort side job: a failure is logged and retried
+        after the next commit, never raised into training."""
+        jobs: list[tuple[str, int, int | None, Store | None]] = []
+        if self.config.keep_last is not None:
+            jobs.append((self.save_dir, self.config.keep_last, self.config.keep_every, self._store))
+        if self._local_dir is not None:
+            jobs.append((self._local_dir, self.config.storage.local_keep_last, None, None))
+        for folder, keep_last, keep_every, store in jobs:
+            try:
+                apply_retention(folder, keep_last, keep_every, store)
+            except Exception:
+                logger.warning("retention in %s failed; retrying after the next commit", folder, exc_info=True)
 
     def _saves_to_keep(self, iteration: int) -> int:
         """How many earlier saves may stay pending while a new one stages: the stage provider's
@@ -593,10 +853,12 @@ class CheckpointEngine:
         results = []
         first_error: CheckpointSaveError | None = None
         for handle in pending:
+            seen = handle.reported
             try:
                 results.append(handle.result())
             except CheckpointSaveError as err:
-                first_error = first_error or err
+                if not seen:  # the caller already got this failure from handle.result()
+                    first_error = first_error or err
         if first_error is not None:
             raise first_error
         return results
@@ -671,32 +933,39 @@ class CheckpointEngine:
         self._check_keys_not_to_resume(objs)
         cfg = self.config
         load_dir = cfg.resolved_load_dir
+        store = open_store(load_dir, cfg.storage)
         wanted_all = [*STANDARD_COMPONENTS, *objs.extra]
-        latest_file = os.path.join(load_dir, LATEST_FILE)
+        latest_file = store.join(load_dir, LATEST_FILE)
         try:
-            latest = self._agreed(lambda: read_latest(load_dir))
+            latest = self._agreed(lambda: read_latest(load_dir, store))
         except CkptEngineError as err:
             if not cfg.fallback_to_last_complete:
                 raise
-            return self._load_fallback(objs, load_dir, latest_file, err, wanted_all)
+            return self._load_fallback(objs, load_dir, store, latest_file, err, wanted_all)
+        if self._local_dir is not None and load_dir == self.save_dir:
+            local = self._local_copy(latest)
+            if local is not None:
+                return self._load_checkpoint(objs, local.checked.path, wanted_all, "latest", local)
         if latest is not None:
-            path = os.path.join(load_dir, latest)
+            path = store.join(load_dir, latest)
             try:
                 validated = self._validate(
                     path,
+                    store,
                     missing_hint=f"{latest_file} names {latest!r}, but {path} does not exist; restore it, or "
                     "point latest_checkpoint.txt at an existing checkpoint (or set fallback_to_last_complete)",
                 )
             except CkptEngineError as err:
                 if not cfg.fallback_to_last_complete:
                     raise
-                return self._load_fallback(objs, load_dir, path, err, wanted_all)
+                return self._load_fallback(objs, load_dir, store, path, err, wanted_all)
             return self._load_checkpoint(objs, path, wanted_all, "latest", validated)
         if cfg.load_path:
             lp = cfg.load_path
+            lp_store = open_store(lp, cfg.storage)
             if lp.endswith(".pth"):
-                return self._load_pth(objs, lp)
-            if not os.path.isdir(lp):
+                return self._load_pth(objs, lp, lp_store)
+            if not self._agreed(lambda: lp_store.isdir(lp)):
                 raise CheckpointNotFoundError(
                     f"load_path {lp!r} does not exist or is not a checkpoint folder (nor a .pth file); "
                     "fix load_path, or unset it to start from scratch"
@@ -707,7 +976,7 @@ class CheckpointEngine:
                 wanted = ["model", "scheduler"]
             else:
                 wanted = ["model"]
-            return self._load_checkpoint(objs, lp, wanted, "load_path", self._validate(lp))
+            return self._load_checkpoint(objs, lp, wanted, "load_path", self._validate(lp, lp_store))
         if _dist.rank() == 0:
             logger.info("no checkpoint in %s and no load_path: starting from scratch", load_dir)
         return LoadResult(iteration=0, checkpoint_path=None, report=LoadReport(), source="scratch")
@@ -754,7 +1023,34 @@ class CheckpointEngine:
             raise local
         return value  # type: ignore[no-any-return]
 
-    def _validate(self, path: str, missing_hint: str | None = None) -> _Validated:
+    def _local_copy(self, remote_latest: str | None) -> _Validated | None:
+        """Two-tier: the local copy to resume from, if its ``latest`` is complete and at least as
+        new as the object store's; ``None`` (logged) otherwise."""
+        assert self._local_dir is not None
+        local_dir = self._local_dir
+        try:
+            name = self._agreed(lambda: read_latest(local_dir))
+        except CkptEngineError as err:
+            logger.warning("ignoring the local copy in %s: %s", local_dir, err)
+            return None
+        if name is None:
+            return None
+        local_iter, remote_iter = parse_iteration(name), parse_iteration(remote_latest or "")
+        if local_iter is None or (remote_iter is not None and local_iter < remote_iter):
+            return None
+        try:
+            validated = self._validate(os.path.join(local_dir, name), open_store(local_dir))
+        except CkptEngineError as err:
+            if _dist.rank() == 0:
+                logger.warning("the local copy %s cannot be resumed (%s); using %s", name, err, self.save_dir)
+            return None
+        if _dist.rank() == 0:
+            logger.info(
+                "resuming from the local copy %s (the object store's latest: %s)", validated.checked.path, remote_latest
+            )
+        return validated
+
+    def _validate(self, path: str, store: Store, missing_hint: str | None = None) -> _Validated:
         """Everything checked before any tensor is read, agreed by every rank: the folder exists,
         the checkpoint is complete (DESIGN section 2) and, per ``verify``, its files match the
         manifest (checksums split among ranks)."""
@@ -762,17 +1058,23 @@ class CheckpointEngine:
         rank, world = _dist.rank(), _dist.world_size()
 
         def check() -> _Validated:
-            if not os.path.isdir(path):
+            if not store.isdir(path):
                 raise CheckpointNotFoundError(missing_hint or f"checkpoint folder {path} does not exist")
-            checked = check_complete(path)
-            if level == "off":
-                return _Validated(checked, False, "verify='off'")
-            lookup = lookup_manifest(path)
+            lookup = lookup_manifest(path, store) if level != "off" or store.is_object_store else None
+            if store.is_object_store and (lookup is None or lookup.manifest is None):
+                raise IncompleteCheckpointError(
+                    f"{path} has no {MANIFEST_FILE}, its completion marker: on an object store the marker is "
+                    "written last, so this is an interrupted save (or a checkpoint written by another tool; copy "
+                    "that to a local folder to load it)"
+                )
+            checked = check_complete(path, store)
+            if level == "off" or lookup is None:
+                return _Validated(checked, False, "verify='off'", store)
             if lookup.manifest is None:
-                return _Validated(checked, False, lookup.reason)
+                return _Validated(checked, False, lookup.reason, store)
             share = shard_files(lookup.manifest.files, world)[rank] if level == "checksums" else None
             found = check_against_manifest(
-                path, lookup.manifest, level, referenced=referenced_files(checked), checksum_only=share
+                path, lookup.manifest, level, referenced=referenced_files(checked), checksum_only=share, store=store
             )
             if found.problems:
                 shown = found.problems[:20]
@@ -781,21 +1083,31 @@ class CheckpointEngine:
                     f"checkpoint {path} does not match its manifest ({len(found.problems)} problem(s); nothing "
                     "was loaded):\n  " + "\n  ".join(shown) + more
                 )
-            return _Validated(checked, found.complete_check, found.reason)
+            return _Validated(checked, found.complete_check, found.reason, store)
 
         return self._agreed(check)
 
     def _load_fallback(
-        self, objs: TrainingObjects, load_dir: str, bad: str, err: CkptEngineError, wanted: list[str]
+        self,
+        objs: TrainingObjects,
+        load_dir: str,
+        store: Store,
+        bad: str,
+        err: CkptEngineError,
+        wanted: list[str],
     ) -> LoadResult:
         """``fallback_to_last_complete``: the newest checkpoint that passes :meth:`_validate`."""
+
+        def same(a: str, b: str) -> bool:
+            return a.rstrip("/") == b.rstrip("/") if store.is_object_store else os.path.abspath(a) == os.path.abspath(b)
+
         candidates: list[str] = _dist.broadcast_object(
-            [p for _, p in reversed(list_checkpoints(load_dir)) if os.path.abspath(p) != os.path.abspath(bad)]
+            [p for _, p in reversed(list_checkpoints(load_dir, store)) if not same(p, bad)]
         )
         tried = []
         for path in candidates:
             try:
-                validated = self._validate(path)
+                validated = self._validate(path, store)
             except CkptEngineError as cand_err:
                 tried.append(f"{os.path.basename(path)}: {type(cand_err).__name__}")
                 continue
@@ -848,7 +1160,9 @@ class CheckpointEngine:
                 logger.warning("checkpoint %s has no component %r; not loaded", path, name)
                 continue
             sd = component_state_dict(objs, name, 0)
-            planner = self._load_component(name, os.path.join(path, name), sd, checked.components[name], objs)
+            planner = self._load_component(
+                name, validated.store.join(path, name), sd, checked.components[name], objs, validated.store
+            )
             assert planner.report is not None
             reports[name] = planner.report
             apply_component(objs, name, sd, planner.untouched_roots)
@@ -869,7 +1183,13 @@ class CheckpointEngine:
         )
 
     def _load_component(
-        self, name: str, component_dir: str, sd: dict[str, Any], metadata: Any, objs: TrainingObjects
+        self,
+        name: str,
+        component_dir: str,
+        sd: dict[str, Any],
+        metadata: Any,
+        objs: TrainingObjects,
+        store: Store,
     ) -> EngineLoadPlanner:
         planner = EngineLoadPlanner(
             component=name,
@@ -884,7 +1204,12 @@ class CheckpointEngine:
         )
         try:
             with _dist.quiet_dcp():
-                dcp.load(sd, storage_reader=FastFileSystemReader(component_dir, metadata), planner=planner)
+                reader: Any = (
+                    ObjectStoreReader(component_dir, store, metadata)
+                    if isinstance(store, FsspecStore)
+                    else FastFileSystemReader(component_dir, metadata)
+                )
+                dcp.load(sd, storage_reader=reader, planner=planner)
         except (Exception, CheckpointException) as exc:
             err, ranks = _unwrap(exc)
             if isinstance(err, CkptEngineError):
@@ -895,13 +1220,14 @@ class CheckpointEngine:
             ) from err
         return planner
 
-    def _load_pth(self, objs: TrainingObjects, path: str) -> LoadResult:
-        if not os.path.isfile(path):
+    def _load_pth(self, objs: TrainingObjects, path: str, store: Store) -> LoadResult:
+        if not store.exists(path) or store.isdir(path):
             raise CheckpointNotFoundError(f"load_path {path!r} does not exist; fix load_path or unset it")
         if not objs.modules:
             raise ValueError("a .pth load_path loads a model: pass model=")
         try:
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            source: Any = io.BytesIO(store.read_bytes(path)) if store.is_object_store else path
+            loaded = torch.load(source, map_location="cpu", weights_only=True)
         except Exception as err:
             raise CheckpointLoadError(
                 f"cannot load {path} as a model state dict with weights_only=True: {err}"

@@ -101,8 +101,22 @@ class CheckpointPermissionError(CkptEngineError, PermissionError):
     """A checkpoint file or folder cannot be read (or written) for lack of permission."""
 
 
+class StorageError(CkptEngineError):
+    """The storage behind a save or load directory failed (an object store unreachable after
+    every retry, a request it refused); the message names the object and never a credential."""
+
+
 class IntegrityError(CorruptCheckpointError):
     """A checkpoint file does not match the manifest written when it was committed (size or checksum)."""
+
+
+def denied(err: BaseException, fix: str = "") -> str:
+    """The reason for a refused access: an object store's own (which names what to check, e.g.
+    the credentials), else ``permission denied`` plus ``fix``."""
+    reason = getattr(err, "strerror", None)
+    if isinstance(reason, str) and reason.startswith("access denied"):
+        return reason
+    return "permission denied" + (f"; {fix}" if fix else "")
 
 
 def first_failure(exc: BaseException) -> tuple[BaseException, list[int]]:

@@ -25,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from .errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError
-from .layout import CheckedCheckpoint, check_complete, fsync_dir
+from .errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, denied
+from .layout import CheckedCheckpoint, check_complete
+from .store import Store, store_for
 
 __all__ = [
     "DEFAULT_ALGORITHM",
@@ -47,6 +48,9 @@ MAX_MANIFEST_BYTES = 64 << 20
 _CHUNK = 8 << 20
 _SAFE_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _RANK_FILE = re.compile(r"^__(\d+)_")
+#: Per-rank upload reports of a background save to an object store (``.ckpt_engine_rank_00001.json``);
+#: engine bookkeeping, never part of the checkpoint's content.
+RANK_PART_PREFIX = ".ckpt_engine_rank_"
 
 _xxhash: Any
 try:  # xxh3_64 hashes at ~25 GB/s on one core here, zlib.crc32 at ~4 GB/s (docs/reliability.md)
@@ -158,19 +162,15 @@ def _safe_rel(rel: Any) -> bool:
     return len(parts) <= 4 and all(_SAFE_PART.match(p) and p not in (".", "..") for p in parts)
 
 
-def list_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
-    """Relative paths (``/``-separated) of every regular file in a checkpoint, but the manifest."""
+def list_files(checkpoint_dir: str | os.PathLike[str], store: Store | None = None) -> list[str]:
+    """Relative paths (``/``-separated) of every regular file in a checkpoint, but the manifest
+    (and the engine's per-rank upload reports)."""
     root = os.fspath(checkpoint_dir)
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in sorted(filenames):
-            rel = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
-            if rel == MANIFEST_FILE or not os.path.isfile(os.path.join(dirpath, name)):
-                continue
-            out.append(rel)
-    return out
+    return [
+        rel
+        for rel in store_for(root, store).list_files(root)
+        if rel != MANIFEST_FILE and not rel.startswith(RANK_PART_PREFIX)
+    ]
 
 
 def referenced_files(checked: CheckedCheckpoint) -> set[str]:
@@ -193,8 +193,13 @@ def owner_rank(rel: str, world_size: int) -> int:
     return 0
 
 
-def hash_file(path: str, algorithm: str | None, progress: Callable[[int], None] | None = None) -> FileEntry:
+def hash_file(
+    path: str, algorithm: str | None, progress: Callable[[int], None] | None = None, store: Store | None = None
+) -> FileEntry:
     """Size and checksum of one regular file (``algorithm`` None: the size only)."""
+    store = store_for(path, store)
+    if store.is_object_store:
+        return _hash_object(store, path, algorithm, progress)
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -215,7 +220,27 @@ def hash_file(path: str, algorithm: str | None, progress: Callable[[int], None] 
                     progress(n)
         return FileEntry(size=size, checksum=hasher.hexdigest())
     except PermissionError as err:
-        raise CheckpointPermissionError(f"cannot read {path}: permission denied") from err
+        raise CheckpointPermissionError(f"cannot read {path}: {denied(err)}") from err
+
+
+def _hash_object(store: Store, path: str, algorithm: str | None, progress: Callable[[int], None] | None) -> FileEntry:
+    """:func:`hash_file` for an object: its size from a lookup, its checksum from a streamed read."""
+    if algorithm is None:
+        return FileEntry(size=store.size(path))
+    hasher = new_hasher(algorithm)
+    if hasher is None:
+        raise CkptEngineError(f"checksum algorithm {algorithm!r} is not available here")
+    size = 0
+    try:
+        with store.open_read(path) as f:
+            while chunk := f.read(_CHUNK):
+                hasher.update(chunk)
+                size += len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+    except PermissionError as err:
+        raise CheckpointPermissionError(f"cannot read {path}: {denied(err)}") from err
+    return FileEntry(size=size, checksum=hasher.hexdigest())
 
 
 def hash_files(
@@ -225,15 +250,17 @@ def hash_files(
     *,
     threads: int = 4,
     progress: Callable[[int], None] | None = None,
+    store: Store | None = None,
 ) -> dict[str, FileEntry]:
     """:func:`hash_file` over ``rels`` (relative to ``checkpoint_dir``), a few files at a time."""
     root = os.fspath(checkpoint_dir)
+    store = store_for(root, store)
     todo = sorted(rels)
     if not todo:
         return {}
 
     def one(rel: str) -> tuple[str, FileEntry]:
-        return rel, hash_file(os.path.join(root, *rel.split("/")), algorithm, progress)
+        return rel, hash_file(store.join(root, *rel.split("/")), algorithm, progress, store)
 
     if threads <= 1 or len(todo) == 1 or algorithm is None:
         return dict(one(rel) for rel in todo)
@@ -248,16 +275,12 @@ def hash_files(
         return dict(one(rel) for rel in todo)
 
 
-def write_manifest(checkpoint_dir: str | os.PathLike[str], manifest: Manifest) -> None:
-    """Write the manifest atomically (temporary file, fsync, rename; the caller fsyncs the folder)."""
-    final = os.path.join(os.fspath(checkpoint_dir), MANIFEST_FILE)
-    tmp = f"{final}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fsync_dir(checkpoint_dir)
+def write_manifest(checkpoint_dir: str | os.PathLike[str], manifest: Manifest, store: Store | None = None) -> None:
+    """Write the manifest atomically (locally: temporary file, fsync, rename, fsync the folder; on
+    an object store one PUT - there, the manifest is the checkpoint's completion marker)."""
+    root = os.fspath(checkpoint_dir)
+    store = store_for(root, store)
+    store.write_bytes(store.join(root, MANIFEST_FILE), manifest.to_json().encode("utf-8"))
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -271,18 +294,18 @@ class ManifestLookup:
     reason: str | None = None
 
 
-def lookup_manifest(checkpoint_dir: str | os.PathLike[str]) -> ManifestLookup:
+def lookup_manifest(checkpoint_dir: str | os.PathLike[str], store: Store | None = None) -> ManifestLookup:
     """Read and validate ``ckpt_engine_manifest.json``. A missing one (plain DCP, the original
     checkpointer) or one of a newer format is a reason, not an error; a malformed one raises
     :class:`CorruptCheckpointError` naming the file. Parsing is plain JSON: nothing executes."""
-    path = os.path.join(os.fspath(checkpoint_dir), MANIFEST_FILE)
+    store = store_for(checkpoint_dir, store)
+    path = store.join(os.fspath(checkpoint_dir), MANIFEST_FILE)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        raw = store.read_bytes(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return ManifestLookup(None, f"no {MANIFEST_FILE} (written by plain DCP or the original checkpointer)")
     except PermissionError as err:
-        raise CheckpointPermissionError(f"cannot read {path}: permission denied") from err
+        raise CheckpointPermissionError(f"cannot read {path}: {denied(err)}") from err
     except OSError as err:
         raise CorruptCheckpointError(f"cannot read {path}: {err.strerror or err}") from err
     if len(raw) > MAX_MANIFEST_BYTES:
@@ -364,6 +387,7 @@ def check_against_manifest(
     referenced: Collection[str] = (),
     checksum_only: Collection[str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    store: Store | None = None,
 ) -> ManifestCheck:
     """Compare the files on disk with ``manifest``: every listed file exists with its size, and
     with ``level="checksums"`` its checksum (only for ``checksum_only`` where given: a rank's
@@ -371,25 +395,32 @@ def check_against_manifest(
     problem line per damaged file, each naming it; raises only :class:`CheckpointPermissionError`
     (a file that cannot be read at all)."""
     root = os.fspath(checkpoint_dir)
+    store = store_for(root, store)
     problems: list[str] = []
     for rel in sorted(set(referenced) - set(manifest.files)):
-        problems.append(f"{os.path.join(root, rel)} is needed by DCP metadata but not listed in {MANIFEST_FILE}")
+        problems.append(f"{store.join(root, rel)} is needed by DCP metadata but not listed in {MANIFEST_FILE}")
     sized_ok: list[str] = []
+    # One listing instead of a request per object on an object store.
+    listed = store.list_files(root) if store.is_object_store else None
     for rel, entry in sorted(manifest.files.items()):
-        path = os.path.join(root, *rel.split("/"))
+        path = store.join(root, *rel.split("/"))
         try:
-            st = os.stat(path)
+            if listed is None:
+                st = os.stat(path)
+                regular, size = stat.S_ISREG(st.st_mode), st.st_size
+            elif rel in listed:
+                regular, size = True, listed[rel]
+            else:
+                raise FileNotFoundError(path)
         except FileNotFoundError:
             problems.append(f"{path} is missing ({MANIFEST_FILE} lists it with {entry.size} bytes)")
             continue
         except PermissionError as err:
-            raise CheckpointPermissionError(f"cannot stat {path}: permission denied") from err
-        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointPermissionError(f"cannot stat {path}: {denied(err)}") from err
+        if not regular:
             problems.append(f"{path} is not a regular file")
-        elif st.st_size != entry.size:
-            problems.append(
-                f"{path} has {st.st_size} bytes, {MANIFEST_FILE} says {entry.size}: truncated or overwritten"
-            )
+        elif size != entry.size:
+            problems.append(f"{path} has {size} bytes, {MANIFEST_FILE} says {entry.size}: truncated or overwritten")
         else:
             sized_ok.append(rel)
     total = manifest.total_bytes
@@ -417,9 +448,9 @@ def check_against_manifest(
             progress(done, todo_bytes)
 
     for rel in todo:  # one file at a time: progress stays monotonic, and reads stay sequential
-        path = os.path.join(root, *rel.split("/"))
+        path = store.join(root, *rel.split("/"))
         try:
-            got = hash_file(path, manifest.algorithm, tick)
+            got = hash_file(path, manifest.algorithm, tick, store)
         except CheckpointPermissionError:
             raise  # not a mismatch: the caller cannot read the checkpoint at all
         except CkptEngineError as err:
@@ -474,6 +505,7 @@ def verify_checkpoint(
     path: str,
     level: VerifyLevel = "checksums",
     progress: Callable[[int, int], None] | None = None,
+    store: Store | None = None,
 ) -> VerifyReport:
     """Check the checkpoint folder ``path`` fully; never raises for a damaged checkpoint.
 
@@ -484,17 +516,24 @@ def verify_checkpoint(
     path = os.fspath(path)
     if level not in ("sizes", "checksums"):
         raise ValueError(f"level must be 'sizes' or 'checksums', got {level!r}")
+    store = store_for(path, store)
     problems: list[str] = []
     checked: CheckedCheckpoint | None = None
     try:
-        checked = check_complete(path)
+        checked = check_complete(path, store)
     except CkptEngineError as err:
         problems.append(str(err))
     try:
-        lookup = lookup_manifest(path)
+        lookup = lookup_manifest(path, store)
     except CkptEngineError as err:
         problems.append(str(err))
         return VerifyReport(path, checked is not None, False, "the manifest is unreadable", problems, level=level)
+    if lookup.manifest is None and store.is_object_store:
+        problems.append(
+            f"{path} has no {MANIFEST_FILE}: on an object store that marker is written last, so the checkpoint "
+            "is incomplete (an interrupted save) and the engine never loads it"
+        )
+        return VerifyReport(path, False, False, "no completion marker", problems, level=level)
     if lookup.manifest is None:
         nbytes = _metadata_bytes(checked)
         files = len(referenced_files(checked)) if checked is not None else 0
@@ -506,6 +545,7 @@ def verify_checkpoint(
             level,
             referenced=referenced_files(checked) if checked is not None else (),
             progress=progress,
+            store=store,
         )
     except CkptEngineError as err:  # permission denied
         problems.append(str(err))

@@ -34,7 +34,9 @@ from .errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     SaveDirLockedError,
+    denied,
 )
+from .store import Store, fsync_dir, is_url, store_for
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -60,34 +62,20 @@ def parse_iteration(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make a rename or file creation inside ``path`` durable (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # e.g. some network filesystems refuse fsync on a directory
-    finally:
-        os.close(fd)
-
-
-def read_latest(load_dir: str | os.PathLike[str]) -> str | None:
+def read_latest(load_dir: str | os.PathLike[str], store: Store | None = None) -> str | None:
     """The checkpoint folder name ``latest_checkpoint.txt`` names, or ``None`` if there is none.
 
     The content must be one folder name inside ``load_dir``: a path separator, ``..`` or an
     absolute path is refused, so a tampered pointer cannot send the loader elsewhere.
     """
-    path = os.path.join(os.fspath(load_dir), LATEST_FILE)
+    store = store_for(load_dir, store)
+    path = store.join(os.fspath(load_dir), LATEST_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = f.read(4096)
+        raw = store.read_bytes(path, 4096)[:4096].decode("utf-8")
     except FileNotFoundError:
         return None
     except PermissionError as err:
-        raise CheckpointPermissionError(f"cannot read {path}: permission denied; make it readable") from err
+        raise CheckpointPermissionError(f"cannot read {path}: {denied(err, 'make it readable')}") from err
     except IsADirectoryError as err:
         raise CorruptCheckpointError(f"{path} is a folder; expected a file naming the latest checkpoint") from err
     except UnicodeDecodeError as err:
@@ -108,32 +96,27 @@ def read_latest(load_dir: str | os.PathLike[str]) -> str | None:
     return name
 
 
-def write_latest(save_dir: str | os.PathLike[str], name: str) -> None:
-    """Atomically point ``latest_checkpoint.txt`` at ``name`` (temp file, fsync, rename, fsync dir)."""
+def write_latest(save_dir: str | os.PathLike[str], name: str, store: Store | None = None) -> None:
+    """Atomically point ``latest_checkpoint.txt`` at ``name`` (locally: temp file, fsync, rename,
+    fsync dir; on an object store: one PUT, which replaces the object atomically)."""
     save_dir = os.fspath(save_dir)
-    final = os.path.join(save_dir, LATEST_FILE)
-    tmp = f"{final}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(f"{name}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fsync_dir(save_dir)
+    store = store_for(save_dir, store)
+    store.write_bytes(store.join(save_dir, LATEST_FILE), f"{name}\n".encode())
 
 
-def component_dirs(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+def component_dirs(checkpoint_dir: str | os.PathLike[str], store: Store | None = None) -> list[str]:
     """Component folder names inside a checkpoint folder, sorted."""
     try:
-        entries = sorted(os.scandir(checkpoint_dir), key=lambda e: e.name)
+        entries = store_for(checkpoint_dir, store).list_dir(os.fspath(checkpoint_dir))
     except FileNotFoundError as err:
         raise CheckpointNotFoundError(f"checkpoint folder {os.fspath(checkpoint_dir)!r} does not exist") from err
     except NotADirectoryError as err:
         raise CheckpointNotFoundError(f"{os.fspath(checkpoint_dir)!r} is not a checkpoint folder") from err
     except PermissionError as err:
         raise CheckpointPermissionError(
-            f"cannot list checkpoint folder {os.fspath(checkpoint_dir)!r}: permission denied"
+            f"cannot list checkpoint folder {os.fspath(checkpoint_dir)!r}: {denied(err)}"
         ) from err
-    return [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
+    return [name for name, is_dir in entries if is_dir and not name.startswith(".")]
 
 
 @dataclass(frozen=True)
@@ -143,17 +126,20 @@ class CheckedCheckpoint:
     components: dict[str, Metadata]
 
 
-def check_complete(checkpoint_dir: str | os.PathLike[str]) -> CheckedCheckpoint:
+def check_complete(checkpoint_dir: str | os.PathLike[str], store: Store | None = None) -> CheckedCheckpoint:
     """Verify a checkpoint is complete: every component folder has ``.metadata`` and every byte
     range that metadata names exists in its data file. Raises a typed error naming the file."""
     path = os.fspath(checkpoint_dir)
-    names = component_dirs(path)
+    store = store_for(path, store)
+    names = component_dirs(path, store)
     if not names:
         raise IncompleteCheckpointError(f"checkpoint folder {path!r} holds no component folders")
+    # One listing instead of a request per file on an object store.
+    listed = store.list_files(path) if store.is_object_store else None
     out: dict[str, Metadata] = {}
     for name in names:
-        cdir = os.path.join(path, name)
-        md = read_metadata(cdir)
+        cdir = store.join(path, name)
+        md = read_metadata(cdir, store)
         needed: dict[str, int] = {}
         for index, info in (md.storage_data or {}).items():
             rel = getattr(info, "relative_path", None)
@@ -165,13 +151,18 @@ def check_complete(checkpoint_dir: str | os.PathLike[str]) -> CheckedCheckpoint:
                 )
             needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
         for rel, end in sorted(needed.items()):
-            fpath = os.path.join(cdir, rel)
+            fpath = store.join(cdir, rel)
             try:
-                size = os.stat(fpath).st_size
+                if listed is None:
+                    size = os.stat(fpath).st_size
+                elif f"{name}/{rel}" in listed:
+                    size = listed[f"{name}/{rel}"]
+                else:
+                    raise FileNotFoundError(fpath)
             except FileNotFoundError as err:
                 raise IncompleteCheckpointError(f"{fpath} is missing; {METADATA_FILE} references it") from err
             except PermissionError as err:
-                raise CheckpointPermissionError(f"cannot stat {fpath}: permission denied") from err
+                raise CheckpointPermissionError(f"cannot stat {fpath}: {denied(err)}") from err
             if size < end:
                 raise IncompleteCheckpointError(
                     f"{fpath} is truncated: {size} bytes, but {METADATA_FILE} needs at least {end}"
@@ -180,22 +171,24 @@ def check_complete(checkpoint_dir: str | os.PathLike[str]) -> CheckedCheckpoint:
     return CheckedCheckpoint(path=path, components=out)
 
 
-def list_checkpoints(save_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
+def list_checkpoints(save_dir: str | os.PathLike[str], store: Store | None = None) -> list[tuple[int, str]]:
     """``(iteration, path)`` of every ``iter_*`` folder in ``save_dir``, oldest first (complete or not)."""
+    save_dir = os.fspath(save_dir)
+    store = store_for(save_dir, store)
     try:
-        entries = list(os.scandir(save_dir))
-    except FileNotFoundError:
+        entries = store.list_dir(save_dir)
+    except (FileNotFoundError, NotADirectoryError):
         return []
     found = []
-    for e in entries:
-        it = parse_iteration(e.name)
-        if it is not None and e.is_dir():
-            found.append((it, e.path))
+    for name, is_dir in entries:
+        it = parse_iteration(name)
+        if it is not None and is_dir:
+            found.append((it, store.join(save_dir, name)))
     return sorted(found)
 
 
-def remove_tree(path: str | os.PathLike[str]) -> None:
-    shutil.rmtree(path, ignore_errors=False)
+def remove_tree(path: str | os.PathLike[str], store: Store | None = None) -> None:
+    store_for(path, store).remove_tree(os.fspath(path))
 
 
 def disk_full_hint(save_dir: str | os.PathLike[str], err: BaseException) -> str:
@@ -217,9 +210,21 @@ def disk_full_hint(save_dir: str | os.PathLike[str], err: BaseException) -> str:
     return ""
 
 
-def remove_checkpoint(path: str | os.PathLike[str]) -> None:
+def remove_checkpoint(path: str | os.PathLike[str], store: Store | None = None) -> None:
     """Delete a committed checkpoint folder so that a crash never leaves a half-deleted one under
-    its ``iter_*`` name: rename it to a hidden ``.iter_*.deleting`` first, then remove that."""
+    its ``iter_*`` name: rename it to a hidden ``.iter_*.deleting`` first, then remove that. On
+    an object store (no rename) the completion marker goes first, so that a crash leaves a prefix
+    the loader ignores; the next retention pass deletes the rest."""
+    store = store_for(path, store)
+    if store.is_object_store:
+        from .integrity import MANIFEST_FILE
+
+        path = os.fspath(path)
+        marker = store.join(path, MANIFEST_FILE)
+        if store.exists(marker):
+            store.remove_file(marker)
+        store.remove_tree(path)
+        return
     path = Path(path)
     trash = path.with_name(f".{path.name}{DELETING_SUFFIX}")
     if trash.exists():
@@ -239,7 +244,10 @@ class Leftover:
 
 
 def find_leftovers(save_dir: str | os.PathLike[str]) -> list[Leftover]:
-    """The engine's hidden temporary folders in ``save_dir`` (see the module docstring)."""
+    """The engine's hidden temporary folders in ``save_dir`` (see the module docstring); none on
+    an object store, where saves write no temporary folders."""
+    if is_url(save_dir):
+        return []
     try:
         entries = list(os.scandir(save_dir))
     except (FileNotFoundError, NotADirectoryError, PermissionError):

@@ -10,7 +10,8 @@ Rules (docs/reliability.md):
   whose iteration is a multiple of ``keep_every``; an incomplete folder inside that window is
   left alone (it counts for nothing), one older than it is deleted with the rest;
 * a checkpoint is deleted by renaming it to a hidden ``.iter_*.deleting`` folder first, so a
-  crash never leaves a half-deleted ``iter_*`` folder;
+  crash never leaves a half-deleted ``iter_*`` folder; on an object store (no rename) its
+  completion marker is deleted first, so a half-deleted prefix is one the loader ignores;
 * a deletion that fails is logged and retried after the next commit; it never fails a save.
 """
 
@@ -22,7 +23,9 @@ import shutil
 from dataclasses import dataclass, field
 
 from .errors import CkptEngineError
+from .integrity import MANIFEST_FILE
 from .layout import check_complete, find_leftovers, list_checkpoints, parse_iteration, read_latest, remove_checkpoint
+from .store import Store, store_for
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -36,7 +39,9 @@ class RetentionResult:
     failed: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _is_complete(path: str) -> bool:
+def _is_complete(path: str, store: Store) -> bool:
+    if store.is_object_store:  # the completion marker is written last (docs/storage.md)
+        return store.exists(store.join(path, MANIFEST_FILE))
     try:
         check_complete(path)
     except CkptEngineError:
@@ -44,22 +49,25 @@ def _is_complete(path: str) -> bool:
     return True
 
 
-def plan_retention(save_dir: str, keep_last: int, keep_every: int | None = None) -> list[str]:
+def plan_retention(
+    save_dir: str, keep_last: int, keep_every: int | None = None, store: Store | None = None
+) -> list[str]:
     """Paths of the checkpoints retention would delete now (see the module docstring)."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    latest = read_latest(save_dir)
+    store = store_for(save_dir, store)
+    latest = read_latest(save_dir, store)
     latest_iter = parse_iteration(latest) if latest is not None else None
     if latest_iter is None:
         return []  # no (parsable) latest: nothing is provably old
-    candidates = [(it, p) for it, p in list_checkpoints(save_dir) if it <= latest_iter]
+    candidates = [(it, p) for it, p in list_checkpoints(save_dir, store) if it <= latest_iter]
     keep: set[str] = set()
     complete_kept = 0
     for it, path in sorted(candidates, reverse=True):
         if complete_kept >= keep_last:
             break
         keep.add(path)  # within the window: kept, complete or not
-        if it == latest_iter or _is_complete(path):
+        if it == latest_iter or _is_complete(path, store):
             complete_kept += 1
     doomed = []
     for it, path in candidates:
@@ -71,10 +79,13 @@ def plan_retention(save_dir: str, keep_last: int, keep_every: int | None = None)
     return doomed
 
 
-def apply_retention(save_dir: str, keep_last: int, keep_every: int | None = None) -> RetentionResult:
+def apply_retention(
+    save_dir: str, keep_last: int, keep_every: int | None = None, store: Store | None = None
+) -> RetentionResult:
     """Delete what :func:`plan_retention` names, and finish deletions an earlier run left
     half-done (``.iter_*.deleting``). Failures are logged and returned, never raised: retention
     is a best-effort side job, and the next commit retries."""
+    store = store_for(save_dir, store)
     result = RetentionResult()
     for leftover in find_leftovers(save_dir):
         if leftover.kind == "deleting":
@@ -85,17 +96,17 @@ def apply_retention(save_dir: str, keep_last: int, keep_every: int | None = None
             except OSError as err:
                 result.failed.append((leftover.path, str(err)))
     try:
-        doomed = plan_retention(save_dir, keep_last, keep_every)
-    except (CkptEngineError, OSError) as err:
+        doomed = plan_retention(save_dir, keep_last, keep_every, store)
+    except (CkptEngineError, OSError) as err:  # StorageError is a CkptEngineError
         # Best effort: e.g. an unreadable latest_checkpoint.txt; the next commit rewrites it.
         logger.warning("retention skipped in %s: %s", save_dir, err)
         return result
     for path in doomed:
         try:
-            remove_checkpoint(path)
+            remove_checkpoint(path, store)
         except FileNotFoundError:
             continue
-        except OSError as err:
+        except (OSError, CkptEngineError) as err:
             result.failed.append((path, f"{type(err).__name__}: {err}"))
         else:
             result.deleted.append(path)

@@ -35,3 +35,27 @@ def one_rank_mesh() -> Any:
         yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Any:
+    """moto's S3 server on loopback for the whole session (tests/_s3.py)."""
+    from _s3 import S3Server
+
+    server = S3Server()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: Any) -> Any:
+    """A fresh bucket on the session's S3 server; the server is running again afterwards."""
+    from _s3 import new_bucket
+
+    s3_server.start()
+    bucket = new_bucket(s3_server)
+    yield bucket
+    s3_server.start()

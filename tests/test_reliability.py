@@ -397,10 +397,10 @@ def test_failed_deletion_is_logged_and_retried_at_the_next_commit(
     real = retention_module.remove_checkpoint
     failures = iter([True])
 
-    def flaky(path: str) -> None:
+    def flaky(path: str, store: Any = None) -> None:
         if next(failures, False):
             raise OSError(errno.EBUSY, "Device or resource busy", path)
-        real(path)
+        real(path, store)
 
     monkeypatch.setattr(retention_module, "remove_checkpoint", flaky)
     with (
