@@ -26,8 +26,10 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ._dist import quiet_dcp
 from ._metadata import METADATA_FILE, SafeFileSystemReader, read_metadata
+from ._object_read import ObjectStoreReader
 from .errors import CheckpointNotFoundError, CkptEngineError, CorruptCheckpointError, first_failure
 from .layout import LATEST_FILE, component_dirs, list_checkpoints, parse_iteration, read_latest
+from .store import FsspecStore, is_url, open_store
 
 #: Default bytes of tensor data read per batch (a single larger tensor is read on its own).
 DEFAULT_BUDGET = 64 << 20
@@ -52,13 +54,31 @@ class Target:
         return self.checkpoint
 
 
+def normalize(path: str) -> str:
+    """A path as the commands print it: normalised locally, a URL without its trailing slash.
+    URLs use the standard credentials (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...)."""
+    return path.rstrip("/") if is_url(path) else os.path.normpath(path)
+
+
+def exists(path: str) -> bool:
+    return open_store(path).exists(path)
+
+
+def isdir(path: str) -> bool:
+    return open_store(path).isdir(path)
+
+
+def isfile(path: str) -> bool:
+    return os.path.isfile(path) if not is_url(path) else open_store(path).exists(path) and not isdir(path)
+
+
 def is_component_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, METADATA_FILE))
+    return isfile(os.path.join(path, METADATA_FILE))
 
 
 def is_save_dir(path: str) -> bool:
     """A folder with ``latest_checkpoint.txt`` or ``iter_*`` checkpoint folders in it."""
-    return os.path.isfile(os.path.join(path, LATEST_FILE)) or bool(list_checkpoints(path))
+    return isfile(os.path.join(path, LATEST_FILE)) or bool(list_checkpoints(path))
 
 
 def resolve(path: str, components: Sequence[str] = ()) -> Target:
@@ -66,10 +86,10 @@ def resolve(path: str, components: Sequence[str] = ()) -> Target:
 
     ``components`` (optional) selects components; an unknown one is an error naming the rest.
     """
-    path = os.path.normpath(path)
-    if not os.path.exists(path):
+    path = normalize(path)
+    if not exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist")
-    if not os.path.isdir(path):
+    if not isdir(path):
         raise CheckpointNotFoundError(f"{path} is a file, not a checkpoint folder")
     via = "checkpoint"
     if is_component_dir(path):
@@ -77,11 +97,11 @@ def resolve(path: str, components: Sequence[str] = ()) -> Target:
         checkpoint, via = os.path.dirname(path) or ".", "component"
     else:
         checkpoint = path
-        if os.path.isfile(os.path.join(path, LATEST_FILE)):
+        if isfile(os.path.join(path, LATEST_FILE)):
             name = read_latest(path)
             assert name is not None
             checkpoint, via = os.path.join(path, name), "latest"
-            if not os.path.isdir(checkpoint):
+            if not isdir(checkpoint):
                 raise CheckpointNotFoundError(
                     f"{os.path.join(path, LATEST_FILE)} names {name!r}, but {checkpoint} does not exist"
                 )
@@ -226,7 +246,12 @@ class ComponentReader:
             template[key] = torch.empty(info.shape, dtype=info.dtype) if info.is_tensor else None
         if not template:
             return {}
-        reader = SafeFileSystemReader(self.path, self.metadata)
+        store = open_store(self.path)
+        reader: Any = (
+            ObjectStoreReader(self.path, store, self.metadata)
+            if isinstance(store, FsspecStore)
+            else SafeFileSystemReader(self.path, self.metadata)
+        )
         try:
             with quiet_dcp():
                 dcp.load(template, storage_reader=reader, planner=_ReadPlanner(), no_dist=True)
@@ -271,6 +296,9 @@ def batches(keys: Sequence[str], infos: dict[str, KeyInfo], budget: int) -> Iter
 
 def disk_usage(path: str) -> tuple[int, int]:
     """``(bytes, files)`` under ``path``."""
+    if is_url(path):
+        sizes = open_store(path).list_files(path)
+        return sum(sizes.values()), len(sizes)
     total = files = 0
     for root, _, names in os.walk(path):
         for name in names:
@@ -283,7 +311,10 @@ def disk_usage(path: str) -> tuple[int, int]:
 
 
 def uncommitted_dirs(save_dir: str) -> list[tuple[int, str]]:
-    """``(iteration, path)`` of leftover ``.iter_*.partial`` folders (interrupted saves)."""
+    """``(iteration, path)`` of leftover ``.iter_*.partial`` folders (interrupted saves; an object
+    store has none: an interrupted save there is an ``iter_*`` prefix without its marker)."""
+    if is_url(save_dir):
+        return []
     out = []
     try:
         entries = list(os.scandir(save_dir))

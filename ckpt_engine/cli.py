@@ -90,15 +90,15 @@ def _json(obj: Any) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ._cli_read import disk_usage, human_bytes, is_component_dir, table, uncommitted_dirs
+    from ._cli_read import disk_usage, exists, human_bytes, is_component_dir, isdir, normalize, table, uncommitted_dirs
     from .errors import CheckpointNotFoundError, CkptEngineError
     from .integrity import verify_checkpoint
     from .layout import LATEST_FILE, component_dirs, iter_dirname, list_checkpoints, read_latest
 
-    save_dir = os.path.normpath(args.save_dir)
-    if not os.path.exists(save_dir):
+    save_dir = normalize(args.save_dir)
+    if not exists(save_dir):
         raise CheckpointNotFoundError(f"{save_dir} does not exist")
-    if not os.path.isdir(save_dir):
+    if not isdir(save_dir):
         raise CheckpointNotFoundError(f"{save_dir} is a file, not a save folder")
     if is_component_dir(save_dir) or (not list_checkpoints(save_dir) and _looks_like_checkpoint(save_dir)):
         raise CliError(f"{save_dir} is a checkpoint, not a save folder; try: ckpt-engine inspect {save_dir}")
@@ -190,9 +190,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _looks_like_checkpoint(path: str) -> bool:
     from ._cli_read import is_component_dir
+    from .store import open_store
 
     try:
-        return any(is_component_dir(e.path) for e in os.scandir(path) if e.is_dir())
+        return any(is_component_dir(os.path.join(path, n)) for n, d in open_store(path).list_dir(path) if d)
     except OSError:
         return False
 
@@ -291,15 +292,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ._cli_read import human_bytes, is_component_dir, is_save_dir
+    from ._cli_read import exists, human_bytes, is_component_dir, is_save_dir, isdir, normalize
     from .errors import CheckpointNotFoundError
     from .integrity import verify_checkpoint
     from .layout import LATEST_FILE, component_dirs, list_checkpoints, read_latest
+    from .store import open_store
 
-    path = os.path.normpath(args.checkpoint)
-    if not os.path.exists(path):
+    path = normalize(args.checkpoint)
+    if not exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist")
-    if not os.path.isdir(path):
+    if not isdir(path):
         raise CheckpointNotFoundError(f"{path} is a file, not a checkpoint folder")
     if is_component_dir(path):
         raise CliError(f"{path} is one component; verify its checkpoint: ckpt-engine verify {os.path.dirname(path)}")
@@ -307,10 +309,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if is_save_dir(path):
         paths = [p for _, p in list_checkpoints(path)]
         latest = read_latest(path)
-        if latest is not None and not os.path.isdir(os.path.join(path, latest)):
+        if latest is not None and not isdir(os.path.join(path, latest)):
             extra_problems.append(f"{os.path.join(path, LATEST_FILE)} names {latest!r}, which does not exist")
     else:
-        if not any(os.scandir(path)):
+        if not open_store(path).list_dir(path):
             raise CheckpointNotFoundError(f"{path} is empty: not a checkpoint")
         if not component_dirs(path):
             raise CheckpointNotFoundError(

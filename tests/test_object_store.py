@@ -449,3 +449,54 @@ def test_two_tier_upload_failure_keeps_the_local_copy(s3_bucket: Any, tmp_path: 
         engine.save(3, **state.objects())
     result, _ = _resume(config)
     assert result.checkpoint_path == f"{s3_bucket.url}/iter_000000003"
+
+
+# -- the command line on s3:// ------------------------------------------------------------------------
+
+
+def test_cli_ls_inspect_verify_convert_on_s3(
+    s3_bucket: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from _s3 import KEY_ID, SECRET
+
+    from ckpt_engine.cli import main
+
+    state = TinyTrainingState.create(seed=1, hidden=64)
+    with CheckpointEngine(_s3_config(s3_bucket)) as engine:
+        engine.save(1, **state.objects())
+        engine.save(2, **state.objects())
+    s3_bucket.fs().rm_file(f"{s3_bucket.name}/run/iter_000000001/{MANIFEST_FILE}")  # an interrupted save
+    # The command line takes credentials and endpoint from the standard environment variables.
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_ENDPOINT_URL": s3_bucket.server.endpoint,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out + err
+
+    code, out = run("ls", s3_bucket.url, "--json")
+    listing = json.loads(out)
+    assert code == 0 and listing["latest"] == "iter_000000002"
+    status = {r["name"]: r["status"] for r in listing["checkpoints"]}
+    assert status == {"iter_000000001": "INCOMPLETE", "iter_000000002": "verified"}
+
+    code, out = run("inspect", s3_bucket.url)
+    assert code == 0 and "iter_000000002" in out and "weight" in out
+
+    code, out = run("verify", f"{s3_bucket.url}/iter_000000002")
+    assert code == 0 and "checksums match the manifest" in out
+    code, out = run("verify", f"{s3_bucket.url}/iter_000000001")
+    assert code != 0 and "interrupted save" in out
+
+    target = tmp_path / "model.pt"
+    code, out = run("convert", s3_bucket.url, str(target))
+    assert code == 0, out
+    converted = torch.load(target, weights_only=True)
+    assert_state_dicts_equal(converted, state.model.state_dict())
+    assert SECRET not in out
