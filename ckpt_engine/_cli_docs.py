@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 
 from . import hookspecs
 from ._markers import PROJECT_NAME
-from .config import DEFAULT_PLUGINS, EngineConfig, PluginEntry
+from .config import DEFAULT_PLUGINS, EngineConfig, PluginEntry, StorageOptions
 from .loading import installed_plugins
 
 __all__ = ["OptionInfo", "PluginInfo", "config_reference", "describe_plugins", "hook_kind"]
@@ -291,10 +291,20 @@ The default plugins (%s) come first unless the list names them; list one with
 """
 
 
+_STORAGE_INTRO = """## storage fields
+
+`storage` says how to reach a `save_dir`, `load_dir` or `load_path` given as a URL (`s3://...`,
+or any filesystem fsspec knows); local paths ignore it. [storage.md](storage.md) explains the
+commit rule on object stores and the two-tier mode.
+"""
+
+
 def config_reference() -> str:
     """The Markdown of ``docs/configuration.md``."""
     lines = [_CONFIG_INTRO, "## EngineConfig fields", ""]
     lines += _options_table(model_options(EngineConfig), "field")
+    lines += ["", _STORAGE_INTRO]
+    lines += _options_table(model_options(StorageOptions), "field")
     lines += ["", _PLUGIN_ENTRY_INTRO % ", ".join(f"`{n}`" for n in DEFAULT_PLUGINS)]
     lines += _options_table(model_options(PluginEntry), "field")
     lines += [

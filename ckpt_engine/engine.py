@@ -138,18 +138,13 @@ class SaveHandle:
         self.iteration = iteration
         self.path = path
         self._future = future
-        #: Whether :meth:`result` has handed the outcome to the caller.
-        self.reported = False
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> SaveResult:
-        """The save's :class:`SaveResult`; raises :class:`CheckpointSaveError` if it failed.
-
-        A failure seen here is not raised again by the engine's next ``save()`` / ``wait()``."""
+        """The save's :class:`SaveResult`; raises :class:`CheckpointSaveError` if it failed."""
         result = self._future.result(timeout)
-        self.reported = True
         if not result.succeeded:
             raise CheckpointSaveError(
                 f"saving iteration {self.iteration} to {self.path} failed: {result.error}"
@@ -853,12 +848,10 @@ class CheckpointEngine:
         results = []
         first_error: CheckpointSaveError | None = None
         for handle in pending:
-            seen = handle.reported
             try:
                 results.append(handle.result())
             except CheckpointSaveError as err:
-                if not seen:  # the caller already got this failure from handle.result()
-                    first_error = first_error or err
+                first_error = first_error or err
         if first_error is not None:
             raise first_error
         return results

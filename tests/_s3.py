@@ -84,7 +84,7 @@ class Bucket:
     def fs(self) -> Any:
         return self.server.client_fs()
 
-    def keys(self, prefix: str = "") -> list[str]:
+    def objects(self, prefix: str = "") -> list[str]:
         """Every object key under ``s3://bucket/run/<prefix>``, relative to ``run/``, sorted."""
         fs = self.fs()
         root = f"{self.name}/run/"

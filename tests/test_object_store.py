@@ -235,7 +235,7 @@ def test_s3_save_resume_and_retention(s3_bucket: Any) -> None:
             state.train(1)
             engine.save(it, **state.objects()).result()
             saved.append(it)
-    keys = s3_bucket.keys()
+    keys = s3_bucket.objects()
     assert {k.split("/")[0] for k in keys} == {"iter_000000002", "iter_000000003", LATEST_FILE}
     assert f"iter_000000003/{MANIFEST_FILE}" in keys and "iter_000000003/model/__0_1.distcp" in keys
     assert s3_bucket.fs().cat_file(f"{s3_bucket.name}/run/{LATEST_FILE}") == b"iter_000000003\n"
@@ -293,7 +293,7 @@ def test_s3_upload_failure_is_reported_and_latest_stays(s3_bucket: Any) -> None:
         assert [r.succeeded for r in plugin.results] == [True, False]
         s3_bucket.server.start()
         assert read_latest(s3_bucket.url, open_store(s3_bucket.url, engine.config.storage)) == "iter_000000001"
-        assert f"iter_000000002/{MANIFEST_FILE}" not in s3_bucket.keys()
+        assert f"iter_000000002/{MANIFEST_FILE}" not in s3_bucket.objects()
         engine.save(3, **state.objects())  # the next save succeeds once the server is back
     result, _ = _resume(_s3_config(s3_bucket))
     assert result.iteration == 3
@@ -329,6 +329,8 @@ def test_s3_async_upload_failure_goes_through_on_save_done(s3_bucket: Any, monke
         assert [r.succeeded for r in observer.results] == [True, False]
         assert isinstance(observer.results[1].error, StorageError)
         assert s3_bucket.fs().cat_file(f"{s3_bucket.name}/run/{LATEST_FILE}") == b"iter_000000001\n"
+        with pytest.raises(CheckpointSaveError, match="iter_000000002"):
+            engine.save(3, **state.objects())  # every rank hears of the failure at its next save()
         engine.save(3, **state.objects()).result(timeout=60)
     assert s3_bucket.fs().cat_file(f"{s3_bucket.name}/run/{LATEST_FILE}") == b"iter_000000003\n"
 
@@ -375,7 +377,7 @@ def test_s3_killed_save_leaves_no_marker_and_is_ignored(s3_bucket: Any, tmp_path
         os.killpg(child.pid, signal.SIGKILL)
     finally:
         child.wait(30)
-    keys = s3_bucket.keys()
+    keys = s3_bucket.objects()
     assert any(k.startswith("iter_000000002/") for k in keys), keys  # it did upload something
     assert f"iter_000000002/{MANIFEST_FILE}" not in keys
     result, _ = _resume(config)
@@ -413,7 +415,7 @@ def test_two_tier_commits_locally_then_uploads_in_the_background(s3_bucket: Any,
             assert read_latest(local) == f"iter_{it:09}"  # the local copy is committed on return
         assert [h.result(timeout=60).path for h in handles] == [f"{s3_bucket.url}/iter_{i:09}" for i in (1, 2)]
     assert sorted(os.listdir(local)) == ["iter_000000002", LATEST_FILE]  # local_keep_last=1
-    remote = s3_bucket.keys()
+    remote = s3_bucket.objects()
     assert f"iter_000000001/{MANIFEST_FILE}" in remote and f"iter_000000002/{MANIFEST_FILE}" in remote
     assert [k for k in remote if k.startswith("iter_000000002/")] == [
         f"iter_000000002/{rel}" for rel in _local_keys(f"{local}/iter_000000002")
@@ -436,9 +438,11 @@ def test_two_tier_upload_failure_keeps_the_local_copy(s3_bucket: Any, tmp_path: 
         s3_bucket.server.stop()
         state.train(1)
         handle = engine.save(2, **state.objects())
-        with pytest.raises(CheckpointSaveError, match="local copy .*iter_000000002 is complete"):
+        with pytest.raises(CheckpointSaveError, match=r"local copy .*iter_000000002 is complete"):
             handle.result(timeout=60)
         s3_bucket.server.start()
+        with pytest.raises(CheckpointSaveError, match="iter_000000002"):
+            engine.wait()  # the failure is reported again to the training loop
     assert s3_bucket.fs().cat_file(f"{s3_bucket.name}/run/{LATEST_FILE}") == b"iter_000000001\n"
     with caplog.at_level(logging.INFO, logger="ckpt_engine"):
         result, fresh = _resume(config)
@@ -500,3 +504,40 @@ def test_cli_ls_inspect_verify_convert_on_s3(
     converted = torch.load(target, weights_only=True)
     assert_state_dicts_equal(converted, state.model.state_dict())
     assert SECRET not in out
+
+
+# -- two ranks under torchrun ------------------------------------------------------------------------
+
+
+@pytest.mark.dist
+def test_two_ranks_save_to_s3_sync_and_async_and_reshard_back(s3_bucket: Any, tmp_path: Path) -> None:
+    from _torchrun import run_torchrun
+
+    sys.path.insert(0, str(HERE / "dist_scripts"))
+    from _common import make_model
+
+    config = _s3_config(s3_bucket, storage={"spool_dir": str(tmp_path / "spool")})
+    run = run_torchrun("s3_fsdp.py", json.dumps(config), nproc=2, timeout=150.0)
+    assert run.returncode == 0, run.describe()
+    ranks = {rank: payloads[0] for rank, payloads in run.results().items()}
+    assert sorted(ranks) == [0, 1], run.describe()
+    for rank, report in ranks.items():
+        assert report["async_succeeded"], rank
+        assert (report["loaded_iteration"], report["loaded_verified"], report["loaded_equal"]) == (2, True, True), rank
+    keys = s3_bucket.objects()
+    for it in (1, 2):
+        assert {f"iter_{it:09}/model/__0_0.distcp", f"iter_{it:09}/model/__1_0.distcp"} <= set(keys)
+        assert f"iter_{it:09}/{MANIFEST_FILE}" in keys
+    assert not [k for k in keys if ".ckpt_engine_rank_" in k]  # upload reports are cleaned up
+    manifest = json.loads(s3_bucket.fs().cat_file(f"{s3_bucket.name}/run/iter_000000002/{MANIFEST_FILE}"))
+    assert manifest["world_size"] == 2 and all(e["checksum"] for e in manifest["files"].values())
+    assert not list((tmp_path / "spool").rglob("*.distcp"))  # the spool is emptied after upload
+
+    # Both checkpoints reshard into one process.
+    for it in (1, 2):
+        model = make_model(seed=5)
+        cfg = {**config, "load_path": f"{s3_bucket.url}/iter_{it:09}", "save_dir": str(tmp_path / "none")}
+        with CheckpointEngine(cfg) as engine:
+            assert engine.load(model=model).iteration == 0  # load_path: the model only
+        got = {n: p.detach().tolist() for n, p in model.named_parameters()}
+        assert got == ranks[0]["saved"][str(it)], it

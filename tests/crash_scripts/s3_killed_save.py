@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
 
 import torch
 
@@ -28,7 +27,7 @@ real_upload = FsspecStore.upload
 
 
 def upload_then_hang(self: FsspecStore, local: str, remote: str) -> int:
-    size = real_upload(self, local, remote)
+    real_upload(self, local, remote)
     with open(flag, "w") as f:
         f.write(remote)
     while True:
