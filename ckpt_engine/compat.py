@@ -18,6 +18,7 @@ OmegaConf) or a mapping. Missing fields take the original's defaults. See
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ from .errors import ConfigError
 from .layout import iter_dirname, read_latest
 from .loading import installed_plugins
 from .state import TrainingObjects, component_state_dict
+from .store import open_store
 from .types import STANDARD_COMPONENTS, LoadResult, SaveResult
 
 __all__ = ["ASYNC_PLUGIN", "DistributedCheckpointer", "OriginalCheckpointConfig", "build_engine_config"]
@@ -78,17 +80,24 @@ class OriginalCheckpointConfig:
     dcp_allow_mismatched_size: bool = False
     dcp_async_mode_enabled: bool = False
     verbose: bool = False
+    #: ``save_to_object_store`` / ``load_from_object_store``: ``(bucket, credentials file)`` when enabled.
+    save_to_object_store: tuple[str, str] | None = None
+    load_from_object_store: tuple[str, str] | None = None
 
     @classmethod
     def read(cls, config_checkpoint: Any) -> OriginalCheckpointConfig:
         """Read and validate the fields; raises :class:`ConfigError` naming a bad field."""
+        stores: dict[str, tuple[str, str] | None] = {}
         for store in ("save_to_object_store", "load_from_object_store"):
-            if _bool_field(_field(config_checkpoint, store), "enabled", f"config_checkpoint.{store}"):
-                raise ConfigError(
-                    f"config_checkpoint.{store}.enabled is true, but ckpt-engine does not support object "
-                    "storage yet; save to and load from a local or shared filesystem "
-                    f"(config_job.path_local), or set {store}.enabled to false"
-                )
+            section = _field(config_checkpoint, store)
+            stores[store] = None
+            if _bool_field(section, "enabled", f"config_checkpoint.{store}"):
+                bucket, credentials = _field(section, "bucket", ""), _field(section, "credentials", "") or ""
+                if not isinstance(bucket, str) or not bucket or "/" in bucket:
+                    raise ConfigError(f"config_checkpoint.{store}.bucket must be a bucket name, got {bucket!r}")
+                if not isinstance(credentials, (str, os.PathLike)):
+                    raise ConfigError(f"config_checkpoint.{store}.credentials must be a file path, got {credentials!r}")
+                stores[store] = (bucket, os.fspath(credentials))
         load_path = _field(config_checkpoint, "load_path", "")
         if load_path is None:
             load_path = ""
@@ -119,6 +128,8 @@ class OriginalCheckpointConfig:
             dcp_allow_mismatched_size=_bool_field(config_checkpoint, "dcp_allow_mismatched_size"),
             dcp_async_mode_enabled=_bool_field(config_checkpoint, "dcp_async_mode_enabled"),
             verbose=_bool_field(config_checkpoint, "verbose"),
+            save_to_object_store=stores["save_to_object_store"],
+            load_from_object_store=stores["load_from_object_store"],
         )
 
     @property
@@ -127,6 +138,50 @@ class OriginalCheckpointConfig:
         if not self.load_path or self.load_path.endswith(".pt"):
             return None
         return self.load_path
+
+
+#: Keys of the original's S3 credentials file (``boto3.client`` keyword arguments) -> ``storage`` fields.
+_CREDENTIAL_KEYS = {
+    "aws_access_key_id": "access_key_id",
+    "aws_secret_access_key": "secret_access_key",
+    "aws_session_token": "session_token",
+    "endpoint_url": "endpoint_url",
+    "region_name": "region",
+}
+
+
+def storage_from_credentials(path: str) -> dict[str, Any]:
+    """``EngineConfig.storage`` fields from the original's credentials file: a JSON object of
+    ``boto3.client("s3", ...)`` keyword arguments. ``""``: the standard sources (``AWS_*``)."""
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as err:
+        raise ConfigError(f"cannot read the object store credentials file {path!r}: {err.strerror or err}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"the object store credentials file {path!r} is not JSON: {err.msg}") from None
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"the object store credentials file {path!r} must hold a JSON object")
+    unknown = sorted(set(doc) - set(_CREDENTIAL_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"the object store credentials file {path!r} has unknown key(s) {unknown}; "
+            f"known: {sorted(_CREDENTIAL_KEYS)}"
+        )
+    return {_CREDENTIAL_KEYS[k]: v for k, v in doc.items() if v not in (None, "")}
+
+
+def object_store_dirname(config_job: Any, bucket: str) -> str:
+    """``s3://{bucket}/{config_job.path}/checkpoints``, as in the original."""
+    path = _field(config_job, "path")
+    if not isinstance(path, str) or not path.strip("/"):
+        raise ConfigError(
+            f"config_job.path must name the run's folder in the bucket (checkpoints go to "
+            f"s3://{bucket}/<path>/checkpoints), got {path!r}"
+        )
+    return f"s3://{bucket}/{path.strip('/')}/checkpoints"
 
 
 def save_dirname_for(config_job: Any) -> str:
@@ -162,10 +217,30 @@ def build_engine_config(
         plugins.append({"name": "size_mismatch", "options": {"policy": "overlap"}})
     if async_saves:
         plugins.append({"name": ASYNC_PLUGIN})
+    local = (
+        save_dirname_for(config_job)
+        if fields.save_to_object_store is None or fields.load_from_object_store is None
+        else ""
+    )
+    save_dir = (
+        object_store_dirname(config_job, fields.save_to_object_store[0]) if fields.save_to_object_store else local
+    )
+    load_dir = (
+        object_store_dirname(config_job, fields.load_from_object_store[0]) if fields.load_from_object_store else local
+    )
+    credentials = {store[1] for store in (fields.save_to_object_store, fields.load_from_object_store) if store}
+    if len(credentials) > 1:
+        raise ConfigError(
+            "config_checkpoint.save_to_object_store and load_from_object_store name different credentials files "
+            f"({sorted(credentials)}); ckpt-engine reaches both with one set: use one file"
+        )
+    storage = storage_from_credentials(next(iter(credentials))) if credentials else {}
     try:
         return EngineConfig.model_validate(
             {
-                "save_dir": save_dirname_for(config_job),
+                "save_dir": save_dir,
+                "load_dir": load_dir if load_dir != save_dir else None,
+                "storage": storage,
                 "load_path": fields.effective_load_path,
                 "load_training_state": fields.load_training_state,
                 # The original gives load_training_state precedence; EngineConfig refuses both.
@@ -237,7 +312,6 @@ class DistributedCheckpointer:
         self.config_job = config_job
         self.callbacks = callbacks
         self.fields = OriginalCheckpointConfig.read(config_checkpoint)
-        self._save_dirname = save_dirname_for(config_job)
         self.verbose = self.fields.verbose
 
         async_saves = False
@@ -256,9 +330,10 @@ class DistributedCheckpointer:
                 "load_path %r ends in .pt: as in the original checkpointer this means training from "
                 "scratch (unless %s has a latest_checkpoint.txt)",
                 self.fields.load_path,
-                self.load_dirname,
+                "the load folder",
             )
         config = build_engine_config(config_checkpoint, config_job, async_saves=async_saves)
+        self._save_dirname, self._load_dirname = config.save_dir, config.resolved_load_dir
         plugins = [_SaveSuccessBridge(callbacks)] if callbacks is not None else []
         self.engine = CheckpointEngine(config, plugins=plugins)
         self.last_load_result: LoadResult | None = None
@@ -272,7 +347,7 @@ class DistributedCheckpointer:
 
     @property
     def load_dirname(self) -> str:
-        return self._save_dirname
+        return self._load_dirname
 
     # -- resume decision --------------------------------------------------------------------
 
@@ -287,7 +362,7 @@ class DistributedCheckpointer:
         ``keys_not_to_resume`` is removed from the set.
         """
         fields = self.fields
-        latest = read_latest(self.load_dirname)
+        latest = read_latest(self.load_dirname, open_store(self.load_dirname, self.engine.config.storage))
         keys: set[str]
         path: str | None
         if latest is not None:

@@ -439,13 +439,15 @@ class FsspecStore(Store):
 
         self.call("deleting", f"{len(paths)} object(s) under {posixpath.commonpath(paths)}", rm)
 
-    def upload(self, local: str, remote: str) -> int:
-        """Upload one local file (multipart above ``part_size``); returns its size."""
+    def upload(self, local: str, remote: str, part_concurrency: int = 1) -> int:
+        """Upload one local file; returns its size. On S3 a file above ``part_size`` goes up as a
+        multipart upload, ``part_concurrency`` parts at a time; a failed attempt is retried whole
+        (the local file is the replayable source)."""
         size = os.path.getsize(local)
 
         def put() -> None:
             if self.protocol in ("s3", "s3a"):
-                self.fs.put_file(local, remote, chunksize=self.part_size)
+                self.fs.put_file(local, remote, chunksize=self.part_size, max_concurrency=part_concurrency)
             else:
                 self.fs.put_file(local, remote)
 
@@ -453,13 +455,18 @@ class FsspecStore(Store):
         return size
 
     def upload_many(self, pairs: Iterable[tuple[str, str]]) -> int:
-        """:meth:`upload` ``(local, remote)`` pairs, up to ``max_concurrency`` at a time; returns the
-        bytes uploaded. The first failure is raised once the uploads in flight have finished."""
+        """:meth:`upload` ``(local, remote)`` pairs; returns the bytes uploaded. At most
+        ``max_concurrency`` requests run at once: files in parallel, and the parts of a large file
+        share what the files leave. The first failure is raised once the uploads in flight are done."""
         todo = sorted(pairs, key=lambda p: -os.path.getsize(p[0]))  # largest first: shortest tail
-        if len(todo) <= 1 or self.max_concurrency == 1:
-            return sum(self.upload(lo, re) for lo, re in todo)
-        with ThreadPoolExecutor(min(self.max_concurrency, len(todo)), thread_name_prefix="ckpt-put") as pool:
-            futures = [pool.submit(self.upload, lo, re) for lo, re in todo]
+        if not todo:
+            return 0
+        workers = min(self.max_concurrency, len(todo))
+        parts = max(1, self.max_concurrency // workers)
+        if workers == 1:
+            return sum(self.upload(lo, re, parts) for lo, re in todo)
+        with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-put") as pool:
+            futures = [pool.submit(self.upload, lo, re, parts) for lo, re in todo]
             return sum(f.result() for f in futures)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import ckpt_engine.compat as compat
 from ckpt_engine import CheckpointSaveError, CkptEngineError, ConfigError, LoadStrictnessError
 from ckpt_engine.compat import DistributedCheckpointer, build_engine_config
 from ckpt_engine.loading import installed_plugins
+from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
 
 KEYS = {"model", "optim", "scheduler", "trainer"}
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -693,13 +695,90 @@ def test_missing_fields_take_the_original_defaults(tmp_path: Path, kind: str) ->
     assert [p.name for p in config.plugins] == ["te_extra_state"]
 
 
-@pytest.mark.parametrize("store", ["save_to_object_store", "load_from_object_store"])
-def test_object_store_is_refused(tmp_path: Path, kind: str, store: str) -> None:
-    nested = {"enabled": True, "bucket": "b"}
-    enabled: Any = SimpleNamespace(**nested) if kind == "namespace" else nested
-    with pytest.raises(ConfigError, match=f"{store}.enabled.*object storage"):
-        checkpointer(tmp_path, kind, "job", **{store: enabled})
-    checkpointer(tmp_path, kind, "job", **{store: {"enabled": False}})  # disabled: fine
+def _credentials_file(tmp_path: Path, **doc: Any) -> str:
+    path = tmp_path / "s3_credentials.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_object_store_fields_map_to_urls_and_storage(tmp_path: Path, kind: str) -> None:
+    creds = _credentials_file(
+        tmp_path, aws_access_key_id="AKIA1", aws_secret_access_key="s3cr3t", endpoint_url="http://e", region_name="r"
+    )
+    store: Any = {"enabled": True, "bucket": "ckpts", "credentials": creds}
+    if kind == "namespace":
+        store = SimpleNamespace(**store)
+    cfg, job = make_configs(kind, tmp_path / "job", save_to_object_store=store)
+    job = (
+        SimpleNamespace(path_local=str(tmp_path / "job"), path="proj/exp1")
+        if kind == "namespace"
+        else {
+            "path_local": str(tmp_path / "job"),
+            "path": "proj/exp1",
+        }
+    )
+    config = build_engine_config(cfg, job)
+    # As in the original: saves go to the bucket; without load_from_object_store, loads stay local.
+    assert config.save_dir == "s3://ckpts/proj/exp1/checkpoints"
+    assert config.load_dir == f"{tmp_path / 'job'}/checkpoints"
+    assert config.storage.endpoint_url == "http://e" and config.storage.region == "r"
+    assert config.storage.secret_access_key is not None
+    assert config.storage.secret_access_key.get_secret_value() == "s3cr3t" and "s3cr3t" not in repr(config)
+
+    cfg, _ = make_configs(kind, tmp_path / "job", save_to_object_store=store, load_from_object_store=store)
+    both = build_engine_config(cfg, job)
+    assert both.save_dir == "s3://ckpts/proj/exp1/checkpoints" and both.load_dir is None
+
+
+@pytest.mark.parametrize(
+    ("section", "creds", "message"),
+    [
+        ({"enabled": True, "bucket": ""}, None, "bucket must be a bucket name"),
+        ({"enabled": True, "bucket": "a/b"}, None, "bucket must be a bucket name"),
+        ({"enabled": True, "bucket": "b", "credentials": "/nonexistent/creds.json"}, None, "cannot read"),
+        ({"enabled": True, "bucket": "b"}, {"aws_secret": "x"}, r"unknown key\(s\) \['aws_secret'\]"),
+    ],
+)
+def test_bad_object_store_fields_are_config_errors(
+    tmp_path: Path, section: dict[str, Any], creds: dict[str, Any] | None, message: str
+) -> None:
+    if creds is not None:
+        section = {**section, "credentials": _credentials_file(tmp_path, **creds)}
+    cfg, _ = make_configs("dict", tmp_path / "job", save_to_object_store=section)
+    with pytest.raises(ConfigError, match=message):
+        build_engine_config(cfg, {"path_local": str(tmp_path / "job"), "path": "p"})
+    cfg, _ = make_configs("dict", tmp_path / "job", save_to_object_store={"enabled": True, "bucket": "b"})
+    with pytest.raises(ConfigError, match=r"config_job\.path"):
+        build_engine_config(cfg, {"path_local": str(tmp_path / "job")})
+    checkpointer(tmp_path, "dict", "job", save_to_object_store={"enabled": False})  # disabled: local
+
+
+def test_compat_saves_to_and_resumes_from_s3(tmp_path: Path, s3_bucket: Any) -> None:
+    from _s3 import KEY_ID, SECRET
+
+    creds = _credentials_file(
+        tmp_path,
+        aws_access_key_id=KEY_ID,
+        aws_secret_access_key=SECRET,
+        endpoint_url=s3_bucket.server.endpoint,
+        region_name="us-east-1",
+    )
+    section = {"enabled": True, "bucket": s3_bucket.name, "credentials": creds}
+    fields = {"save_to_object_store": section, "load_from_object_store": section}
+    job = {"path_local": str(tmp_path / "job"), "path": "run"}
+    state = TinyTrainingState.create(seed=1)
+    with DistributedCheckpointer(dict(fields), job) as saver:
+        assert saver.save_dirname == saver.load_dirname == f"s3://{s3_bucket.name}/run/checkpoints"
+        saver.save(state.model, state.optimizer, state.scheduler, state.grad_scaler, 7)
+    assert "checkpoints/iter_000000007/model/.metadata" in s3_bucket.objects()
+    fresh = TinyTrainingState.create(seed=2)
+    with DistributedCheckpointer(dict(fields), job) as loader:
+        assert loader.keys_to_resume_during_load() == (
+            set(loader.KEYS_TO_SAVE),
+            f"s3://{s3_bucket.name}/run/checkpoints/iter_000000007",
+        )
+        assert loader.load(fresh.model, fresh.optimizer, fresh.scheduler, fresh.grad_scaler) == 7
+    assert_state_dicts_equal(fresh.model.state_dict(), state.model.state_dict())
 
 
 def test_bad_field_types_and_missing_path_local_are_config_errors(tmp_path: Path) -> None:

@@ -313,10 +313,10 @@ def test_s3_async_upload_failure_goes_through_on_save_done(s3_bucket: Any, monke
 
     real_upload = FsspecStore.upload
 
-    def stop_then_upload(self: FsspecStore, local: str, remote: str) -> int:
+    def stop_then_upload(self: FsspecStore, local: str, remote: str, part_concurrency: int = 1) -> int:
         if "iter_000000002" in remote:  # the moment to stop: iteration 2's first upload
             s3_bucket.server.stop()
-        return real_upload(self, local, remote)
+        return real_upload(self, local, remote, part_concurrency)
 
     observer = Observer()
     with CheckpointEngine(_s3_config(s3_bucket, plugins=["pinned_staging"]), plugins=[observer]) as engine:

@@ -26,8 +26,8 @@ with CheckpointEngine(config) as engine:
 real_upload = FsspecStore.upload
 
 
-def upload_then_hang(self: FsspecStore, local: str, remote: str) -> int:
-    real_upload(self, local, remote)
+def upload_then_hang(self: FsspecStore, local: str, remote: str, part_concurrency: int = 1) -> int:
+    real_upload(self, local, remote, part_concurrency)
     with open(flag, "w") as f:
         f.write(remote)
     while True:
