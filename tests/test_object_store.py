@@ -79,17 +79,22 @@ def _assert_same_state(a: TinyTrainingState, b: TinyTrainingState) -> None:
 
 def test_memory_url_round_trip_has_the_local_layout(mem_url: str, tmp_path: Path) -> None:
     state = TinyTrainingState.create(seed=1, hidden=64)
+    big = _linear(torch.randn(1024, 768))  # 3 MiB: read by ranges, straight into the tensor
     local = str(tmp_path / "local")
     for folder in (mem_url, local):
         with CheckpointEngine({"save_dir": folder}) as engine:
-            engine.save(3, **state.objects()).result()
+            engine.save(3, **state.objects(), extra={"big": big}).result()
     assert _mem_keys(mem_url) == _local_keys(local)
     assert MANIFEST_FILE in "".join(_mem_keys(mem_url)) and LATEST_FILE in _mem_keys(mem_url)
 
-    result, fresh = _resume({"save_dir": mem_url, "verify": "checksums"})
+    fresh = TinyTrainingState.create(seed=101, hidden=64)
+    big_fresh = _linear(torch.zeros(1024, 768))
+    with CheckpointEngine({"save_dir": mem_url, "verify": "checksums"}) as engine:
+        result = engine.load(**fresh.objects(), extra={"big": big_fresh})
     assert (result.iteration, result.verified) == (3, True)
     assert result.checkpoint_path == f"{mem_url}/iter_000000003"
     _assert_same_state(state, fresh)
+    assert torch.equal(big_fresh.weight, big.weight)
 
 
 def test_a_prefix_without_its_marker_is_never_loaded(mem_url: str) -> None:
@@ -400,6 +405,19 @@ def _storage(config: dict[str, Any]) -> Any:
     return EngineConfig.model_validate(config).storage
 
 
+def test_s3_large_files_go_up_as_multipart_uploads_and_load_by_ranges(s3_bucket: Any) -> None:
+    weight = torch.randn(3 * 1024, 1024)  # 12 MiB: three parts of 5 MiB (the smallest S3 allows)
+    config = _s3_config(s3_bucket, storage={"part_size_mb": 5, "max_concurrency": 3})
+    with CheckpointEngine(config) as engine:
+        engine.save(1, model=_linear(weight))
+    info = s3_bucket.fs().info(f"{s3_bucket.name}/run/iter_000000001/model/__0_0.distcp")
+    assert info["size"] > 12 * 2**20 and info["ETag"].strip('"').endswith("-3")  # S3's multipart ETag
+    restored = _linear(torch.zeros_like(weight))
+    with CheckpointEngine({**config, "verify": "checksums"}) as engine:
+        assert engine.load(model=restored).verified
+    assert torch.equal(restored.weight, weight)
+
+
 # -- two-tier ----------------------------------------------------------------------------------------
 
 
@@ -427,6 +445,24 @@ def test_two_tier_commits_locally_then_uploads_in_the_background(s3_bucket: Any,
     result, fresh = _resume(_s3_config(s3_bucket))
     assert result.checkpoint_path == f"{s3_bucket.url}/iter_000000002"
     _assert_same_state(state, fresh)
+
+
+def test_two_tier_with_async_saves(s3_bucket: Any, tmp_path: Path) -> None:
+    pytest.importorskip("ckpt_engine_plugins.pinned_staging")
+    local = str(tmp_path / "local")
+    config = _s3_config(s3_bucket, plugins=["pinned_staging"], storage={"local_dir": local})
+    state = TinyTrainingState.create(seed=1, hidden=64)
+    with CheckpointEngine(config) as engine:
+        handle = engine.save(4, **state.objects())
+        snapshot = {k: v.clone() for k, v in state.model.state_dict().items()}
+        state.train(1)  # after save() returned: not in the checkpoint
+        assert handle.result(timeout=60).succeeded
+    assert read_latest(local) == "iter_000000004"
+    assert s3_bucket.fs().cat_file(f"{s3_bucket.name}/run/{LATEST_FILE}") == b"iter_000000004\n"
+    for source in (config, _s3_config(s3_bucket)):  # the local copy, then the object store
+        result, fresh = _resume({**source, "plugins": []})
+        assert result.iteration == 4
+        assert_state_dicts_equal(fresh.model.state_dict(), snapshot)
 
 
 def test_two_tier_upload_failure_keeps_the_local_copy(s3_bucket: Any, tmp_path: Path, caplog: Any) -> None:
