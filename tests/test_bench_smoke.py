@@ -55,3 +55,20 @@ def test_smoke_run_of_the_two_rank_rows(tmp_path: Path) -> None:
     assert {r["method"] for r in dist_rows} == {"ours_2rank_save", "ours_2rank_load_resharded"}
     assert all(r["bit_exact"] for r in dist_rows)
     assert result["dist_errors"] == []
+
+
+def test_storage_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/storage_bench.py end to end against its own moto server (untimed)."""
+    out = tmp_path / "storage.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "storage_bench.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["method"] for r in rows} == {"s3fs_put", "ours_save", "s3fs_cat", "ours_load"}
+    assert all(r["median_s"] > 0 and r["mb_per_s"] > 0 for r in rows)
+    assert all(r["x_s3fs"] > 0 for r in rows if r["method"].startswith("ours"))
