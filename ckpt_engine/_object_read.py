@@ -2,12 +2,14 @@
 
 Nothing is downloaded whole. Each read item is fetched with HTTP range requests:
 
-* a large tensor item read into a contiguous CPU destination of its dtype (the common case, and
-  every row-sharded resharded load) costs two small requests for the archive's headers, then
-  exactly the bytes of the rows this rank needs, in ``part_size`` pieces copied straight into
-  the destination;
-* every other item (non-tensor values, small tensors, casts, non-contiguous boxes) is fetched as
-  its stored byte range and decoded as DCP decodes it (``torch.load(weights_only=True)``).
+* an item this rank needs whole, or mostly (a load into the same sharding), is fetched as its
+  stored byte range; adjacent items of a file share one request of up to ``part_size`` bytes.
+  A tensor's bytes are copied from the response straight into the destination (the archive's
+  headers are parsed, as the local reader does); anything else (non-tensor values, casts,
+  non-contiguous boxes) is decoded as DCP decodes it (``torch.load(weights_only=True)``);
+* a large tensor item this rank needs less than half of (a resharded load) costs two small
+  requests for the archive's headers, then exactly the bytes of the rows it needs, in
+  ``part_size`` pieces copied straight into the destination.
 
 Requests run ``max_concurrency`` at a time, in batches of at most ``max_concurrency x part_size``
 bytes, which bounds the memory a load holds in flight. Decoding errors are the local reader's
@@ -36,8 +38,12 @@ from .store import FsspecStore
 
 __all__ = ["ObjectStoreReader"]
 
-#: Tensor items at least this big are read by ranges (headers first, then only the needed rows).
+#: Tensor items at least this big, of which a rank needs less than :data:`_RANGED_FRACTION`, are
+#: read by ranges (headers first, then only the needed rows).
 _RANGED_MIN = 1 << 20
+_RANGED_FRACTION = 0.5
+#: Adjacent items closer than this are fetched by one request.
+_COALESCE_GAP = 1 << 20
 _HEAD = 4096
 
 
@@ -83,6 +89,7 @@ class ObjectStoreReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = self._metadata if self._metadata is not None else read_metadata(self.path, self.store)
+        self._metadata = md
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -116,13 +123,26 @@ class ObjectStoreReader(StorageReader):
                         "store reader does not decode; copy the checkpoint to a local folder to load it"
                     )
                 by_item.setdefault((info.relative_path, int(info.offset), int(info.length)), []).append(req)
-            ranged = {k: v for k, v in by_item.items() if k[2] >= _RANGED_MIN and _all_tensors(v)}
+            ranged = {k: v for k, v in by_item.items() if k[2] >= _RANGED_MIN and self._mostly_unneeded(v)}
             whole = {k: v for k, v in by_item.items() if k not in ranged}
             whole.update(self._read_ranged(ranged, planner))
             self._read_whole(whole, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _mostly_unneeded(self, reqs: list[ReadItem]) -> bool:
+        """Whether ``reqs`` (all of one item) are tensor boxes covering under half of the stored chunk."""
+        if self._metadata is None or not all(r.type == LoadItemType.TENSOR for r in reqs):
+            return False
+        md = self._metadata.state_dict_metadata.get(reqs[0].storage_index.fqn)
+        chunks = getattr(md, "chunks", None) or []
+        offsets = reqs[0].storage_index.offset
+        chunk = next((c for c in chunks if offsets is not None and tuple(c.offsets) == tuple(offsets)), None)
+        if chunk is None:
+            return False
+        needed = sum(math.prod(r.lengths) for r in reqs)
+        return bool(needed < _RANGED_FRACTION * math.prod(chunk.sizes))
 
     def _url(self, rel: str) -> str:
         return self.store.join(self.path, rel)
@@ -212,39 +232,70 @@ class ObjectStoreReader(StorageReader):
         return pread
 
     def _read_whole(self, items: dict[tuple[str, int, int], list[ReadItem]], planner: LoadPlanner) -> None:
-        def decode(key: tuple[str, int, int]) -> Callable[[bytes], None]:
-            def sink(data: bytes) -> None:
-                reqs = items[key]
-                try:
-                    for req in reqs:
-                        if req.type == LoadItemType.BYTE_IO:
-                            planner.load_bytes(req, io.BytesIO(data))
-                            continue
+        """Fetch ``items`` as their stored byte ranges (adjacent ones together) and fill the requests."""
+
+        def fill(key: tuple[str, int, int], data: memoryview) -> None:
+            reqs = items[key]
+            try:
+                layout: SavedTensorLayout | None = None
+                if any(r.type == LoadItemType.TENSOR for r in reqs):
+                    layout = parse_torch_save_tensor_at(lambda off, n: bytes(data[off : off + n]), len(data))
+                for req in reqs:
+                    if req.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(req, io.BytesIO(data))
+                        continue
+                    target = planner.resolve_tensor(req).detach()
+                    region = _direct_region(layout, req, target)
+                    if region is not None and layout is not None:
+                        first, count = region
+                        start = layout.data_offset + first * target.element_size()
+                        if count:
+                            _byte_view(target)[:] = data[start : start + count * target.element_size()]
+                    else:
                         stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
                         tensor = _narrow(stored, req.storage_offsets, req.lengths)
-                        target = planner.resolve_tensor(req).detach()
                         if target.size() != tensor.size():
                             raise CheckpointLoadError(
                                 f"{self._url(key[0])}: {req.storage_index.fqn!r} has a stored chunk of shape "
                                 f"{list(tensor.size())}, the destination {list(target.size())}"
                             )
                         target.copy_(tensor)
-                        planner.commit_tensor(req, target)
-                except CkptEngineError:
+                    planner.commit_tensor(req, target)
+            except CkptEngineError:
+                raise
+            except Exception as err:
+                mapped = _read_error(self._url(key[0]), reqs, err)
+                if mapped is err:
                     raise
-                except Exception as err:
-                    mapped = _read_error(self._url(key[0]), reqs, err)
-                    if mapped is err:
-                        raise
-                    raise mapped from err
+                raise mapped from err
 
-            return sink
+        pieces = []
+        for group in _coalesce(sorted(items), self.store.part_size):
+            rel, start = group[0][0], group[0][1]
+            end = max(k[1] + k[2] for k in group)
 
-        self._fetch([_Piece(self._url(k[0]), k[1], k[1] + k[2], decode(k)) for k in sorted(items)])
+            def sink(data: bytes, group: list[tuple[str, int, int]] = group, start: int = start) -> None:
+                view = memoryview(data)
+                for key in group:
+                    fill(key, view[key[1] - start : key[1] - start + key[2]])
+
+            pieces.append(_Piece(self._url(rel), start, end, sink))
+        self._fetch(pieces)
 
 
-def _all_tensors(reqs: list[ReadItem]) -> bool:
-    return all(r.type == LoadItemType.TENSOR for r in reqs)
+def _coalesce(keys: list[tuple[str, int, int]], limit: int) -> list[list[tuple[str, int, int]]]:
+    """Group sorted ``(file, offset, length)`` items into runs one request can fetch: same file,
+    gaps under :data:`_COALESCE_GAP`, at most ``limit`` bytes (a larger item is a run of its own)."""
+    groups: list[list[tuple[str, int, int]]] = []
+    for key in keys:
+        if groups:
+            last = groups[-1]
+            start, end = last[0][1], max(k[1] + k[2] for k in last)
+            if key[0] == last[0][0] and 0 <= key[1] - end < _COALESCE_GAP and key[1] + key[2] - start <= limit:
+                last.append(key)
+                continue
+        groups.append([key])
+    return groups
 
 
 def _direct_region(layout: SavedTensorLayout | None, req: ReadItem, target: torch.Tensor) -> tuple[int, int] | None:
