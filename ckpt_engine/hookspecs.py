@@ -120,7 +120,8 @@ class CkptSpecs:
         Kind: provider. One implementation runs: the single enabled plugin providing it, else
         the engine's default (DCP ``FileSystemWriter`` in the calling process).
 
-        :param ctx: component, iteration, target folder, rank, world size, and the save
+        :param ctx: component, iteration, target folder (always local: for an object-store
+            ``save_dir`` the engine uploads it at commit), rank, world size, and the save
             planner to pass to DCP (it applies ``remap_keys`` and replica de-duplication).
         :param state_dict: the component's staged state dict. When ``ctx.staged_copy`` is true
             the provider may keep using it after returning; otherwise it must finish first.

@@ -189,7 +189,8 @@ class WriteContext:
 
     component: str
     iteration: int
-    #: Folder that receives this component's DCP files (inside the uncommitted checkpoint).
+    #: Local folder that receives this component's DCP files (inside the uncommitted checkpoint;
+    #: for an object-store ``save_dir``, inside the local spool the engine uploads at commit).
     path: str
     rank: int
     world_size: int
