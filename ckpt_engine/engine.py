@@ -571,7 +571,7 @@ class CheckpointEngine:
             try:
                 t_manifest = time.perf_counter()
                 if direct:
-                    covered = self._write_remote_manifest(paths, components, algorithm, entries, world)
+                    covered = self._write_manifest(paths, components, algorithm, entries, world, uploaded=True)
                     write_latest(self.save_dir, paths.name, self._store)
                 else:
                     covered = self._write_manifest(paths, components, algorithm, entries, world)
@@ -630,19 +630,36 @@ class CheckpointEngine:
         algorithm: str | None,
         entries: dict[str, FileEntry],
         world: int,
+        *,
+        uploaded: bool = False,
     ) -> int:
-        """Rank 0: check the uncommitted checkpoint is complete, checksum what no rank did, and
-        write the manifest into it. Returns the bytes the manifest covers."""
-        partial_dir = paths.partial
-        checked = check_complete(partial_dir)
+        """Rank 0: check the checkpoint is complete, then write its manifest; returns the bytes
+        the manifest covers.
+
+        Locally (``uploaded`` false) into the uncommitted folder, checksumming what no rank did.
+        On an object store (``uploaded``), after every rank uploaded: the DCP metadata is checked
+        against one listing of the prefix, every file must have been reported by a rank, and the
+        manifest written is the completion marker."""
+        root, store = (paths.final, self._store) if uploaded else (paths.partial, None)
+        checked = check_complete(root, store)
         missing = [c for c in components if c not in checked.components]
         if missing:
-            raise IncompleteCheckpointError(f"{partial_dir}: components {missing} were not written")
-        expected = set(list_files(partial_dir)) | referenced_files(checked)
+            raise IncompleteCheckpointError(
+                f"{root}: components {missing} were not {'uploaded' if uploaded else 'written'}"
+            )
         entries = dict(entries)
-        entries.update(hash_files(partial_dir, expected - set(entries), algorithm))
+        if uploaded:
+            unreported = referenced_files(checked) - set(entries)
+            if unreported:
+                raise IncompleteCheckpointError(
+                    f"{root}: {sorted(unreported)[:5]} are referenced by DCP metadata but no rank reported "
+                    "uploading them"
+                )
+        else:
+            expected = set(list_files(root)) | referenced_files(checked)
+            entries.update(hash_files(root, expected - set(entries), algorithm))
         manifest = new_manifest(paths.iteration, world, components, algorithm, entries)
-        write_manifest(partial_dir, manifest)
+        write_manifest(root, manifest, store)
         return manifest.total_bytes
 
     # -- object stores ------------------------------------------------------------------------
@@ -661,31 +678,6 @@ class CheckpointEngine:
             remote_root,
             time.perf_counter() - t,
         )
-
-    def _write_remote_manifest(
-        self,
-        paths: _SavePaths,
-        components: tuple[str, ...],
-        algorithm: str | None,
-        entries: dict[str, FileEntry],
-        world: int,
-    ) -> int:
-        """Rank 0, after every rank uploaded: check the uploaded checkpoint is complete (its DCP
-        metadata against one listing of the prefix), then write the manifest: the completion
-        marker. Returns the bytes the manifest covers."""
-        checked = check_complete(paths.final, self._store)
-        missing = [c for c in components if c not in checked.components]
-        if missing:
-            raise IncompleteCheckpointError(f"{paths.final}: components {missing} were not uploaded")
-        unreported = referenced_files(checked) - set(entries)
-        if unreported:
-            raise IncompleteCheckpointError(
-                f"{paths.final}: {sorted(unreported)[:5]} are referenced by DCP metadata but no rank reported "
-                "uploading them"
-            )
-        manifest = new_manifest(paths.iteration, world, components, algorithm, entries)
-        write_manifest(paths.final, manifest, self._store)
-        return manifest.total_bytes
 
     def _exchange_parts(
         self, paths: _SavePaths, entries: dict[str, FileEntry], error: BaseException | None

@@ -92,6 +92,14 @@ def shard_fsdp2(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     return model
 
 
+def step(model: torch.nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
+    """One AdamW step on a batch drawn from ``seed``."""
+    x = torch.randn(4, LINEAR_SIZES[0][0], generator=torch.Generator().manual_seed(seed))
+    model(x).pow(2).mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
 def train_inputs() -> torch.Tensor:
     return torch.randn(4, LINEAR_SIZES[0][0], generator=torch.Generator().manual_seed(1234))
 

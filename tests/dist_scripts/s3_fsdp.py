@@ -15,16 +15,9 @@ import sys
 from typing import Any
 
 import torch
-from _common import ckpt_test_exit, cpu_mesh, init, make_model, params_full, report_ordered, shard_fsdp2
+from _common import ckpt_test_exit, cpu_mesh, init, make_model, params_full, report_ordered, shard_fsdp2, step
 
 from ckpt_engine import CheckpointEngine
-
-
-def step(model: torch.nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
-    model(x).pow(2).mean().backward()
-    optim.step()
-    optim.zero_grad()
 
 
 def main() -> None:
