@@ -107,6 +107,17 @@ class _Validated:
 
 
 @dataclass
+class _Clock:
+    """When the phases of one save began (``time.perf_counter``), for its :class:`SaveResult`."""
+
+    t0: float
+    staging: float = 0.0
+    write_start: float = 0.0
+    #: How long ``save()`` blocked the caller (set when it returns for a background commit).
+    blocked: float = 0.0
+
+
+@dataclass
 class _Phase:
     """What the commit phase of a save found (filled in as it goes)."""
 
@@ -288,14 +299,14 @@ class CheckpointEngine:
         # a write may still read the buffers.
         self._wait_pending(keep=self._saves_to_keep(iteration))
 
-        t0 = time.perf_counter()
+        clock = _Clock(time.perf_counter())
+        t0 = clock.t0
         rank, world = _dist.rank(), _dist.world_size()
         paths = self._save_paths(iteration)
         final_dir, partial_dir = paths.final, paths.partial
         components = tuple(objs.available())
-        timings = {"staging": 0.0}
         try:
-            prepared = self._prepare_save(objs, paths, components, rank, world, timings)
+            prepared = self._prepare_save(objs, paths, components, rank, world, clock)
         except Exception as err:
             result = SaveResult(
                 iteration=iteration,
@@ -313,7 +324,7 @@ class CheckpointEngine:
             raise CheckpointSaveError(f"saving iteration {iteration} to {final_dir} failed: {detail}") from err
 
         staged, key_maps = prepared
-        write_start = time.perf_counter()
+        clock.write_start = time.perf_counter()
         outcomes: list[WriteResult | Future[WriteResult]] = []
         try:
             for name in components:
@@ -334,9 +345,9 @@ class CheckpointEngine:
                 outcomes.append(out)
         except (Exception, CheckpointException) as exc:
             cause, ranks = _unwrap(exc)
-            raise self._fail_sync(paths, components, cause, ranks, t0, timings, write_start) from cause
+            raise self._fail_sync(paths, components, cause, ranks, clock) from cause
 
-        blocked = time.perf_counter() - t0
+        clock.blocked = time.perf_counter() - t0
         future: Future[SaveResult] = Future()
         handle = SaveHandle(iteration, final_dir, future)
         if all(isinstance(o, WriteResult) for o in outcomes):
@@ -344,17 +355,15 @@ class CheckpointEngine:
                 # Two-tier: commit the local copy now, upload it in the background.
                 phase = self._commit_phase(paths, components, outcomes, collective=True)
                 if phase.error is not None:
-                    result = self._result(paths, components, phase, t0, blocked, timings, write_start, True)
+                    result = self._result(paths, components, phase, clock, collective=True)
                     self._finish(result, paths, cleanup=True)
                     future.set_result(result)
                     raise CheckpointSaveError(
                         f"saving iteration {iteration} to {final_dir} failed: {result.error}"
                     ) from result.error
-                self._submit(
-                    handle, self._upload_background, future, paths, components, phase, t0, blocked, timings, write_start
-                )
+                self._submit(handle, self._upload_background, future, paths, components, phase, clock)
                 return handle
-            result = self._commit(paths, components, outcomes, t0, blocked, timings, write_start, collective=True)
+            result = self._commit(paths, components, outcomes, clock, collective=True)
             future.set_result(result)
             if not result.succeeded:
                 raise CheckpointSaveError(
@@ -364,9 +373,7 @@ class CheckpointEngine:
 
         # Background writes: commit from the engine's commit thread (no collectives there; the
         # last DCP write of every component already synchronised all ranks).
-        self._submit(
-            handle, self._commit_background, future, paths, components, outcomes, t0, blocked, timings, write_start
-        )
+        self._submit(handle, self._commit_background, future, paths, components, outcomes, clock)
         return handle
 
     def _submit(self, handle: SaveHandle, fn: Callable[..., None], *args: Any) -> None:
@@ -391,7 +398,7 @@ class CheckpointEngine:
         components: tuple[str, ...],
         rank: int,
         world: int,
-        timings: dict[str, float],
+        clock: _Clock,
     ) -> tuple[Any, dict[str, dict[str, str]]]:
         """Build state dicts, run ``remap_keys`` and ``stage``; every rank agrees on success."""
         error: str | None = None
@@ -438,7 +445,7 @@ class CheckpointEngine:
             )
             if staged.completion is not None:
                 staged.completion.result()
-            timings["staging"] = time.perf_counter() - t_stage
+            clock.staging = time.perf_counter() - t_stage
         except Exception as exc:
             if world == 1:
                 raise
@@ -474,9 +481,7 @@ class CheckpointEngine:
         components: tuple[str, ...],
         err: BaseException,
         ranks: list[int],
-        t0: float,
-        timings: dict[str, float],
-        write_start: float,
+        clock: _Clock,
     ) -> CheckpointSaveError:
         """Report a failed write and return the error to raise."""
         now = time.perf_counter()
@@ -486,10 +491,10 @@ class CheckpointEngine:
             succeeded=False,
             error=err,
             components=components,
-            blocked_seconds=now - t0,
-            staging_seconds=timings["staging"],
-            write_seconds=now - write_start,
-            total_seconds=now - t0,
+            blocked_seconds=now - clock.t0,
+            staging_seconds=clock.staging,
+            write_seconds=now - clock.write_start,
+            total_seconds=now - clock.t0,
         )
         hint = disk_full_hint(self._staging_root, err)  # before the partial folder frees its space
         self._finish(result, paths, cleanup=True)
@@ -504,10 +509,7 @@ class CheckpointEngine:
         paths: _SavePaths,
         components: tuple[str, ...],
         outcomes: Sequence[Any],
-        t0: float,
-        blocked: float,
-        timings: dict[str, float],
-        write_start: float,
+        clock: _Clock,
         *,
         collective: bool,
     ) -> SaveResult:
@@ -520,7 +522,7 @@ class CheckpointEngine:
         phase = self._commit_phase(paths, components, outcomes, collective=collective)
         if phase.error is None and self._local_dir is not None and _dist.rank() == 0:
             phase.error = self._upload_local_copy(paths)
-        result = self._result(paths, components, phase, t0, blocked, timings, write_start, collective)
+        result = self._result(paths, components, phase, clock, collective=collective)
         self._finish(result, paths, cleanup=phase.error is not None)
         return result
 
@@ -602,10 +604,8 @@ class CheckpointEngine:
         paths: _SavePaths,
         components: tuple[str, ...],
         phase: _Phase,
-        t0: float,
-        blocked: float,
-        timings: dict[str, float],
-        write_start: float,
+        clock: _Clock,
+        *,
         collective: bool,
     ) -> SaveResult:
         now = time.perf_counter()
@@ -617,10 +617,10 @@ class CheckpointEngine:
             components=components,
             bytes_written=phase.nbytes,
             # A synchronous save blocks the caller through the commit too.
-            blocked_seconds=now - t0 if collective else blocked,
-            staging_seconds=timings["staging"],
-            write_seconds=phase.write_end - write_start,
-            total_seconds=now - t0,
+            blocked_seconds=now - clock.t0 if collective else clock.blocked,
+            staging_seconds=clock.staging,
+            write_seconds=phase.write_end - clock.write_start,
+            total_seconds=now - clock.t0,
         )
 
     def _write_manifest(
@@ -758,15 +758,12 @@ class CheckpointEngine:
         paths: _SavePaths,
         components: tuple[str, ...],
         phase: _Phase,
-        t0: float,
-        blocked: float,
-        timings: dict[str, float],
-        write_start: float,
+        clock: _Clock,
     ) -> None:
         try:
             if _dist.rank() == 0:
                 phase.error = self._upload_local_copy(paths)
-            result = self._result(paths, components, phase, t0, blocked, timings, write_start, False)
+            result = self._result(paths, components, phase, clock, collective=False)
             self._finish(result, paths, cleanup=False)
             future.set_result(result)
         except BaseException as exc:  # an observer raised: surface it through the handle
