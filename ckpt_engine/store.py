@@ -380,7 +380,9 @@ class FsspecStore(Store):
             return False
 
     def _strip(self, path: str) -> str:
-        stripped: str = self.fs._strip_protocol(path)
+        from fsspec.core import strip_protocol
+
+        stripped: str = strip_protocol(path)
         return stripped.rstrip("/")
 
     def list_dir(self, path: str) -> list[tuple[str, bool]]:

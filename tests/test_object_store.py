@@ -54,7 +54,7 @@ def mem_url() -> Any:
 
 def _mem_keys(url: str) -> list[str]:
     fs = fsspec.filesystem("memory")
-    root = fs._strip_protocol(url) + "/"
+    root = fsspec.core.strip_protocol(url) + "/"
     return sorted(k[len(root) :] for k in fs.find(root))
 
 
