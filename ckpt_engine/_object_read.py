@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ._fast_read import _byte_view, _gc_paused, contiguous_region
-from ._metadata import _read_error, read_metadata
+from ._metadata import METADATA_FILE, _read_error, read_metadata
 from ._torch_private import SavedTensorLayout, parse_torch_save_tensor_at
-from .errors import CheckpointLoadError, CkptEngineError
+from .errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
 from .store import FsspecStore
 
 __all__ = ["ObjectStoreReader"]
@@ -116,6 +116,12 @@ class ObjectStoreReader(StorageReader):
             by_item: dict[tuple[str, int, int], list[ReadItem]] = {}
             for req in plan.items:
                 info = self.storage_data[req.storage_index]
+                rel = info.relative_path
+                if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel.startswith("."):
+                    raise CorruptCheckpointError(
+                        f"{self.store.join(self.path, METADATA_FILE)} names data file {rel!r} outside its folder; "
+                        "refusing to read it (the metadata may have been tampered with)"
+                    )
                 if info.transform_descriptors:
                     raise CheckpointLoadError(
                         f"{self.store.join(self.path, info.relative_path)}: {req.storage_index.fqn!r} is stored with "

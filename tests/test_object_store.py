@@ -195,6 +195,35 @@ def test_a_row_range_is_read_without_fetching_the_rest(mem_url: str) -> None:
     assert rows <= reader.bytes_fetched <= rows + 16 * 1024
 
 
+def test_metadata_naming_a_file_outside_the_component_is_refused(mem_url: str) -> None:
+    """A crafted ``.metadata`` cannot make the reader fetch other objects of the bucket."""
+    import dataclasses
+
+    from ckpt_engine import CorruptCheckpointError
+    from ckpt_engine._object_read import ObjectStoreReader
+
+    with CheckpointEngine({"save_dir": mem_url}) as engine:
+        engine.save(1, model=_linear(torch.randn(4, 4)))
+    store = open_store(mem_url)
+    assert isinstance(store, FsspecStore)
+    reader = ObjectStoreReader(f"{mem_url}/iter_000000001/model", store)
+    metadata = reader.read_metadata()
+    metadata.storage_data = {
+        k: dataclasses.replace(v, relative_path="../../latest_checkpoint.txt") for k, v in metadata.storage_data.items()
+    }
+    reader.set_up_storage_reader(metadata, True)
+    req = ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex("weight"),
+        dest_offsets=torch.Size([0, 0]),
+        storage_index=next(iter(metadata.storage_data)),
+        storage_offsets=torch.Size([0, 0]),
+        lengths=torch.Size([4, 4]),
+    )
+    with pytest.raises(CorruptCheckpointError, match="outside its folder"):
+        reader.read_data(LoadPlan([req]), _PartialPlanner(torch.empty(4, 4)))  # type: ignore[arg-type]
+
+
 def _linear(weight: torch.Tensor) -> torch.nn.Module:
     module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     with torch.no_grad():
