@@ -1056,7 +1056,13 @@ class CheckpointEngine:
                 return _Validated(checked, False, lookup.reason, store)
             share = shard_files(lookup.manifest.files, world)[rank] if level == "checksums" else None
             found = check_against_manifest(
-                path, lookup.manifest, level, referenced=referenced_files(checked), checksum_only=share, store=store
+                path,
+                lookup.manifest,
+                level,
+                referenced=referenced_files(checked),
+                checksum_only=share,
+                store=store,
+                listing=checked.listing,
             )
             if found.problems:
                 shown = found.problems[:20]

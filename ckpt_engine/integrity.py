@@ -388,20 +388,22 @@ def check_against_manifest(
     checksum_only: Collection[str] | None = None,
     progress: Callable[[int, int], None] | None = None,
     store: Store | None = None,
+    listing: Mapping[str, int] | None = None,
 ) -> ManifestCheck:
     """Compare the files on disk with ``manifest``: every listed file exists with its size, and
     with ``level="checksums"`` its checksum (only for ``checksum_only`` where given: a rank's
     share). Every file in ``referenced`` (what DCP metadata needs) must be listed. Returns one
     problem line per damaged file, each naming it; raises only :class:`CheckpointPermissionError`
-    (a file that cannot be read at all)."""
+    (a file that cannot be read at all). On an object store the sizes come from one listing of
+    the prefix: ``listing`` (e.g. :attr:`CheckedCheckpoint.listing`), else a new one."""
     root = os.fspath(checkpoint_dir)
     store = store_for(root, store)
     problems: list[str] = []
     for rel in sorted(set(referenced) - set(manifest.files)):
         problems.append(f"{store.join(root, rel)} is needed by DCP metadata but not listed in {MANIFEST_FILE}")
     sized_ok: list[str] = []
-    # One listing instead of a request per object on an object store.
-    listed = store.list_files(root) if store.is_object_store else None
+    # One listing instead of a request per object on an object store (``listing``: one just taken).
+    listed = (listing if listing is not None else store.list_files(root)) if store.is_object_store else None
     for rel, entry in sorted(manifest.files.items()):
         path = store.join(root, *rel.split("/"))
         try:
@@ -546,6 +548,7 @@ def verify_checkpoint(
             referenced=referenced_files(checked) if checked is not None else (),
             progress=progress,
             store=store,
+            listing=checked.listing if checked is not None else None,
         )
     except CkptEngineError as err:  # permission denied
         problems.append(str(err))

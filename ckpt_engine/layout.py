@@ -124,6 +124,9 @@ class CheckedCheckpoint:
     path: str
     #: component -> its DCP metadata, read safely.
     components: dict[str, Metadata]
+    #: On an object store, every object's size from the one listing taken (``rel -> bytes``), for
+    #: checks that follow; ``None`` for a local folder.
+    listing: dict[str, int] | None = None
 
 
 def check_complete(checkpoint_dir: str | os.PathLike[str], store: Store | None = None) -> CheckedCheckpoint:
@@ -168,7 +171,7 @@ def check_complete(checkpoint_dir: str | os.PathLike[str], store: Store | None =
                     f"{fpath} is truncated: {size} bytes, but {METADATA_FILE} needs at least {end}"
                 )
         out[name] = md
-    return CheckedCheckpoint(path=path, components=out)
+    return CheckedCheckpoint(path=path, components=out, listing=listed)
 
 
 def list_checkpoints(save_dir: str | os.PathLike[str], store: Store | None = None) -> list[tuple[int, str]]:

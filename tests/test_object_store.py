@@ -97,6 +97,23 @@ def test_memory_url_round_trip_has_the_local_layout(mem_url: str, tmp_path: Path
     assert torch.equal(big_fresh.weight, big.weight)
 
 
+def test_a_load_lists_the_checkpoint_prefix_once(mem_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Completeness and the manifest's size check share one listing (a paginated request on S3)."""
+    state = TinyTrainingState.create(seed=1, hidden=64)
+    with CheckpointEngine({"save_dir": mem_url}) as engine:
+        engine.save(1, **state.objects())
+    listed: list[str] = []
+    real = FsspecStore.list_files
+
+    def counting(self: FsspecStore, path: str) -> dict[str, int]:
+        listed.append(path)
+        return real(self, path)
+
+    monkeypatch.setattr(FsspecStore, "list_files", counting)
+    result, _ = _resume({"save_dir": mem_url})
+    assert result.verified and listed == [f"{mem_url}/iter_000000001"]
+
+
 def test_a_prefix_without_its_marker_is_never_loaded(mem_url: str) -> None:
     state = TinyTrainingState.create(seed=1, hidden=64)
     with CheckpointEngine({"save_dir": mem_url}) as engine:
