@@ -196,23 +196,24 @@ def owner_rank(rel: str, world_size: int) -> int:
 def hash_file(
     path: str, algorithm: str | None, progress: Callable[[int], None] | None = None, store: Store | None = None
 ) -> FileEntry:
-    """Size and checksum of one regular file (``algorithm`` None: the size only)."""
+    """Size and checksum of one regular file or object (``algorithm`` None: the size only)."""
     store = store_for(path, store)
-    if store.is_object_store:
-        return _hash_object(store, path, algorithm, progress)
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{path} is not a regular file")
+        size: int | None = None
+        if not store.is_object_store:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{path} is not a regular file")
+            size = st.st_size
         if algorithm is None:
-            return FileEntry(size=st.st_size)
+            return FileEntry(size=store.size(path) if size is None else size)
         hasher = new_hasher(algorithm)
         if hasher is None:
             raise CkptEngineError(f"checksum algorithm {algorithm!r} is not available here")
         size = 0
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
-        with open(path, "rb", buffering=0) as f:
+        with store.open_read(path) as f:
             while n := f.readinto(buf):
                 hasher.update(view[:n])
                 size += n
@@ -221,26 +222,6 @@ def hash_file(
         return FileEntry(size=size, checksum=hasher.hexdigest())
     except PermissionError as err:
         raise CheckpointPermissionError(f"cannot read {path}: {denied(err)}") from err
-
-
-def _hash_object(store: Store, path: str, algorithm: str | None, progress: Callable[[int], None] | None) -> FileEntry:
-    """:func:`hash_file` for an object: its size from a lookup, its checksum from a streamed read."""
-    if algorithm is None:
-        return FileEntry(size=store.size(path))
-    hasher = new_hasher(algorithm)
-    if hasher is None:
-        raise CkptEngineError(f"checksum algorithm {algorithm!r} is not available here")
-    size = 0
-    try:
-        with store.open_read(path) as f:
-            while chunk := f.read(_CHUNK):
-                hasher.update(chunk)
-                size += len(chunk)
-                if progress is not None:
-                    progress(len(chunk))
-    except PermissionError as err:
-        raise CheckpointPermissionError(f"cannot read {path}: {denied(err)}") from err
-    return FileEntry(size=size, checksum=hasher.hexdigest())
 
 
 def hash_files(

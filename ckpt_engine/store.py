@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .errors import ConfigError, StorageError
 
@@ -39,6 +39,7 @@ __all__ = ["FsspecStore", "LocalStore", "Store", "is_url", "local_path", "open_s
 logger = logging.getLogger("ckpt_engine")
 
 _T = TypeVar("_T")
+_F = TypeVar("_F", bound="ReadableFile")
 
 #: Exception class names (anywhere in the MRO) that mean "try again": the network, not the request.
 _TRANSIENT_NAMES = frozenset(
@@ -83,6 +84,16 @@ def is_transient(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in _TRANSIENT_ERRNOS
 
 
+class ReadableFile(Protocol):
+    """What :meth:`Store.open_read` returns: a binary file read with ``readinto``."""
+
+    def readinto(self, buffer: Any, /) -> int | None: ...
+
+    def __enter__(self: _F) -> _F: ...
+
+    def __exit__(self, *exc: Any) -> Any: ...
+
+
 class Store:
     """The operations the engine needs from a place that holds checkpoints.
 
@@ -111,7 +122,7 @@ class Store:
         """Create or replace the file ``path`` atomically: a reader sees the old or the new content."""
         raise NotImplementedError
 
-    def open_read(self, path: str) -> IO[bytes]:
+    def open_read(self, path: str) -> ReadableFile:
         raise NotImplementedError
 
     def size(self, path: str) -> int:
@@ -165,7 +176,7 @@ class LocalStore(Store):
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path) or ".")
 
-    def open_read(self, path: str) -> IO[bytes]:
+    def open_read(self, path: str) -> ReadableFile:
         return open(path, "rb", buffering=0)
 
     def size(self, path: str) -> int:
@@ -347,8 +358,8 @@ class FsspecStore(Store):
         # One PUT: an object store replaces an object atomically.
         self.call("writing", path, lambda: self.fs.pipe_file(path, data))
 
-    def open_read(self, path: str) -> IO[bytes]:
-        f: IO[bytes] = self.call("opening", path, lambda: self.fs.open(path, "rb", block_size=self.part_size))
+    def open_read(self, path: str) -> ReadableFile:
+        f: ReadableFile = self.call("opening", path, lambda: self.fs.open(path, "rb", block_size=self.part_size))
         return f
 
     def _info(self, path: str) -> dict[str, Any]:
