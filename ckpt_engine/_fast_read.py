@@ -20,7 +20,7 @@ import dataclasses
 import gc
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -41,22 +41,28 @@ _PARALLEL_MIN_BYTES = 64 << 20
 
 
 class _Item:
-    """``length`` bytes at ``base`` of ``fd``, read with ``pread``.
+    """An archive of ``length`` bytes whose first and last :data:`_PREFETCH` bytes were read up
+    front (``head``, ``tail``): parsing its headers costs no further read. Other ranges go to
+    ``read(offset, n)`` (offsets from the item's start). A small item is read whole (``head``)."""
 
-    The first and last :data:`_PREFETCH` bytes are read once up front, so parsing the archive's
-    headers costs two system calls (one for a small item, which is then read whole).
-    """
+    __slots__ = ("head", "length", "read", "tail", "tail_start")
 
-    __slots__ = ("base", "fd", "head", "length", "tail", "tail_start")
+    def __init__(self, head: bytes, tail: bytes, length: int, read: Callable[[int, int], bytes]) -> None:
+        self.head, self.tail, self.length, self.read = head, tail, length, read
+        self.tail_start = length - len(tail)
 
-    def __init__(self, fd: int, base: int, length: int) -> None:
-        self.fd, self.base, self.length = fd, base, length
+    @classmethod
+    def from_fd(cls, fd: int, base: int, length: int) -> _Item:
+        """The item at ``base`` of ``fd``: two ``pread`` calls (one for a small item)."""
+
+        def read(offset: int, n: int) -> bytes:
+            return os.pread(fd, n, base + offset)
+
         if length <= 2 * _PREFETCH:
-            self.head = self.tail = os.pread(fd, length, base)
+            head = tail = read(0, length)
         else:
-            self.head = os.pread(fd, _PREFETCH, base)
-            self.tail = os.pread(fd, _PREFETCH, base + length - _PREFETCH)
-        self.tail_start = length - len(self.tail)
+            head, tail = read(0, _PREFETCH), read(length - _PREFETCH, _PREFETCH)
+        return cls(head, tail, length, read)
 
     @property
     def whole(self) -> bool:
@@ -68,7 +74,7 @@ class _Item:
             return self.head[offset:end]
         if offset >= self.tail_start:
             return self.tail[offset - self.tail_start : end - self.tail_start]
-        return os.pread(self.fd, max(0, end - offset), self.base + offset)
+        return self.read(offset, max(0, end - offset))
 
 
 def contiguous_region(size: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
@@ -263,7 +269,7 @@ class FastFileSystemReader(SafeFileSystemReader):
             return False
         cached = layouts.get(info.offset)
         if cached is None:
-            item = _Item(fd, info.offset, info.length)
+            item = _Item.from_fd(fd, info.offset, info.length)
             cached = layouts[info.offset] = (item, parse_torch_save_tensor_at(item.pread, item.length))
         item, layout = cached
         if layout is None or layout.dtype != target.dtype:

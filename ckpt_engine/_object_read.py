@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ._fast_read import _byte_view, _gc_paused, contiguous_region
+from ._fast_read import _PREFETCH, _byte_view, _gc_paused, _Item, contiguous_region
 from ._metadata import METADATA_FILE, _read_error, read_metadata
 from ._torch_private import SavedTensorLayout, parse_torch_save_tensor_at
 from .errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
@@ -44,7 +44,6 @@ _RANGED_MIN = 1 << 20
 _RANGED_FRACTION = 0.5
 #: Adjacent items closer than this are fetched by one request.
 _COALESCE_GAP = 1 << 20
-_HEAD = 4096
 
 
 @dataclass
@@ -188,8 +187,8 @@ class ObjectStoreReader(StorageReader):
             def keep(i: int, k: tuple[str, int, int] = key) -> Callable[[bytes], None]:
                 return lambda data: heads[k].__setitem__(i, data)
 
-            pieces.append(_Piece(url, base, base + _HEAD, keep(0)))
-            pieces.append(_Piece(url, base + length - _HEAD, base + length, keep(1)))
+            pieces.append(_Piece(url, base, base + _PREFETCH, keep(0)))
+            pieces.append(_Piece(url, base + length - _PREFETCH, base + length, keep(1)))
         self._fetch(pieces)
 
         fallback: dict[tuple[str, int, int], list[ReadItem]] = {}
@@ -199,7 +198,11 @@ class ObjectStoreReader(StorageReader):
             rel, base, length = key
             url = self._url(rel)
             head, tail = heads[key]
-            layout = parse_torch_save_tensor_at(self._pread(url, base, length, head, tail), length)
+
+            def read(offset: int, n: int, url: str = url, base: int = base) -> bytes:
+                return self.store.read_range(url, base + offset, base + offset + n)
+
+            layout = parse_torch_save_tensor_at(_Item(head, tail, length, read).pread, length)
             for req in reqs:
                 target = planner.resolve_tensor(req).detach()
                 region = _direct_region(layout, req, target)
@@ -223,19 +226,6 @@ class ObjectStoreReader(StorageReader):
         for req, target in commits:
             planner.commit_tensor(req, target)
         return fallback
-
-    def _pread(self, url: str, base: int, length: int, head: bytes, tail: bytes) -> Callable[[int, int], bytes]:
-        tail_start = length - len(tail)
-
-        def pread(offset: int, n: int) -> bytes:
-            end = min(length, offset + n)
-            if end <= len(head):
-                return head[offset:end]
-            if offset >= tail_start:
-                return tail[offset - tail_start : end - tail_start]
-            return self.store.read_range(url, base + offset, base + end)
-
-        return pread
 
     def _read_whole(self, items: dict[tuple[str, int, int], list[ReadItem]], planner: LoadPlanner) -> None:
         """Fetch ``items`` as their stored byte ranges (adjacent ones together) and fill the requests."""
