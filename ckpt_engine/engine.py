@@ -199,6 +199,8 @@ class CheckpointEngine:
         self._remote = self._store.is_object_store
         #: Two-tier saves (``storage.local_dir``): local commit first, upload in the background.
         self._local_dir = storage.local_dir if self._remote else None
+        #: Saves go straight into the object store: every rank uploads its own files from the spool.
+        self._direct = self._remote and self._local_dir is None
         #: The local folder that receives uncommitted saves: ``save_dir`` itself, the two-tier
         #: ``local_dir``, or a spool folder for this save_dir URL (same path on every rank).
         self._staging_root = self.save_dir
@@ -423,14 +425,14 @@ class CheckpointEngine:
                         logger.warning("%s", line)
                 if os.path.exists(paths.partial):
                     remove_tree(paths.partial)  # left behind by a crashed save of this iteration
-                if self._remote and self._local_dir is None and self._store.exists(paths.final):
+                if self._direct and self._store.exists(paths.final):
                     # A re-save of this iteration (or what a killed save uploaded): the old marker
                     # goes first, so that no reader ever takes the mix for a checkpoint.
                     logger.warning(
                         "%s exists; deleting it before saving iteration %d again", paths.final, paths.iteration
                     )
                     remove_checkpoint(paths.final, self._store)
-            elif self._remote:
+            elif self._direct:
                 self._remove_own_files(paths.partial, rank)  # a node-local spool another node cannot clear
             t_stage = time.perf_counter()
             staged = self.pipeline.stage(
@@ -542,7 +544,7 @@ class CheckpointEngine:
         rank, world = _dist.rank(), _dist.world_size()
         algorithm = DEFAULT_ALGORITHM if self.config.save_checksums else None
         entries: dict[str, FileEntry] = {}
-        direct = self._remote and self._local_dir is None
+        direct = self._direct
         if direct or (collective and world > 1):
             # Each rank sizes and checksums the files it wrote (still in its page cache) and, for an
             # object store, uploads them; then the ranks agree that every write succeeded.
@@ -746,9 +748,11 @@ class CheckpointEngine:
             with open(marker, "rb") as f:
                 self._store.write_bytes(self._store.join(paths.final, MANIFEST_FILE), f.read())
             write_latest(self.save_dir, paths.name, self._store)
+        except StorageError as err:
+            wrapped = StorageError(f"{err}; the local copy {paths.local_final} is complete and is resumed from")
+            wrapped.__cause__ = err
+            return wrapped
         except Exception as err:
-            if isinstance(err, StorageError):
-                err.args = (f"{err}; the local copy {paths.local_final} is complete and is resumed from",)
             return err
         return None
 
@@ -777,7 +781,7 @@ class CheckpointEngine:
 
     def _finish(self, result: SaveResult, paths: _SavePaths, *, cleanup: bool) -> None:
         partial_dir = paths.partial
-        direct = self._remote and self._local_dir is None
+        direct = self._direct
         if (cleanup or direct) and _dist.rank() == 0 and os.path.exists(partial_dir):
             try:
                 remove_tree(partial_dir)

@@ -26,6 +26,7 @@ import os
 import posixpath
 import random
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -197,11 +198,14 @@ class LocalStore(Store):
             dirnames.sort()
             rel_dir = os.path.relpath(dirpath, path)
             for name in sorted(filenames):
-                full = os.path.join(dirpath, name)
-                if not os.path.isfile(full):
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    continue  # removed since the folder was read: not there any more
+                if not stat.S_ISREG(st.st_mode):
                     continue
                 rel = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
-                out[rel] = os.stat(full).st_size
+                out[rel] = st.st_size
         return out
 
     def makedirs(self, path: str) -> None:
