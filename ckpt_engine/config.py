@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
+from .store import is_url, local_path
 from .types import STANDARD_COMPONENTS
 
 __all__ = ["DEFAULT_PLUGINS", "EngineConfig", "PluginEntry", "StorageOptions"]
@@ -120,9 +121,9 @@ class StorageOptions(BaseModel):
     @field_validator("spool_dir", "local_dir")
     @classmethod
     def _local_only(cls, v: str | None) -> str | None:
-        if v is not None and "://" in v and not v.startswith("file://"):
+        if v is not None and is_url(v):
             raise ValueError(f"{v!r} must be a local folder, not a URL")
-        return v[len("file://") :] if v is not None and v.startswith("file://") else v
+        return local_path(v) if v is not None else v
 
     def fsspec_options(self, protocol: str) -> dict[str, Any]:
         """Keyword arguments for ``fsspec.filesystem(protocol, ...)`` (secrets included: never log them)."""
@@ -247,7 +248,7 @@ class EngineConfig(BaseModel):
     def _strip_file_url(cls, v: str | None) -> str | None:
         # file:// URLs are local folders: they keep the local fast path and the rename commit.
         if v is not None and v.startswith("file://"):
-            v = v[len("file://") :]
+            v = local_path(v)
             if not v:
                 raise ValueError("'file://' names no folder")
         if v is not None and "://" in v and v.rstrip("/").count("/") < 2:

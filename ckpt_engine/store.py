@@ -106,9 +106,6 @@ class Store:
     #: False where a folder can be renamed atomically (the commit is a rename) - see docs/storage.md.
     is_object_store = False
 
-    def describe(self) -> str:
-        raise NotImplementedError
-
     def join(self, base: str, *parts: str) -> str:
         return os.path.join(base, *parts)
 
@@ -143,9 +140,6 @@ class Store:
         """Every file below ``path``: ``/``-separated relative path -> size."""
         raise NotImplementedError
 
-    def makedirs(self, path: str) -> None:
-        raise NotImplementedError
-
     def remove_file(self, path: str) -> None:
         raise NotImplementedError
 
@@ -155,9 +149,6 @@ class Store:
 
 class LocalStore(Store):
     """A local (or network-mounted) folder: plain ``os`` calls."""
-
-    def describe(self) -> str:
-        return "local filesystem"
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         with open(path, "rb") as f:
@@ -207,9 +198,6 @@ class LocalStore(Store):
                 rel = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
                 out[rel] = st.st_size
         return out
-
-    def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
 
     def remove_file(self, path: str) -> None:
         os.remove(path)
@@ -287,9 +275,6 @@ class FsspecStore(Store):
             ) from None
         if protocol in ("s3", "s3a") and hasattr(self.fs, "retries"):
             self.fs.retries = 1  # one retry loop, ours: s3fs would otherwise retry 5x inside each attempt
-
-    def describe(self) -> str:
-        return f"{self.protocol}:// (fsspec {type(self.fs).__name__})"
 
     # -- errors ----------------------------------------------------------------------------------
 
@@ -430,11 +415,6 @@ class FsspecStore(Store):
                 continue
             out[name[len(root) :]] = int(info.get("size") or 0)
         return dict(sorted(out.items()))
-
-    def makedirs(self, path: str) -> None:
-        # Object stores have no folders; a local-like fsspec filesystem (memory://) may need them.
-        with contextlib.suppress(FileExistsError):
-            self.call("creating", path, lambda: self.fs.makedirs(path, exist_ok=True))
 
     def remove_file(self, path: str) -> None:
         self.call("deleting", path, lambda: self.fs.rm_file(path))
