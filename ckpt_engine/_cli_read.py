@@ -1,7 +1,7 @@
 """What the command line reads from checkpoints: paths, key tables, values, streamed tensors.
 
-Everything here reads metadata with :func:`ckpt_engine._metadata.read_metadata` (a restricted
-unpickler) and values with ``torch.load(weights_only=True)``: inspecting an untrusted checkpoint
+Everything here reads metadata with :func:`ckpt_engine._metadata.read_metadata` (parsed without
+pickle, then validated) and values with ``torch.load(weights_only=True)``: inspecting an untrusted checkpoint
 never runs code from it. Tensors are read a batch at a time (a batch holds at most ``budget``
 bytes, or one tensor when a tensor is larger), so memory is bounded by the largest tensor, not
 by the checkpoint.

@@ -1,26 +1,29 @@
-"""Reading DCP ``.metadata`` without running code from the checkpoint.
+"""Reading DCP ``.metadata`` without running code from the checkpoint, and checking it.
 
 DCP's ``FileSystemReader.read_metadata`` calls ``pickle.load`` on ``.metadata``: a crafted file
-runs arbitrary code. The engine reads it with a restricted unpickler that constructs only the
-classes DCP writes, and hands the result to DCP through :class:`SafeFileSystemReader`.
+runs arbitrary code. The engine parses it with its own interpreter (:mod:`._metadata_parser`),
+validates the result (:func:`validate_metadata`) and hands it to DCP through
+:class:`SafeFileSystemReader`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
+import math
 import os
 import pickle
 import re
+import stat
 import zipfile
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from ._metadata_parser import PickleMalformed, PickleRefused, parse_metadata
 from .errors import (
     CheckpointLoadError,
     CheckpointPermissionError,
@@ -34,53 +37,57 @@ from .store import Store, store_for
 
 METADATA_FILE = ".metadata"
 
-_DCP_MD = "torch.distributed.checkpoint.metadata"
-ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {
-        (_DCP_MD, "Metadata"),
-        (_DCP_MD, "TensorStorageMetadata"),
-        (_DCP_MD, "BytesStorageMetadata"),
-        (_DCP_MD, "ChunkStorageMetadata"),
-        (_DCP_MD, "TensorProperties"),
-        (_DCP_MD, "MetadataIndex"),
-        (_DCP_MD, "StorageMeta"),
-        (_DCP_MD, "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "_local.PosixPath"),
-        ("pathlib", "_local.WindowsPath"),
-        ("pathlib._local", "PosixPath"),
-        ("pathlib._local", "WindowsPath"),
-    }
-    | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))}
-)
+#: Largest ``.metadata`` the engine parses. DCP writes tens of bytes per tensor and chunk, so this
+#: allows tens of millions of tensors while bounding the memory a crafted file can claim.
+MAX_METADATA_BYTES = 4 << 30
+#: Bound on the pairwise chunk comparisons of :func:`validate_metadata` (a crafted file could ask
+#: for a quadratic number); real shardings need a few per chunk.
+_MAX_CHUNK_COMPARISONS = 50_000_000
+_MAX_DIMS = 64
+_MAX_OFFSET = 1 << 62
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in ALLOWED_GLOBALS:
-            raise pickle.UnpicklingError(f"forbidden global {module}.{name}")
-        return super().find_class(module, name)
+def _read_bytes(path: str, store: Store) -> bytes:
+    """The bytes of ``path``, refusing anything that is not a regular file of bounded size."""
+    if store.is_object_store:
+        data = store.read_bytes(path, MAX_METADATA_BYTES + 1)
+    else:
+        # Check the type before opening: a FIFO would block open() forever.
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path} is not a regular file; a DCP metadata file is one")
+        if st.st_size > MAX_METADATA_BYTES:
+            raise CorruptCheckpointError(
+                f"{path} is {st.st_size} bytes, more than any DCP metadata this engine reads ({MAX_METADATA_BYTES})"
+            )
+        with open(path, "rb") as f:
+            data = f.read(st.st_size + 1)  # not MAX_METADATA_BYTES: read(n) allocates n bytes up front
+    if len(data) > MAX_METADATA_BYTES:
+        raise CorruptCheckpointError(f"{path} is larger than any DCP metadata this engine reads ({MAX_METADATA_BYTES})")
+    return data
 
 
-def read_metadata(component_dir: str | os.PathLike[str], store: Store | None = None) -> Metadata:
-    """Read ``component_dir/.metadata`` safely (from any :class:`~ckpt_engine.store.Store`);
-    typed errors name the file."""
+def read_metadata(
+    component_dir: str | os.PathLike[str],
+    store: Store | None = None,
+    check_bytes: Callable[[str, bytes], None] | None = None,
+) -> Metadata:
+    """Read and validate ``component_dir/.metadata`` (from any :class:`~ckpt_engine.store.Store`).
+
+    The file is parsed by :func:`~ckpt_engine._metadata_parser.parse_metadata` (no pickle: reading
+    it cannot run code or change the process) and checked by :func:`validate_metadata`.
+    ``check_bytes(path, data)``, when given, sees the raw bytes first (the manifest's size and
+    checksum), so a damaged file is refused before it is parsed. Typed errors name the file:
+    :class:`UnsafeCheckpointError` for content DCP never writes, :class:`CorruptCheckpointError`
+    for damage.
+    """
     component_dir = os.fspath(component_dir)
     store = store_for(component_dir, store)
     path = store.join(component_dir, METADATA_FILE)
     try:
-        if store.is_object_store:
-            md = _RestrictedUnpickler(io.BytesIO(store.read_bytes(path))).load()
-        else:
-            with open(path, "rb") as f:
-                md = _RestrictedUnpickler(f).load()
+        data = _read_bytes(path, store)
     except FileNotFoundError as err:
         raise IncompleteCheckpointError(
             f"{path} does not exist: the component was never committed (an interrupted save?)"
@@ -91,18 +98,98 @@ def read_metadata(component_dir: str | os.PathLike[str], store: Store | None = N
         raise CorruptCheckpointError(f"{path} is a folder, not a DCP metadata file") from err
     except OSError as err:
         raise CheckpointLoadError(f"cannot read {path}: {err.strerror or err}") from err
-    except pickle.UnpicklingError as err:
-        if "forbidden global" in str(err):
-            raise UnsafeCheckpointError(
-                f"{path} references {str(err).removeprefix('forbidden global ')}, which DCP metadata never "
-                "contains; refusing to unpickle it (the file may have been tampered with)"
-            ) from err
-        raise CorruptCheckpointError(f"{path} is not a valid DCP metadata file: {err}") from err
-    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as err:
-        raise CorruptCheckpointError(f"{path} is truncated or corrupt: {type(err).__name__}: {err}") from err
-    if not isinstance(md, Metadata):
-        raise CorruptCheckpointError(f"{path} holds a {type(md).__name__}, not DCP Metadata")
+    if check_bytes is not None:
+        check_bytes(path, data)
+    try:
+        md = parse_metadata(data)
+    except PickleRefused as err:
+        raise UnsafeCheckpointError(
+            f"{path} {err}; refusing to read it (the file may have been tampered with; nothing was executed or changed)"
+        ) from err
+    except PickleMalformed as err:
+        raise CorruptCheckpointError(f"{path} is not a valid DCP metadata file (truncated or damaged): {err}") from err
+    validate_metadata(md, path)
     return md
+
+
+def validate_metadata(md: Metadata, path: str) -> None:
+    """Check the rules between the fields of ``md`` before anything relies on them.
+
+    Every tensor's shape is non-negative; its chunks lie inside it, do not overlap and cover it
+    exactly; every chunk and every non-tensor value has a storage entry; every storage entry names
+    a plain file in the component folder with a non-negative offset and length. Raises
+    :class:`CorruptCheckpointError` naming ``path`` and the key.
+    """
+    storage = md.storage_data or {}
+    if not isinstance(storage, dict):
+        raise CorruptCheckpointError(f"{path}: storage_data is a {type(storage).__name__}, not a mapping")
+    stored: set[tuple[str, tuple[int, ...] | None]] = set()
+    for index, info in storage.items():
+        rel = info.relative_path
+        if not rel or "\0" in rel or "/" in rel or "\\" in rel or rel.startswith("."):
+            raise CorruptCheckpointError(f"{path} names data file {rel!r} for {index.fqn!r}, outside its folder")
+        if not 0 <= info.offset < _MAX_OFFSET or not 0 <= info.length < _MAX_OFFSET:
+            raise CorruptCheckpointError(
+                f"{path}: the storage entry of {index.fqn!r} has offset {info.offset} and length {info.length}"
+            )
+        stored.add((index.fqn, None if index.offset is None else tuple(index.offset)))
+    budget = [_MAX_CHUNK_COMPARISONS]
+    for key, item in md.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            if (key, None) not in stored:
+                raise CorruptCheckpointError(f"{path}: the value of {key!r} has no storage entry")
+            continue
+        _check_chunks(key, item, path, budget)
+        for chunk in item.chunks:
+            if (key, tuple(chunk.offsets)) not in stored:
+                raise CorruptCheckpointError(
+                    f"{path}: the chunk of {key!r} at offset {list(chunk.offsets)} has no storage entry"
+                )
+
+
+def _check_chunks(key: str, item: TensorStorageMetadata, path: str, budget: list[int]) -> None:
+    """The chunks of ``item`` tile its shape exactly: inside it, disjoint, covering every element."""
+    shape = tuple(item.size)
+    where = f"{path}: tensor {key!r} of shape {list(shape)}"
+    if len(shape) > _MAX_DIMS or any(d < 0 or d >= _MAX_OFFSET for d in shape):
+        raise CorruptCheckpointError(f"{where} has an impossible shape")
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    covered = 0
+    for chunk in item.chunks:
+        off, sz = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(off) != len(shape) or len(sz) != len(shape):
+            raise CorruptCheckpointError(f"{where} has a chunk with {len(off)}-d offsets and {len(sz)}-d sizes")
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(off, sz, shape, strict=True)):
+            raise CorruptCheckpointError(f"{where} has a chunk at {list(off)} of size {list(sz)} outside it")
+        volume = math.prod(sz)
+        if volume:
+            covered += volume
+            boxes.append((off, sz))
+    total = math.prod(shape)
+    if covered != total or (len(boxes) > 1 and _any_overlap(boxes, budget)):
+        raise CorruptCheckpointError(
+            f"{where}: its stored chunks {'overlap' if covered >= total else 'do not cover it'} "
+            f"({covered} of {total} elements stored); the metadata is damaged or crafted"
+        )
+
+
+def _any_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], budget: list[int]) -> bool:
+    """Whether two boxes intersect: a sweep along the dimension with the most distinct offsets."""
+    ndim = len(boxes[0][0])
+    if ndim == 0:
+        return len(boxes) > 1
+    dim = max(range(ndim), key=lambda d: len({b[0][d] for b in boxes}))
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, sz in sorted(boxes, key=lambda b: b[0][dim]):
+        active = [a for a in active if a[0][dim] + a[1][dim] > off[dim]]
+        budget[0] -= len(active) + 1
+        if budget[0] < 0:
+            raise CorruptCheckpointError("the metadata's chunk layout is too large to validate (crafted?)")
+        for a_off, a_sz in active:
+            if all(ao < o + s and o < ao + asz for ao, asz, o, s in zip(a_off, a_sz, off, sz, strict=True)):
+                return True
+        active.append((off, sz))
+    return False
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -1,6 +1,6 @@
 """``ckpt-engine``: look at, check, compare, convert and dry-run-load checkpoints; run the demo.
 
-Every command reads metadata with a restricted unpickler and values with ``weights_only=True``:
+Every command parses metadata without pickle and reads values with ``weights_only=True``:
 looking at an untrusted checkpoint never runs code from it. Errors are one readable line and a
 non-zero exit code; ``--debug`` shows the traceback.
 

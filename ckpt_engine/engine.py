@@ -48,6 +48,7 @@ from .integrity import (
     hash_files,
     list_files,
     lookup_manifest,
+    metadata_checker,
     new_manifest,
     owner_rank,
     referenced_files,
@@ -1053,7 +1054,8 @@ class CheckpointEngine:
                     "written last, so this is an interrupted save (or a checkpoint written by another tool; copy "
                     "that to a local folder to load it)"
                 )
-            checked = check_complete(path, store)
+            manifest = lookup.manifest if lookup is not None and level != "off" else None
+            checked = check_complete(path, store, metadata_checker(path, manifest, store) if manifest else None)
             if level == "off" or lookup is None:
                 return _Validated(checked, False, "verify='off'", store)
             if lookup.manifest is None:

@@ -48,8 +48,12 @@ class CorruptCheckpointError(CkptEngineError):
     """A checkpoint file is unreadable, truncated or fails its integrity check."""
 
 
-class UnsafeCheckpointError(CkptEngineError):
-    """A checkpoint contains a pickled object the safe loader refuses to construct."""
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint contains a pickled object the safe loader refuses to construct.
+
+    A subclass of :class:`CorruptCheckpointError`: a crafted file is not a valid checkpoint, so
+    code that handles damage (``verify``, fallback to an older checkpoint) handles it too.
+    """
 
 
 class CheckpointLoadError(CkptEngineError):

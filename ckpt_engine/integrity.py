@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from .errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, denied
+from .errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, IntegrityError, denied
 from .layout import CheckedCheckpoint, check_complete
 from .store import Store, store_for
 
@@ -339,6 +339,32 @@ def lookup_manifest(checkpoint_dir: str | os.PathLike[str], store: Store | None 
     return ManifestLookup(manifest)
 
 
+def metadata_checker(
+    checkpoint_dir: str, manifest: Manifest, store: Store | None = None
+) -> Callable[[str, bytes], None]:
+    """A ``check_metadata_bytes`` for :func:`~ckpt_engine.layout.check_complete`: each ``.metadata``
+    must have the size and checksum the manifest records, checked before the file is parsed."""
+    store = store_for(checkpoint_dir, store)
+    root = store.join(os.fspath(checkpoint_dir), "")
+
+    def check(path: str, data: bytes) -> None:
+        rel = path[len(root) :] if path.startswith(root) else path
+        entry = manifest.files.get(rel)
+        if entry is None:
+            return  # not in the manifest: check_against_manifest reports that
+        if len(data) != entry.size:
+            raise IntegrityError(f"{path} is {len(data)} bytes, but {MANIFEST_FILE} records {entry.size}")
+        hasher = new_hasher(manifest.algorithm) if manifest.algorithm and entry.checksum else None
+        if hasher is not None:
+            hasher.update(data)
+            if hasher.hexdigest() != entry.checksum:
+                raise IntegrityError(
+                    f"{path} does not match the checksum in {MANIFEST_FILE}: the file is damaged; nothing was parsed"
+                )
+
+    return check
+
+
 def shard_files(files: Mapping[str, FileEntry], world_size: int) -> list[set[str]]:
     """Split files among ranks by size (largest first, to the least loaded rank); deterministic."""
     shares: list[set[str]] = [set() for _ in range(max(world_size, 1))]
@@ -503,13 +529,16 @@ def verify_checkpoint(
     problems: list[str] = []
     checked: CheckedCheckpoint | None = None
     try:
-        checked = check_complete(path, store)
-    except CkptEngineError as err:
-        problems.append(str(err))
-    try:
         lookup = lookup_manifest(path, store)
     except CkptEngineError as err:
+        lookup = None
         problems.append(str(err))
+    try:
+        checker = metadata_checker(path, lookup.manifest, store) if lookup and lookup.manifest else None
+        checked = check_complete(path, store, checker)
+    except CkptEngineError as err:
+        problems.append(str(err))
+    if lookup is None:
         return VerifyReport(path, checked is not None, False, "the manifest is unreadable", problems, level=level)
     if lookup.manifest is None and store.is_object_store:
         problems.append(

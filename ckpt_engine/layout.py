@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,9 +130,16 @@ class CheckedCheckpoint:
     listing: dict[str, int] | None = None
 
 
-def check_complete(checkpoint_dir: str | os.PathLike[str], store: Store | None = None) -> CheckedCheckpoint:
+def check_complete(
+    checkpoint_dir: str | os.PathLike[str],
+    store: Store | None = None,
+    check_metadata_bytes: Callable[[str, bytes], None] | None = None,
+) -> CheckedCheckpoint:
     """Verify a checkpoint is complete: every component folder has ``.metadata`` and every byte
-    range that metadata names exists in its data file. Raises a typed error naming the file."""
+    range that metadata names exists in its data file. Raises a typed error naming the file.
+
+    ``check_metadata_bytes(path, data)`` sees each ``.metadata`` before it is parsed (the
+    manifest's size and checksum, where one exists)."""
     path = os.fspath(checkpoint_dir)
     store = store_for(path, store)
     names = component_dirs(path, store)
@@ -142,7 +150,7 @@ def check_complete(checkpoint_dir: str | os.PathLike[str], store: Store | None =
     out: dict[str, Metadata] = {}
     for name in names:
         cdir = store.join(path, name)
-        md = read_metadata(cdir, store)
+        md = read_metadata(cdir, store, check_metadata_bytes)
         needed: dict[str, int] = {}
         for index, info in (md.storage_data or {}).items():
             rel = getattr(info, "relative_path", None)

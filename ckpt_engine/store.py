@@ -152,7 +152,10 @@ class LocalStore(Store):
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         with open(path, "rb") as f:
-            return f.read() if limit is None else f.read(limit + 1)
+            if limit is None:
+                return f.read()
+            # read(n) allocates n bytes up front: never ask for more than the file holds
+            return f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         with open(path, "rb") as f:

@@ -21,6 +21,7 @@ from ckpt_engine import (
     ConfigError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    IntegrityError,
     LoadStrictnessError,
     UnsafeCheckpointError,
 )
@@ -428,8 +429,12 @@ def test_crafted_metadata_is_not_executed(save_dir: str, tmp_path: Path) -> None
     _save_run(save_dir)
     marker = tmp_path / "pwned"
     Path(save_dir, "iter_000000006", "model", ".metadata").write_bytes(pickle.dumps(_Evil(str(marker))))
-    with pytest.raises(UnsafeCheckpointError, match=r"references io\.open"):
+    # With the manifest, the file is refused by its checksum before it is parsed ...
+    with pytest.raises(IntegrityError, match=r"model/\.metadata is \d+ bytes, but ckpt_engine_manifest.json"):
         CheckpointEngine({"save_dir": save_dir}).load(model=_fresh().model)
+    # ... and without the check, the parse refuses it.
+    with pytest.raises(UnsafeCheckpointError, match=r"references io\.open"):
+        CheckpointEngine({"save_dir": save_dir, "verify": "off"}).load(model=_fresh().model)
     assert not marker.exists()
 
 

@@ -146,7 +146,7 @@ def main() -> None:
     # -- an error in the pre-load checks on one rank only ---------------------------------------
     original_check = engine_module.check_complete
 
-    def denied(path: Any, store: Any = None) -> Any:
+    def denied(path: Any, *args: Any, **kwargs: Any) -> Any:
         raise CheckpointPermissionError(f"cannot stat {path}/model/__0_0.distcp: permission denied (injected)")
 
     if rank == FAILING_RANK:

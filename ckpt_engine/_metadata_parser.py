@@ -1,0 +1,689 @@
+"""Parse DCP ``.metadata`` pickles without ``pickle``: an interpreter that can only build metadata.
+
+DCP pickles its ``Metadata`` and reads it back with ``pickle.load``, which runs whatever the file
+says. A class filter on ``pickle.Unpickler.find_class`` is not enough: the ``BUILD`` opcode calls
+``setattr`` on whatever object is on the stack, and an allowed *class* is such an object, so a file
+that still unpickles to a valid ``Metadata`` can rewrite ``Metadata.__getstate__`` for the whole
+process; and the C unpickler sizes its memo by the largest index a ``PUT`` names, so nine bytes can
+allocate gigabytes before any check runs.
+
+This module never calls ``pickle``. It walks the opcodes itself and builds values of a closed
+vocabulary: ``None``, bools, ints, floats, strings, bytes, tuples, lists, dicts, sets and the DCP
+metadata records. Globals resolve to inert tokens, never to the real classes; ``NEWOBJ`` on a token
+creates a fresh record that only this parse can see; ``BUILD`` may only fill such a record, once,
+with the fields its type declares; ``SETITEMS``/``APPENDS``/``ADDITEMS`` may only fill containers
+the parse created. Only when the whole file has been read are the records turned into real DCP
+objects, through their constructors, checked field by field. Reading a checkpoint therefore cannot
+change the process, and the memory it takes is bounded by a small multiple of the file's size
+(every opcode adds at most one reference; the memo is a dict).
+
+Errors: :class:`PickleRefused` for anything DCP never writes (a forbidden global, a mutating opcode
+on an object the parse did not create, an unknown attribute); :class:`PickleMalformed` for a file
+that is not a well-formed pickle of metadata. The caller turns both into typed engine errors that
+name the file.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ._torch_private import storage_info
+
+__all__ = ["PickleMalformed", "PickleRefused", "parse_metadata"]
+
+
+class PickleMalformed(ValueError):
+    """The bytes are not a well-formed pickle of DCP metadata (damage, truncation)."""
+
+
+class PickleRefused(ValueError):
+    """The pickle asks for something DCP metadata never contains (a crafted file)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The vocabulary: which globals a DCP .metadata may name, and what each resolves to.
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+
+#: record kind -> the fields a BUILD may set (in the order of the dataclass).
+_RECORD_FIELDS: dict[str, tuple[str, ...]] = {
+    "Metadata": ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"),
+    "TensorStorageMetadata": ("properties", "size", "chunks"),
+    "BytesStorageMetadata": (),
+    "ChunkStorageMetadata": ("offsets", "sizes"),
+    "TensorProperties": ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"),
+    "MetadataIndex": ("fqn", "offset", "index"),
+    "StorageMeta": ("checkpoint_id", "save_id", "load_id", "modules"),
+    "_StorageInfo": ("relative_path", "offset", "length", "transform_descriptors"),
+}
+
+_FIELD_SETS = {kind: frozenset(fields) for kind, fields in _RECORD_FIELDS.items()}
+
+_GLOBALS: dict[tuple[str, str], str] = {
+    **{(_DCP_MD, kind): kind for kind in _RECORD_FIELDS if kind != "_StorageInfo"},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): "_StorageInfo",
+    (_DCP_MD, "_MEM_FORMAT_ENCODING"): "mem_format",
+    ("torch", "Size"): "Size",
+    ("torch.serialization", "_get_layout"): "get_layout",
+    ("collections", "OrderedDict"): "OrderedDict",
+    ("builtins", "set"): "set",
+    ("builtins", "frozenset"): "frozenset",
+    **{(mod, cls): "path" for mod in ("pathlib", "pathlib._local") for cls in ("PosixPath", "WindowsPath")},
+    ("pathlib", "_local.PosixPath"): "path",
+    ("pathlib", "_local.WindowsPath"): "path",
+}
+
+#: ``torch.<name>`` globals that are plain values (dtypes and layouts), not callables.
+_TORCH_VALUES: dict[str, Any] = {
+    name: value for name in dir(torch) if isinstance(value := getattr(torch, name, None), (torch.dtype, torch.layout))
+}
+_LAYOUTS: dict[str, torch.layout] = {
+    f"torch.{name}": value for name, value in _TORCH_VALUES.items() if isinstance(value, torch.layout)
+}
+#: DCP's ``_MEM_FORMAT_ENCODING`` values (``TensorProperties.__getstate__``).
+_MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
+
+
+@dataclass(eq=False, slots=True)
+class _Token:
+    """A global as the parse sees it: a name to call, never the object itself."""
+
+    kind: str
+
+
+@dataclass(eq=False, slots=True)
+class _Record:
+    """A DCP record under construction; only this parse holds a reference to it."""
+
+    kind: str
+    state: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _MemFormat:
+    value: int
+
+
+_MARK = object()
+
+
+# --------------------------------------------------------------------------------------------------
+# The interpreter.
+
+
+def _refuse(what: str) -> PickleRefused:
+    return PickleRefused(f"asks for {what}, which DCP metadata never contains")
+
+
+def _call(token: Any, args: Any) -> Any:
+    """``REDUCE``: the few constructors DCP metadata uses, each with checked arguments."""
+    if not isinstance(token, _Token) or not isinstance(args, tuple):
+        raise _refuse(f"REDUCE of {type(token).__name__} (only the DCP metadata constructors may be called)")
+    kind = token.kind
+    if kind == "Size":
+        if len(args) != 1 or type(args[0]) is not tuple:
+            raise PickleMalformed("torch.Size takes one tuple of ints")
+        try:  # torch.Size itself refuses anything but ints
+            return torch.Size(args[0])
+        except (TypeError, OverflowError, RuntimeError) as err:
+            raise PickleMalformed(f"torch.Size of {args[0]!r:.80}: {err}") from err
+    if kind == "get_layout":
+        if len(args) != 1 or args[0] not in _LAYOUTS:
+            raise PickleMalformed(f"unknown tensor layout {args[0] if args else None!r}")
+        return _LAYOUTS[args[0]]
+    if kind == "mem_format":
+        if len(args) != 1 or not _is_int(args[0]) or args[0] not in _MEMORY_FORMATS:
+            raise PickleMalformed(f"unknown memory-format encoding {args!r}")
+        return _MemFormat(args[0])
+    if kind == "OrderedDict":
+        if args == ():
+            return OrderedDict()
+        if len(args) == 1 and isinstance(args[0], list) and all(isinstance(p, (list, tuple)) for p in args[0]):
+            return OrderedDict(args[0])
+        raise PickleMalformed("OrderedDict takes no arguments or one list of pairs")
+    if kind in ("set", "frozenset"):
+        if len(args) == 1 and isinstance(args[0], (list, tuple)):
+            return set(args[0]) if kind == "set" else frozenset(args[0])
+        raise PickleMalformed(f"{kind} takes one list")
+    if kind == "path":
+        if not all(isinstance(a, str) and "\0" not in a for a in args):
+            raise PickleMalformed("a path takes strings")
+        return pathlib.PurePosixPath(*args)
+    raise _refuse(f"REDUCE of {kind} (DCP creates it with NEWOBJ)")
+
+
+def _new(token: Any, args: Any) -> _Record:
+    """``NEWOBJ``: a fresh, empty DCP record."""
+    if not isinstance(token, _Token) or token.kind not in _RECORD_FIELDS:
+        name = token.kind if isinstance(token, _Token) else type(token).__name__
+        raise _refuse(f"NEWOBJ of {name} (only DCP metadata records may be created)")
+    if args != ():
+        raise PickleMalformed(f"NEWOBJ of {token.kind} with arguments")
+    return _Record(token.kind)
+
+
+def _build(target: Any, state: Any) -> None:
+    """``BUILD``: fill a record this parse created, once, with its declared fields."""
+    if type(target) is not _Record:
+        raise _refuse(f"BUILD on a {type(target).__name__} (it may only fill a DCP record the file created)")
+    if target.state is not None:
+        raise _refuse(f"a second BUILD on one {target.kind}")
+    if type(state) is not dict:
+        state = _state_dict(target.kind, state)
+    if not state.keys() <= _FIELD_SETS[target.kind]:
+        unknown = sorted(map(str, state.keys() - _FIELD_SETS[target.kind]))
+        raise _refuse(f"BUILD sets {unknown[0]!r}, which {target.kind} does not have")
+    target.state = state
+
+
+def _state_dict(kind: str, state: Any) -> dict[Any, Any]:
+    """The other state forms DCP's records pickle with, as one dict."""
+    fields = _RECORD_FIELDS[kind]
+    if kind == "TensorProperties" and type(state) is tuple:  # TensorProperties.__getstate__
+        if len(state) != len(fields):
+            raise PickleMalformed("TensorProperties state has the wrong length")
+        return dict(zip(fields, state, strict=True))
+    if type(state) is tuple and len(state) == 2:  # (dict state, slot state)
+        merged: dict[Any, Any] = {}
+        for part in state:
+            if part is not None and type(part) is not dict:
+                raise PickleMalformed(f"{kind} state is not a dict")
+            merged.update(part or {})
+        return merged
+    raise PickleMalformed(f"{kind} state is a {type(state).__name__}, not a dict")
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _text_line(data: bytes, pos: int) -> tuple[str, int]:
+    end = data.find(b"\n", pos)
+    if end < 0:
+        raise PickleMalformed("unterminated text argument")
+    try:
+        return data[pos:end].decode("ascii"), end + 1
+    except UnicodeDecodeError as err:
+        raise PickleMalformed("non-ASCII text argument") from err
+
+
+def _interpret(data: bytes) -> Any:
+    """Run the opcodes of ``data`` and return the value STOP leaves.
+
+    Kept as one loop with the opcodes ordered by how often DCP metadata uses them: this is the hot
+    path of every load (tens of bytes per tensor, millions of opcodes for large models).
+    """
+    stack: list[Any] = []
+    metastack: list[list[Any]] = []
+    memo: dict[int, Any] = {}
+    unpack_from = struct.unpack_from
+    n = len(data)
+    pos = 0
+    append = stack.append
+    while True:
+        if pos >= n:
+            raise PickleMalformed("truncated: no STOP opcode")
+        op = data[pos]
+        pos += 1
+        if op == 0x94:  # MEMOIZE
+            memo[len(memo)] = stack[-1]
+        elif op == 0x6A:  # LONG_BINGET
+            (idx,) = unpack_from("<I", data, pos)
+            pos += 4
+            append(memo[idx])
+        elif op == 0x68:  # BINGET
+            append(memo[data[pos]])
+            pos += 1
+        elif op == 0x8C:  # SHORT_BINUNICODE
+            size = data[pos]
+            end = pos + 1 + size
+            if end > n:
+                raise PickleMalformed("truncated string")
+            append(data[pos + 1 : end].decode("utf-8"))
+            pos = end
+        elif op == 0x28:  # MARK
+            metastack.append(stack)
+            stack = []
+            append = stack.append
+        elif op == 0x29:  # EMPTY_TUPLE
+            append(())
+        elif op == 0x7D:  # EMPTY_DICT
+            append({})
+        elif op == 0x75:  # SETITEMS
+            items = stack
+            stack = metastack.pop()
+            append = stack.append
+            target = stack[-1]
+            if type(target) is not dict and type(target) is not OrderedDict:
+                raise _refuse(f"SETITEMS into a {type(target).__name__}")
+            if len(items) % 2:
+                raise PickleMalformed("SETITEMS with an odd number of items")
+            for i in range(0, len(items), 2):
+                target[items[i]] = items[i + 1]
+        elif op == 0x81:  # NEWOBJ
+            args = stack.pop()
+            stack[-1] = _new(stack[-1], args)
+        elif op == 0x62:  # BUILD
+            state = stack.pop()
+            _build(stack[-1], state)
+        elif op == 0x4B:  # BININT1
+            append(data[pos])
+            pos += 1
+        elif op == 0x4D:  # BININT2
+            (v,) = unpack_from("<H", data, pos)
+            append(v)
+            pos += 2
+        elif op == 0x4A:  # BININT
+            (v,) = unpack_from("<i", data, pos)
+            append(v)
+            pos += 4
+        elif op == 0x85:  # TUPLE1
+            stack[-1] = (stack[-1],)
+        elif op == 0x86:  # TUPLE2
+            b = stack.pop()
+            stack[-1] = (stack[-1], b)
+        elif op == 0x87:  # TUPLE3
+            c = stack.pop()
+            b = stack.pop()
+            stack[-1] = (stack[-1], b, c)
+        elif op == 0x74:  # TUPLE
+            items = stack
+            stack = metastack.pop()
+            append = stack.append
+            append(tuple(items))
+        elif op == 0x52:  # REDUCE
+            args = stack.pop()
+            stack[-1] = _call(stack[-1], args)
+        elif op == 0x4E:  # NONE
+            append(None)
+        elif op == 0x88:  # NEWTRUE
+            append(True)
+        elif op == 0x89:  # NEWFALSE
+            append(False)
+        elif op == 0x5D:  # EMPTY_LIST
+            append([])
+        elif op == 0x61:  # APPEND
+            v = stack.pop()
+            if type(stack[-1]) is not list:
+                raise _refuse(f"APPEND to a {type(stack[-1]).__name__}")
+            stack[-1].append(v)
+        elif op == 0x65:  # APPENDS
+            items = stack
+            stack = metastack.pop()
+            append = stack.append
+            if type(stack[-1]) is not list:
+                raise _refuse(f"APPENDS to a {type(stack[-1]).__name__}")
+            stack[-1].extend(items)
+        elif op == 0x93:  # STACK_GLOBAL
+            name = stack.pop()
+            module = stack.pop()
+            if not isinstance(module, str) or not isinstance(name, str):
+                raise PickleMalformed("STACK_GLOBAL needs two strings")
+            append(_resolve(module, name))
+        elif op == 0x63:  # GLOBAL
+            module, pos = _text_line(data, pos)
+            name, pos = _text_line(data, pos)
+            append(_resolve(module, name))
+        elif op == 0x80:  # PROTO
+            if data[pos] > 5:
+                raise PickleMalformed(f"unsupported pickle protocol {data[pos]}")
+            pos += 1
+        elif op == 0x95:  # FRAME: a length hint only
+            pos += 8
+        elif op == 0x2E:  # STOP
+            if len(stack) != 1 or metastack:
+                raise PickleMalformed("STOP with an unbalanced stack")
+            return stack[0]
+        elif op in (0x58, 0x8D, 0x42, 0x43, 0x8E):  # BINUNICODE, BINUNICODE8, BINBYTES, SHORT_BINBYTES, BINBYTES8
+            fmt, width = {0x58: ("<I", 4), 0x8D: ("<Q", 8), 0x42: ("<I", 4), 0x43: ("<B", 1), 0x8E: ("<Q", 8)}[op]
+            (size,) = unpack_from(fmt, data, pos)
+            start = pos + width
+            if start + size > n:
+                raise PickleMalformed("truncated string")
+            raw = data[start : start + size]
+            append(raw.decode("utf-8") if op in (0x58, 0x8D) else raw)
+            pos = start + size
+        elif op == 0x71:  # BINPUT
+            memo[data[pos]] = stack[-1]
+            pos += 1
+        elif op == 0x72:  # LONG_BINPUT
+            (idx,) = unpack_from("<I", data, pos)
+            memo[idx] = stack[-1]
+            pos += 4
+        elif op == 0x70:  # PUT
+            text, pos = _text_line(data, pos)
+            memo[_parse_int(text)] = stack[-1]
+        elif op == 0x67:  # GET
+            text, pos = _text_line(data, pos)
+            append(memo[_parse_int(text)])
+        elif op == 0x30:  # POP
+            if stack:
+                stack.pop()
+            else:
+                stack = metastack.pop()
+                append = stack.append
+        elif op == 0x31:  # POP_MARK
+            stack = metastack.pop()
+            append = stack.append
+        elif op == 0x32:  # DUP
+            append(stack[-1])
+        elif op == 0x8A:  # LONG1
+            size = data[pos]
+            if pos + 1 + size > n:
+                raise PickleMalformed("truncated long")
+            append(int.from_bytes(data[pos + 1 : pos + 1 + size], "little", signed=True))
+            pos += 1 + size
+        elif op == 0x8B:  # LONG4
+            (size,) = unpack_from("<i", data, pos)
+            if size < 0 or pos + 4 + size > n:
+                raise PickleMalformed("truncated long")
+            append(int.from_bytes(data[pos + 4 : pos + 4 + size], "little", signed=True))
+            pos += 4 + size
+        elif op == 0x49:  # INT (text; "00"/"01" are False/True)
+            text, pos = _text_line(data, pos)
+            append({"00": False, "01": True}.get(text) if text in ("00", "01") else _parse_int(text))
+        elif op == 0x4C:  # LONG (text)
+            text, pos = _text_line(data, pos)
+            append(_parse_int(text.removesuffix("L")))
+        elif op == 0x47:  # BINFLOAT
+            (f,) = unpack_from(">d", data, pos)
+            append(f)
+            pos += 8
+        elif op == 0x46:  # FLOAT (text)
+            text, pos = _text_line(data, pos)
+            try:
+                append(float(text))
+            except ValueError as err:
+                raise PickleMalformed(f"bad float {text[:40]!r}") from err
+        elif op == 0x56:  # UNICODE (text, raw-unicode-escape)
+            end = data.find(b"\n", pos)
+            if end < 0:
+                raise PickleMalformed("unterminated string")
+            append(data[pos:end].decode("raw-unicode-escape"))
+            pos = end + 1
+        elif op == 0x6C:  # LIST
+            items = stack
+            stack = metastack.pop()
+            append = stack.append
+            append(items)
+        elif op == 0x64:  # DICT
+            items = stack
+            stack = metastack.pop()
+            append = stack.append
+            if len(items) % 2:
+                raise PickleMalformed("DICT with an odd number of items")
+            append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+        elif op == 0x73:  # SETITEM
+            v = stack.pop()
+            k = stack.pop()
+            if type(stack[-1]) is not dict and type(stack[-1]) is not OrderedDict:
+                raise _refuse(f"SETITEM into a {type(stack[-1]).__name__}")
+            stack[-1][k] = v
+        elif op == 0x8F:  # EMPTY_SET
+            append(set())
+        elif op == 0x90:  # ADDITEMS
+            items = stack
+            stack = metastack.pop()
+            append = stack.append
+            if type(stack[-1]) is not set:
+                raise _refuse(f"ADDITEMS to a {type(stack[-1]).__name__}")
+            stack[-1].update(items)
+        elif op == 0x91:  # FROZENSET
+            items = stack
+            stack = metastack.pop()
+            append = stack.append
+            append(frozenset(items))
+        elif op == 0x92:  # NEWOBJ_EX
+            kwargs = stack.pop()
+            args = stack.pop()
+            if kwargs != {}:
+                raise PickleMalformed("NEWOBJ_EX with keyword arguments")
+            stack[-1] = _new(stack[-1], args)
+        elif op in _REFUSED_OPS:
+            raise _refuse(f"opcode {_REFUSED_OPS[op]} (DCP metadata never uses it)")
+        else:
+            raise PickleMalformed(f"unknown opcode 0x{op:02x} at byte {pos - 1}")
+
+
+_REFUSED_OPS = {
+    0x69: "INST",
+    0x6F: "OBJ",
+    0x82: "EXT1",
+    0x83: "EXT2",
+    0x84: "EXT4",
+    0x50: "PERSID",
+    0x51: "BINPERSID",
+    0x97: "NEXT_BUFFER",
+    0x98: "READONLY_BUFFER",
+    0x96: "BYTEARRAY8",
+    0x53: "STRING",
+    0x54: "BINSTRING",
+    0x55: "SHORT_BINSTRING",
+}
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError as err:  # also Python's limit on the digits of a decimal int
+        raise PickleMalformed(f"bad integer {text[:40]!r}") from err
+
+
+def _resolve(module: str, name: str) -> Any:
+    if module == "torch" and name in _TORCH_VALUES:
+        return _TORCH_VALUES[name]
+    kind = _GLOBALS.get((module, name))
+    if kind is None:
+        raise PickleRefused(f"references {module}.{name}, a global DCP metadata never contains")
+    return _Token(kind)
+
+
+# --------------------------------------------------------------------------------------------------
+# From records to real DCP objects, checked field by field.
+
+
+@dataclass
+class _Builder:
+    """Turns the parse's records into DCP objects; shared records are converted once."""
+
+    budget: int
+    done: dict[int, Any] = field(default_factory=dict)
+
+    def record(self, value: Any, kind: str, where: str) -> _Record:
+        if not isinstance(value, _Record) or value.kind != kind:
+            got = value.kind if isinstance(value, _Record) else type(value).__name__
+            raise PickleMalformed(f"{where} is a {got}, not a {kind}")
+        if value.state is None and _RECORD_FIELDS[kind]:
+            raise PickleMalformed(f"{where}: a {kind} that was never filled in")
+        return value
+
+    def cached(self, value: _Record, make: Callable[[dict[str, Any]], Any]) -> Any:
+        key = id(value)
+        if key not in self.done:
+            self.done[key] = make(value.state or {})
+        return self.done[key]
+
+    def plain(self, value: Any, where: str, depth: int = 0) -> Any:
+        """A value of the plain vocabulary (for ``planner_data`` and ids), bounded in depth and size."""
+        self.budget -= 1
+        if self.budget < 0 or depth > 32:
+            raise PickleMalformed(f"{where} is nested too deeply or too large")
+        if value is None or type(value) in (bool, int, float, str, bytes, torch.Size, torch.dtype, torch.layout):
+            return value
+        if isinstance(value, pathlib.PurePath):
+            return pathlib.Path(value)
+        if type(value) in (tuple, list, set, frozenset):
+            return type(value)(self.plain(v, where, depth + 1) for v in value)
+        if type(value) in (dict, OrderedDict):
+            return type(value)(
+                (self.plain(k, where, depth + 1), self.plain(v, where, depth + 1)) for k, v in value.items()
+            )
+        raise PickleMalformed(f"{where} holds a {type(value).__name__}")
+
+    def metadata(self, value: Any) -> Metadata:
+        rec = self.record(value, "Metadata", "the top-level object")
+        st = rec.state or {}
+        sdm: Any = st.get("state_dict_metadata")
+        if type(sdm) not in (dict, OrderedDict):
+            raise PickleMalformed("state_dict_metadata is not a dict")
+        storage = st.get("storage_data")
+        if storage is not None and type(storage) not in (dict, OrderedDict):
+            raise PickleMalformed("storage_data is not a dict")
+        version = st.get("version")
+        if version is not None and not isinstance(version, str):
+            raise PickleMalformed("version is not a string")
+        meta = st.get("storage_meta")
+        return Metadata(
+            state_dict_metadata={_key(k): self.item(v, _key(k)) for k, v in sdm.items()},
+            planner_data=self.plain(st.get("planner_data"), "planner_data"),
+            storage_data=None
+            if storage is None
+            else {self.index(k): self.info(v, repr(k)) for k, v in storage.items()},
+            storage_meta=None if meta is None else self.storage_meta(meta),
+            version=version,
+        )
+
+    def item(self, value: Any, key: str) -> TensorStorageMetadata | BytesStorageMetadata:
+        if isinstance(value, _Record) and value.kind == "BytesStorageMetadata":
+            return self.cached(value, lambda st: BytesStorageMetadata())  # type: ignore[no-any-return]
+        rec = self.record(value, "TensorStorageMetadata", f"the entry of {key!r}")
+
+        def make(st: dict[str, Any]) -> TensorStorageMetadata:
+            chunks = st.get("chunks")
+            if type(chunks) is not list:
+                raise PickleMalformed(f"the chunks of {key!r} are not a list")
+            return TensorStorageMetadata(
+                properties=self.properties(st.get("properties"), key),
+                size=_size(st.get("size"), f"the size of {key!r}"),
+                chunks=[self.chunk(c, key) for c in chunks],
+            )
+
+        return self.cached(rec, make)  # type: ignore[no-any-return]
+
+    def properties(self, value: Any, key: str) -> TensorProperties:
+        rec = self.record(value, "TensorProperties", f"the properties of {key!r}")
+
+        def make(st: dict[str, Any]) -> TensorProperties:
+            dtype, layout, mem = st.get("dtype"), st.get("layout", torch.strided), st.get("memory_format")
+            if not isinstance(dtype, torch.dtype) or not isinstance(layout, torch.layout):
+                raise PickleMalformed(f"the dtype or layout of {key!r} is not one torch knows")
+            flags = [st.get("requires_grad", False), st.get("pin_memory", False)]
+            if not all(type(f) is bool for f in flags):
+                raise PickleMalformed(f"the flags of {key!r} are not bools")
+            fmt = _MEMORY_FORMATS[mem.value] if isinstance(mem, _MemFormat) else torch.contiguous_format
+            if mem is not None and not isinstance(mem, _MemFormat):
+                raise PickleMalformed(f"the memory format of {key!r} is not DCP's encoding")
+            return TensorProperties(
+                dtype=dtype, layout=layout, requires_grad=flags[0], memory_format=fmt, pin_memory=flags[1]
+            )
+
+        return self.cached(rec, make)  # type: ignore[no-any-return]
+
+    def chunk(self, value: Any, key: str) -> ChunkStorageMetadata:
+        rec = self.record(value, "ChunkStorageMetadata", f"a chunk of {key!r}")
+        return self.cached(  # type: ignore[no-any-return]
+            rec,
+            lambda st: ChunkStorageMetadata(
+                offsets=_size(st.get("offsets"), f"a chunk offset of {key!r}"),
+                sizes=_size(st.get("sizes"), f"a chunk size of {key!r}"),
+            ),
+        )
+
+    def index(self, value: Any) -> MetadataIndex:
+        rec = self.record(value, "MetadataIndex", "a storage_data key")
+
+        def make(st: dict[str, Any]) -> MetadataIndex:
+            fqn, offset, index = st.get("fqn"), st.get("offset"), st.get("index")
+            if not isinstance(fqn, str):
+                raise PickleMalformed("a storage_data key has no string fqn")
+            if index is not None and not _is_int(index):
+                raise PickleMalformed(f"the storage index of {fqn!r} is not an int")
+            return MetadataIndex(
+                fqn=fqn, offset=None if offset is None else _size(offset, f"a storage offset of {fqn!r}"), index=index
+            )
+
+        return self.cached(rec, make)  # type: ignore[no-any-return]
+
+    def info(self, value: Any, where: str) -> Any:
+        rec = self.record(value, "_StorageInfo", f"the storage entry of {where}")
+
+        def make(st: dict[str, Any]) -> Any:
+            rel, offset, length = st.get("relative_path"), st.get("offset"), st.get("length")
+            transforms = st.get("transform_descriptors")
+            if not isinstance(rel, str) or type(offset) is not int or type(length) is not int:
+                raise PickleMalformed(f"the storage entry of {where} has no file, offset or length")
+            if transforms is not None and (
+                type(transforms) not in (list, tuple) or not all(isinstance(t, str) for t in transforms)
+            ):
+                raise PickleMalformed(f"the transforms of {where} are not strings")
+            out = storage_info(rel, offset, length)
+            if transforms is not None:
+                out.transform_descriptors = list(transforms)
+            return out
+
+        return self.cached(rec, make)
+
+    def storage_meta(self, value: Any) -> StorageMeta:
+        rec = self.record(value, "StorageMeta", "storage_meta")
+
+        def make(st: dict[str, Any]) -> StorageMeta:
+            ids = [self.plain(st.get(k), f"storage_meta.{k}") for k in ("checkpoint_id", "save_id", "load_id")]
+            if not all(v is None or isinstance(v, (str, pathlib.Path)) for v in ids):
+                raise PickleMalformed("storage_meta ids are not strings")
+            modules = st.get("modules", [])
+            if type(modules) is not list or not all(isinstance(m, str) for m in modules):
+                raise PickleMalformed("storage_meta.modules is not a list of strings")
+            return StorageMeta(checkpoint_id=ids[0], save_id=ids[1], load_id=ids[2], modules=list(modules))
+
+        return self.cached(rec, make)  # type: ignore[no-any-return]
+
+
+def _key(k: Any) -> str:
+    if not isinstance(k, str):
+        raise PickleMalformed(f"a state_dict_metadata key is a {type(k).__name__}, not a string")
+    return k
+
+
+def _size(value: Any, where: str) -> torch.Size:
+    if type(value) is not torch.Size:
+        raise PickleMalformed(f"{where} is a {type(value).__name__}, not a torch.Size")
+    return value
+
+
+def parse_metadata(data: bytes) -> Metadata:
+    """The DCP ``Metadata`` pickled in ``data``, built without running any code from it.
+
+    Raises :class:`PickleRefused` or :class:`PickleMalformed`; the structure is checked only as far
+    as building needs (types of every field); see :func:`ckpt_engine._metadata.validate_metadata`
+    for the rules between fields.
+    """
+    try:
+        root = _interpret(data)
+    except (PickleRefused, PickleMalformed):
+        raise
+    except (IndexError, KeyError) as err:  # a GET of an unset memo slot, a pop from an empty stack
+        raise PickleMalformed(f"inconsistent pickle stack or memo ({type(err).__name__}: {err})") from err
+    except (struct.error, UnicodeDecodeError, TypeError, ValueError, OverflowError, RecursionError) as err:
+        raise PickleMalformed(f"{type(err).__name__}: {err}") from err
+    try:
+        return _Builder(budget=max(1024, 4 * len(data))).metadata(root)
+    except (PickleRefused, PickleMalformed):
+        raise
+    except (TypeError, ValueError, OverflowError, RecursionError) as err:
+        raise PickleMalformed(f"{type(err).__name__}: {err}") from err
