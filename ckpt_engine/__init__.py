@@ -4,9 +4,10 @@
 >>> engine = CheckpointEngine(EngineConfig(save_dir="runs/exp1/checkpoints"))  # doctest: +SKIP
 """
 
+from ._engine.engine import CheckpointEngine, SaveHandle
 from ._markers import PROJECT_NAME, hookimpl
+from ._version import __version__
 from .config import EngineConfig, PluginEntry, StorageOptions
-from .engine import CheckpointEngine, SaveHandle
 from .errors import (
     CheckpointLoadError,
     CheckpointNotFoundError,
@@ -40,8 +41,6 @@ from .types import (
     WriteContext,
     WriteResult,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "PROJECT_NAME",

@@ -30,15 +30,16 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from . import _dist
+from ._engine import dist as _dist
+from ._engine.engine import CheckpointEngine, SaveHandle
+from ._engine.state import TrainingObjects, component_state_dict
+from ._format.layout import read_latest
+from ._format.names import iter_dirname
 from ._markers import hookimpl
+from ._storage.store import open_store
 from .config import EngineConfig
-from .engine import CheckpointEngine, SaveHandle
 from .errors import ConfigError
-from .layout import iter_dirname, read_latest
-from .loading import installed_plugins
-from .state import TrainingObjects, component_state_dict
-from .store import open_store
+from .plugin_manager import installed_plugins
 from .types import STANDARD_COMPONENTS, LoadResult, SaveResult
 
 __all__ = ["ASYNC_PLUGIN", "DistributedCheckpointer", "OriginalCheckpointConfig", "build_engine_config"]

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from ._storage.urls import is_url, local_path
 from .errors import ConfigError
-from .store import is_url, local_path
 from .types import STANDARD_COMPONENTS
 
 __all__ = ["DEFAULT_PLUGINS", "EngineConfig", "PluginEntry", "StorageOptions"]
@@ -128,7 +128,7 @@ class StorageOptions(BaseModel):
     def fsspec_options(self, protocol: str) -> dict[str, Any]:
         """Keyword arguments for ``fsspec.filesystem(protocol, ...)`` (secrets included: never log them)."""
         if protocol in ("s3", "s3a"):
-            from .store import s3_options
+            from ._storage.urls import s3_options
 
             return s3_options(
                 endpoint_url=self.endpoint_url,

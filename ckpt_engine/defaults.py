@@ -13,8 +13,8 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from ._dist import quiet_dcp
-from ._fast_write import FastFileSystemWriter
+from ._dcpio.fast_write import FastFileSystemWriter
+from ._engine.dist import quiet_dcp
 from ._markers import hookimpl
 from .types import SaveContext, StagedState, WriteContext, WriteResult
 

@@ -32,6 +32,11 @@ class PluginConflictError(ConfigError):
     """Two enabled plugins provide the same provider hook, or two plugins share a name."""
 
 
+class UsageError(CkptEngineError, ValueError):
+    """A command-line mistake: a bad argument, a factory that cannot be imported, an output folder
+    that is in the way. The command line prints it without a traceback and exits 2."""
+
+
 class HookContractError(CkptEngineError):
     """A plugin's hook implementation returned something the hook contract does not allow."""
 

@@ -18,7 +18,7 @@ from pluggy import HookCaller
 
 from .defaults import DEFAULT_PLUGIN_NAME
 from .errors import HookContractError, PluginConflictError
-from .loading import LoadedPlugins
+from .plugin_manager import LoadedPlugins
 from .types import (
     Decision,
     LoadContext,

@@ -6,7 +6,7 @@ engine's synchronous one. Both classes read and write DCP's own on-disk format: 
 stays loadable by plain ``torch.distributed.checkpoint.load``.
 """
 
-from ._fast_read import FastFileSystemReader as EngineFileSystemReader
-from ._fast_write import FastFileSystemWriter as EngineFileSystemWriter
+from ._dcpio.fast_read import FastFileSystemReader as EngineFileSystemReader
+from ._dcpio.fast_write import FastFileSystemWriter as EngineFileSystemWriter
 
 __all__ = ["EngineFileSystemReader", "EngineFileSystemWriter"]

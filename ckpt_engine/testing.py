@@ -17,9 +17,9 @@ import pluggy
 import torch
 from torch import nn
 
+from ._engine.engine import CheckpointEngine
 from ._markers import PROJECT_NAME
 from .config import EngineConfig
-from .engine import CheckpointEngine
 from .hookspecs import CkptSpecs
 
 __all__ = ["TinyTrainingState", "assert_state_dicts_equal", "bare_plugin_manager", "make_engine"]

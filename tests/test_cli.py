@@ -19,10 +19,10 @@ import torch
 from _torchrun import run_torchrun
 
 from ckpt_engine import CheckpointEngine, CheckpointNotFoundError
-from ckpt_engine import _cli_read as cli_read
-from ckpt_engine._cli_docs import config_reference
+from ckpt_engine._inspect import reader as cli_read
+from ckpt_engine._inspect.describe import config_reference
 from ckpt_engine.cli import main
-from ckpt_engine.loading import installed_plugins
+from ckpt_engine.plugin_manager import installed_plugins
 from ckpt_engine.testing import TinyTrainingState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -657,7 +657,7 @@ def test_links_in_the_user_docs_resolve(page: str) -> None:
 def test_progress_bar_only_on_a_terminal() -> None:
     import io
 
-    from ckpt_engine.cli import Progress
+    from ckpt_engine.cli._output import Progress
 
     stream = io.StringIO()
     bar = Progress("converting model", 4 << 20, stream=stream, enabled=True)

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import ckpt_engine.compat as compat
 from ckpt_engine import CheckpointSaveError, CkptEngineError, ConfigError, LoadStrictnessError
 from ckpt_engine.compat import DistributedCheckpointer, build_engine_config
-from ckpt_engine.loading import installed_plugins
+from ckpt_engine.plugin_manager import installed_plugins
 from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
 
 KEYS = {"model", "optim", "scheduler", "trainer"}

@@ -11,7 +11,7 @@ import pytest
 
 from ckpt_engine.cli import main
 from ckpt_engine.demo import add_demo_arguments, check_settings, settings_from_args
-from ckpt_engine.loading import installed_plugins
+from ckpt_engine.plugin_manager import installed_plugins
 
 ASYNC = "pinned_staging" in installed_plugins()
 

@@ -1,4 +1,4 @@
-"""The direct tensor read path (``ckpt_engine._fast_read``) against DCP's own reader: bit-exact."""
+"""The direct tensor read path (``ckpt_engine._dcpio.fast_read``) against DCP's own reader: bit-exact."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ckpt_engine._fast_read import FastFileSystemReader, contiguous_region
+from ckpt_engine._dcpio.fast_read import FastFileSystemReader, contiguous_region
 from ckpt_engine.testing import TinyTrainingState, make_engine
 
 warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
@@ -308,7 +308,7 @@ def _template_for(state: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("thread_count", [1, 3])
 def test_fast_writer_output_loads_with_plain_dcp(tmp_path: Any, thread_count: int) -> None:
-    from ckpt_engine._fast_write import FastFileSystemWriter
+    from ckpt_engine._dcpio.fast_write import FastFileSystemWriter
 
     state = _writer_state()
     ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
@@ -331,7 +331,7 @@ def test_fast_writer_output_loads_with_plain_dcp(tmp_path: Any, thread_count: in
 
 
 def test_fast_writer_output_takes_the_direct_read_path(tmp_path: Any) -> None:
-    from ckpt_engine._fast_write import FastFileSystemWriter
+    from ckpt_engine._dcpio.fast_write import FastFileSystemWriter
 
     state = _writer_state()
     path = str(tmp_path / "ckpt")
@@ -345,7 +345,7 @@ def test_fast_writer_output_takes_the_direct_read_path(tmp_path: Any) -> None:
 
 
 def test_fast_writer_writes_durably_and_reports_errors(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt_engine._fast_write import FastFileSystemWriter
+    from ckpt_engine._dcpio.fast_write import FastFileSystemWriter
 
     synced: list[int] = []
     real_fsync = os.fsync
@@ -384,7 +384,7 @@ def test_engine_save_uses_the_fast_writer_and_stays_loadable(tmp_path: Any) -> N
 
 
 def test_fast_writer_leaves_stream_transforms_to_dcp(tmp_path: Any, zstd: Any) -> None:
-    from ckpt_engine._fast_write import FastFileSystemWriter
+    from ckpt_engine._dcpio.fast_write import FastFileSystemWriter
 
     path = str(tmp_path / "ckpt")
     dcp.save({"w": torch.randn(100)}, storage_writer=FastFileSystemWriter(path, _extensions=[zstd]))
@@ -396,7 +396,7 @@ def test_fast_writer_leaves_stream_transforms_to_dcp(tmp_path: Any, zstd: Any) -
 def test_large_reads_split_over_threads_stay_bit_exact(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    import ckpt_engine._fast_read as fr
+    import ckpt_engine._dcpio.fast_read as fr
 
     monkeypatch.setattr(fr, "_PARALLEL_MIN_BYTES", 1)
     g = torch.Generator().manual_seed(7)

@@ -27,8 +27,8 @@ from ckpt_engine import (
     hookimpl,
 )
 from ckpt_engine.defaults import DEFAULT_PLUGIN_NAME
-from ckpt_engine.loading import build_plugin_manager
 from ckpt_engine.pipeline import Pipeline
+from ckpt_engine.plugin_manager import build_plugin_manager
 from ckpt_engine.testing import TinyTrainingState, bare_plugin_manager, make_engine
 
 

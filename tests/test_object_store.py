@@ -33,9 +33,10 @@ from ckpt_engine import (
     StorageError,
     hookimpl,
 )
+from ckpt_engine._format.layout import read_latest
+from ckpt_engine._format.names import LATEST_FILE
+from ckpt_engine._storage.store import FsspecStore, is_transient, open_store
 from ckpt_engine.integrity import MANIFEST_FILE, verify_checkpoint
-from ckpt_engine.layout import LATEST_FILE, read_latest
-from ckpt_engine.store import FsspecStore, is_transient, open_store
 from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
 
 HERE = Path(__file__).parent
@@ -181,7 +182,7 @@ class _PartialPlanner:
 
 def test_a_row_range_is_read_without_fetching_the_rest(mem_url: str) -> None:
     """Resharded loads read only their rows: 256 of 2048 rows cost 1/8 of the bytes (+ headers)."""
-    from ckpt_engine._object_read import ObjectStoreReader
+    from ckpt_engine._dcpio.object_read import ObjectStoreReader
 
     weight = torch.randn(2048, 1024)
     with CheckpointEngine({"save_dir": mem_url}) as engine:
@@ -217,7 +218,7 @@ def test_metadata_naming_a_file_outside_the_component_is_refused(mem_url: str) -
     import dataclasses
 
     from ckpt_engine import CorruptCheckpointError
-    from ckpt_engine._object_read import ObjectStoreReader
+    from ckpt_engine._dcpio.object_read import ObjectStoreReader
 
     with CheckpointEngine({"save_dir": mem_url}) as engine:
         engine.save(1, model=_linear(torch.randn(4, 4)))

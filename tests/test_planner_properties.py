@@ -2,7 +2,7 @@
 
 Random state dicts (nested dicts, tensors of many dtypes and shapes including 0-d and empty,
 non-tensor values) are saved with real ``dcp.save`` and loaded with ``dcp.load`` through
-:class:`ckpt_engine.planner.EngineLoadPlanner`, with checkpoints derived from them (keys dropped,
+:class:`ckpt_engine._dcpio.planner.EngineLoadPlanner`, with checkpoints derived from them (keys dropped,
 added, renamed, reshaped, retyped) and random plugin configurations. The expected outcome of
 every key is computed independently here (:func:`oracle`) from the documented rules.
 
@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ckpt_engine import EngineConfig, LoadStrictnessError, RemapContext, hookimpl
-from ckpt_engine.loading import build_plugin_manager
+from ckpt_engine._dcpio.planner import EngineLoadPlanner
 from ckpt_engine.pipeline import Pipeline
-from ckpt_engine.planner import EngineLoadPlanner
+from ckpt_engine.plugin_manager import build_plugin_manager
 from ckpt_engine.report import ComponentReport
 
 # -- values ------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from ckpt_engine import (
     RemapContext,
     UnsafeCheckpointError,
 )
-from ckpt_engine.planner import EngineLoadPlanner
+from ckpt_engine._dcpio.planner import EngineLoadPlanner
 
 # -- helpers -----------------------------------------------------------------------------------
 

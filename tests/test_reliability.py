@@ -25,8 +25,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-import ckpt_engine.engine as engine_module
-import ckpt_engine.retention as retention_module
+import ckpt_engine._engine.engine as engine_module
+import ckpt_engine._format.retention as retention_module
 from ckpt_engine import (
     CheckpointEngine,
     CheckpointNotFoundError,
@@ -36,9 +36,9 @@ from ckpt_engine import (
     UnsafeCheckpointError,
     hookimpl,
 )
+from ckpt_engine._format.layout import SaveDirLock
 from ckpt_engine.errors import CheckpointPermissionError, IntegrityError, SaveDirLockedError
 from ckpt_engine.integrity import MANIFEST_FILE, verify_checkpoint
-from ckpt_engine.layout import SaveDirLock
 from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
 from ckpt_engine.types import StagedState, WriteResult
 
@@ -533,7 +533,7 @@ def test_lock_held_by_another_process_is_detected(save_dir: str) -> None:
 def test_lock_falls_back_to_a_lock_file_where_folders_cannot_be_locked(
     save_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
-    import ckpt_engine.layout as layout
+    import ckpt_engine._format.layout as layout
 
     real_flock = layout._flock
 

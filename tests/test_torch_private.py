@@ -1,4 +1,4 @@
-"""Pins every non-public torch behaviour that ``ckpt_engine._torch_private`` relies on.
+"""Pins every non-public torch behaviour that ``ckpt_engine._dcpio.torch_private`` relies on.
 
 A torch upgrade that changes one of them fails here, by name, instead of mis-loading checkpoints.
 """
@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 
-from ckpt_engine._torch_private import (
+from ckpt_engine._dcpio.torch_private import (
     ARCHIVE_DTYPES,
     SavedTensorLayout,
     local_chunks,
@@ -284,7 +284,7 @@ def test_torch_save_without_crc_is_still_parsed() -> None:
 
 def test_zip64_records_load_and_parse(monkeypatch: pytest.MonkeyPatch) -> None:
     """Items over 4 GiB get zip64 fields; exercised with a lowered limit."""
-    import ckpt_engine._torch_private as tp
+    import ckpt_engine._dcpio.torch_private as tp
 
     monkeypatch.setattr(tp, "_ZIP64_LIMIT", 100)
     t = torch.arange(1000.0)

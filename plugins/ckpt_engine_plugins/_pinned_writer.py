@@ -215,11 +215,11 @@ class _Writer:
 
 def _storage_writer_class() -> Any:
     """The storage writer the engine's own synchronous ``write`` uses, so that an async save writes
-    the same files as fast as a sync one: ``ckpt_engine._fast_write.FastFileSystemWriter`` (DCP's
+    the same files as fast as a sync one: ``ckpt_engine._dcpio.fast_write.FastFileSystemWriter`` (DCP's
     format without a ``torch.save`` per tensor) where this engine version has it, else DCP's
     ``FileSystemWriter``. The one private import of this plugin, kept here and nowhere else."""
     try:
-        from ckpt_engine._fast_write import FastFileSystemWriter
+        from ckpt_engine._dcpio.fast_write import FastFileSystemWriter
     except ImportError:  # an engine without the fast writer
         import torch.distributed.checkpoint as dcp
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckpt_engine import CheckpointEngine, CorruptCheckpointError
-from ckpt_engine._metadata import read_metadata
+from ckpt_engine._format.metadata import read_metadata
 from ckpt_engine.integrity import verify_checkpoint
 
 THOROUGH = os.environ.get("CKPT_ENGINE_FUZZ") == "thorough"

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 
 from ckpt_engine import CheckpointEngine, CorruptCheckpointError
-from ckpt_engine._metadata import read_metadata
+from ckpt_engine._format.metadata import read_metadata
 
 
 def chunk(offsets: list[int], sizes: list[int]) -> ChunkStorageMetadata:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from ckpt_engine import CheckpointEngine
-from ckpt_engine.store import FsspecStore
+from ckpt_engine._storage.store import FsspecStore
 from ckpt_engine.testing import TinyTrainingState
 
 config, flag = json.loads(sys.argv[1]), sys.argv[2]

@@ -146,7 +146,7 @@ class ReadCounter:
     """Counts this rank's read items per storage key: the final plan DCP gives ``finish_plan``."""
 
     def __init__(self) -> None:
-        from ckpt_engine.planner import EngineLoadPlanner
+        from ckpt_engine._dcpio.planner import EngineLoadPlanner
 
         self.counts: Counter[str] = Counter()
         self._original = EngineLoadPlanner.finish_plan
@@ -160,7 +160,7 @@ class ReadCounter:
         EngineLoadPlanner.finish_plan = finish_plan
 
     def close(self) -> dict[str, int]:
-        from ckpt_engine.planner import EngineLoadPlanner
+        from ckpt_engine._dcpio.planner import EngineLoadPlanner
 
         EngineLoadPlanner.finish_plan = self._original
         return dict(self.counts)

@@ -21,10 +21,10 @@ import pluggy
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from . import hookspecs
-from ._markers import PROJECT_NAME
-from .config import DEFAULT_PLUGINS, EngineConfig, PluginEntry, StorageOptions
-from .loading import installed_plugins
+from .. import hookspecs
+from .._markers import PROJECT_NAME
+from ..config import DEFAULT_PLUGINS, EngineConfig, PluginEntry, StorageOptions
+from ..plugin_manager import installed_plugins
 
 __all__ = ["OptionInfo", "PluginInfo", "config_reference", "describe_plugins", "hook_kind"]
 

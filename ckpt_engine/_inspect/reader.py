@@ -1,6 +1,6 @@
 """What the command line reads from checkpoints: paths, key tables, values, streamed tensors.
 
-Everything here reads metadata with :func:`ckpt_engine._metadata.read_metadata` (parsed without
+Everything here reads metadata with :func:`ckpt_engine._format.metadata.read_metadata` (parsed without
 pickle, then validated) and values with ``torch.load(weights_only=True)``: inspecting an untrusted checkpoint
 never runs code from it. Tensors are read a batch at a time (a batch holds at most ``budget``
 bytes, or one tensor when a tensor is larger), so memory is bounded by the largest tensor, not
@@ -24,12 +24,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ._dist import quiet_dcp
-from ._metadata import METADATA_FILE, SafeFileSystemReader, read_metadata
-from ._object_read import ObjectStoreReader
-from .errors import CheckpointNotFoundError, CkptEngineError, CorruptCheckpointError, first_failure
-from .layout import LATEST_FILE, component_dirs, list_checkpoints, parse_iteration, read_latest
-from .store import FsspecStore, is_url, open_store
+from .._dcpio.object_read import ObjectStoreReader
+from .._engine.dist import quiet_dcp
+from .._format.layout import component_dirs, list_checkpoints, read_latest
+from .._format.metadata import SafeFileSystemReader, read_metadata
+from .._format.names import LATEST_FILE, METADATA_FILE, parse_iteration
+from .._storage.store import FsspecStore, is_url, open_store
+from ..errors import CheckpointNotFoundError, CkptEngineError, CorruptCheckpointError, first_failure
 
 #: Default bytes of tensor data read per batch (a single larger tensor is read on its own).
 DEFAULT_BUDGET = 64 << 20

@@ -6,7 +6,7 @@ item's size, and about 130-300 microseconds of unpickling per item. For the comm
 uncompressed item without stream transforms read into a contiguous CPU destination of the same
 dtype, the whole stored chunk or a contiguous range of it, :class:`FastFileSystemReader` locates
 the tensor's data record inside the item's ``torch.save`` archive
-(:func:`~ckpt_engine._torch_private.parse_torch_save_tensor`) and ``preadv``-s it into the
+(:func:`~ckpt_engine._dcpio.torch_private.parse_torch_save_tensor`) and ``preadv``-s it into the
 destination's memory. Every other read item (non-tensor values, transforms such as zstd, casts,
 non-contiguous destinations, DTensor sub-chunks that are not row ranges, an archive the parser
 does not recognise) goes through DCP's unchanged path. The result is bit-identical either way:
@@ -28,8 +28,8 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ._metadata import SafeFileSystemReader
-from ._torch_private import SavedTensorLayout, parse_torch_save_tensor_at
+from .._format.metadata import SafeFileSystemReader
+from .torch_private import SavedTensorLayout, parse_torch_save_tensor_at
 
 __all__ = ["FastFileSystemReader", "contiguous_region"]
 

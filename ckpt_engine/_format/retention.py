@@ -22,10 +22,10 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
-from .errors import CkptEngineError
-from .integrity import MANIFEST_FILE
-from .layout import check_complete, find_leftovers, list_checkpoints, parse_iteration, read_latest, remove_checkpoint
-from .store import Store, store_for
+from .._storage.store import Store, store_for
+from ..errors import CkptEngineError
+from .layout import check_complete, find_leftovers, list_checkpoints, read_latest, remove_checkpoint
+from .names import MANIFEST_FILE, parse_iteration
 
 logger = logging.getLogger("ckpt_engine")
 

@@ -20,7 +20,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,8 +27,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ._metadata import METADATA_FILE, read_metadata
-from .errors import (
+from .._storage.store import Store, fsync_dir, is_url, store_for
+from ..errors import (
     CheckpointNotFoundError,
     CheckpointPermissionError,
     CorruptCheckpointError,
@@ -37,30 +36,18 @@ from .errors import (
     SaveDirLockedError,
     denied,
 )
-from .store import Store, fsync_dir, is_url, store_for
+from .metadata import read_metadata
+from .names import (
+    DELETING_SUFFIX,
+    LATEST_FILE,
+    LEFTOVER_RE,
+    LOCK_FILE,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    parse_iteration,
+)
 
 logger = logging.getLogger("ckpt_engine")
-
-LATEST_FILE = "latest_checkpoint.txt"
-_ITER_RE = re.compile(r"^iter_(\d{9,})$")
-PARTIAL_SUFFIX = ".partial"
-DELETING_SUFFIX = ".deleting"
-#: Hidden lock file, used only where the filesystem refuses to lock the folder itself (NFS).
-LOCK_FILE = ".ckpt_engine.lock"
-_LEFTOVER_RE = re.compile(r"^\.(iter_\d{9,})(\.partial|\.deleting|\.replaced\.\d+)$")
-
-
-def iter_dirname(iteration: int) -> str:
-    return f"iter_{iteration:09}"
-
-
-def partial_dirname(iteration: int) -> str:
-    return f".{iter_dirname(iteration)}{PARTIAL_SUFFIX}"
-
-
-def parse_iteration(name: str) -> int | None:
-    m = _ITER_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 def read_latest(load_dir: str | os.PathLike[str], store: Store | None = None) -> str | None:
@@ -228,8 +215,6 @@ def remove_checkpoint(path: str | os.PathLike[str], store: Store | None = None) 
     the loader ignores; the next retention pass deletes the rest."""
     store = store_for(path, store)
     if store.is_object_store:
-        from .integrity import MANIFEST_FILE
-
         path = os.fspath(path)
         marker = store.join(path, MANIFEST_FILE)
         if store.exists(marker):
@@ -265,7 +250,7 @@ def find_leftovers(save_dir: str | os.PathLike[str]) -> list[Leftover]:
         return []
     out = []
     for e in entries:
-        m = _LEFTOVER_RE.match(e.name)
+        m = LEFTOVER_RE.match(e.name)
         if m and e.is_dir(follow_symlinks=False):
             kind = m.group(2).split(".")[1]
             out.append(Leftover(path=e.path, kind=kind, checkpoint=m.group(1)))

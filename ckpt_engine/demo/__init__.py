@@ -30,7 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._markers import hookimpl
+from .._markers import hookimpl
+from ..errors import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -264,7 +265,7 @@ class KillPointWatcher(threading.Thread):
 
     def __init__(self, save_dir: str, iteration: int) -> None:
         super().__init__(daemon=True, name="demo-kill-point")
-        from .layout import iter_dirname, partial_dirname
+        from .._format.names import iter_dirname, partial_dirname
 
         self.partial = os.path.join(save_dir, partial_dirname(iteration))
         self.final = os.path.join(save_dir, iter_dirname(iteration))
@@ -333,7 +334,7 @@ def worker_main(argv: list[str]) -> int:
 
 
 def run_worker(role: str, s: Settings, save_dir: str, async_saves: bool, rank: int, world: int) -> None:
-    from .engine import CheckpointEngine
+    from .._engine.engine import CheckpointEngine
 
     if role == "train":
         # The uninterrupted reference run: the same job, fresh objects, no checkpoints.
@@ -353,7 +354,7 @@ def run_worker(role: str, s: Settings, save_dir: str, async_saves: bool, rank: i
         # The plugin object is made here (and placed in the fold order by its config entry) so
         # the demo can wait for its writer process. One buffer set, the default: a save waits
         # for the previous one, so at most one save is in flight.
-        from .loading import installed_plugins
+        from ..plugin_manager import installed_plugins
 
         staging = installed_plugins()[ASYNC_PLUGIN].load()()
         objects.append(staging)
@@ -456,7 +457,7 @@ def _run_worker_process(
 ) -> RunLog:
     log = RunLog()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds ckpt_engine/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     err_path = os.path.join(out, f"worker-{role}.log")
     t0 = time.perf_counter()
@@ -566,13 +567,11 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
 
 
 def _prepare_out(out: str) -> str:
-    from .cli import CliError
-
     if os.path.exists(out):
         if not os.path.isdir(out):
-            raise CliError(f"--out {out} is a file")
+            raise UsageError(f"--out {out} is a file")
         if os.listdir(out) and not os.path.exists(os.path.join(out, MARKER)):
-            raise CliError(f"--out {out} exists and was not made by the demo; choose another folder or empty it")
+            raise UsageError(f"--out {out} exists and was not made by the demo; choose another folder or empty it")
         shutil.rmtree(out)
     os.makedirs(out)
     with open(os.path.join(out, MARKER), "w") as f:
@@ -592,10 +591,8 @@ def run_demo(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
     problem = check_settings(s, args.ranks)
     if problem:
-        from .cli import CliError
-
-        raise CliError(problem)
-    from .loading import installed_plugins
+        raise UsageError(problem)
+    from ..plugin_manager import installed_plugins
 
     has_async = ASYNC_PLUGIN in installed_plugins()
     async_saves = has_async and not args.sync
@@ -749,7 +746,7 @@ def _show_ls(save_dir: str) -> None:
     import contextlib
     import io
 
-    from .cli import main as cli_main
+    from ..cli import main as cli_main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -815,7 +812,3 @@ def run_demo_safely(args: argparse.Namespace) -> int:
     except DemoFailure as err:
         print(f"FAILED: {err}")
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:]))

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ._metadata_parser import PickleMalformed, PickleRefused, parse_metadata
-from .errors import (
+from .._storage.store import Store, store_for
+from ..errors import (
     CheckpointLoadError,
     CheckpointPermissionError,
     CkptEngineError,
@@ -33,9 +33,8 @@ from .errors import (
     UnsafeCheckpointError,
     denied,
 )
-from .store import Store, store_for
-
-METADATA_FILE = ".metadata"
+from .metadata_parser import PickleMalformed, PickleRefused, parse_metadata
+from .names import METADATA_FILE
 
 #: Largest ``.metadata`` the engine parses. DCP writes tens of bytes per tensor and chunk, so this
 #: allows tens of millions of tensors while bounding the memory a crafted file can claim.
@@ -74,9 +73,9 @@ def read_metadata(
     store: Store | None = None,
     check_bytes: Callable[[str, bytes], None] | None = None,
 ) -> Metadata:
-    """Read and validate ``component_dir/.metadata`` (from any :class:`~ckpt_engine.store.Store`).
+    """Read and validate ``component_dir/.metadata`` (from any :class:`~ckpt_engine._storage.store.Store`).
 
-    The file is parsed by :func:`~ckpt_engine._metadata_parser.parse_metadata` (no pickle: reading
+    The file is parsed by :func:`~ckpt_engine._format.metadata_parser.parse_metadata` (no pickle: reading
     it cannot run code or change the process) and checked by :func:`validate_metadata`.
     ``check_bytes(path, data)``, when given, sees the raw bytes first (the manifest's size and
     checksum), so a damaged file is refused before it is parsed. Typed errors name the file:

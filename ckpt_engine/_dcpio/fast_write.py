@@ -4,14 +4,14 @@ DCP's writer calls ``torch.save`` once per tensor item: about 150-270 microsecon
 and zip bookkeeping per item, a CRC32 pass over every byte (``torch.save`` computes one per
 record) and a copy through the zip writer. :class:`FastFileSystemWriter` writes the same
 ``.distcp`` files, item by item in the same ``torch.save`` archive format
-(:func:`~ckpt_engine._torch_private.tensor_archive`), but emits each dense tensor's bytes
+(:func:`~ckpt_engine._dcpio.torch_private.tensor_archive`), but emits each dense tensor's bytes
 straight from its memory between a precomputed header and trailer. The on-disk result is what
 DCP writes with ``torch.serialization.set_crc32_options(False)``: plain ``dcp.load`` and
 ``torch.load`` read it, and so does every ckpt-engine reader.
 
 Items it does not handle the same way go through ``torch.save`` exactly as DCP does: non-tensor
 values (DCP's own pickled bytes), sparse, quantized or subclass tensors, dtypes outside
-:data:`~ckpt_engine._torch_private.ARCHIVE_DTYPES`. Stream transforms (``_extensions``) are not
+:data:`~ckpt_engine._dcpio.torch_private.ARCHIVE_DTYPES`. Stream transforms (``_extensions``) are not
 handled here: with ``_extensions`` (or the safetensors serialization format) every item goes
 through DCP's own path.
 """
@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ._fast_read import _gc_paused
-from ._torch_private import storage_info, tensor_archive
+from .fast_read import _gc_paused
+from .torch_private import storage_info, tensor_archive
 
 __all__ = ["FastFileSystemWriter"]
 

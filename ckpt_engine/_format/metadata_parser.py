@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ._torch_private import storage_info
+from .._dcpio.torch_private import storage_info
 
 __all__ = ["PickleMalformed", "PickleRefused", "parse_metadata"]
 
@@ -670,7 +670,7 @@ def parse_metadata(data: bytes) -> Metadata:
     """The DCP ``Metadata`` pickled in ``data``, built without running any code from it.
 
     Raises :class:`PickleRefused` or :class:`PickleMalformed`; the structure is checked only as far
-    as building needs (types of every field); see :func:`ckpt_engine._metadata.validate_metadata`
+    as building needs (types of every field); see :func:`ckpt_engine._format.metadata.validate_metadata`
     for the rules between fields.
     """
     try:

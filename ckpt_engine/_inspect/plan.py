@@ -17,15 +17,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ._cli_read import resolve
-from ._dist import quiet_dcp
-from ._metadata import SafeFileSystemReader, read_metadata
-from .config import EngineConfig
-from .engine import CheckpointEngine
-from .errors import CheckpointLoadError, CkptEngineError, LoadStrictnessError, first_failure
-from .planner import EngineLoadPlanner
-from .report import ComponentReport, LoadReport
-from .state import TrainingObjects, component_state_dict
+from .._dcpio.planner import EngineLoadPlanner
+from .._engine.dist import quiet_dcp
+from .._engine.engine import CheckpointEngine
+from .._engine.state import TrainingObjects, component_state_dict
+from .._format.metadata import SafeFileSystemReader, read_metadata
+from ..config import EngineConfig
+from ..errors import CheckpointLoadError, CkptEngineError, LoadStrictnessError, UsageError, first_failure
+from ..report import ComponentReport, LoadReport
+from .reader import resolve
 
 
 class NoReadReader(SafeFileSystemReader):
@@ -100,9 +100,7 @@ def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
     if args.component:
         unknown = [c for c in args.component if c not in objs.available()]
         if unknown:
-            from .cli import CliError
-
-            raise CliError(
+            raise UsageError(
                 f"--component {', '.join(unknown)}: the factory gives nothing to load it into "
                 f"(it gives: {', '.join(objs.available())})"
             )

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._cli_read import DEFAULT_BUDGET, ComponentReader, KeyInfo, Unreadable
+from .reader import DEFAULT_BUDGET, ComponentReader, KeyInfo, Unreadable
 
 __all__ = ["SAFETENSORS_DTYPES", "convert_component", "require_safetensors"]
 

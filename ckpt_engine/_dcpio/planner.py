@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from ._torch_private import local_chunks
-from .errors import LoadStrictnessError, UnsafeCheckpointError
-from .pipeline import Pipeline
-from .report import ComponentReport, OverlapRecord, SkipRecord
-from .types import Decision, LoadContext, PlanEntry, RemapContext, ValueSpec
+from ..errors import LoadStrictnessError, UnsafeCheckpointError
+from ..pipeline import Pipeline
+from ..report import ComponentReport, OverlapRecord, SkipRecord
+from ..types import Decision, LoadContext, PlanEntry, RemapContext, ValueSpec
+from .torch_private import local_chunks
 
 __all__ = ["EngineLoadPlanner", "EngineSavePlanner", "flat_keys", "target_spec"]
 

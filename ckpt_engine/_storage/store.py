@@ -33,7 +33,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-from .errors import ConfigError, StorageError
+from ..config import StorageOptions
+from ..errors import ConfigError, StorageError
+from .urls import is_url, local_path
 
 __all__ = ["FsspecStore", "LocalStore", "Store", "is_url", "local_path", "open_store", "store_for"]
 
@@ -63,17 +65,6 @@ _TRANSIENT_NAMES = frozenset(
 )
 _TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET})
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
-
-
-def is_url(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a URL for a non-local filesystem (``file://`` counts as local)."""
-    s = os.fspath(path)
-    return "://" in s and not s.startswith("file://")
-
-
-def local_path(path: str) -> str:
-    """``path`` with a ``file://`` prefix removed (``file:///a/b`` -> ``/a/b``); others unchanged."""
-    return path[len("file://") :] if path.startswith("file://") else path
 
 
 def is_transient(err: BaseException) -> bool:
@@ -470,43 +461,6 @@ class FsspecStore(Store):
             return sum(f.result() for f in futures)
 
 
-def s3_options(
-    *,
-    endpoint_url: str | None = None,
-    region: str | None = None,
-    access_key_id: str | None = None,
-    secret_access_key: str | None = None,
-    session_token: str | None = None,
-    profile: str | None = None,
-    anon: bool = False,
-    extra: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """s3fs constructor options from the engine's ``storage`` fields; unset fields fall back to
-    boto's standard sources (``AWS_*`` environment variables, ``~/.aws``, instance roles)."""
-    opts: dict[str, Any] = {}
-    if endpoint_url:
-        opts["endpoint_url"] = endpoint_url
-    if access_key_id:
-        opts["key"] = access_key_id
-    if secret_access_key:
-        opts["secret"] = secret_access_key
-    if session_token:
-        opts["token"] = session_token
-    if profile:
-        opts["profile"] = profile
-    if anon:
-        opts["anon"] = True
-    client_kwargs: dict[str, Any] = {}
-    if region:
-        client_kwargs["region_name"] = region
-    if client_kwargs:
-        opts["client_kwargs"] = client_kwargs
-    # botocore's own retries would multiply ours; transient errors are retried by FsspecStore.call.
-    opts["config_kwargs"] = {"retries": {"max_attempts": 1, "mode": "standard"}}
-    opts.update(extra or {})
-    return opts
-
-
 _STORES: dict[tuple[Any, ...], Store] = {}
 _STORES_LOCK = threading.Lock()
 _LOCAL = LocalStore()
@@ -520,8 +474,6 @@ def open_store(path: str, settings: Any = None) -> Store:
         return _LOCAL
     protocol = path.split("://", 1)[0].lower()
     if settings is None:
-        from .config import StorageOptions
-
         settings = StorageOptions()
     options = settings.fsspec_options(protocol)
     # The key holds the secrets themselves (SecretStr dumps as '****'): other credentials, other store.

@@ -23,26 +23,26 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import _dist, errors
-from ._fast_read import FastFileSystemReader
-from ._object_read import ObjectStoreReader
-from .config import EngineConfig
-from .errors import (
-    CheckpointLoadError,
-    CheckpointNotFoundError,
-    CheckpointSaveError,
-    CkptEngineError,
-    ConfigError,
-    IncompleteCheckpointError,
-    IntegrityError,
-    SaveDirLockedError,
-    StorageError,
-    first_failure,
+from .. import errors
+from .._dcpio.fast_read import FastFileSystemReader
+from .._dcpio.object_read import ObjectStoreReader
+from .._dcpio.planner import EngineLoadPlanner, EngineSavePlanner, flat_keys
+from .._format.layout import (
+    CheckedCheckpoint,
+    SaveDirLock,
+    check_complete,
+    cleanup_leftovers,
+    commit_rename,
+    disk_full_hint,
+    find_leftovers,
+    list_checkpoints,
+    read_latest,
+    remove_checkpoint,
+    remove_tree,
+    write_latest,
 )
-from .integrity import (
+from .._format.manifest import (
     DEFAULT_ALGORITHM,
-    MANIFEST_FILE,
-    RANK_PART_PREFIX,
     FileEntry,
     check_against_manifest,
     hash_files,
@@ -55,32 +55,26 @@ from .integrity import (
     shard_files,
     write_manifest,
 )
-from .layout import (
-    LATEST_FILE,
-    CheckedCheckpoint,
-    SaveDirLock,
-    check_complete,
-    cleanup_leftovers,
-    commit_rename,
-    disk_full_hint,
-    find_leftovers,
-    iter_dirname,
-    list_checkpoints,
-    parse_iteration,
-    partial_dirname,
-    read_latest,
-    remove_checkpoint,
-    remove_tree,
-    write_latest,
+from .._format.names import LATEST_FILE, MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, parse_iteration, partial_dirname
+from .._format.retention import apply_retention
+from .._storage.store import FsspecStore, Store, open_store
+from ..config import EngineConfig
+from ..errors import (
+    CheckpointLoadError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CkptEngineError,
+    ConfigError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    SaveDirLockedError,
+    StorageError,
+    first_failure,
 )
-from .loading import build_plugin_manager
-from .pipeline import Pipeline
-from .planner import EngineLoadPlanner, EngineSavePlanner, flat_keys
-from .report import ComponentReport, LoadReport, SkipRecord
-from .retention import apply_retention
-from .state import TrainingObjects, apply_component, component_state_dict
-from .store import FsspecStore, Store, open_store
-from .types import (
+from ..pipeline import Pipeline
+from ..plugin_manager import build_plugin_manager
+from ..report import ComponentReport, LoadReport, SkipRecord
+from ..types import (
     STANDARD_COMPONENTS,
     LoadResult,
     RemapContext,
@@ -89,6 +83,8 @@ from .types import (
     WriteContext,
     WriteResult,
 )
+from . import dist as _dist
+from .state import TrainingObjects, apply_component, component_state_dict
 
 __all__ = ["CheckpointEngine", "SaveHandle"]
 

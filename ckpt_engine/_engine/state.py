@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .errors import ConfigError
-from .types import STANDARD_COMPONENTS
+from ..errors import ConfigError
+from ..types import STANDARD_COMPONENTS
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 

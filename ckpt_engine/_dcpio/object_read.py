@@ -1,4 +1,4 @@
-"""A DCP ``StorageReader`` for checkpoints in an object store (any :class:`~ckpt_engine.store.FsspecStore`).
+"""A DCP ``StorageReader`` for checkpoints in an object store (any :class:`~ckpt_engine._storage.store.FsspecStore`).
 
 Nothing is downloaded whole. Each read item is fetched with HTTP range requests:
 
@@ -30,11 +30,12 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ._fast_read import _PREFETCH, _byte_view, _gc_paused, _Item, contiguous_region
-from ._metadata import METADATA_FILE, _read_error, read_metadata
-from ._torch_private import SavedTensorLayout, parse_torch_save_tensor_at
-from .errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
-from .store import FsspecStore
+from .._format.metadata import _read_error, read_metadata
+from .._format.names import METADATA_FILE
+from .._storage.store import FsspecStore
+from ..errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
+from .fast_read import _PREFETCH, _byte_view, _gc_paused, _Item, contiguous_region
+from .torch_private import SavedTensorLayout, parse_torch_save_tensor_at
 
 __all__ = ["ObjectStoreReader"]
 

@@ -1,0 +1,40 @@
+"""The names of the on-disk layout (DESIGN section 2): folders, pointer, marker and hidden files.
+
+One place for every name the engine writes or recognises, so that the layout, the manifest,
+retention, the command line and the tests agree.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: Points at the newest committed checkpoint: ``"iter_000000005\n"``.
+LATEST_FILE = "latest_checkpoint.txt"
+#: DCP's metadata file of one component folder.
+METADATA_FILE = ".metadata"
+#: The engine's manifest at the top of a checkpoint folder (sizes, checksums; on an object store
+#: also the completion marker).
+MANIFEST_FILE = "ckpt_engine_manifest.json"
+#: Per-rank upload reports of a background save to an object store (``.ckpt_engine_rank_00001.json``);
+#: engine bookkeeping, never part of the checkpoint's content.
+RANK_PART_PREFIX = ".ckpt_engine_rank_"
+LATEST_FILE = "latest_checkpoint.txt"
+_ITER_RE = re.compile(r"^iter_(\d{9,})$")
+PARTIAL_SUFFIX = ".partial"
+DELETING_SUFFIX = ".deleting"
+#: Hidden lock file, used only where the filesystem refuses to lock the folder itself (NFS).
+LOCK_FILE = ".ckpt_engine.lock"
+LEFTOVER_RE = re.compile(r"^\.(iter_\d{9,})(\.partial|\.deleting|\.replaced\.\d+)$")
+
+
+def iter_dirname(iteration: int) -> str:
+    return f"iter_{iteration:09}"
+
+
+def partial_dirname(iteration: int) -> str:
+    return f".{iter_dirname(iteration)}{PARTIAL_SUFFIX}"
+
+
+def parse_iteration(name: str) -> int | None:
+    m = _ITER_RE.match(name)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,134 @@
+"""``ckpt-engine``: look at, check, compare, convert and dry-run-load checkpoints; run the demo.
+
+Every command parses metadata without pickle and reads values with ``weights_only=True``:
+looking at an untrusted checkpoint never runs code from it. Errors are one readable line and a
+non-zero exit code; ``--debug`` shows the traceback.
+
+Exit codes: 0 success; 1 the command ran and found a problem (``verify`` failed, ``diff`` found
+differences, ``plan`` would fail, the demo's losses differ); 2 an error (bad input, a checkpoint
+that cannot be read, a usage error); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from ..errors import UsageError
+from . import convert, demo, diff, docs_config, inspect, ls, plan, plugins, verify
+from ._command import Command
+from ._output import EXIT_ERROR, EXIT_INTERRUPTED
+
+__all__ = ["COMMANDS", "CliError", "build_parser", "main"]
+
+#: Every command, in the order ``--help`` lists them. A new command is a module with a ``COMMAND``.
+COMMANDS: tuple[Command, ...] = tuple(
+    m.COMMAND for m in (ls, inspect, verify, diff, convert, plan, plugins, demo, docs_config)
+)
+
+CliError = UsageError  # the name this module used before UsageError joined the error family
+
+
+# -- parser -----------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def _add(sub: Any, command: Command, common: argparse.ArgumentParser) -> None:
+    shown: dict[str, Any] = {} if command.hidden else {"help": command.summary}
+    parser: argparse.ArgumentParser = sub.add_parser(
+        command.name,
+        description=command.description or command.summary,
+        epilog="example:\n" + textwrap.indent(textwrap.dedent(command.example).strip("\n"), "  "),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common],
+        **shown,
+    )
+    command.add_arguments(parser)
+    parser.set_defaults(func=command.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    parser = _Parser(
+        prog="ckpt-engine",
+        description="Look at, check, compare, convert and dry-run-load ckpt-engine (DCP) checkpoints.",
+        epilog=textwrap.dedent(
+            """\
+            examples:
+              ckpt-engine demo                                  # train, SIGKILL mid-save, resume, compare
+              ckpt-engine ls runs/exp1/checkpoints
+              ckpt-engine inspect runs/exp1/checkpoints/iter_000000020 --component model
+              ckpt-engine convert runs/exp1/checkpoints model.safetensors --to safetensors
+
+            exit codes: 0 ok; 1 a problem was found (verify, diff, plan, demo); 2 an error.
+            Documentation: docs/cli.md"""
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"ckpt-engine {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for command in COMMANDS:
+        _add(sub, command, common)
+    return parser
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (the console script exits with it)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return int(exc.code or 0) if isinstance(exc.code, int) or exc.code is None else EXIT_ERROR
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return EXIT_ERROR
+    debug = bool(getattr(args, "debug", False))
+    import logging
+
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        code: int = args.func(args)
+        return code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        if debug:
+            raise
+        print(f"ckpt-engine {args.command}: error: {_error_text(err)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _error_text(err: BaseException) -> str:
+    import pluggy
+
+    from ..errors import CkptEngineError
+
+    message = str(err).strip() or type(err).__name__
+    # pydantic appends a documentation URL to every validation error: noise on a terminal.
+    message = "\n".join(line for line in message.splitlines() if "For further information visit" not in line)
+    if isinstance(err, (CkptEngineError, CliError, pluggy.PluginValidationError)):
+        kind = "" if isinstance(err, CliError) else f"{type(err).__name__}: "
+        return kind + message
+    if isinstance(err, OSError):
+        return f"{type(err).__name__}: {message}"
+    return f"{type(err).__name__}: {message} (an unexpected error; run with --debug for the traceback)"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""``ckpt-engine convert``: one consolidated torch or safetensors file from a component."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from ..errors import UsageError
+from ._command import Command
+from ._output import EXIT_OK, Progress, parse_size, print_lines
+
+_SUFFIXES = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from .._format.layout import check_complete
+    from .._inspect.convert import ConvertError, convert_component, require_safetensors
+    from .._inspect.reader import ComponentReader, human_bytes, match_keys, resolve
+
+    fmt = args.to or _SUFFIXES.get(os.path.splitext(args.out)[1].lower())
+    if fmt is None:
+        raise UsageError(f"cannot tell the format from {args.out!r}; give --to torch or --to safetensors")
+    if fmt == "safetensors":
+        require_safetensors()
+    cast = None
+    if args.dtype:
+        cast = getattr(torch, args.dtype, None)
+        if not isinstance(cast, torch.dtype) or not cast.is_floating_point:
+            raise UsageError(f"--dtype {args.dtype!r} is not a floating-point torch dtype (e.g. bfloat16, float16)")
+    out = args.out
+    if os.path.exists(out) and not args.force:
+        raise UsageError(f"{out} exists; pass --force to overwrite it")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise UsageError(f"the folder of {out} does not exist: {parent}")
+    target = resolve(args.checkpoint, [args.component])
+    check_complete(target.checkpoint)
+    reader = ComponentReader(target.components[args.component])
+    keys = match_keys(reader.keys, args.keys or ())
+    if not keys:
+        raise UsageError(f"no key of component {args.component!r} matches {', '.join(args.keys or ())}")
+    total = sum(reader.keys[k].nbytes for k in keys)
+    bar = Progress(f"converting {args.component}", total)
+    t0 = time.perf_counter()
+    try:
+        written, left_out = convert_component(reader, keys, out, fmt, cast, bar.advance, budget=args.budget)
+    except ConvertError as err:
+        raise UsageError(str(err)) from err
+    finally:
+        bar.close()
+    size = os.path.getsize(out)
+    how = f", floating-point tensors cast to {args.dtype}" if cast is not None else ""
+    print_lines(
+        f"wrote {out} ({fmt}): {written} values of component {args.component!r} from {target.describe()}, "
+        f"{human_bytes(size)}{how}, in {time.perf_counter() - t0:.1f}s"
+    )
+    if left_out:
+        why = "safetensors holds only tensors" if fmt == "safetensors" else "not readable with weights_only=True"
+        print_lines(
+            f"left out {len(left_out)} non-tensor value(s) ({why}): {', '.join(left_out[:10])}"
+            + (" ..." if len(left_out) > 10 else "")
+        )
+    hint = (
+        "load it with: safetensors.torch.load_file(path)"
+        if fmt == "safetensors"
+        else "load it with: torch.load(path, weights_only=True)"
+    )
+    print_lines(hint)
+    return EXIT_OK
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CHECKPOINT")
+    parser.add_argument("out", metavar="OUT")
+    parser.add_argument("--to", choices=("torch", "safetensors"), help="output format (default: from OUT's suffix)")
+    parser.add_argument("--component", default="model", help="component to convert (default: model)")
+    parser.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
+    parser.add_argument("--keys", action="append", metavar="GLOB", help="only keys matching this glob (repeatable)")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT")
+    parser.add_argument("--budget", type=parse_size, default="64M", help=argparse.SUPPRESS)
+
+
+COMMAND = Command(
+    name="convert",
+    summary="write one consolidated torch or safetensors file",
+    example="ckpt-engine convert runs/exp1/checkpoints model.safetensors --to safetensors --dtype bfloat16\n"
+    "  ckpt-engine convert runs/exp1/checkpoints/iter_000000020 model.pt --to torch",
+    description="One consolidated file of a component for inference or sharing, assembled from all "
+    "shards. Streamed: memory stays bounded by the largest tensor. torch files load with "
+    "torch.load(path, weights_only=True); safetensors files with safetensors.torch.load_file(path).",
+    add_arguments=add_arguments,
+    run=cmd_convert,
+)
