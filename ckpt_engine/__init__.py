@@ -8,6 +8,7 @@ from ._markers import PROJECT_NAME, hookimpl
 from .config import EngineConfig, PluginEntry, StorageOptions
 from .engine import CheckpointEngine, SaveHandle
 from .errors import (
+    ArgumentTypeError,
     CheckpointLoadError,
     CheckpointNotFoundError,
     CheckpointPermissionError,
@@ -18,10 +19,13 @@ from .errors import (
     HookContractError,
     IncompleteCheckpointError,
     IntegrityError,
+    InvalidArgumentError,
     LoadStrictnessError,
+    NotACheckpointError,
     PluginConfigError,
     PluginConflictError,
     PluginLoadError,
+    SaveDirError,
     SaveDirLockedError,
     StorageError,
     UnsafeCheckpointError,
@@ -45,6 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PROJECT_NAME",
+    "ArgumentTypeError",
     "CheckpointEngine",
     "CheckpointLoadError",
     "CheckpointNotFoundError",
@@ -59,10 +64,12 @@ __all__ = [
     "HookContractError",
     "IncompleteCheckpointError",
     "IntegrityError",
+    "InvalidArgumentError",
     "LoadContext",
     "LoadReport",
     "LoadResult",
     "LoadStrictnessError",
+    "NotACheckpointError",
     "PlanEntry",
     "PluginConfigError",
     "PluginConflictError",
@@ -70,6 +77,7 @@ __all__ = [
     "PluginLoadError",
     "RemapContext",
     "SaveContext",
+    "SaveDirError",
     "SaveDirLockedError",
     "SaveHandle",
     "SaveResult",

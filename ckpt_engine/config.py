@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from ._config_errors import describe_validation_error, raised_config_error
 from .errors import ConfigError
 from .store import is_url, local_path
 from .types import STANDARD_COMPONENTS
@@ -123,7 +124,7 @@ class StorageOptions(BaseModel):
     def _local_only(cls, v: str | None) -> str | None:
         if v is not None and is_url(v):
             raise ValueError(f"{v!r} must be a local folder, not a URL")
-        return local_path(v) if v is not None else v
+        return os.path.expanduser(local_path(v)) if v is not None else v
 
     def fsspec_options(self, protocol: str) -> dict[str, Any]:
         """Keyword arguments for ``fsspec.filesystem(protocol, ...)`` (secrets included: never log them)."""
@@ -153,7 +154,8 @@ class EngineConfig(BaseModel):
 
     save_dir: str = Field(
         min_length=1,
-        description="Folder that receives `iter_XXXXXXXXX/` checkpoints: a path, or a URL "
+        description="Folder that receives `iter_XXXXXXXXX/` checkpoints: a path (`~/...` is in the home "
+        "folder; a relative path is relative to the working directory), or a URL "
         "(`s3://bucket/run`, any fsspec filesystem; see `storage`).",
     )
     load_dir: str | None = Field(
@@ -162,7 +164,7 @@ class EngineConfig(BaseModel):
     load_path: str | None = Field(
         default=None,
         description="Used when there is no `latest_checkpoint.txt`: a checkpoint folder "
-        "(`.../iter_000000100`) or a `.pth` model state dict.",
+        "(`.../iter_000000100`), a save folder (its latest checkpoint) or a `.pth` model state dict.",
     )
     load_training_state: bool = Field(
         default=False, description="With `load_path`: load every component, not just `model`."
@@ -226,6 +228,31 @@ class EngineConfig(BaseModel):
         f"with options. Default plugins ({', '.join(DEFAULT_PLUGINS)}) are prepended unless listed.",
     )
 
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise ConfigError(f"invalid config:\n{describe_validation_error(err, type(self))}") from err
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> EngineConfig:
+        """pydantic's ``model_validate``; an invalid config raises :class:`ConfigError`."""
+        try:
+            return super().model_validate(obj, *args, **kwargs)
+        except ValidationError as err:
+            # pydantic validates through __init__ (above) and wraps its ConfigError: unwrap it.
+            raise raised_config_error(err) or ConfigError(
+                f"invalid config:\n{describe_validation_error(err, cls)}"
+            ) from err
+
+    @field_validator("keep_last", "keep_every", "thread_count", mode="before")
+    @classmethod
+    def _no_bool_counts(cls, v: Any) -> Any:
+        # pydantic takes true as 1: `keep_last: true` would silently keep one checkpoint.
+        if isinstance(v, bool):
+            raise ValueError(f"expected a whole number, got {str(v).lower()}")
+        return v
+
     @field_validator("plugins", mode="before")
     @classmethod
     def _coerce_plugins(cls, v: Any) -> Any:
@@ -253,7 +280,9 @@ class EngineConfig(BaseModel):
                 raise ValueError("'file://' names no folder")
         if v is not None and "://" in v and v.rstrip("/").count("/") < 2:
             raise ValueError(f"{v!r} names no bucket or folder; use e.g. 's3://bucket/run/checkpoints'")
-        return v.rstrip("/") if v is not None and "://" in v else v
+        if v is not None and "://" not in v:
+            return os.path.expanduser(v)  # `~/ckpt` is the home folder, as in a shell
+        return v.rstrip("/") if v is not None else v
 
     @field_validator("keys_not_to_resume", mode="before")
     @classmethod
@@ -331,8 +360,8 @@ class EngineConfig(BaseModel):
             data = data["ckpt_engine"]
         try:
             return cls.model_validate(data)
-        except ValidationError as err:
-            raise ConfigError(f"invalid config in {str(p)!r}:\n{err}") from err
+        except ConfigError as err:
+            raise ConfigError(str(err).replace("invalid config:", f"invalid config in {str(p)!r}:", 1)) from err
 
     @classmethod
     def coerce(cls, config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str]) -> EngineConfig:

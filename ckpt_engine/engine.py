@@ -25,7 +25,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import _dist, errors
 from ._fast_read import FastFileSystemReader
+from ._not_checkpoint import resolve_save_folder
 from ._object_read import ObjectStoreReader
+from ._paths import check_local_save_dir
 from .config import EngineConfig
 from .errors import (
     CheckpointLoadError,
@@ -35,6 +37,7 @@ from .errors import (
     ConfigError,
     IncompleteCheckpointError,
     IntegrityError,
+    InvalidArgumentError,
     SaveDirLockedError,
     StorageError,
     first_failure,
@@ -197,6 +200,8 @@ class CheckpointEngine:
         storage = self.config.storage
         self._store = open_store(self.save_dir, storage)
         self._remote = self._store.is_object_store
+        if not self._remote:
+            check_local_save_dir(self.save_dir)
         #: Two-tier saves (``storage.local_dir``): local commit first, upload in the background.
         self._local_dir = storage.local_dir if self._remote else None
         #: Saves go straight into the object store: every rank uploads its own files from the spool.
@@ -293,10 +298,10 @@ class CheckpointEngine:
         """
         self._check_open()
         if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+            raise InvalidArgumentError(f"iteration must be a non-negative int, got {iteration!r}")
         objs = TrainingObjects.from_args(model, optimizer, scheduler, grad_scaler, extra)
         if not objs.modules:
-            raise ValueError("save() needs model=: a module or a list of modules")
+            raise InvalidArgumentError("save() needs model=: a module or a list of modules")
         # One save in flight (more only where the stage provider says so): never re-stage while
         # a write may still read the buffers.
         self._wait_pending(keep=self._saves_to_keep(iteration))
@@ -956,6 +961,7 @@ class CheckpointEngine:
                     f"load_path {lp!r} does not exist or is not a checkpoint folder (nor a .pth file); "
                     "fix load_path, or unset it to start from scratch"
                 )
+            lp = self._agreed(lambda: resolve_save_folder(cfg.load_path or "", lp_store)) or lp  # its latest
             if cfg.load_training_state:
                 wanted = wanted_all
             elif cfg.only_load_scheduler_state:
@@ -1216,7 +1222,7 @@ class CheckpointEngine:
         if not store.exists(path) or store.isdir(path):
             raise CheckpointNotFoundError(f"load_path {path!r} does not exist; fix load_path or unset it")
         if not objs.modules:
-            raise ValueError("a .pth load_path loads a model: pass model=")
+            raise InvalidArgumentError("a .pth load_path loads a model: pass model=")
         try:
             source: Any = io.BytesIO(store.read_bytes(path)) if store.is_object_store else path
             loaded = torch.load(source, map_location="cpu", weights_only=True)

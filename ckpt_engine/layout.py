@@ -28,6 +28,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ._metadata import METADATA_FILE, read_metadata
+from ._not_checkpoint import diagnose_not_checkpoint
 from .errors import (
     CheckpointNotFoundError,
     CheckpointPermissionError,
@@ -142,7 +143,14 @@ def check_complete(checkpoint_dir: str | os.PathLike[str], store: Store | None =
     out: dict[str, Metadata] = {}
     for name in names:
         cdir = store.join(path, name)
-        md = read_metadata(cdir, store)
+        try:
+            md = read_metadata(cdir, store)
+        except IncompleteCheckpointError as err:
+            # No .metadata: an interrupted save, or a folder that is no checkpoint at all?
+            not_checkpoint = diagnose_not_checkpoint(path, names, store)
+            if not_checkpoint is not None:
+                raise not_checkpoint from err
+            raise
         needed: dict[str, int] = {}
         for index, info in (md.storage_data or {}).items():
             rel = getattr(info, "relative_path", None)
