@@ -31,6 +31,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .report import ComponentReport, LoadReport
+from .rng import RngWorldSizeError
 from .types import (
     Decision,
     LoadContext,
@@ -76,6 +77,7 @@ __all__ = [
     "PluginEntry",
     "PluginLoadError",
     "RemapContext",
+    "RngWorldSizeError",
     "SaveContext",
     "SaveDirError",
     "SaveDirLockedError",

@@ -215,6 +215,12 @@ class EngineConfig(BaseModel):
         ge=1,
         description="With `keep_last`: also keep every checkpoint whose iteration is a multiple of M.",
     )
+    rng: bool = Field(
+        default=False,
+        description="Also save and restore every rank's Python, NumPy, torch CPU and CUDA random state (an `rng` "
+        "component, one set of keys per rank), so a resumed run draws the same random numbers. Resuming "
+        "into another number of ranks is refused; `keys_not_to_resume: [rng]` starts fresh random state.",
+    )
     thread_count: int = Field(default=1, ge=1, le=64, description="Writer threads per rank (DCP).")
     sync_files: bool = Field(default=True, description="fsync checkpoint files before commit.")
     storage: StorageOptions = Field(

@@ -80,6 +80,7 @@ from .pipeline import Pipeline
 from .planner import EngineLoadPlanner, EngineSavePlanner, flat_keys
 from .report import ComponentReport, LoadReport, SkipRecord
 from .retention import apply_retention
+from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes, with_rng
 from .state import TrainingObjects, apply_component, component_state_dict
 from .store import FsspecStore, Store, open_store
 from .types import (
@@ -297,6 +298,7 @@ class CheckpointEngine:
         background writer, ``handle.result()`` or :meth:`wait` waits for the commit.
         """
         self._check_open()
+        extra = with_rng(extra, self.config.rng)
         if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
             raise InvalidArgumentError(f"iteration must be a non-negative int, got {iteration!r}")
         objs = TrainingObjects.from_args(model, optimizer, scheduler, grad_scaler, extra)
@@ -920,6 +922,7 @@ class CheckpointEngine:
         """
         self._check_open()
         self.wait()  # never read a checkpoint that is still being committed
+        extra = with_rng(extra, self.config.rng)
         objs = TrainingObjects.from_args(model, optimizer, scheduler, grad_scaler, extra)
         self._check_keys_not_to_resume(objs)
         cfg = self.config
@@ -1157,6 +1160,8 @@ class CheckpointEngine:
                     )
                 logger.warning("checkpoint %s has no component %r; not loaded", path, name)
                 continue
+            if name == RNG_COMPONENT:
+                check_saved_world_size(checked.components[name], path, _dist.world_size())
             sd = component_state_dict(objs, name, 0)
             planner = self._load_component(
                 name, validated.store.join(path, name), sd, checked.components[name], objs, validated.store
@@ -1196,7 +1201,11 @@ class CheckpointEngine:
             strict=self.config.strict,
             strict_unexpected=self.config.strict_unexpected,
             trust_checkpoint=self.config.trust_checkpoint,
-            ignore_unexpected_prefixes=("grad_scaler.",) if name == "trainer" and objs.grad_scaler is None else (),
+            ignore_unexpected_prefixes=("grad_scaler.",)
+            if name == "trainer" and objs.grad_scaler is None
+            else other_rank_prefixes(_dist.rank(), _dist.world_size())
+            if name == RNG_COMPONENT
+            else (),
             rank=_dist.rank(),
             world_size=_dist.world_size(),
         )
