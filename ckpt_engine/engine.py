@@ -78,6 +78,7 @@ from .layout import (
 from .loading import build_plugin_manager
 from .pipeline import Pipeline
 from .planner import EngineLoadPlanner, EngineSavePlanner, flat_keys
+from .preemption import PreemptionSaver
 from .report import ComponentReport, LoadReport, SkipRecord
 from .retention import apply_retention
 from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes, with_rng
@@ -855,6 +856,11 @@ class CheckpointEngine:
         if first_error is not None:
             raise first_error
         return results
+
+    def save_on_preemption(self, *, every: int | None = None, exit_code: int = 0) -> PreemptionSaver:
+        """A context manager turning SIGTERM into a save at the next ``step_done()`` and a clean
+        exit; also saves every ``every`` steps (see :mod:`ckpt_engine.preemption`)."""
+        return PreemptionSaver(self, every=every, exit_code=exit_code)
 
     def wait(self) -> None:
         """Block until every pending save is committed; raise if one failed."""
