@@ -5,10 +5,12 @@
 """
 
 from ._engine.engine import CheckpointEngine, SaveHandle
+from ._engine.rng import RngWorldSizeError
 from ._markers import PROJECT_NAME, hookimpl
 from ._version import __version__
 from .config import EngineConfig, PluginEntry, StorageOptions
 from .errors import (
+    ArgumentTypeError,
     CheckpointLoadError,
     CheckpointNotFoundError,
     CheckpointPermissionError,
@@ -19,10 +21,13 @@ from .errors import (
     HookContractError,
     IncompleteCheckpointError,
     IntegrityError,
+    InvalidArgumentError,
     LoadStrictnessError,
+    NotACheckpointError,
     PluginConfigError,
     PluginConflictError,
     PluginLoadError,
+    SaveDirError,
     SaveDirLockedError,
     StorageError,
     UnsafeCheckpointError,
@@ -44,6 +49,7 @@ from .types import (
 
 __all__ = [
     "PROJECT_NAME",
+    "ArgumentTypeError",
     "CheckpointEngine",
     "CheckpointLoadError",
     "CheckpointNotFoundError",
@@ -58,17 +64,21 @@ __all__ = [
     "HookContractError",
     "IncompleteCheckpointError",
     "IntegrityError",
+    "InvalidArgumentError",
     "LoadContext",
     "LoadReport",
     "LoadResult",
     "LoadStrictnessError",
+    "NotACheckpointError",
     "PlanEntry",
     "PluginConfigError",
     "PluginConflictError",
     "PluginEntry",
     "PluginLoadError",
     "RemapContext",
+    "RngWorldSizeError",
     "SaveContext",
+    "SaveDirError",
     "SaveDirLockedError",
     "SaveHandle",
     "SaveResult",

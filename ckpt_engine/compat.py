@@ -27,7 +27,6 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 from torch import nn
 
 from ._engine import dist as _dist
@@ -252,8 +251,8 @@ def build_engine_config(
                 "plugins": plugins,
             }
         )
-    except ValidationError as err:
-        raise ConfigError(f"cannot translate the checkpoint config into an EngineConfig:\n{err}") from err
+    except ConfigError as err:
+        raise ConfigError(f"cannot translate the checkpoint config into an EngineConfig: {err}") from err
 
 
 def _call(callbacks: Any, method: str, *args: Any, **kwargs: Any) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from ._config_errors import describe_validation_error, raised_config_error
 from ._storage.urls import is_url, local_path
 from .errors import ConfigError
 from .types import STANDARD_COMPONENTS
@@ -123,7 +124,7 @@ class StorageOptions(BaseModel):
     def _local_only(cls, v: str | None) -> str | None:
         if v is not None and is_url(v):
             raise ValueError(f"{v!r} must be a local folder, not a URL")
-        return local_path(v) if v is not None else v
+        return os.path.expanduser(local_path(v)) if v is not None else v
 
     def fsspec_options(self, protocol: str) -> dict[str, Any]:
         """Keyword arguments for ``fsspec.filesystem(protocol, ...)`` (secrets included: never log them)."""
@@ -153,7 +154,8 @@ class EngineConfig(BaseModel):
 
     save_dir: str = Field(
         min_length=1,
-        description="Folder that receives `iter_XXXXXXXXX/` checkpoints: a path, or a URL "
+        description="Folder that receives `iter_XXXXXXXXX/` checkpoints: a path (`~/...` is in the home "
+        "folder; a relative path is relative to the working directory), or a URL "
         "(`s3://bucket/run`, any fsspec filesystem; see `storage`).",
     )
     load_dir: str | None = Field(
@@ -162,7 +164,7 @@ class EngineConfig(BaseModel):
     load_path: str | None = Field(
         default=None,
         description="Used when there is no `latest_checkpoint.txt`: a checkpoint folder "
-        "(`.../iter_000000100`) or a `.pth` model state dict.",
+        "(`.../iter_000000100`), a save folder (its latest checkpoint) or a `.pth` model state dict.",
     )
     load_training_state: bool = Field(
         default=False, description="With `load_path`: load every component, not just `model`."
@@ -213,6 +215,12 @@ class EngineConfig(BaseModel):
         ge=1,
         description="With `keep_last`: also keep every checkpoint whose iteration is a multiple of M.",
     )
+    rng: bool = Field(
+        default=False,
+        description="Also save and restore every rank's Python, NumPy, torch CPU and CUDA random state (an `rng` "
+        "component, one set of keys per rank), so a resumed run draws the same random numbers. Resuming "
+        "into another number of ranks is refused; `keys_not_to_resume: [rng]` starts fresh random state.",
+    )
     thread_count: int = Field(default=1, ge=1, le=64, description="Writer threads per rank (DCP).")
     sync_files: bool = Field(default=True, description="fsync checkpoint files before commit.")
     storage: StorageOptions = Field(
@@ -225,6 +233,31 @@ class EngineConfig(BaseModel):
         description="Plugins in fold order: names, `package.module:attr` strings or entries "
         f"with options. Default plugins ({', '.join(DEFAULT_PLUGINS)}) are prepended unless listed.",
     )
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise ConfigError(f"invalid config:\n{describe_validation_error(err, type(self))}") from err
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> EngineConfig:
+        """pydantic's ``model_validate``; an invalid config raises :class:`ConfigError`."""
+        try:
+            return super().model_validate(obj, *args, **kwargs)
+        except ValidationError as err:
+            # pydantic validates through __init__ (above) and wraps its ConfigError: unwrap it.
+            raise raised_config_error(err) or ConfigError(
+                f"invalid config:\n{describe_validation_error(err, cls)}"
+            ) from err
+
+    @field_validator("keep_last", "keep_every", "thread_count", mode="before")
+    @classmethod
+    def _no_bool_counts(cls, v: Any) -> Any:
+        # pydantic takes true as 1: `keep_last: true` would silently keep one checkpoint.
+        if isinstance(v, bool):
+            raise ValueError(f"expected a whole number, got {str(v).lower()}")
+        return v
 
     @field_validator("plugins", mode="before")
     @classmethod
@@ -253,7 +286,9 @@ class EngineConfig(BaseModel):
                 raise ValueError("'file://' names no folder")
         if v is not None and "://" in v and v.rstrip("/").count("/") < 2:
             raise ValueError(f"{v!r} names no bucket or folder; use e.g. 's3://bucket/run/checkpoints'")
-        return v.rstrip("/") if v is not None and "://" in v else v
+        if v is not None and "://" not in v:
+            return os.path.expanduser(v)  # `~/ckpt` is the home folder, as in a shell
+        return v.rstrip("/") if v is not None else v
 
     @field_validator("keys_not_to_resume", mode="before")
     @classmethod
@@ -331,8 +366,8 @@ class EngineConfig(BaseModel):
             data = data["ckpt_engine"]
         try:
             return cls.model_validate(data)
-        except ValidationError as err:
-            raise ConfigError(f"invalid config in {str(p)!r}:\n{err}") from err
+        except ConfigError as err:
+            raise ConfigError(str(err).replace("invalid config:", f"invalid config in {str(p)!r}:", 1)) from err
 
     @classmethod
     def coerce(cls, config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str]) -> EngineConfig:

@@ -20,6 +20,19 @@ class ConfigError(CkptEngineError, ValueError):
     """The engine configuration is invalid (a bad file, an impossible combination)."""
 
 
+class InvalidArgumentError(CkptEngineError, ValueError):
+    """A call got an argument it cannot use (a negative iteration, no ``model=`` where one is needed)."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """A call got an object of the wrong kind (a module passed as the optimizer, a scheduler
+    without ``state_dict()``)."""
+
+
+class SaveDirError(ConfigError):
+    """``save_dir`` cannot hold checkpoints: it is a file, its name is too long, it cannot be created."""
+
+
 class PluginLoadError(CkptEngineError):
     """A plugin could not be found, imported or instantiated."""
 
@@ -43,6 +56,11 @@ class HookContractError(CkptEngineError):
 
 class CheckpointNotFoundError(CkptEngineError, FileNotFoundError):
     """A checkpoint that the configuration points at does not exist."""
+
+
+class NotACheckpointError(CheckpointNotFoundError):
+    """A folder given as a checkpoint is something else (a save folder, its parent, an empty folder);
+    the message says what it is and what was probably meant."""
 
 
 class IncompleteCheckpointError(CkptEngineError):
@@ -86,16 +104,35 @@ class LoadStrictnessError(CheckpointLoadError):
         lines += [f"  missing: {k}" for k in self.missing]
         lines += [f"  mismatch: {m}" for m in self.mismatched]
         lines += [f"  unexpected: {k}" for k in self.unexpected]
-        lines.append(
-            "fix: enable a plugin that resolves them (e.g. size_mismatch, ema), remap the keys, "
-            "or set strict=False to skip and report them"
-        )
+        lines += strictness_fixes(component, bool(self.missing), bool(self.mismatched), bool(self.unexpected))
         super().__init__("\n".join(lines))
 
     def __reduce__(
         self,
     ) -> tuple[type[LoadStrictnessError], tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
         return (type(self), (self.component, self.missing, self.mismatched, self.unexpected))
+
+
+def strictness_fixes(component: str, missing: bool, mismatched: bool, unexpected: bool) -> list[str]:
+    """The ``fix:`` lines of a failed strict load: for each kind of problem, what resolves it."""
+    fixes = []
+    if missing:
+        fixes.append(
+            "fix: for the missing keys: if the checkpoint stores them under other names, map them with the rename "
+            "plugin (or a remap_keys plugin; ema for net_ema.* weights); if "
+            f"{component!r} should not be loaded, add it to keys_not_to_resume; to load the rest and report "
+            "them, set strict: false"
+        )
+    if mismatched:
+        fixes.append(
+            "fix: for the mismatches: enable the size_mismatch plugin (policy skip, or overlap to load the shared "
+            "region), or set strict: false to skip and report them"
+        )
+    if unexpected:
+        fixes.append(
+            "fix: for the unexpected keys: map them onto model keys (rename plugin), or set strict_unexpected: false"
+        )
+    return fixes
 
 
 class CheckpointSaveError(CkptEngineError):

@@ -1,6 +1,6 @@
 """Checking a checkpoint against its manifest, as a library call.
 
->>> from ckpt_engine.integrity import verify_checkpoint
+>>> from ckpt_engine._format.manifest import verify_checkpoint
 >>> report = verify_checkpoint("runs/exp1/checkpoints/iter_000000020")  # doctest: +SKIP
 >>> report.verified, report.problems                                    # doctest: +SKIP
 (True, [])

@@ -18,6 +18,7 @@ import pluggy
 from pydantic import BaseModel, ValidationError
 
 from . import hookspecs
+from ._config_errors import describe_validation_error
 from ._markers import PROJECT_NAME
 from .config import EngineConfig, PluginEntry
 from .defaults import DEFAULT_PLUGIN_NAME, DefaultIO
@@ -74,7 +75,9 @@ def instantiate(obj: Any, options: dict[str, Any], who: str) -> Any:
             try:
                 validated = opts_model.model_validate(options)
             except ValidationError as err:
-                raise PluginConfigError(f"{who} has invalid options:\n{err}") from err
+                raise PluginConfigError(
+                    f"{who} has invalid options:\n{describe_validation_error(err, opts_model)}"
+                ) from err
             try:
                 return obj(validated)  # type: ignore[call-arg]
             except Exception as err:

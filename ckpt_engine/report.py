@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,14 +84,27 @@ class ComponentReport:
             by_plugin.setdefault(rec.plugin or "engine", []).append(key)
         for who, keys in sorted(by_plugin.items()):
             keys.sort()
+            patterns = index_patterns(keys)
             if len(keys) > threshold:
                 example = keys[0]
-                groups = ", ".join(collapse_keys(keys, threshold))
+                collapsed = collapse_keys(keys, threshold)
+                if len(collapsed) > threshold:  # many top-level keys (a Sequential): one pattern per layer kind
+                    collapsed = [f"{p} ({len(m)} keys)" if len(m) > 1 else p for p, m in patterns.items()]
+                    collapsed = collapsed[:threshold] + (
+                        [f"... {len(collapsed) - threshold} more"] * (len(collapsed) > threshold)
+                    )
+                groups = ", ".join(collapsed)
                 lines.append(
                     f"  skipped by {who}: {len(keys)} keys ({groups}); e.g. {example}: {self.skipped[example].reason}"
                 )
-            else:
-                lines += [f"  skipped by {who}: {k}: {self.skipped[k].reason}" for k in keys]
+                continue
+            for pattern, members in patterns.items():
+                first = members[0]
+                if len(members) == 1:
+                    lines.append(f"  skipped by {who}: {first}: {self.skipped[first].reason}")
+                else:  # the same key in every layer: one line
+                    reason = self.skipped[first].reason
+                    lines.append(f"  skipped by {who}: {pattern} ({len(members)} keys); e.g. {first}: {reason}")
         overlaps = sorted(self.overlap.items())
         shown = overlaps if len(overlaps) <= threshold else overlaps[:threshold]
         for key, ov in shown:
@@ -117,6 +131,18 @@ def _rename_rule(dest: str, storage: str) -> str:
     if common == 0:
         return f"{dest} <- {storage}"
     return f"{'.'.join(d_parts[:-common])}.* <- {'.'.join(s_parts[:-common])}.*"
+
+
+_INDEX = re.compile(r"(?<![^.])\d+(?![^.])")
+
+
+def index_patterns(keys: Iterable[str]) -> dict[str, list[str]]:
+    """Keys grouped by their shape with numeric segments as ``*`` (``layers.3._extra_state`` ->
+    ``layers.*._extra_state``), in the order of their first key."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(_INDEX.sub("*", key), []).append(key)
+    return groups
 
 
 def collapse_keys(keys: Iterable[str], threshold: int = 8) -> list[str]:

@@ -336,10 +336,12 @@ def test_callbacks_object_lacking_methods_gets_only_what_it_has(tmp_path: Path) 
 
 
 def test_failed_save_raises_and_never_reports_success(tmp_path: Path) -> None:
-    (tmp_path / "job").mkdir()
-    (tmp_path / "job" / "checkpoints").write_text("a file where the checkpoint folder should be")
     rec = Recorder()
     ckpt = checkpointer(tmp_path, callbacks=rec)
+    # A file where the checkpoint folder should be, once the engine has started (at the start,
+    # the engine refuses it with SaveDirError).
+    (tmp_path / "job").mkdir(exist_ok=True)
+    (tmp_path / "job" / "checkpoints").write_text("a file where the checkpoint folder should be")
     with pytest.raises(CheckpointSaveError, match="iteration 5"):
         ckpt.save(*make_run(0).args(), 5)
     # Unlike the original's sync path, no on_save_checkpoint_success for a failed save.

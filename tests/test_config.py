@@ -48,7 +48,7 @@ def test_plugin_string_forms() -> None:
     ],
 )
 def test_bad_values_name_the_field(fields: dict[str, object], field_name: str) -> None:
-    with pytest.raises(ValidationError) as info:
+    with pytest.raises(ConfigError) as info:
         EngineConfig.model_validate(fields)
     assert field_name in str(info.value)
 

@@ -56,7 +56,9 @@ from .._format.manifest import (
     write_manifest,
 )
 from .._format.names import LATEST_FILE, MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, parse_iteration, partial_dirname
+from .._format.not_checkpoint import resolve_save_folder
 from .._format.retention import apply_retention
+from .._storage.paths import check_local_save_dir
 from .._storage.store import FsspecStore, Store, open_store
 from ..config import EngineConfig
 from ..errors import (
@@ -67,6 +69,7 @@ from ..errors import (
     ConfigError,
     IncompleteCheckpointError,
     IntegrityError,
+    InvalidArgumentError,
     SaveDirLockedError,
     StorageError,
     first_failure,
@@ -84,6 +87,8 @@ from ..types import (
     WriteResult,
 )
 from . import dist as _dist
+from .preemption import PreemptionSaver
+from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes, with_rng
 from .state import TrainingObjects, apply_component, component_state_dict
 
 __all__ = ["CheckpointEngine", "SaveHandle"]
@@ -194,6 +199,8 @@ class CheckpointEngine:
         storage = self.config.storage
         self._store = open_store(self.save_dir, storage)
         self._remote = self._store.is_object_store
+        if not self._remote:
+            check_local_save_dir(self.save_dir)
         #: Two-tier saves (``storage.local_dir``): local commit first, upload in the background.
         self._local_dir = storage.local_dir if self._remote else None
         #: Saves go straight into the object store: every rank uploads its own files from the spool.
@@ -289,11 +296,12 @@ class CheckpointEngine:
         background writer, ``handle.result()`` or :meth:`wait` waits for the commit.
         """
         self._check_open()
+        extra = with_rng(extra, self.config.rng)
         if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+            raise InvalidArgumentError(f"iteration must be a non-negative int, got {iteration!r}")
         objs = TrainingObjects.from_args(model, optimizer, scheduler, grad_scaler, extra)
         if not objs.modules:
-            raise ValueError("save() needs model=: a module or a list of modules")
+            raise InvalidArgumentError("save() needs model=: a module or a list of modules")
         # One save in flight (more only where the stage provider says so): never re-stage while
         # a write may still read the buffers.
         self._wait_pending(keep=self._saves_to_keep(iteration))
@@ -846,6 +854,11 @@ class CheckpointEngine:
             raise first_error
         return results
 
+    def save_on_preemption(self, *, every: int | None = None, exit_code: int = 0) -> PreemptionSaver:
+        """A context manager turning SIGTERM into a save at the next ``step_done()`` and a clean
+        exit; also saves every ``every`` steps (see :mod:`ckpt_engine.preemption`)."""
+        return PreemptionSaver(self, every=every, exit_code=exit_code)
+
     def wait(self) -> None:
         """Block until every pending save is committed; raise if one failed."""
         self._wait_pending()
@@ -912,6 +925,7 @@ class CheckpointEngine:
         """
         self._check_open()
         self.wait()  # never read a checkpoint that is still being committed
+        extra = with_rng(extra, self.config.rng)
         objs = TrainingObjects.from_args(model, optimizer, scheduler, grad_scaler, extra)
         self._check_keys_not_to_resume(objs)
         cfg = self.config
@@ -953,6 +967,7 @@ class CheckpointEngine:
                     f"load_path {lp!r} does not exist or is not a checkpoint folder (nor a .pth file); "
                     "fix load_path, or unset it to start from scratch"
                 )
+            lp = self._agreed(lambda: resolve_save_folder(cfg.load_path or "", lp_store)) or lp  # its latest
             if cfg.load_training_state:
                 wanted = wanted_all
             elif cfg.only_load_scheduler_state:
@@ -1149,6 +1164,8 @@ class CheckpointEngine:
                     )
                 logger.warning("checkpoint %s has no component %r; not loaded", path, name)
                 continue
+            if name == RNG_COMPONENT:
+                check_saved_world_size(checked.components[name], path, _dist.world_size())
             sd = component_state_dict(objs, name, 0)
             planner = self._load_component(
                 name, validated.store.join(path, name), sd, checked.components[name], objs, validated.store
@@ -1188,7 +1205,11 @@ class CheckpointEngine:
             strict=self.config.strict,
             strict_unexpected=self.config.strict_unexpected,
             trust_checkpoint=self.config.trust_checkpoint,
-            ignore_unexpected_prefixes=("grad_scaler.",) if name == "trainer" and objs.grad_scaler is None else (),
+            ignore_unexpected_prefixes=("grad_scaler.",)
+            if name == "trainer" and objs.grad_scaler is None
+            else other_rank_prefixes(_dist.rank(), _dist.world_size())
+            if name == RNG_COMPONENT
+            else (),
             rank=_dist.rank(),
             world_size=_dist.world_size(),
         )
@@ -1214,7 +1235,7 @@ class CheckpointEngine:
         if not store.exists(path) or store.isdir(path):
             raise CheckpointNotFoundError(f"load_path {path!r} does not exist; fix load_path or unset it")
         if not objs.modules:
-            raise ValueError("a .pth load_path loads a model: pass model=")
+            raise InvalidArgumentError("a .pth load_path loads a model: pass model=")
         try:
             source: Any = io.BytesIO(store.read_bytes(path)) if store.is_object_store else path
             loaded = torch.load(source, map_location="cpu", weights_only=True)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import ConfigError
+from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from ..types import STANDARD_COMPONENTS
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -60,19 +60,21 @@ class TrainingObjects:
         modules = _as_list(model)
         for i, m in enumerate(modules):
             if not isinstance(m, nn.Module):
-                raise TypeError(f"model[{i}] is a {type(m).__name__}, not a torch.nn.Module")
+                raise ArgumentTypeError(f"model[{i}] is a {type(m).__name__}, not a torch.nn.Module")
         optimizers = _as_list(optimizer)
         for i, o in enumerate(optimizers):
             if not isinstance(o, torch.optim.Optimizer):
-                raise TypeError(f"optimizer[{i}] is a {type(o).__name__}, not a torch.optim.Optimizer")
+                raise ArgumentTypeError(f"optimizer[{i}] is a {type(o).__name__}, not a torch.optim.Optimizer")
         if optimizers and len(optimizers) != len(modules):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{len(optimizers)} optimizer(s) for {len(modules)} module(s): optimizers are paired with "
                 "modules; pass one optimizer per module, in the same order"
             )
+        for i, (m, o) in enumerate(zip(modules, optimizers, strict=False)):
+            _check_optimizer_params(i, m, o)
         for name, obj in (("scheduler", scheduler), ("grad_scaler", grad_scaler)):
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"{name} ({type(obj).__name__}) has no state_dict()/load_state_dict()")
+                raise ArgumentTypeError(f"{name} ({type(obj).__name__}) has no state_dict()/load_state_dict()")
         extras = dict(extra or {})
         for name, obj in extras.items():
             if name in STANDARD_COMPONENTS:
@@ -85,7 +87,7 @@ class TrainingObjects:
                     f"extra component name {name!r} must be a plain folder name ([A-Za-z_][A-Za-z0-9_-]*)"
                 )
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"extra component {name!r} ({type(obj).__name__}) is not Stateful: it needs "
                     "state_dict() and load_state_dict()"
                 )
@@ -102,6 +104,21 @@ class TrainingObjects:
             names.append("scheduler")
         names.append("trainer")
         return names + list(self.extra)
+
+
+def _check_optimizer_params(i: int, module: nn.Module, optim: torch.optim.Optimizer) -> None:
+    """Every parameter the optimizer updates must be one of its module's parameters (the very
+    tensor objects); otherwise DCP's state dict code fails with a bare ``KeyError``."""
+    own = {id(p) for p in module.parameters()}
+    foreign = sum(1 for g in optim.param_groups for p in g["params"] if id(p) not in own)
+    if foreign:
+        total = sum(len(g["params"]) for g in optim.param_groups)
+        raise InvalidArgumentError(
+            f"optimizer[{i}] updates {foreign} of its {total} parameter(s) that are not parameters of model[{i}] "
+            f"({type(module).__name__}): it was built for other tensors. If the model is sharded (fully_shard, "
+            "DTensor), build the optimizer after sharding, from model.parameters(); otherwise pass the optimizer "
+            "built from this model (or pair them in the same order)"
+        )
 
 
 def _merge(dicts: Iterable[dict[str, Any]], what: str) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from .names import (
     METADATA_FILE,
     parse_iteration,
 )
+from .not_checkpoint import diagnose_not_checkpoint
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -137,7 +138,14 @@ def check_complete(
     out: dict[str, Metadata] = {}
     for name in names:
         cdir = store.join(path, name)
-        md = read_metadata(cdir, store, check_metadata_bytes)
+        try:
+            md = read_metadata(cdir, store, check_metadata_bytes)
+        except IncompleteCheckpointError as err:
+            # No .metadata: an interrupted save, or a folder that is no checkpoint at all?
+            not_checkpoint = diagnose_not_checkpoint(path, names, store)
+            if not_checkpoint is not None:
+                raise not_checkpoint from err
+            raise
         needed: dict[str, int] = {}
         for index, info in (md.storage_data or {}).items():
             rel = getattr(info, "relative_path", None)

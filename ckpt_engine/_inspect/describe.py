@@ -250,6 +250,10 @@ table in TOML), so the engine's settings can live in your project's config file.
 - Unknown fields are errors that name the field, in the engine's config and in every plugin's
   `options`.
 - The config is frozen: nothing, no plugin either, changes it after it is built.
+- Paths (`save_dir`, `load_dir`, `load_path`, `storage.spool_dir`, `storage.local_dir`): `~` is
+  the home folder, and a relative path is relative to the working directory of the process that
+  builds the engine, not to the config file's folder. An invalid config raises `ConfigError`,
+  naming the field and, for a misspelled one, the closest field name.
 - Plugins are listed in `plugins`, in fold order. Each plugin validates its own `options`
   (its pydantic `Options` model, below).
 

@@ -47,7 +47,7 @@ ASYNC_PLUGIN = "pinned_staging"
 class Settings:
     steps: int = 60
     save_every: int = 10
-    kill_at: int = 45
+    kill_at: int = 43  # default_kill_at(Settings()): what the demo uses unless --kill-at is given
     hidden: int = 512
     layers: int = 6
     batch: int = 128
@@ -56,7 +56,7 @@ class Settings:
     lr: float = 1e-3
 
 
-FAST = Settings(steps=12, save_every=3, kill_at=7, hidden=64, layers=2, batch=32)
+FAST = Settings(steps=12, save_every=3, kill_at=9, hidden=64, layers=2, batch=32)
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +64,10 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help=f"training steps (default {d.steps}; --fast: {FAST.steps})")
     p.add_argument("--save-every", type=int, help=f"checkpoint every N steps (default {d.save_every})")
     p.add_argument(
-        "--kill-at", type=int, help=f"kill during the first save at or after this step (default {d.kill_at})"
+        "--kill-at",
+        type=int,
+        help="kill during the first save at or after this step (default: just past 70%% of --steps, "
+        f"{default_kill_at(d)} for the defaults; --fast: {default_kill_at(FAST)})",
     )
     p.add_argument("--hidden", type=int, help=f"model width (default {d.hidden})")
     p.add_argument("--layers", type=int, help=f"residual blocks (default {d.layers})")
@@ -86,9 +89,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     }
     s = dataclasses.replace(base, **changes)
     if "kill_at" not in changes:
-        # The default kill point keeps its place relative to the run: just past 70% of it.
-        s = dataclasses.replace(s, kill_at=max(s.save_every + 1, int(s.steps * 0.7) + 1))
+        s = dataclasses.replace(s, kill_at=default_kill_at(s))
     return s
+
+
+def default_kill_at(s: Settings) -> int:
+    """The default kill point keeps its place relative to the run: just past 70% of it."""
+    return max(s.save_every + 1, int(s.steps * 0.7) + 1)
 
 
 def check_settings(s: Settings, ranks: int) -> str | None:
