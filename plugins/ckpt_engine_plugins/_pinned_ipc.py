@@ -118,6 +118,9 @@ class Save:
     planner: Any
     thread_count: int
     sync_files: bool
+    #: Set when this rank's snapshot failed (``overlap``): the writers agree before DCP starts,
+    #: so every rank fails this save together instead of waiting for this one.
+    abort: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -155,6 +155,8 @@ class _Writer:
         local_error: str | None = None
         slab: Any = None
         try:
+            if msg.abort is not None:
+                raise RuntimeError(msg.abort)
             slab = self._slab(msg.set_id)
             # Dry run: every class the values need must be importable here, before any rank
             # commits to the collective save.
