@@ -52,26 +52,47 @@ class SnapshotChangedError(CkptEngineError):
 SnapshotChangedError.__module__ = "ckpt_engine_plugins.pinned_staging"
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
+
+
 def _key(tensor: torch.Tensor) -> TensorKey:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = _local(tensor)
     return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), local.dtype, local.device)
 
 
-def optimizer_owned(optimizers: Sequence[torch.optim.Optimizer]) -> set[TensorKey]:
-    """The memory that only ``optimizer.step()`` changes: parameters and optimizer state tensors."""
-    owned: set[TensorKey] = set()
+def optimizer_owned(optimizers: Sequence[torch.optim.Optimizer]) -> dict[TensorKey, list[torch.Tensor]]:
+    """The memory that only ``optimizer.step()`` changes (parameters and optimizer state), each
+    with the tensors whose version counters an in-place change of it bumps.
+
+    A state dict may alias that memory through a tensor with a version counter of its own (FSDP2's
+    state dicts do), so the owners' counters are watched as well as the state dict's.
+    """
+    owned: dict[TensorKey, list[torch.Tensor]] = {}
+
+    def add(tensor: torch.Tensor) -> None:
+        owners = owned.setdefault(_key(tensor), [])
+        owners += [tensor, _local(tensor)] if isinstance(tensor, DTensor) else [tensor]
+
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for param in group["params"]:
-                owned.add(_key(param))
+                add(param)
                 for value in optimizer.state.get(param, {}).values():
                     if isinstance(value, torch.Tensor):
-                        owned.add(_key(value))
+                        add(value)
     return owned
 
 
-def is_owned(local: torch.Tensor, owned: set[TensorKey]) -> bool:
+def is_owned(local: torch.Tensor, owned: Mapping[TensorKey, list[torch.Tensor]]) -> bool:
     return _key(local) in owned
+
+
+def owners_of(local: torch.Tensor, owned: Mapping[TensorKey, list[torch.Tensor]]) -> list[torch.Tensor]:
+    return owned.get(_key(local), [])
 
 
 def tensor_names(state: Mapping[str, Any]) -> dict[int, str]:
@@ -153,11 +174,14 @@ class Snapshot:
         views: Sequence[torch.Tensor],
         sources: Sequence[torch.Tensor],
         names: Sequence[str],
+        watched: Sequence[Sequence[torch.Tensor]],
         optimizers: Sequence[torch.optim.Optimizer],
         streams: StreamPool,
     ) -> None:
         self._views, self._sources, self._names = list(views), list(sources), list(names)
-        self._versions = [tensor_version(s) for s in self._sources]
+        #: Per source: it and the tensors whose in-place changes change it (their counters).
+        self._watched = [[s, *w] for s, w in zip(self._sources, watched, strict=True)]
+        self._versions = [self._version(i) for i in range(len(self._sources))]
         self._lock = threading.Lock()
         self._cpu_copied = threading.Event()
         self._copied = threading.Event()
@@ -235,8 +259,11 @@ class Snapshot:
         self._copied.set()
         self._maybe_settle()
 
+    def _version(self, i: int) -> tuple[int, ...]:
+        return tuple(tensor_version(t) for t in self._watched[i])
+
     def _check(self, i: int) -> None:
-        if tensor_version(self._sources[i]) != self._versions[i]:
+        if self._version(i) != self._versions[i]:
             raise self._changed(i)
 
     def _changed(self, i: int) -> SnapshotChangedError:
@@ -256,8 +283,8 @@ class Snapshot:
                 return
             self._confirmed = True
             if self._error is None:
-                for i, s in enumerate(self._sources):
-                    if tensor_version(s) != self._versions[i]:
+                for i in range(len(self._sources)):
+                    if self._version(i) != self._versions[i]:
                         self._error = self._changed(i)
                         break
         self._maybe_settle()

@@ -155,6 +155,9 @@ class Done:
     bytes_written: int
     seconds: float
     error: str | None
+    #: The writers agreed to skip this save (a rank's ``overlap`` snapshot failed) before any
+    #: collective write began: their group is intact and needs no replacement.
+    group_intact: bool = False
 
 
 # -- state-dict skeletons ----------------------------------------------------------------------

@@ -78,7 +78,16 @@ from torch.distributed.tensor import DTensor
 from ckpt_engine import CkptEngineError, SaveContext, StagedState, WriteContext, WriteResult, hookimpl
 
 from ._pinned_buffers import HostSlab, default_shm_dir, plan_layout, sweep_stale_files
-from ._pinned_copy import Snapshot, SnapshotChangedError, StreamPool, copy_now, is_owned, optimizer_owned, tensor_names
+from ._pinned_copy import (
+    Snapshot,
+    SnapshotChangedError,
+    StreamPool,
+    copy_now,
+    is_owned,
+    optimizer_owned,
+    owners_of,
+    tensor_names,
+)
 from ._pinned_ipc import Alloc, Free, Init, MeshSpec, Save, SkeletonUnpickler
 from ._pinned_process import Pending, PinnedWriterError, WriterProcess
 
@@ -435,7 +444,7 @@ class PinnedStagingPlugin:
         """Copy into ``buffers``: everything now, or (``overlap``) now only what can change outside
         the optimizer and the rest in a background :class:`Snapshot`."""
         views, sources = buffers.slab.views, collector.sources
-        owned = optimizer_owned(ctx.optimizers) if self.options.overlap else set()
+        owned = optimizer_owned(ctx.optimizers) if self.options.overlap else {}
         later = [i for i, s in enumerate(sources) if owned and is_owned(s, owned)]
         deferred = set(later)
         now = [i for i in range(len(sources)) if i not in deferred]
@@ -447,6 +456,7 @@ class PinnedStagingPlugin:
             [views[i] for i in later],
             [sources[i] for i in later],
             [names.get(id(collector.objects[i]), f"tensor {i}") for i in later],
+            [owners_of(sources[i], owned) for i in later],
             ctx.optimizers,
             self._streams,
         )
