@@ -266,3 +266,36 @@ def test_fsdp2_overlap_saves_are_exact_and_an_edit_on_one_rank_fails_the_save_ev
             assert torch.equal(param.detach(), torch.tensor(saved["params"][name])), name
             exp_avg = torch.tensor(saved["exp_avg"][name])
             assert torch.equal(optim.state[param]["exp_avg"], exp_avg), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_training_loop_checkpoints_are_bit_exact(tmp_path: Path, overlap: bool) -> None:
+    trainer = Trainer(width=1024)
+    trainer.model.cuda()
+    trainer.optim = torch.optim.AdamW(trainer.model.parameters(), lr=1e-2)
+    trainer.sched = torch.optim.lr_scheduler.StepLR(trainer.optim, step_size=2, gamma=0.5)
+    trainer.scaler = torch.amp.GradScaler("cuda", init_scale=256.0)
+
+    def forward_backward() -> None:
+        gen = torch.Generator(device="cuda").manual_seed(1000 + trainer.steps)
+        out = trainer.model(torch.randn(16, trainer.width, generator=gen, device="cuda"))
+        trainer.scaler.scale(out.square().mean()).backward()
+
+    trainer.forward_backward = forward_backward  # type: ignore[method-assign]
+    plugin = PinnedStagingPlugin(PinnedStagingPlugin.Options(overlap=overlap))
+    expected, handles = {}, []
+    with CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}, plugins=[plugin]) as engine:
+        for i in range(1, 7):
+            trainer.step()
+            if i % 2 == 0:
+                expected[i] = {k: v.cpu() for k, v in trainer.model.state_dict().items()}
+                handles.append(engine.save(i, **trainer.objects()))
+        assert all(h.result(timeout=120).succeeded for h in handles)
+    assert not trainer.optim._optimizer_step_pre_hooks
+    for i, want in expected.items():
+        fresh = Trainer(seed=9, width=1024)
+        config = {"save_dir": str(tmp_path / "x"), "load_path": str(tmp_path / "ckpt" / f"iter_{i:09}")}
+        with CheckpointEngine(config) as engine:
+            engine.load(model=fresh.model)
+        assert_state_dicts_equal(fresh.model.state_dict(), want)
