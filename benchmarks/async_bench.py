@@ -9,6 +9,10 @@ For each state size (``--sizes``, MiB; ~200 fp32/bf16 tensors), in one run, side
     the 2nd                                                               target growth < 5 %
 (d) steps/s of a small CPU training loop with a save every ``--save-every`` steps vs no saves
     (async and sync)
+(e) the overlap comparison (``--overlap-sizes``, MiB of parameters + AdamW state): a training loop
+    in alternating rounds of no saves / sync saves / async ``overlap: false`` / async
+    ``overlap: true``; per save the time blocked in ``save()``, the time waited in the step hook
+    and the loop's slowdown, each over the copy floor of the same state
 
 Usage::
 
@@ -272,6 +276,126 @@ def bench_training(
     return out
 
 
+def _overlap_model(state_mib: float, width: int = 1024) -> nn.Module:
+    """An MLP whose parameters plus AdamW's two moments add up to about ``state_mib``."""
+    layers = max(1, round(state_mib * MIB / 3 / (width * width * 4)))
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def bench_overlap(
+    state_mib: float, steps: int, save_every: int, rounds: int, root: Path, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """(e): no saves / sync / async overlap false / async overlap true, rounds alternating."""
+    torch.manual_seed(0)
+    model = _overlap_model(state_mib)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(256, 1024)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+    step()
+    tensors = [p.detach() for p in model.parameters()] + [
+        t for st in optim.state.values() for t in st.values() if t.dim() > 0
+    ]
+    targets = [torch.empty_like(t) for t in tensors]
+    floors = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for d, t in zip(targets, tensors, strict=True):
+            d.copy_(t)
+        floors.append(time.perf_counter() - t0)
+    floor = statistics.median(floors)
+    del targets
+    modes: dict[str, Any] = {
+        "sync": lambda: CheckpointEngine({"save_dir": str(root / "ov_sync")}),
+        "async": lambda: CheckpointEngine(
+            {"save_dir": str(root / "ov_async")}, plugins=[PinnedStagingPlugin(PinnedStagingPlugin.Options())]
+        ),
+        "overlap": lambda: CheckpointEngine(
+            {"save_dir": str(root / "ov_overlap")},
+            plugins=[PinnedStagingPlugin(PinnedStagingPlugin.Options(overlap=True))],
+        ),
+    }
+    engines = {name: make() for name, make in modes.items()}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in ("none", *modes)}
+    try:
+        for plugin in [p for e in engines.values() for p in (e._plugins.pm.get_plugin("pinned_staging"),) if p]:
+            plugin.wait_ready()
+        for engine in engines.values():  # allocate buffers: not timed
+            engine.save(0, model=model, optimizer=optim).result(timeout=600)
+        it = 1
+        for r in range(rounds):
+            for name in runs:
+                engine = engines.get(name)
+                handles = []
+                t0 = time.perf_counter()
+                for i in range(1, steps + 1):
+                    step()
+                    if engine is not None and i % save_every == 0:
+                        handles.append(engine.save(it, model=model, optimizer=optim))
+                        it += 1
+                loop_s = time.perf_counter() - t0
+                results = [h.result(timeout=600) for h in handles]
+                if engine is not None:
+                    _prune(root / f"ov_{name}", keep=1)
+                runs[name].append(
+                    {
+                        "loop_s": loop_s,
+                        "saves": len(results),
+                        "blocked_s": statistics.median([x.blocked_seconds for x in results]) if results else 0.0,
+                        "step_wait_s": statistics.median([x.step_wait_seconds for x in results]) if results else 0.0,
+                        "copy_s": statistics.median([x.background_copy_seconds for x in results]) if results else 0.0,
+                    }
+                )
+            log("  round " + str(r + 1) + ": " + ", ".join(f"{n} {v[-1]['loop_s']:.2f}s" for n, v in runs.items()))
+    finally:
+        for engine in engines.values():
+            engine.close()
+    med = statistics.median
+    base = med([x["loop_s"] for x in runs["none"]])
+    out: dict[str, Any] = {
+        "state_mib": sum(t.nbytes for t in tensors) / MIB,
+        "floor_copy_s": floor,
+        "step_s": base / steps,
+        "steps": steps,
+        "save_every": save_every,
+        "runs": runs,
+    }
+    for name in modes:
+        rs = runs[name]
+        saves = rs[0]["saves"]
+        blocked, wait = med([x["blocked_s"] for x in rs]), med([x["step_wait_s"] for x in rs])
+        slowdown = (med([x["loop_s"] for x in rs]) - base) / saves
+        out[name] = {
+            "blocked_over_floor": blocked / floor,
+            "step_wait_over_floor": wait / floor,
+            "loop_wait_over_floor": (blocked + wait) / floor,
+            "slowdown_per_save_over_floor": slowdown / floor,
+            "background_copy_over_floor": med([x["copy_s"] for x in rs]) / floor,
+        }
+    return out
+
+
+def overlap_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "(e) per save, over the copy floor: blocked in save() | waited in step hook | loop wait | slowdown",
+    ]
+    for o in rows:
+        lines.append(
+            f"  {o['state_mib']:.0f} MiB (floor {o['floor_copy_s'] * 1e3:.1f} ms, step {o['step_s'] * 1e3:.0f} ms):"
+        )
+        for name in ("sync", "async", "overlap"):
+            m = o[name]
+            lines.append(
+                f"    {name:<8} {m['blocked_over_floor']:6.2f} | {m['step_wait_over_floor']:6.2f} | "
+                f"{m['loop_wait_over_floor']:6.2f} | {m['slowdown_per_save_over_floor']:6.2f}"
+            )
+    return "\n".join(lines)
+
+
 def table(sizes: list[dict[str, Any]], training: dict[str, Any]) -> str:
     med = statistics.median
     rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
@@ -319,10 +443,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--dir", help="folder for the checkpoints (default: a temporary folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and counts: seconds, for tests")
+    parser.add_argument("--overlap-sizes", default="256,1024", help="(e) states in MiB (params + AdamW); '' skips")
+    parser.add_argument("--overlap-steps", type=int, default=12, help="(e) steps per round")
+    parser.add_argument("--only-overlap", action="store_true", help="run (e) alone")
     args = parser.parse_args(argv)
+    overlap_sizes = [float(s) for s in args.overlap_sizes.split(",") if s.strip()]
     if args.smoke:
         sizes, args.reps, args.rss_saves, args.train_steps, args.save_every = [2.0], 1, 3, 8, 4
         args.train_rounds, width, depth = 1, 64, 2
+        overlap_sizes, args.overlap_steps = [13.0], 4
     else:
         sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
         width, depth = 1024, 4
@@ -334,6 +463,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="ckpt_async_bench_", dir=args.dir))
     train_plugin = PinnedStagingPlugin()  # its writer starts now, while the sizes are measured
     try:
+        overlap = []
+        for size in overlap_sizes:
+            log(f"overlap comparison, {size:g} MiB")
+            overlap.append(bench_overlap(size, args.overlap_steps, max(1, args.overlap_steps // 4), 3, root, log))
+        if args.only_overlap:
+            sizes = []
         per_size = []
         for size in sizes:
             log(f"state of {size:g} MiB")
@@ -341,10 +476,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # waited for before the first save (its start-up is reported, never timed in a save).
             plugin = PinnedStagingPlugin()
             per_size.append(bench_size(size, args.reps, args.rss_saves, root, plugin, args.device, log))
-        log("training loop")
-        training = bench_training(
-            args.train_steps, args.save_every, width, depth, args.train_rounds, root, train_plugin, args.device, log
-        )
+        training: dict[str, Any] = {}
+        if not args.only_overlap:
+            log("training loop")
+            training = bench_training(
+                args.train_steps, args.save_every, width, depth, args.train_rounds, root, train_plugin, args.device, log
+            )
     finally:
         train_plugin.close()  # idempotent: the training engine closed it already
         shutil.rmtree(root, ignore_errors=True)
@@ -362,8 +499,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "sizes": per_size,
         "training": training,
+        "overlap": overlap,
     }
-    print(table(per_size, training))
+    if per_size:
+        print(table(per_size, training))
+    print(overlap_table(overlap))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return results

@@ -11,7 +11,7 @@ import enum
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -24,6 +24,7 @@ __all__ = [
     "Decision",
     "LoadContext",
     "LoadResult",
+    "PendingSnapshot",
     "PlanEntry",
     "RemapContext",
     "SaveContext",
@@ -166,6 +167,27 @@ class SaveContext:
     components: tuple[str, ...]
     rank: int
     world_size: int
+    #: The optimizers passed to ``save()`` (a stager that copies in the background guards their
+    #: ``step()`` with a step pre-hook). Do not step or mutate them.
+    optimizers: tuple[torch.optim.Optimizer, ...] = ()
+
+
+class PendingSnapshot(Protocol):
+    """A point-in-time copy still being taken after ``save()`` returned (see ``StagedState.snapshot``)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the copy is complete; raise the error that failed it, or ``TimeoutError``."""
+        ...
+
+    @property
+    def step_wait_seconds(self) -> float:
+        """Seconds the training loop waited for the copy after ``save()`` returned (so far)."""
+        ...
+
+    @property
+    def copy_seconds(self) -> float:
+        """Seconds the background copy took (0 until it is complete)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -175,12 +197,16 @@ class StagedState:
     ``is_copy`` tells whether the state is a host copy owned by the stager (safe to write after
     ``save()`` returns) or the live state itself (then the write must finish before ``save()``
     returns, which the engine enforces). ``completion``, when set, completes when the copy is
-    done; the engine waits for it before ``save()`` returns.
+    done; the engine waits for it before ``save()`` returns. ``snapshot``, when set, is a copy
+    that continues after ``save()`` returns (``pinned_staging`` with ``overlap``): the engine does
+    not wait for it; ``SaveHandle.wait_staged()`` does, and the stager must not let a write read
+    the copy before it is complete.
     """
 
     components: Mapping[str, dict[str, Any]]
     is_copy: bool
     completion: Future[None] | None = None
+    snapshot: PendingSnapshot | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -228,6 +254,18 @@ class SaveResult:
     write_seconds: float = 0.0
     #: Seconds from the ``save()`` call until committed (or failed).
     total_seconds: float = 0.0
+    #: Seconds the training loop waited for this save after ``save()`` returned: in the
+    #: optimizer's step pre-hook (or ``wait_staged()``) until the background copy was complete
+    #: (``pinned_staging`` with ``overlap``; 0 otherwise).
+    step_wait_seconds: float = 0.0
+    #: Seconds the background copy of parameters and optimizer state took after ``save()``
+    #: returned (``overlap`` only; a copy made inside ``save()`` is part of ``staging_seconds``).
+    background_copy_seconds: float = 0.0
+
+    @property
+    def loop_wait_seconds(self) -> float:
+        """Seconds the training loop waited for this save in all: ``save()`` plus the step hook."""
+        return self.blocked_seconds + self.step_wait_seconds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

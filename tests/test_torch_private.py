@@ -26,6 +26,7 @@ from ckpt_engine._dcpio.torch_private import (
     storage_info,
     tensor_archive,
     tensor_data_pkl,
+    tensor_version,
 )
 
 warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
@@ -311,3 +312,28 @@ def test_storage_info_is_dcp_storage_record() -> None:
     info = storage_info("__0_0.distcp", 10, 20)
     assert info == _StorageInfo("__0_0.distcp", 10, 20)
     assert info.transform_descriptors is None  # "no transforms", as DCP's writer records it
+
+
+def test_tensor_version_is_shared_by_views_and_bumped_by_in_place_ops_under_no_grad() -> None:
+    """``overlap`` saves rely on this: the state dict holds ``param.detach()`` (or a view), and a
+    weight edit under ``no_grad`` on the parameter must show in that tensor's counter."""
+    param = torch.nn.Parameter(torch.zeros(4, 4))
+    alias = param.detach()
+    view = alias[1]
+    before = tensor_version(alias)
+    assert tensor_version(view) == before
+    with torch.no_grad():
+        param.add_(1.0)
+    assert tensor_version(alias) == tensor_version(view) > before
+    copy = torch.empty(4, 4)
+    copy.copy_(alias)  # reading never bumps it
+    assert tensor_version(alias) == tensor_version(param)
+    optim = torch.optim.AdamW([param])
+    param.grad = torch.ones_like(param)
+    stepped = tensor_version(alias)
+    optim.step()
+    assert tensor_version(alias) > stepped
+    exp_avg = optim.state[param]["exp_avg"]
+    seen = tensor_version(exp_avg)
+    optim.step()
+    assert tensor_version(exp_avg) > seen

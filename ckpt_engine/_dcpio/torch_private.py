@@ -11,6 +11,10 @@ loudly in CI instead of silently mis-loading checkpoints.
   path (``_fast_read.py``) reads tensor bytes straight into the destination instead of calling
   ``torch.load`` and copying. Anything the parser does not recognise makes it return ``None``
   and the read falls back to DCP's own ``torch.load`` path.
+* ``Tensor._version``: the in-place version counter autograd keeps per storage (shared by views
+  and ``detach()``), bumped by every in-place op (also under ``no_grad``). ``pinned_staging``'s
+  ``overlap`` mode reads it to prove a parameter was not changed before its background copy was
+  taken (:func:`tensor_version`). No public API exposes it.
 """
 
 from __future__ import annotations
@@ -607,3 +611,9 @@ def storage_info(relative_path: str, offset: int, length: int) -> Any:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The in-place version counter of ``tensor`` (shared with its views and ``detach()``)."""
+    version: int = tensor._version
+    return version

@@ -80,6 +80,7 @@ from ..report import ComponentReport, LoadReport, SkipRecord
 from ..types import (
     STANDARD_COMPONENTS,
     LoadResult,
+    PendingSnapshot,
     RemapContext,
     SaveContext,
     SaveResult,
@@ -117,6 +118,8 @@ class _Clock:
     write_start: float = 0.0
     #: How long ``save()`` blocked the caller (set when it returns for a background commit).
     blocked: float = 0.0
+    #: A copy that continues after ``save()`` returned (``StagedState.snapshot``).
+    snapshot: PendingSnapshot | None = None
 
 
 @dataclass
@@ -147,16 +150,35 @@ class _SavePaths:
 class SaveHandle:
     """The outcome of one ``save()``; completes when the checkpoint is committed or has failed."""
 
-    def __init__(self, iteration: int, path: str, future: Future[SaveResult]) -> None:
+    def __init__(
+        self, iteration: int, path: str, future: Future[SaveResult], snapshot: PendingSnapshot | None = None
+    ) -> None:
         self.iteration = iteration
         self.path = path
         self._future = future
+        self._snapshot = snapshot
 
     def done(self) -> bool:
         return self._future.done()
 
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the save's point-in-time copy is complete; raise if it failed.
+
+        Returns at once where ``save()`` made the copy itself (everything but ``pinned_staging``
+        with ``overlap``). Call it before changing weights outside the optimizer.
+        """
+        if self._snapshot is not None:
+            self._snapshot.wait(timeout)
+
     def result(self, timeout: float | None = None) -> SaveResult:
         """The save's :class:`SaveResult`; raises :class:`CheckpointSaveError` if it failed."""
+        if self._snapshot is not None:
+            try:
+                self._snapshot.wait(timeout)  # a background copy hands over only once confirmed
+            except TimeoutError:
+                raise
+            except Exception:
+                pass  # a failed copy fails the save: the result below carries its error
         result = self._future.result(timeout)
         if not result.succeeded:
             raise CheckpointSaveError(
@@ -331,6 +353,7 @@ class CheckpointEngine:
             raise CheckpointSaveError(f"saving iteration {iteration} to {final_dir} failed: {detail}") from err
 
         staged, key_maps = prepared
+        clock.snapshot = staged.snapshot
         clock.write_start = time.perf_counter()
         outcomes: list[WriteResult | Future[WriteResult]] = []
         try:
@@ -356,7 +379,7 @@ class CheckpointEngine:
 
         clock.blocked = time.perf_counter() - t0
         future: Future[SaveResult] = Future()
-        handle = SaveHandle(iteration, final_dir, future)
+        handle = SaveHandle(iteration, final_dir, future, staged.snapshot)
         if all(isinstance(o, WriteResult) for o in outcomes):
             if self._local_dir is not None:
                 # Two-tier: commit the local copy now, upload it in the background.
@@ -447,6 +470,7 @@ class CheckpointEngine:
                     components=components,
                     rank=rank,
                     world_size=world,
+                    optimizers=tuple(objs.optimizers),
                 ),
                 state,
             )
@@ -628,6 +652,8 @@ class CheckpointEngine:
             staging_seconds=clock.staging,
             write_seconds=phase.write_end - clock.write_start,
             total_seconds=now - clock.t0,
+            step_wait_seconds=clock.snapshot.step_wait_seconds if clock.snapshot is not None else 0.0,
+            background_copy_seconds=clock.snapshot.copy_seconds if clock.snapshot is not None else 0.0,
         )
 
     def _write_manifest(

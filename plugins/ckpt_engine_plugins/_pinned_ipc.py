@@ -118,6 +118,9 @@ class Save:
     planner: Any
     thread_count: int
     sync_files: bool
+    #: Set when this rank's snapshot failed (``overlap``): the writers agree before DCP starts,
+    #: so every rank fails this save together instead of waiting for this one.
+    abort: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,9 @@ class Done:
     bytes_written: int
     seconds: float
     error: str | None
+    #: The writers agreed to skip this save (a rank's ``overlap`` snapshot failed) before any
+    #: collective write began: their group is intact and needs no replacement.
+    group_intact: bool = False
 
 
 # -- state-dict skeletons ----------------------------------------------------------------------

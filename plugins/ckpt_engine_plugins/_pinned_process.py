@@ -278,7 +278,8 @@ class WriterProcess:
                 f"{pending.describe()}: {msg.error}"
             ),
         )
-        self._on_failed_write(self)
+        if not msg.group_intact:
+            self._on_failed_write(self)
 
     # -- ending -----------------------------------------------------------------------------
 

@@ -155,6 +155,8 @@ class _Writer:
         local_error: str | None = None
         slab: Any = None
         try:
+            if msg.abort is not None:
+                raise RuntimeError(msg.abort)
             slab = self._slab(msg.set_id)
             # Dry run: every class the values need must be importable here, before any rank
             # commits to the collective save.
@@ -165,13 +167,14 @@ class _Writer:
             needed: list[MeshSpec] = list(msg.meshes)
             if self.world > 1:
                 gathered: list[Any] = [None] * self.world
-                dist.all_gather_object(gathered, (local_error, msg.meshes))
-                failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+                dist.all_gather_object(gathered, (local_error, msg.meshes, msg.abort is not None))
+                failed = [(r, e, aborted) for r, (e, _, aborted) in enumerate(gathered) if e is not None]
                 if failed:
-                    r, e = failed[0]
+                    r, e, _ = failed[0]
                     where = "" if r == self.rank else f"writer rank {r}: "
-                    return Done(msg.req_id, False, 0, time.perf_counter() - t0, where + e)
-                needed = sorted({m for _, specs in gathered for m in specs}, key=_mesh_key)
+                    intact = all(aborted for _, _, aborted in failed)
+                    return Done(msg.req_id, False, 0, time.perf_counter() - t0, where + e, intact)
+                needed = sorted({m for _, specs, _ in gathered for m in specs}, key=_mesh_key)
             elif local_error is not None:
                 return Done(msg.req_id, False, 0, time.perf_counter() - t0, local_error)
             for spec in needed:  # same meshes, same order, on every rank (group creation is collective)

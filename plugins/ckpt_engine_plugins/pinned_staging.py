@@ -57,6 +57,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
+import dataclasses
 import io
 import itertools
 import logging
@@ -77,10 +78,20 @@ from torch.distributed.tensor import DTensor
 from ckpt_engine import CkptEngineError, SaveContext, StagedState, WriteContext, WriteResult, hookimpl
 
 from ._pinned_buffers import HostSlab, default_shm_dir, plan_layout, sweep_stale_files
+from ._pinned_copy import (
+    Snapshot,
+    SnapshotChangedError,
+    StreamPool,
+    copy_now,
+    is_owned,
+    optimizer_owned,
+    owners_of,
+    tensor_names,
+)
 from ._pinned_ipc import Alloc, Free, Init, MeshSpec, Save, SkeletonUnpickler
 from ._pinned_process import Pending, PinnedWriterError, WriterProcess
 
-__all__ = ["BufferSetInfo", "PinnedStagingPlugin", "PinnedWriterError"]
+__all__ = ["BufferSetInfo", "PinnedStagingPlugin", "PinnedWriterError", "SnapshotChangedError"]
 
 logger = logging.getLogger("ckpt_engine.pinned_staging")
 
@@ -106,7 +117,8 @@ class _BufferSet:
     slab: HostSlab
     signature: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     generation: int
-    futures: list[Future[WriteResult]] = field(default_factory=list)
+    #: Writes that read the set, and an ``overlap`` copy still writing into it.
+    futures: list[Future[Any]] = field(default_factory=list)
     last_used: float = 0.0
 
     @property
@@ -121,6 +133,7 @@ class _Staged:
     skeleton: bytes
     meshes: tuple[MeshSpec, ...]
     tree: dict[str, Any]
+    snapshot: Snapshot | None = None
 
 
 class _Collector:
@@ -146,6 +159,11 @@ class _Collector:
             self.sources.append(local)
             self._keep.append(obj)
         return slot
+
+    @property
+    def objects(self) -> list[torch.Tensor]:
+        """The tensor met for each slot (a DTensor itself, where ``sources`` holds its shard)."""
+        return self._keep
 
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
@@ -232,6 +250,12 @@ class PinnedStagingPlugin:
         pin_memory: bool | None = Field(
             default=None, description="Page-lock buffers for CUDA copies; default: when CUDA is available."
         )
+        overlap: bool = Field(
+            default=False,
+            description="Copy parameters and optimizer state in the background after save() returns; the next "
+            "optimizer.step() waits for the copy, and a tensor changed in place before it was copied fails "
+            "that save with SnapshotChangedError.",
+        )
 
     def __init__(self, options: Options | None = None) -> None:
         self.options = options if options is not None else self.Options()
@@ -260,7 +284,8 @@ class PinnedStagingPlugin:
         self._req_ids = itertools.count()
         self._sets: list[_BufferSet] = []
         self._staged: dict[str, _Staged] = {}
-        self._streams: dict[torch.device, Any] = {}
+        self._streams = StreamPool()
+        self._snapshots: list[Snapshot] = []
         self._close_deadline: float | None = None
         self._writer: WriterProcess | None = None
         self._writer = self._spawn_writer()
@@ -398,19 +423,57 @@ class PinnedStagingPlugin:
                     f"{type(err).__name__}: {err}; values must be picklable"
                 ) from err
             skeletons[name] = buf.getvalue()
+        self._settle_snapshots()  # an earlier overlap copy: complete and confirmed before its buffers are reused
         buffers = self._acquire(collector.signature(), writer)
-        self._copy(buffers.slab.views, collector.sources)
         views = buffers.slab.views
+        snapshot = self._copy(ctx, state, collector, buffers)
         trees: dict[str, dict[str, Any]] = {}
         meshes = tuple(collector.meshes)
         staged: dict[str, _Staged] = {}
         for name, skeleton in skeletons.items():
             tree = SkeletonUnpickler(skeleton, lambda pid: views[pid[1]]).load()
             trees[name] = tree
-            staged[name] = _Staged(buffers, skeleton, meshes, tree)
+            staged[name] = _Staged(buffers, skeleton, meshes, tree, snapshot)
         with self._lock:
             self._staged = staged
-        return StagedState(components=trees, is_copy=True)
+        return StagedState(components=trees, is_copy=True, snapshot=snapshot)
+
+    def _copy(
+        self, ctx: SaveContext, state: Mapping[str, dict[str, Any]], collector: _Collector, buffers: _BufferSet
+    ) -> Snapshot | None:
+        """Copy into ``buffers``: everything now, or (``overlap``) now only what can change outside
+        the optimizer and the rest in a background :class:`Snapshot`."""
+        views, sources = buffers.slab.views, collector.sources
+        owned = optimizer_owned(ctx.optimizers) if self.options.overlap else {}
+        later = [i for i, s in enumerate(sources) if owned and is_owned(s, owned)]
+        deferred = set(later)
+        now = [i for i in range(len(sources)) if i not in deferred]
+        copy_now([views[i] for i in now], [sources[i] for i in now], self._streams)
+        if not later:
+            return None
+        names = tensor_names(state)
+        snapshot = Snapshot(
+            [views[i] for i in later],
+            [sources[i] for i in later],
+            [names.get(id(collector.objects[i]), f"tensor {i}") for i in later],
+            [owners_of(sources[i], owned) for i in later],
+            ctx.optimizers,
+            self._streams,
+        )
+        with self._lock:
+            buffers.futures.append(snapshot.settled)
+            self._snapshots.append(snapshot)
+        return snapshot
+
+    def _settle_snapshots(self, timeout: float | None = None) -> None:
+        """Complete and confirm earlier overlap copies (on the training thread); their saves
+        report their own failures, so none is raised here."""
+        with self._lock:
+            pending, self._snapshots = self._snapshots, [s for s in self._snapshots if not s.settled.done()]
+        for snapshot in pending:
+            with contextlib.suppress(Exception):
+                snapshot.wait(timeout)
+            snapshot.remove_hooks()
 
     def _acquire(self, signature: tuple[tuple[tuple[int, ...], torch.dtype], ...], writer: WriterProcess) -> _BufferSet:
         """A buffer set for ``signature`` that no pending write reads."""
@@ -473,30 +536,6 @@ class PinnedStagingPlugin:
             with contextlib.suppress(PinnedWriterError):
                 writer.send(Free(buffers.slab.set_id))
 
-    def _copy(self, views: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-        """Copy ``sources`` into ``views``; returns when every copy is complete."""
-        with torch.no_grad():
-            streams = []
-            cuda_pairs = [(v, s) for v, s in zip(views, sources, strict=True) if s.device.type == "cuda"]
-            if cuda_pairs:  # not run on a GPU in this project's CI: keep it small and obvious
-                by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-                for v, s in cuda_pairs:
-                    by_device.setdefault(s.device, []).append((v, s))
-                for device, pairs in by_device.items():
-                    stream = self._streams.get(device)
-                    if stream is None:
-                        stream = self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-                    stream.wait_stream(torch.cuda.current_stream(device))  # values as of this save
-                    with torch.cuda.stream(stream):
-                        for v, s in pairs:
-                            v.copy_(s, non_blocking=True)
-                    streams.append(stream)
-            for v, s in zip(views, sources, strict=True):
-                if s.device.type != "cuda":
-                    v.copy_(s)
-            for stream in streams:
-                stream.synchronize()
-
     # -- write ----------------------------------------------------------------------------
 
     @hookimpl
@@ -533,18 +572,43 @@ class PinnedStagingPlugin:
         )
         with self._lock:
             staged.buffers.futures.append(future)  # busy until the writer has read it
+        if staged.snapshot is None:
+            self._send(writer, message, future)
+        else:  # hand over only a complete, confirmed snapshot
+            staged.snapshot.when_settled(lambda error: self._hand_over(writer, message, future, error))
+        return future
+
+    def _send(self, writer: WriterProcess, message: Save, future: Future[WriteResult]) -> None:
         try:
-            writer.send(message, (req_id, Pending(future, ctx.iteration, ctx.component)))
+            writer.send(message, (message.req_id, Pending(future, message.iteration, message.component)))
         except PinnedWriterError as err:
             future.set_exception(err)  # never leave the buffer set marked busy
             raise
         except Exception as err:
             future.set_exception(err)
             raise CkptEngineError(
-                f"pinned_staging cannot send the save request of component {ctx.component!r} to the writer "
-                f"process (the planner {type(ctx.planner).__qualname__} must be picklable): {type(err).__name__}: {err}"
+                f"pinned_staging cannot send the save request of component {message.component!r} to the writer "
+                f"process (the planner {type(message.planner).__qualname__} must be picklable): "
+                f"{type(err).__name__}: {err}"
             ) from err
-        return future
+
+    def _hand_over(
+        self, writer: WriterProcess, message: Save, future: Future[WriteResult], error: BaseException | None
+    ) -> None:
+        """Send a settled overlap save to the writer; its failure goes into ``future``, never up."""
+        try:
+            if error is None:
+                self._send(writer, message, future)
+                return
+            if self._world > 1:  # the other ranks' writers must fail this save too, not wait for ours
+                aborted: Future[WriteResult] = Future()
+                abort = dataclasses.replace(message, abort=f"rank {self._rank}: {error}")
+                with contextlib.suppress(Exception):
+                    writer.send(abort, (message.req_id, Pending(aborted, message.iteration, message.component)))
+            future.set_exception(error)
+        except Exception as err:
+            if not future.done():
+                future.set_exception(err)
 
     # -- shutdown -------------------------------------------------------------------------
 
@@ -575,6 +639,7 @@ class PinnedStagingPlugin:
         if os.getpid() != self._owner_pid:
             self._stop.set()
             return
+        self._settle_snapshots(max(0.0, (deadline or time.monotonic()) - time.monotonic()))
         error: PinnedWriterError | None = None
         if writer is not None and writer.alive:
             pending = writer.pending_futures()
@@ -610,6 +675,11 @@ class PinnedStagingPlugin:
 
     def _watch(self, exit_deadline: float | None) -> float | None:
         """One watchdog round; returns the interpreter-exit deadline (see the module docstring)."""
+        if not threading.main_thread().is_alive():  # nobody steps an optimizer any more
+            with self._lock:
+                snapshots = list(self._snapshots)
+            for snapshot in snapshots:
+                snapshot.confirm_at_exit()
         writer = self._writer
         if writer is None or not writer.alive:
             return exit_deadline

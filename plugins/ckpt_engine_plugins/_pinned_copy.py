@@ -1,0 +1,354 @@
+"""``pinned_staging``'s copies into host buffers (private): in ``stage``, or in the background.
+
+:func:`copy_now` is the synchronous copy every save makes (everything, or with ``overlap`` what
+can change outside the optimizer). :class:`Snapshot` is the ``overlap`` copy of parameters and
+optimizer state that continues after ``save()`` returned:
+
+* **CPU**: a worker thread copies tensor by tensor and checks each source's version counter
+  right after its copy (an in-place edit that completed before the copy ended is caught).
+* **CUDA**: the copies are queued on a side stream that first waits for the current stream,
+  an event is recorded after them, and a thread waits for that event (never the training thread).
+* **The guard**: every optimizer passed to ``save()`` gets a step pre-hook. On CPU it waits for
+  the copy; on CUDA it makes the current stream wait on the copy's event (no host sync). Either
+  way it then *confirms* the snapshot on the thread that steps the optimizer, where every edit
+  that thread made since ``save()`` has finished: if any source's version counter moved since
+  ``save()``, the save fails with :class:`SnapshotChangedError`. ``wait()``
+  (``SaveHandle.wait_staged()``), ``SaveHandle.result()``, the next ``save()`` and ``close()``
+  confirm too. Only a snapshot that is copied *and* confirmed is handed to the writer: an edit
+  still running while the copy read the tensor cannot slip through between the two checks.
+* The hooks are removed once the snapshot is settled, on the training thread only (a hook
+  cannot remove itself while the optimizer iterates its hooks: it leaves that to a one-shot
+  step post-hook).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from ckpt_engine import CkptEngineError
+
+# The one private torch behaviour this module relies on, kept in the engine's pinned seam
+# (tests/test_torch_private.py pins it).
+from ckpt_engine._dcpio.torch_private import tensor_version
+
+__all__ = ["Snapshot", "SnapshotChangedError", "StreamPool", "copy_now", "optimizer_owned", "tensor_names"]
+
+#: Identifies the memory of a tensor: (data pointer, shape, stride, dtype, device).
+TensorKey = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+
+class SnapshotChangedError(CkptEngineError):
+    """A tensor of an ``overlap`` save was changed in place before its snapshot copy was confirmed."""
+
+
+SnapshotChangedError.__module__ = "ckpt_engine_plugins.pinned_staging"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
+
+
+def _key(tensor: torch.Tensor) -> TensorKey:
+    local = _local(tensor)
+    return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), local.dtype, local.device)
+
+
+def optimizer_owned(optimizers: Sequence[torch.optim.Optimizer]) -> dict[TensorKey, list[torch.Tensor]]:
+    """The memory that only ``optimizer.step()`` changes (parameters and optimizer state), each
+    with the tensors whose version counters an in-place change of it bumps.
+
+    A state dict may alias that memory through a tensor with a version counter of its own (FSDP2's
+    state dicts do), so the owners' counters are watched as well as the state dict's.
+    """
+    owned: dict[TensorKey, list[torch.Tensor]] = {}
+
+    def add(tensor: torch.Tensor) -> None:
+        owners = owned.setdefault(_key(tensor), [])
+        owners += [tensor, _local(tensor)] if isinstance(tensor, DTensor) else [tensor]
+
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                add(param)
+                for value in optimizer.state.get(param, {}).values():
+                    if isinstance(value, torch.Tensor):
+                        add(value)
+    return owned
+
+
+def is_owned(local: torch.Tensor, owned: Mapping[TensorKey, list[torch.Tensor]]) -> bool:
+    return _key(local) in owned
+
+
+def owners_of(local: torch.Tensor, owned: Mapping[TensorKey, list[torch.Tensor]]) -> list[torch.Tensor]:
+    return owned.get(_key(local), [])
+
+
+def tensor_names(state: Mapping[str, Any]) -> dict[int, str]:
+    """``id(tensor) -> "component: key.path"`` for error messages (first name wins for aliases)."""
+    names: dict[int, str] = {}
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            names.setdefault(id(value), path)
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}" if not path.endswith(": ") else f"{path}{k}")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}.{i}" if not path.endswith(": ") else f"{path}{i}")
+
+    for component, sd in state.items():
+        walk(sd, f"{component}: ")
+    return names
+
+
+class StreamPool:
+    """One side CUDA stream per device, created on first use and reused by every save."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+
+    def get(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        return stream
+
+
+def _by_device(
+    views: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]
+) -> dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]:
+    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for v, s in zip(views, sources, strict=True):
+        if s.device.type == "cuda":
+            by_device.setdefault(s.device, []).append((v, s))
+    return by_device
+
+
+def _queue_cuda(streams: StreamPool, pairs: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]) -> list[Any]:
+    """Queue the copies on side streams that first wait for the current streams (values as of now)."""
+    used = []
+    for device, device_pairs in pairs.items():
+        stream = streams.get(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for v, s in device_pairs:
+                v.copy_(s, non_blocking=True)
+        used.append(stream)
+    return used
+
+
+def copy_now(views: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], streams: StreamPool) -> None:
+    """Copy ``sources`` into ``views``; returns when every copy is complete."""
+    with torch.no_grad():
+        used = _queue_cuda(streams, _by_device(views, sources))
+        for v, s in zip(views, sources, strict=True):
+            if s.device.type != "cuda":
+                v.copy_(s)
+        for stream in used:
+            stream.synchronize()
+
+
+class Snapshot:
+    """The background copy of one ``overlap`` save (see the module docstring).
+
+    ``names`` are the keys of ``sources`` for error messages. ``settled`` completes (``None``, or
+    the error) once the copy is complete and confirmed, or failed and no copy still writes into
+    the buffers; only then may a writer read them.
+    """
+
+    def __init__(
+        self,
+        views: Sequence[torch.Tensor],
+        sources: Sequence[torch.Tensor],
+        names: Sequence[str],
+        watched: Sequence[Sequence[torch.Tensor]],
+        optimizers: Sequence[torch.optim.Optimizer],
+        streams: StreamPool,
+    ) -> None:
+        self._views, self._sources, self._names = list(views), list(sources), list(names)
+        #: Per source: it and the tensors whose in-place changes change it (their counters).
+        self._watched = [[s, *w] for s, w in zip(self._sources, watched, strict=True)]
+        self._versions = [self._version(i) for i in range(len(self._sources))]
+        self._lock = threading.Lock()
+        self._cpu_copied = threading.Event()
+        self._copied = threading.Event()
+        self._confirmed = False
+        self._error: BaseException | None = None
+        self._step_wait = 0.0
+        self._copy_seconds = 0.0
+        self.settled: Future[None] = Future()
+        self._t0 = time.perf_counter()
+        cuda_pairs = _by_device(self._views, self._sources)
+        self._events: dict[torch.device, Any] = {}
+        if cuda_pairs:
+            with torch.no_grad():
+                for device, stream in zip(cuda_pairs, _queue_cuda(streams, cuda_pairs), strict=True):
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record(stream)
+                    self._events[device] = event
+        self._handles: dict[int, RemovableHandle] = {
+            id(opt): opt.register_step_pre_hook(self._on_step) for opt in dict.fromkeys(optimizers)
+        }
+        self._thread = threading.Thread(target=self._run, name="pinned-staging-overlap-copy", daemon=True)
+        self._thread.start()
+
+    # -- PendingSnapshot ----------------------------------------------------------------------
+
+    @property
+    def step_wait_seconds(self) -> float:
+        return self._step_wait
+
+    @property
+    def copy_seconds(self) -> float:
+        return self._copy_seconds
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the copy is complete, confirm it on this thread, raise if it failed."""
+        t = time.perf_counter()
+        if not self._copied.wait(timeout):
+            raise TimeoutError(f"the overlap snapshot copy did not complete within {timeout}s")
+        self._step_wait += time.perf_counter() - t
+        self._confirm()
+        self.remove_hooks()
+        error = self.settled.exception()
+        if error is not None:
+            raise error
+
+    # -- the copy thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            with torch.no_grad():
+                for i, (v, s) in enumerate(zip(self._views, self._sources, strict=True)):
+                    if s.device.type != "cuda":
+                        v.copy_(s)
+                        self._check(i)
+                self._cpu_copied.set()
+                for event in self._events.values():
+                    event.synchronize()
+                with self._lock:
+                    if not self._confirmed:  # once confirmed, the step that follows changes them
+                        for i, s in enumerate(self._sources):
+                            if s.device.type == "cuda":
+                                self._check(i)
+        except BaseException as err:  # every failure fails this save, never the training loop
+            error = (
+                err
+                if isinstance(err, CkptEngineError)
+                else CkptEngineError(f"pinned_staging: the overlap snapshot copy failed: {type(err).__name__}: {err}")
+            )
+        with self._lock:
+            self._copy_seconds = time.perf_counter() - self._t0
+            if error is not None and self._error is None:
+                self._error = error
+        self._cpu_copied.set()
+        self._copied.set()
+        self._maybe_settle()
+
+    def _version(self, i: int) -> tuple[int, ...]:
+        return tuple(tensor_version(t) for t in self._watched[i])
+
+    def _check(self, i: int) -> None:
+        if self._version(i) != self._versions[i]:
+            raise self._changed(i)
+
+    def _changed(self, i: int) -> SnapshotChangedError:
+        return SnapshotChangedError(
+            f"pinned_staging (overlap): {self._names[i]} was changed in place after save() and before its "
+            "snapshot copy was complete, so this checkpoint would not hold the state at save(); the save "
+            "failed. Call handle.wait_staged() before editing weights or optimizer state outside "
+            "optimizer.step(), or move the edit before save()"
+        )
+
+    # -- confirmation and hand-over ------------------------------------------------------------
+
+    def _confirm(self) -> None:
+        """On the thread that steps the optimizer: no source moved since ``save()``."""
+        with self._lock:
+            if self._confirmed:
+                return
+            self._confirmed = True
+            if self._error is None:
+                for i in range(len(self._sources)):
+                    if self._version(i) != self._versions[i]:
+                        self._error = self._changed(i)
+                        break
+        self._maybe_settle()
+
+    def confirm_at_exit(self) -> None:
+        """The interpreter is exiting (the main thread has ended): confirm a copied snapshot."""
+        if self._copied.is_set():
+            self._confirm()
+
+    def _maybe_settle(self) -> None:
+        with self._lock:
+            if self.settled.done() or not self._copied.is_set():
+                return  # a failed snapshot still settles only once no copy writes its buffers
+            if self._error is None and not self._confirmed:
+                return
+            error = self._error
+        if error is None:
+            self.settled.set_result(None)
+        else:
+            self.settled.set_exception(error)
+
+    def when_settled(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(error or None)`` once settled (in the thread that settles it)."""
+        self.settled.add_done_callback(lambda f: callback(f.exception()))
+
+    # -- the step pre-hook ---------------------------------------------------------------------
+
+    def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.settled.done():
+            t = time.perf_counter()
+            if self._events:
+                self._cpu_copied.wait()
+                self._step_wait += time.perf_counter() - t
+                self._confirm()
+                for device, event in self._events.items():  # the step runs after the copy, no host sync
+                    torch.cuda.current_stream(device).wait_event(event)
+            else:
+                self._copied.wait()
+                self._step_wait += time.perf_counter() - t
+                self._confirm()
+        if self._confirmed or self.settled.done():
+            self._remove_from_hook(optimizer)
+
+    def _remove_from_hook(self, optimizer: torch.optim.Optimizer) -> None:
+        with self._lock:
+            own = self._handles.pop(id(optimizer), None)
+            others, self._handles = list(self._handles.values()), {}
+        for handle in others:
+            handle.remove()
+        if own is None:
+            return
+        # The optimizer is iterating its pre-hooks: remove this one after the step. The post-hook
+        # is the last one registered, so removing itself cannot disturb the iteration either.
+        post: list[RemovableHandle] = []
+
+        def after_step(opt: torch.optim.Optimizer, a: Any, k: Any) -> None:
+            own.remove()
+            post[0].remove()
+
+        post.append(optimizer.register_step_post_hook(after_step))
+
+    def remove_hooks(self) -> None:
+        """Remove the step pre-hooks (outside a step, on the training thread)."""
+        with self._lock:
+            handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            handle.remove()
