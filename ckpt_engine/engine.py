@@ -24,7 +24,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import _dist, errors
+from ._digests import remove_parts, written_entries
 from ._fast_read import FastFileSystemReader
+from ._fast_save import drop_plan_caches
 from ._object_read import ObjectStoreReader
 from .config import EngineConfig
 from .errors import (
@@ -45,7 +47,6 @@ from .integrity import (
     RANK_PART_PREFIX,
     FileEntry,
     check_against_manifest,
-    hash_files,
     list_files,
     lookup_manifest,
     new_manifest,
@@ -194,6 +195,8 @@ class CheckpointEngine:
         self._lock = threading.Lock()
         self._committer: ThreadPoolExecutor | None = None
         self._closed = False
+        #: Names this engine's save-plan caches (``_fast_save``): one per component.
+        self._plan_prefix = f"engine-{os.getpid()}-{id(self):x}:"
         storage = self.config.storage
         self._store = open_store(self.save_dir, storage)
         self._remote = self._store.is_object_store
@@ -336,7 +339,11 @@ class CheckpointEngine:
                     path=os.path.join(partial_dir, name),
                     rank=rank,
                     world_size=world,
-                    planner=EngineSavePlanner(key_maps[name]),
+                    planner=EngineSavePlanner(
+                        key_maps[name],
+                        cache_key=self._plan_prefix + name,
+                        checksum=DEFAULT_ALGORITHM if self.config.save_checksums else None,
+                    ),
                     staged_copy=staged.is_copy,
                     thread_count=self.config.thread_count,
                     sync_files=self.config.sync_files,
@@ -551,7 +558,7 @@ class CheckpointEngine:
             if phase.error is None:
                 try:
                     mine = [rel for rel in list_files(paths.partial) if owner_rank(rel, world) == rank]
-                    entries = hash_files(paths.partial, mine, algorithm)
+                    entries = written_entries(paths.partial, mine, algorithm)
                     if direct:
                         self._upload_files(paths.partial, paths.final, mine)
                 except Exception as err:
@@ -659,7 +666,8 @@ class CheckpointEngine:
                 )
         else:
             expected = set(list_files(root)) | referenced_files(checked)
-            entries.update(hash_files(root, expected - set(entries), algorithm))
+            entries.update(written_entries(root, expected - set(entries), algorithm))
+            remove_parts(root)
         manifest = new_manifest(paths.iteration, world, components, algorithm, entries)
         write_manifest(root, manifest, store)
         return manifest.total_bytes
@@ -874,6 +882,7 @@ class CheckpointEngine:
             self._wait_pending()
         finally:
             self._closed = True
+            drop_plan_caches(self._plan_prefix)
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from ._digests import is_part
 from .errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, denied
 from .layout import CheckedCheckpoint, check_complete
 from .store import Store, store_for
@@ -169,7 +170,7 @@ def list_files(checkpoint_dir: str | os.PathLike[str], store: Store | None = Non
     return [
         rel
         for rel in store_for(root, store).list_files(root)
-        if rel != MANIFEST_FILE and not rel.startswith(RANK_PART_PREFIX)
+        if rel != MANIFEST_FILE and not rel.startswith(RANK_PART_PREFIX) and not is_part(rel)
     ]
 
 

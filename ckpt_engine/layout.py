@@ -27,6 +27,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ._fast_write import recall_metadata
 from ._metadata import METADATA_FILE, read_metadata
 from .errors import (
     CheckpointNotFoundError,
@@ -142,7 +143,7 @@ def check_complete(checkpoint_dir: str | os.PathLike[str], store: Store | None =
     out: dict[str, Metadata] = {}
     for name in names:
         cdir = store.join(path, name)
-        md = read_metadata(cdir, store)
+        md = (None if store.is_object_store else recall_metadata(cdir)) or read_metadata(cdir, store)
         needed: dict[str, int] = {}
         for index, info in (md.storage_data or {}).items():
             rel = getattr(info, "relative_path", None)

@@ -146,7 +146,6 @@ class _Writer:
     def save(self, msg: Save) -> Done:
         import torch
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.tensor import DTensor
 
         from ckpt_engine.storage import EngineFileSystemWriter
@@ -195,8 +194,7 @@ class _Writer:
             writer = EngineFileSystemWriter(
                 msg.path, thread_count=msg.thread_count, sync_files=msg.sync_files, overwrite=True
             )
-            metadata = dcp.save(state_dict, storage_writer=writer, planner=msg.planner)
-            nbytes = sum(info.length for info in (metadata.storage_data or {}).values())
+            nbytes = _save(state_dict, writer, msg.planner)
             return Done(msg.req_id, True, nbytes, time.perf_counter() - t0, None)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
@@ -225,6 +223,23 @@ def _storage_writer_class() -> Any:
 
         return dcp.FileSystemWriter
     return FastFileSystemWriter
+
+
+def _save(state_dict: dict[str, Any], writer: Any, planner: Any) -> int:
+    """The engine's own DCP save (planned once per structure, ``ckpt_engine._fast_save``) where
+    this engine version has it, else ``dcp.save``; returns the bytes written."""
+    try:
+        from ckpt_engine._fast_save import plan_cache, save_state_dict
+    except ImportError:  # an engine without it
+        import torch.distributed.checkpoint as dcp
+
+        metadata = dcp.save(state_dict, storage_writer=writer, planner=planner)
+        return sum(info.length for info in (metadata.storage_data or {}).values())
+    key = getattr(planner, "cache_key", None)
+    out = save_state_dict(
+        state_dict, storage_writer=writer, planner=planner, cache=plan_cache(key) if key is not None else None
+    )
+    return out.total_bytes
 
 
 def _mesh_key(spec: MeshSpec) -> tuple[Any, ...]:
