@@ -11,8 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-
+from ._dcpio.fast_save import plan_cache, save_state_dict
 from ._dcpio.fast_write import FastFileSystemWriter
 from ._engine.dist import quiet_dcp
 from ._markers import hookimpl
@@ -23,7 +22,8 @@ DEFAULT_PLUGIN_NAME = "ckpt_engine.defaults"
 
 class DefaultIO:
     """Synchronous staging and an in-process DCP ``FileSystemWriter`` (the subclass in
-    ``_fast_write``, which writes the same format without a ``torch.save`` per tensor)."""
+    ``_fast_write``, which writes the same format without a ``torch.save`` per tensor), driven
+    by ``fast_save`` (DCP's save protocol, planned once per structure)."""
 
     @hookimpl
     def stage(self, ctx: SaveContext, state: Mapping[str, dict[str, Any]]) -> StagedState:
@@ -40,7 +40,13 @@ class DefaultIO:
             sync_files=ctx.sync_files,
             overwrite=True,
         )
+        key = getattr(ctx.planner, "cache_key", None)
         with quiet_dcp():
-            metadata = dcp.save(state_dict, storage_writer=writer, planner=ctx.planner, process_group=ctx.process_group)
-        nbytes = sum(info.length for info in (metadata.storage_data or {}).values())
-        return WriteResult(component=ctx.component, bytes_written=nbytes, seconds=time.perf_counter() - start)
+            out = save_state_dict(
+                state_dict,
+                storage_writer=writer,
+                planner=ctx.planner,
+                process_group=ctx.process_group,
+                cache=plan_cache(key) if key is not None else None,
+            )
+        return WriteResult(component=ctx.component, bytes_written=out.total_bytes, seconds=time.perf_counter() - start)

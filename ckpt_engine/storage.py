@@ -6,7 +6,25 @@ engine's synchronous one. Both classes read and write DCP's own on-disk format: 
 stays loadable by plain ``torch.distributed.checkpoint.load``.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.checkpoint import StorageWriter
+from torch.distributed.checkpoint.planner import SavePlanner
+
 from ._dcpio.fast_read import FastFileSystemReader as EngineFileSystemReader
+from ._dcpio.fast_save import plan_cache, save_state_dict
 from ._dcpio.fast_write import FastFileSystemWriter as EngineFileSystemWriter
 
-__all__ = ["EngineFileSystemReader", "EngineFileSystemWriter"]
+__all__ = ["EngineFileSystemReader", "EngineFileSystemWriter", "engine_save"]
+
+
+def engine_save(
+    state_dict: dict[str, Any], *, storage_writer: StorageWriter, planner: SavePlanner, cache_key: str | None = None
+) -> int:
+    """``dcp.save(state_dict, storage_writer=..., planner=...)`` as the engine runs it: the plan of an
+    unchanged structure is reused from the cache named ``cache_key`` (the key the engine's save
+    planner carries); returns the bytes written. Same files and ``.metadata`` as ``dcp.save``."""
+    cache = plan_cache(cache_key) if cache_key is not None else None
+    return save_state_dict(state_dict, storage_writer=storage_writer, planner=planner, cache=cache).total_bytes

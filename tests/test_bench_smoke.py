@@ -72,3 +72,16 @@ def test_storage_benchmark_smoke_run(tmp_path: Path) -> None:
     assert {r["method"] for r in rows} == {"s3fs_put", "ours_save", "s3fs_cat", "ours_load"}
     assert all(r["median_s"] > 0 and r["mb_per_s"] > 0 for r in rows)
     assert all(r["x_s3fs"] > 0 for r in rows if r["method"].startswith("ours"))
+
+
+def test_scale_bench_smoke() -> None:
+    """benchmarks/scale_bench.py runs (tiny, untimed)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "scale_bench.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "200 tensors" in out.stdout

@@ -21,20 +21,30 @@ from __future__ import annotations
 import heapq
 import io
 import os
+import pickle
 import threading
+import weakref
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import SerializationFormat
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .._format.digests import write_part
+from .._format.hashing import new_hasher
+from .._format.metadata import remember_metadata
 from .fast_read import _gc_paused
 from .torch_private import storage_info, tensor_archive
 
 __all__ = ["FastFileSystemWriter"]
+
+#: Metadata objects already made compact (``fast_save.compact_metadata``), by id.
+_COMPACT: weakref.WeakValueDictionary[int, Metadata] = weakref.WeakValueDictionary()
+
 
 _SUFFIX = ".distcp"
 _BUFFER = 1 << 20
@@ -74,15 +84,21 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 class _Output:
-    """A file written sequentially, tracking its offset."""
+    """A file written sequentially, tracking its offset and hashing what it writes."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, algorithm: str | None) -> None:
         self.f = open(path, "wb", buffering=_BUFFER)  # noqa: SIM115 - closed in write_file
         self.pos = 0
+        self.hasher = new_hasher(algorithm) if algorithm is not None else None
 
     def write(self, data: Any) -> None:
+        if self.hasher is not None:
+            self.hasher.update(data)
         n = self.f.write(data)
         self.pos += n if n is not None else len(memoryview(data).cast("B"))
+
+    def digest(self) -> str | None:
+        return None if self.hasher is None else self.hasher.hexdigest()
 
 
 class FastFileSystemWriter(FileSystemWriter):
@@ -91,6 +107,7 @@ class FastFileSystemWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if getattr(self.transforms, "extensions", ()) or self.serialization_format != SerializationFormat.TORCH_SAVE:
             return super().write_data(plan, planner)  # stream transforms, safetensors: DCP's own path
+        self._checksum = getattr(planner, "checksum", None)  # for finish(): the same algorithm
         with _gc_paused():
             return self._write_all(plan, planner)
 
@@ -101,6 +118,8 @@ class FastFileSystemWriter(FileSystemWriter):
         else:
             files = [(f"{prefix}{n}{_SUFFIX}", [item]) for n, item in enumerate(plan.items)]
         results: list[list[WriteResult]] = [[] for _ in files]
+        algorithm: str | None = getattr(planner, "checksum", None)
+        digests: dict[str, tuple[int, str | None]] = {}
         errors: list[BaseException] = []
         pending = list(range(len(files)))
         lock = threading.Lock()
@@ -112,7 +131,7 @@ class FastFileSystemWriter(FileSystemWriter):
                         return
                     n = pending.pop(0)
                 try:
-                    results[n] = self._write_file(files[n][0], files[n][1], planner)
+                    results[n], digests[files[n][0]] = self._write_file(files[n][0], files[n][1], planner, algorithm)
                 except BaseException as err:
                     with lock:
                         errors.append(err)
@@ -126,12 +145,16 @@ class FastFileSystemWriter(FileSystemWriter):
             t.join()
         if errors:
             raise errors[0]
+        if algorithm is not None:  # this rank's part of the manifest: hashed as written, never read back
+            write_part(os.fspath(self.path), prefix, algorithm, digests)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([r for rs in results for r in rs])
         return fut
 
-    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-        out = _Output(os.path.join(os.fspath(self.path), name))
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, algorithm: str | None
+    ) -> tuple[list[WriteResult], tuple[int, str | None]]:
+        out = _Output(os.path.join(os.fspath(self.path), name), algorithm)
         results: list[WriteResult] = []
         try:
             # values first, then tensors, as DCP orders them
@@ -152,7 +175,38 @@ class FastFileSystemWriter(FileSystemWriter):
                 os.fsync(out.f.fileno())
         finally:
             out.f.close()
-        return results
+        return results, (out.pos, out.digest())
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's ``finish`` (``.metadata.tmp``, fsync, rename), with the metadata made compact,
+        hashed as it is written (a part of its own) and remembered for the commit check."""
+        if getattr(self.transforms, "extensions", ()) or self.serialization_format != SerializationFormat.TORCH_SAVE:
+            super().finish(metadata, results)
+            return
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+        from .fast_save import compact_metadata
+
+        if _COMPACT.get(id(metadata)) is not metadata:
+            compact_metadata(metadata)
+            _COMPACT[id(metadata)] = metadata
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+        metadata.storage_meta = self.storage_meta()
+        data = pickle.dumps(metadata, protocol=pickle.DEFAULT_PROTOCOL)
+        folder = os.fspath(self.path)
+        final, tmp = os.path.join(folder, ".metadata"), os.path.join(folder, ".metadata.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.sync_files:
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+        algorithm = getattr(self, "_checksum", None)
+        hasher = new_hasher(algorithm) if algorithm is not None else None
+        if hasher is not None:
+            hasher.update(data)
+            write_part(folder, "metadata", algorithm, {".metadata": (len(data), hasher.hexdigest())})
+        remember_metadata(folder, metadata)
 
     @staticmethod
     def _write_tensor(out: _Output, tensor: torch.Tensor) -> None:

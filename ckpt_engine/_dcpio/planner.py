@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
@@ -319,11 +319,20 @@ def _dtype_name(spec: ValueSpec | None) -> str:
 
 
 class EngineSavePlanner(DefaultSavePlanner):
-    """Save planner that writes replicated data once and renames keys by a key map."""
+    """Save planner that writes replicated data once and renames keys by a key map.
 
-    def __init__(self, key_map: Mapping[str, str] | None = None) -> None:
+    ``cache_key`` names the plan cache of this component (see ``fast_save``; ``None``: plan
+    every save). ``checksum`` is the algorithm the engine's storage writer hashes the files with
+    as it writes them (``None``: sizes only).
+    """
+
+    def __init__(
+        self, key_map: Mapping[str, str] | None = None, *, cache_key: str | None = None, checksum: str | None = None
+    ) -> None:
         super().__init__(dedup_save_to_lowest_rank=True)
         self.key_map = {k: v for k, v in (key_map or {}).items() if k != v}
+        self.cache_key = cache_key
+        self.checksum = checksum
 
     def set_up_planner(
         self,
@@ -343,6 +352,15 @@ class EngineSavePlanner(DefaultSavePlanner):
                 self.key_map.get(k, k): ((self.key_map[k],) if k in self.key_map else path)
                 for k, path in self.mappings.items()
             }
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        # A plain tensor is written as it is: one dictionary lookup instead of DCP's generic
+        # shard search per item; everything else (values, DTensor shards) takes DCP's path.
+        if write_item.type != WriteItemType.BYTE_IO and write_item.index.offset is not None:
+            obj = self.state_dict.get(write_item.index.fqn)
+            if type(obj) is torch.Tensor and not any(write_item.index.offset):
+                return obj
+        return super().resolve_data(write_item)
 
 
 def flat_keys(state_dict: dict[str, Any]) -> list[str]:

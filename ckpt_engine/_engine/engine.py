@@ -25,8 +25,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .. import errors
 from .._dcpio.fast_read import FastFileSystemReader
+from .._dcpio.fast_save import drop_plan_caches
 from .._dcpio.object_read import ObjectStoreReader
 from .._dcpio.planner import EngineLoadPlanner, EngineSavePlanner, flat_keys
+from .._format.digests import remove_parts, written_entries
 from .._format.layout import (
     CheckedCheckpoint,
     SaveDirLock,
@@ -45,7 +47,6 @@ from .._format.manifest import (
     DEFAULT_ALGORITHM,
     FileEntry,
     check_against_manifest,
-    hash_files,
     list_files,
     lookup_manifest,
     metadata_checker,
@@ -218,6 +219,8 @@ class CheckpointEngine:
         self._lock = threading.Lock()
         self._committer: ThreadPoolExecutor | None = None
         self._closed = False
+        #: Names this engine's save-plan caches (``fast_save``): one per component.
+        self._plan_prefix = f"engine-{os.getpid()}-{id(self):x}:"
         storage = self.config.storage
         self._store = open_store(self.save_dir, storage)
         self._remote = self._store.is_object_store
@@ -364,7 +367,11 @@ class CheckpointEngine:
                     path=os.path.join(partial_dir, name),
                     rank=rank,
                     world_size=world,
-                    planner=EngineSavePlanner(key_maps[name]),
+                    planner=EngineSavePlanner(
+                        key_maps[name],
+                        cache_key=self._plan_prefix + name,
+                        checksum=DEFAULT_ALGORITHM if self.config.save_checksums else None,
+                    ),
                     staged_copy=staged.is_copy,
                     thread_count=self.config.thread_count,
                     sync_files=self.config.sync_files,
@@ -580,7 +587,7 @@ class CheckpointEngine:
             if phase.error is None:
                 try:
                     mine = [rel for rel in list_files(paths.partial) if owner_rank(rel, world) == rank]
-                    entries = hash_files(paths.partial, mine, algorithm)
+                    entries = written_entries(paths.partial, mine, algorithm)
                     if direct:
                         self._upload_files(paths.partial, paths.final, mine)
                 except Exception as err:
@@ -690,7 +697,8 @@ class CheckpointEngine:
                 )
         else:
             expected = set(list_files(root)) | referenced_files(checked)
-            entries.update(hash_files(root, expected - set(entries), algorithm))
+            entries.update(written_entries(root, expected - set(entries), algorithm))
+            remove_parts(root)
         manifest = new_manifest(paths.iteration, world, components, algorithm, entries)
         write_manifest(root, manifest, store)
         return manifest.total_bytes
@@ -910,6 +918,7 @@ class CheckpointEngine:
             self._wait_pending()
         finally:
             self._closed = True
+            drop_plan_caches(self._plan_prefix)
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None

@@ -36,7 +36,7 @@ from ..errors import (
     SaveDirLockedError,
     denied,
 )
-from .metadata import read_metadata
+from .metadata import read_metadata, recall_metadata
 from .names import (
     DELETING_SUFFIX,
     LATEST_FILE,
@@ -139,7 +139,9 @@ def check_complete(
     for name in names:
         cdir = store.join(path, name)
         try:
-            md = read_metadata(cdir, store, check_metadata_bytes)
+            md = (None if store.is_object_store else recall_metadata(cdir)) or read_metadata(
+                cdir, store, check_metadata_bytes
+            )
         except IncompleteCheckpointError as err:
             # No .metadata: an interrupted save, or a folder that is no checkpoint at all?
             not_checkpoint = diagnose_not_checkpoint(path, names, store)

@@ -19,19 +19,19 @@ import re
 import stat
 import sys
 import time
-import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
 from .._storage.store import Store, store_for
 from .._version import __version__
 from ..errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, IntegrityError, denied
+from .hashing import DEFAULT_ALGORITHM, new_hasher
 from .layout import CheckedCheckpoint, check_complete
-from .names import MANIFEST_FILE, RANK_PART_PREFIX
+from .names import MANIFEST_FILE, RANK_PART_PREFIX, is_part
 
 __all__ = [
     "DEFAULT_ALGORITHM",
@@ -51,42 +51,6 @@ MAX_MANIFEST_BYTES = 64 << 20
 _CHUNK = 8 << 20
 _SAFE_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _RANK_FILE = re.compile(r"^__(\d+)_")
-
-_xxhash: Any
-try:  # xxh3_64 hashes at ~25 GB/s on one core here, zlib.crc32 at ~4 GB/s (docs/reliability.md)
-    import xxhash as _xxhash
-except ImportError:  # pragma: no cover - xxhash is a dependency; tolerated for odd installs
-    _xxhash = None
-
-#: The checksum new manifests use: ``xxh3_64`` (the ``xxhash`` package), else ``crc32`` (zlib).
-DEFAULT_ALGORITHM = "xxh3_64" if _xxhash is not None else "crc32"
-
-
-class _Hasher(Protocol):
-    def update(self, data: Any, /) -> None: ...
-
-    def hexdigest(self) -> str: ...
-
-
-class _Crc32:
-    def __init__(self) -> None:
-        self._value = 0
-
-    def update(self, data: Any, /) -> None:
-        self._value = zlib.crc32(data, self._value)
-
-    def hexdigest(self) -> str:
-        return f"{self._value:08x}"
-
-
-def new_hasher(algorithm: str) -> _Hasher | None:
-    """A hasher for ``algorithm``, or None if it is unknown or unavailable here."""
-    if algorithm == "crc32":
-        return _Crc32()
-    if algorithm == "xxh3_64" and _xxhash is not None:
-        h: _Hasher = _xxhash.xxh3_64()
-        return h
-    return None
 
 
 @dataclass(frozen=True)
@@ -165,7 +129,7 @@ def list_files(checkpoint_dir: str | os.PathLike[str], store: Store | None = Non
     return [
         rel
         for rel in store_for(root, store).list_files(root)
-        if rel != MANIFEST_FILE and not rel.startswith(RANK_PART_PREFIX)
+        if rel != MANIFEST_FILE and not rel.startswith(RANK_PART_PREFIX) and not is_part(rel)
     ]
 
 

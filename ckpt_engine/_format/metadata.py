@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import stat
+import threading
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -262,3 +263,38 @@ def _read_error(path: str, items: list[ReadItem], err: Exception) -> Exception:
             "verify='checksums' (or the CLI's verify command) to find every damaged file"
         )
     return err
+
+
+# -- metadata this process wrote ----------------------------------------------------------------
+
+#: ``.metadata`` files this process wrote, by path: (size, mtime_ns, inode, Metadata). The commit
+#: check of a synchronous save reads them from here instead of unpickling its own file again.
+_WRITTEN: dict[str, tuple[int, int, int, Metadata]] = {}
+_WRITTEN_LOCK = threading.Lock()
+_MAX_WRITTEN = 32
+
+
+def remember_metadata(component_dir: str, metadata: Metadata) -> None:
+    """Note that this process just wrote ``metadata`` to ``component_dir/.metadata``."""
+    path = os.path.join(os.path.abspath(component_dir), METADATA_FILE)
+    st = os.stat(path)
+    with _WRITTEN_LOCK:
+        _WRITTEN[path] = (st.st_size, st.st_mtime_ns, st.st_ino, metadata)
+        while len(_WRITTEN) > _MAX_WRITTEN:
+            del _WRITTEN[next(iter(_WRITTEN))]
+
+
+def recall_metadata(component_dir: str) -> Metadata | None:
+    """The metadata this process wrote to ``component_dir/.metadata``, if the file is unchanged."""
+    path = os.path.join(os.path.abspath(component_dir), METADATA_FILE)
+    with _WRITTEN_LOCK:
+        found = _WRITTEN.get(path)
+    if found is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if (st.st_size, st.st_mtime_ns, st.st_ino) != found[:3]:
+        return None
+    return found[3]

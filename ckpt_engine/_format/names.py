@@ -18,6 +18,8 @@ MANIFEST_FILE = "ckpt_engine_manifest.json"
 #: Per-rank upload reports of a background save to an object store (``.ckpt_engine_rank_00001.json``);
 #: engine bookkeeping, never part of the checkpoint's content.
 RANK_PART_PREFIX = ".ckpt_engine_rank_"
+#: File-name prefix of a digest part (inside a component folder of an uncommitted checkpoint).
+PART_PREFIX = ".ckpt_engine_part_"
 LATEST_FILE = "latest_checkpoint.txt"
 _ITER_RE = re.compile(r"^iter_(\d{9,})$")
 PARTIAL_SUFFIX = ".partial"
@@ -38,3 +40,8 @@ def partial_dirname(iteration: int) -> str:
 def parse_iteration(name: str) -> int | None:
     m = _ITER_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def is_part(rel: str) -> bool:
+    """Whether ``rel`` (a path inside a checkpoint) is a digest part, engine bookkeeping."""
+    return rel.rsplit("/", 1)[-1].startswith(PART_PREFIX)

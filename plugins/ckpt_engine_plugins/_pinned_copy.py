@@ -35,9 +35,9 @@ from torch.utils.hooks import RemovableHandle
 
 from ckpt_engine import CkptEngineError
 
-# The one private torch behaviour this module relies on, kept in the engine's pinned seam
+# The one private torch behaviour this module relies on, behind the engine's public helper
 # (tests/test_torch_private.py pins it).
-from ckpt_engine._dcpio.torch_private import tensor_version
+from ckpt_engine.staging import tensor_version
 
 __all__ = ["Snapshot", "SnapshotChangedError", "StreamPool", "copy_now", "optimizer_owned", "tensor_names"]
 

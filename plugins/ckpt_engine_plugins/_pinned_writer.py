@@ -146,7 +146,6 @@ class _Writer:
     def save(self, msg: Save) -> Done:
         import torch
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.tensor import DTensor
 
         from ckpt_engine.storage import EngineFileSystemWriter
@@ -198,8 +197,7 @@ class _Writer:
             writer = EngineFileSystemWriter(
                 msg.path, thread_count=msg.thread_count, sync_files=msg.sync_files, overwrite=True
             )
-            metadata = dcp.save(state_dict, storage_writer=writer, planner=msg.planner)
-            nbytes = sum(info.length for info in (metadata.storage_data or {}).values())
+            nbytes = _save(state_dict, writer, msg.planner)
             return Done(msg.req_id, True, nbytes, time.perf_counter() - t0, None)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
@@ -218,16 +216,19 @@ class _Writer:
 
 def _storage_writer_class() -> Any:
     """The storage writer the engine's own synchronous ``write`` uses, so that an async save writes
-    the same files as fast as a sync one: ``ckpt_engine._dcpio.fast_write.FastFileSystemWriter`` (DCP's
-    format without a ``torch.save`` per tensor) where this engine version has it, else DCP's
-    ``FileSystemWriter``. The one private import of this plugin, kept here and nowhere else."""
-    try:
-        from ckpt_engine._dcpio.fast_write import FastFileSystemWriter
-    except ImportError:  # an engine without the fast writer
-        import torch.distributed.checkpoint as dcp
+    the same files as fast as a sync one."""
+    from ckpt_engine.storage import EngineFileSystemWriter
 
-        return dcp.FileSystemWriter
-    return FastFileSystemWriter
+    return EngineFileSystemWriter
+
+
+def _save(state_dict: dict[str, Any], writer: Any, planner: Any) -> int:
+    """The engine's own DCP save (planned once per structure); returns the bytes written."""
+    from ckpt_engine.storage import engine_save
+
+    return engine_save(
+        state_dict, storage_writer=writer, planner=planner, cache_key=getattr(planner, "cache_key", None)
+    )
 
 
 def _mesh_key(spec: MeshSpec) -> tuple[Any, ...]:

@@ -1,0 +1,146 @@
+"""Collectives of a save or a load: DCP's error semantics, one place to bound and observe them.
+
+:class:`Comm` offers the three shapes DCP's save uses (an all-gather, gather-reduce-scatter and
+gather-finish-broadcast) over ``torch.distributed`` object collectives. Each runs the local part
+on every rank, catches its error, and raises DCP's ``CheckpointException`` (every failed rank's
+error, by rank) on every rank, so that no rank walks into a collective the others left. In one
+process without a process group it calls the functions directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+__all__ = ["Comm"]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+class _Failed:
+    """An error crossing ranks: the exception if it pickles, else its text."""
+
+    def __init__(self, err: BaseException) -> None:
+        self.err = err
+
+    def __reduce__(self) -> Any:
+        import pickle
+
+        try:
+            pickle.dumps(self.err)
+        except Exception:
+            return (_Failed, (RuntimeError(f"{type(self.err).__name__}: {self.err}"),))
+        return (_Failed, (self.err,))
+
+
+def _run(fn: Callable[[], _T]) -> _T | _Failed:
+    try:
+        return fn()
+    except (Exception, CheckpointException) as err:
+        return _Failed(err)
+
+
+def _raise_failures(step: str, values: list[Any]) -> None:
+    failures = {r: v.err for r, v in enumerate(values) if isinstance(v, _Failed)}
+    if failures:
+        raise CheckpointException(step, failures)  # type: ignore[arg-type]
+
+
+class Comm:
+    """The collectives of one DCP save or load over ``group`` (default: the default group)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self._held: _Failed | None = None
+        self.dist = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.dist else 0
+        self.world = dist.get_world_size(group) if self.dist else 1
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def step(self, name: str, fn: Callable[[], _T]) -> _T:
+        """Run a local step; its error is held back until the next collective (see
+        :meth:`all_gather`) on several ranks, raised at once in one process."""
+        out = _run(fn)
+        if isinstance(out, _Failed):
+            if self.world == 1:
+                raise CheckpointException(name, {0: out.err})  # type: ignore[dict-item]
+            self._held = out
+            return None  # type: ignore[return-value]
+        return out
+
+    def _take_held(self, value: Any) -> Any:
+        held = self._held
+        if held is not None:
+            self._held = None
+            return held
+        return value
+
+    def all_gather(self, name: str, value: _T) -> list[_T]:
+        """Every rank's ``value``; raises on every rank if a step of any rank failed."""
+        value = self._take_held(value)
+        out: list[Any] = [value]
+        if self.world > 1:
+            out = [None] * self.world
+            dist.all_gather_object(out, value, group=self.group)
+        _raise_failures(name, out)
+        return out
+
+    def gather_scatter(self, name: str, value: _T, reduce: Callable[[list[_T]], list[_R]]) -> _R:
+        """Gather ``value`` on rank 0, which runs ``reduce`` over all of them and hands each rank
+        its element of the result."""
+        value = self._take_held(value)
+        if self.world == 1:
+            _raise_failures(name, [value])
+            result = _run(lambda: reduce([value]))
+            _raise_failures(name, [result])
+            return result[0]  # type: ignore[index]
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(value, gathered, dst=self._global(0), group=self.group)
+        scatter: list[Any] | None = None
+        if self.rank == 0:
+            assert gathered is not None
+            failures = {r: v.err for r, v in enumerate(gathered) if isinstance(v, _Failed)}
+            if failures:
+                scatter = [CheckpointException(name, failures)] * self.world  # type: ignore[arg-type]
+            else:
+                result = _run(lambda: reduce(gathered))
+                if isinstance(result, _Failed):
+                    scatter = [CheckpointException(name, {0: result.err})] * self.world  # type: ignore[dict-item]
+                else:
+                    scatter = list(result)
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, scatter, src=self._global(0), group=self.group)
+        if isinstance(box[0], CheckpointException):
+            raise box[0]
+        return box[0]  # type: ignore[no-any-return]
+
+    def gather_finish(self, name: str, local: Callable[[], _T], finish: Callable[[list[_T]], _R]) -> _R:
+        """Every rank runs ``local``; rank 0 runs ``finish`` over all results; every rank gets
+        its return value (or raises every failure)."""
+        value = _run(local)
+        if self.world == 1:
+            _raise_failures(name, [value])
+            out = _run(lambda: finish([value]))  # type: ignore[list-item]
+            _raise_failures(name, [out])
+            return out  # type: ignore[return-value]
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(value, gathered, dst=self._global(0), group=self.group)
+        box: list[Any] = [None]
+        if self.rank == 0:
+            assert gathered is not None
+            failures = {r: v.err for r, v in enumerate(gathered) if isinstance(v, _Failed)}
+            if failures:
+                box[0] = CheckpointException(name, failures)  # type: ignore[arg-type]
+            else:
+                out = _run(lambda: finish(gathered))
+                box[0] = CheckpointException(name, {0: out.err}) if isinstance(out, _Failed) else out  # type: ignore[dict-item]
+        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+        if isinstance(box[0], CheckpointException):
+            raise box[0]
+        return box[0]  # type: ignore[no-any-return]

@@ -1,0 +1,90 @@
+"""Checksums computed while writing: per-writer digest parts, merged at commit.
+
+The engine's storage writer hashes every byte of a data file as it writes it and, when a
+component's files are written, leaves a small *part* next to them
+(``model/.ckpt_engine_part__0_.json``: each file's size and digest). At commit, each rank takes
+the entries of the files it wrote from the parts (in the sync case they travel in the commit's
+all-gather), and rank 0 merges them into the manifest; only a file no part covers (written by
+another storage writer, or a part that disagrees with the file's size) is read again to hash it.
+Rank 0 removes the parts before the manifest is written, so a committed checkpoint holds exactly
+the files it always did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from .manifest import FileEntry, hash_files
+from .names import PART_PREFIX, is_part
+
+__all__ = ["PART_PREFIX", "is_part", "read_parts", "remove_parts", "write_part", "written_entries"]
+
+
+def write_part(folder: str, name: str, algorithm: str | None, files: dict[str, tuple[int, str | None]]) -> None:
+    """Record ``files`` (file name in ``folder`` -> size, hex digest) as part ``name``."""
+    doc = {"algorithm": algorithm, "files": {f: {"size": s, "checksum": c} for f, (s, c) in files.items()}}
+    path = os.path.join(folder, f"{PART_PREFIX}{name}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".tmp", path)
+
+
+def read_parts(root: str, algorithm: str | None) -> dict[str, tuple[int, str | None]]:
+    """Every part under the checkpoint folder ``root`` (one level of component folders) whose
+    algorithm is ``algorithm``, as ``rel -> (size, digest)``; entries whose file does not have the
+    recorded size are left out (they are hashed again)."""
+    out: dict[str, tuple[int, str | None]] = {}
+    for comp, part in _parts(root):
+        try:
+            with open(os.path.join(root, comp, part)) as f:
+                doc: Any = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict) or doc.get("algorithm") != algorithm or not isinstance(doc.get("files"), dict):
+            continue
+        for name, entry in doc["files"].items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+                continue
+            try:
+                size = os.stat(os.path.join(root, comp, name)).st_size
+            except OSError:
+                continue
+            checksum = entry.get("checksum")
+            if size == entry["size"] and (checksum is None or isinstance(checksum, str)):
+                out[f"{comp}/{name}"] = (size, checksum if algorithm is not None else None)
+    return out
+
+
+def remove_parts(root: str) -> None:
+    for comp, part in _parts(root):
+        try:
+            os.remove(os.path.join(root, comp, part))
+        except FileNotFoundError:
+            continue
+
+
+def _parts(root: str) -> Iterable[tuple[str, str]]:
+    try:
+        comps = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+    found = []
+    for comp in comps:
+        try:
+            found += [(comp, e.name) for e in os.scandir(os.path.join(root, comp)) if e.name.startswith(PART_PREFIX)]
+        except OSError:
+            continue
+    return found
+
+
+def written_entries(root: str, rels: Iterable[str], algorithm: str | None) -> dict[str, Any]:
+    """``integrity.FileEntry`` of each of ``rels`` under ``root``: from the parts where they cover
+    a file (its bytes were hashed as they were written), else hashed now."""
+    wanted = set(rels)
+    parts = read_parts(root, algorithm) if wanted else {}
+    out: dict[str, Any] = {rel: FileEntry(size=s, checksum=c) for rel, (s, c) in parts.items() if rel in wanted}
+    out.update(hash_files(root, wanted - set(out), algorithm))
+    return out
