@@ -32,8 +32,8 @@ from torch import nn
 from ._engine import dist as _dist
 from ._engine.engine import CheckpointEngine, SaveHandle
 from ._engine.state import TrainingObjects, component_state_dict
-from ._format.layout import read_latest
 from ._format.names import iter_dirname
+from ._format.pointer import read_latest
 from ._markers import hookimpl
 from ._storage.store import open_store
 from .config import EngineConfig

@@ -33,9 +33,9 @@ from ckpt_engine import (
     StorageError,
     hookimpl,
 )
-from ckpt_engine._format.layout import read_latest
 from ckpt_engine._format.manifest import MANIFEST_FILE, verify_checkpoint
 from ckpt_engine._format.names import LATEST_FILE
+from ckpt_engine._format.pointer import read_latest
 from ckpt_engine._storage.store import FsspecStore, is_transient, open_store
 from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
 

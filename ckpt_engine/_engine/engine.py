@@ -37,11 +37,8 @@ from .._format.layout import (
     commit_rename,
     disk_full_hint,
     find_leftovers,
-    list_checkpoints,
-    read_latest,
     remove_checkpoint,
     remove_tree,
-    write_latest,
 )
 from .._format.manifest import (
     DEFAULT_ALGORITHM,
@@ -58,6 +55,7 @@ from .._format.manifest import (
 )
 from .._format.names import LATEST_FILE, MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, parse_iteration, partial_dirname
 from .._format.not_checkpoint import resolve_save_folder
+from .._format.pointer import list_checkpoints, read_latest, write_latest
 from .._format.retention import apply_retention
 from .._storage.paths import check_local_save_dir
 from .._storage.store import FsspecStore, Store, open_store

@@ -10,13 +10,12 @@ from .._storage.store import Store
 from ..errors import CheckpointNotFoundError, NotACheckpointError
 from ..types import STANDARD_COMPONENTS
 from .names import LATEST_FILE, METADATA_FILE, parse_iteration
+from .pointer import list_checkpoints, read_latest
 
 __all__ = ["diagnose_not_checkpoint", "resolve_save_folder"]
 
 
 def _iter_names(path: str, store: Store) -> list[str]:
-    from .layout import list_checkpoints
-
     return [p.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1] for _, p in list_checkpoints(path, store)]
 
 
@@ -27,8 +26,6 @@ def _is_save_folder(path: str, store: Store) -> bool:
 def resolve_save_folder(path: str, store: Store, what: str = "load_path") -> str | None:
     """The checkpoint a save folder's ``latest_checkpoint.txt`` names, or ``None`` when ``path``
     is not a save folder. A save folder without that file is an error naming its newest checkpoint."""
-    from .layout import read_latest
-
     if not _is_save_folder(path, store):
         return None
     latest = read_latest(path, store)

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 from .._storage.store import Store, store_for
 from ..errors import CkptEngineError
-from .layout import check_complete, find_leftovers, list_checkpoints, read_latest, remove_checkpoint
+from .layout import check_complete, find_leftovers, remove_checkpoint
 from .names import MANIFEST_FILE, parse_iteration
+from .pointer import list_checkpoints, read_latest
 
 logger = logging.getLogger("ckpt_engine")
 

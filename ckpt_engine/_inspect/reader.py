@@ -26,9 +26,10 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from .._dcpio.object_read import ObjectStoreReader
 from .._engine.dist import quiet_dcp
-from .._format.layout import component_dirs, list_checkpoints, read_latest
+from .._format.layout import component_dirs
 from .._format.metadata import SafeFileSystemReader, read_metadata
 from .._format.names import LATEST_FILE, METADATA_FILE, parse_iteration
+from .._format.pointer import list_checkpoints, read_latest
 from .._storage.store import FsspecStore, is_url, open_store
 from ..errors import CheckpointNotFoundError, CkptEngineError, CorruptCheckpointError, first_failure
 

@@ -12,9 +12,10 @@ from ._output import EXIT_OK, JSON_HELP, print_json, print_lines
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .._format.layout import component_dirs, list_checkpoints, read_latest
+    from .._format.layout import component_dirs
     from .._format.manifest import verify_checkpoint
     from .._format.names import LATEST_FILE, iter_dirname
+    from .._format.pointer import list_checkpoints, read_latest
     from .._inspect.reader import (
         disk_usage,
         exists,

@@ -11,9 +11,10 @@ from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, Progress, print_json, pri
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .._format.layout import component_dirs, list_checkpoints, read_latest
+    from .._format.layout import component_dirs
     from .._format.manifest import verify_checkpoint
     from .._format.names import LATEST_FILE
+    from .._format.pointer import list_checkpoints, read_latest
     from .._inspect.reader import exists, human_bytes, is_component_dir, is_save_dir, isdir, normalize
     from .._storage.store import open_store
     from ..errors import CheckpointNotFoundError

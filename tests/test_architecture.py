@@ -1,0 +1,192 @@
+"""The structure the code promises (docs/architecture.md), checked from its imports.
+
+Every import counts, also the ones inside functions: a circle that only closes at call time is
+still a circle. Only imports under ``if TYPE_CHECKING:`` are left out: they exist for
+annotations and never run. The rules:
+
+- no import circles between modules;
+- built-in plugins import only the public ``ckpt_engine`` surface, as third-party plugins must;
+- private torch names appear only in the one seam module (``_dcpio/torch_private.py``);
+- the library never imports the command line or the demo, and ``_inspect`` never imports the CLI;
+- the internal packages keep their layers (``_storage`` and ``_format`` never import the engine).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "ckpt_engine"
+PLUGINS = ROOT / "plugins" / "ckpt_engine_plugins"
+
+#: The modules a plugin may import: what ``docs/hooks.md`` and ``docs/plugins.md`` document.
+PUBLIC = {"ckpt_engine", "ckpt_engine.storage", "ckpt_engine.staging", "ckpt_engine.testing", "ckpt_engine.types"}
+SEAM = "ckpt_engine._dcpio.torch_private"
+
+
+def module_name(path: Path, top: Path) -> str:
+    rel = path.relative_to(top.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules(top: Path) -> dict[str, Path]:
+    return {module_name(p, top): p for p in sorted(top.rglob("*.py"))}
+
+
+def imports(path: Path, name: str) -> Iterator[tuple[str, int]]:
+    """Every module ``path`` imports (absolute names), with its line; relative imports resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in _walk_runtime(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            names = [f"{target}.{alias.name}" for alias in node.names]
+            # ``from . import dist`` imports the module ckpt_engine._engine.dist, not the package's names
+            submodules = [n for n in names if n in KNOWN]
+            if len(submodules) < len(names):
+                yield target, node.lineno
+            for n in submodules:
+                yield n, node.lineno
+
+
+def _walk_runtime(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node except those under ``if TYPE_CHECKING:`` (imports for annotations only, which
+    never run and so close no circle)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+KNOWN: set[str] = set()
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules(PACKAGE)
+    KNOWN.update(mods)
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        for target, _ in imports(path, name):
+            if target in mods and target != name:
+                edges[name].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_finds_circles() -> None:
+    """The checker itself: a made-up circle is found, a chain is not."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    assert "ckpt_engine._engine.engine" in graph()["ckpt_engine.compat"]
+
+
+def test_no_import_circles() -> None:
+    found = cycles(graph())
+    assert not found, "import circles (every import counts, also inside functions):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_plugins_import_only_the_public_surface() -> None:
+    bad = []
+    for name, path in modules(PLUGINS).items():
+        for target, line in imports(path, name):
+            internal = target.startswith("ckpt_engine.") or target == "ckpt_engine"
+            if internal and target not in PUBLIC and target.rpartition(".")[0] not in PUBLIC:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not bad, "plugins must use only " + ", ".join(sorted(PUBLIC)) + ":\n" + "\n".join(bad)
+
+
+_PRIVATE_TORCH = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\._[a-z]\w*|\bfrom torch(?:\.\w+)* import _[a-z]")
+
+
+def test_private_torch_names_only_in_the_seam() -> None:
+    bad = []
+    for name, path in {**modules(PACKAGE), **modules(PLUGINS)}.items():
+        if name == SEAM:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if _PRIVATE_TORCH.search(code) and "torch.__version__" not in code:
+                bad.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not bad, f"private torch names outside {SEAM}:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("importer", "forbidden"),
+    [
+        ("ckpt_engine", "ckpt_engine.cli"),
+        ("ckpt_engine", "ckpt_engine.demo"),
+        ("ckpt_engine._inspect", "ckpt_engine.cli"),
+        ("ckpt_engine.demo", "ckpt_engine.cli"),
+        ("ckpt_engine._storage", "ckpt_engine._engine"),
+        ("ckpt_engine._storage", "ckpt_engine._format"),
+        ("ckpt_engine._format", "ckpt_engine._engine"),
+        ("ckpt_engine._dcpio", "ckpt_engine._engine"),
+    ],
+)
+def test_layers(importer: str, forbidden: str) -> None:
+    """``importer`` (a package and everything in it, except the parts listed as its own
+    exceptions below) never imports ``forbidden``."""
+    own = {"ckpt_engine": ("ckpt_engine.cli", "ckpt_engine.demo", "ckpt_engine.__main__")}
+    bad = []
+    for name, targets in graph().items():
+        if not (name == importer or name.startswith(importer + ".")):
+            continue
+        if any(name == o or name.startswith(o + ".") for o in own.get(importer, ())):
+            continue
+        bad += [f"{name} -> {t}" for t in targets if t == forbidden or t.startswith(forbidden + ".")]
+    assert not bad, "\n".join(bad)
