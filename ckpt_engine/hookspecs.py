@@ -1,12 +1,7 @@
 """Hook specifications of the ``ckpt_engine`` pluggy project.
 
-Three kinds of hook (see ``docs/hooks.md``):
-
-* **fold** (``remap_keys``, ``pre_load_plan``): implementations run one at a time in the order
-  the config lists the plugins, each fed the previous one's output. Never registration order.
-* **provider** (``stage``, ``write``): exactly one implementation runs: the single enabled plugin
-  that provides it, else the engine's default. Two enabled providers is a config error.
-* **observer** (``on_save_done``): every implementation runs; results are ignored.
+Three kinds of hook, fold, provider and observer: :data:`HOOK_KINDS` says which each hook is
+and what each kind means (``docs/hooks.md`` explains them with examples).
 
 Hooks are called with keyword arguments only; an implementation may accept any subset of the
 parameters. Return values are checked by the engine (:mod:`ckpt_engine.pipeline`).
@@ -16,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._markers import hookspec
 
@@ -31,6 +26,22 @@ if TYPE_CHECKING:
         WriteContext,
         WriteResult,
     )
+
+
+#: The kind of every hook (``docs/hooks.md``): the one place the pipeline, the CLI's plugin
+#: descriptions, the docs generator and the docs test read it from.
+#:
+#: - ``fold``: plugins run one at a time in config order, each fed the previous one's output;
+#: - ``provider``: one implementation runs, the single enabled plugin that provides it, else the
+#:   engine's default;
+#: - ``observer``: every implementation runs; return values are ignored.
+HOOK_KINDS: dict[str, Literal["fold", "provider", "observer"]] = {
+    "remap_keys": "fold",
+    "pre_load_plan": "fold",
+    "stage": "provider",
+    "write": "provider",
+    "on_save_done": "observer",
+}
 
 
 class CkptSpecs:

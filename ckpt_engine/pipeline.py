@@ -17,7 +17,9 @@ from typing import Any
 from pluggy import HookCaller
 
 from .defaults import DEFAULT_PLUGIN_NAME
-from .errors import HookContractError, PluginConflictError
+from .errors import CkptEngineError, HookContractError, PluginConflictError
+from .hookspecs import HOOK_KINDS
+from .lifecycle import BoundsPendingSaves, Closeable, ClosesInTwoSteps, StartsInBackground
 from .plugin_manager import LoadedPlugins
 from .types import (
     Decision,
@@ -33,8 +35,8 @@ from .types import (
 
 logger = logging.getLogger("ckpt_engine")
 
-FOLD_HOOKS = ("remap_keys", "pre_load_plan")
-PROVIDER_HOOKS = ("stage", "write")
+FOLD_HOOKS = tuple(hook for hook, kind in HOOK_KINDS.items() if kind == "fold")
+PROVIDER_HOOKS = tuple(hook for hook, kind in HOOK_KINDS.items() if kind == "provider")
 
 
 class Pipeline:
@@ -198,6 +200,53 @@ class Pipeline:
 
     def on_save_done(self, result: SaveResult) -> None:
         self.pm.hook.on_save_done(result=result)
+
+    # -- lifecycle (ckpt_engine.lifecycle) ---------------------------------------------------
+
+    def _plugins_in_order(self) -> list[tuple[str, object]]:
+        return [(name, self.pm.get_plugin(name)) for name in self._plugins.order]
+
+    def max_saves_in_flight(self) -> int:
+        """The ``stage`` provider's bound on pending saves (:class:`BoundsPendingSaves`), else 1."""
+        provider = self.pm.get_plugin(self.providers["stage"])
+        if not isinstance(provider, BoundsPendingSaves):
+            return 1
+        limit = provider.max_saves_in_flight
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise HookContractError(
+                f"{self.describe(self.providers['stage'])}: max_saves_in_flight must be an int >= 1, got {limit!r}"
+            )
+        return limit
+
+    def wait_ready(self, timeout: float | None = None) -> float:
+        """Wait for every plugin that starts in the background (:class:`StartsInBackground`);
+        returns the longest start-up seconds (0 when none)."""
+        waited = [p.wait_ready(timeout) for _, p in self._plugins_in_order() if isinstance(p, StartsInBackground)]
+        return max(waited, default=0.0)
+
+    def begin_close(self) -> None:
+        """``begin_close()`` of every plugin that has one, in fold order; failures are logged (the
+        close goes on: this only starts deadlines)."""
+        for name, plugin in self._plugins_in_order():
+            if isinstance(plugin, ClosesInTwoSteps):
+                try:
+                    plugin.begin_close()
+                except Exception as err:
+                    logger.error("%s: begin_close() failed: %s", self.describe(name), err)
+
+    def close(self) -> None:
+        """``close()`` of every plugin that has one, in reverse fold order; every one is closed,
+        then the first failure is raised as a :class:`CkptEngineError`."""
+        errors: list[BaseException] = []
+        for name, plugin in reversed(self._plugins_in_order()):
+            if isinstance(plugin, Closeable):
+                try:
+                    plugin.close()
+                except Exception as err:
+                    errors.append(err)
+                    logger.error("closing %s failed: %s", self.describe(name), err)
+        if errors:
+            raise CkptEngineError(f"closing plugins failed: {errors[0]}") from errors[0]
 
 
 def _check_decision(who: str, entry: PlanEntry) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_engine.hookspecs import CkptSpecs
+from ckpt_engine.hookspecs import HOOK_KINDS, CkptSpecs
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = [name for name, _ in inspect.getmembers(CkptSpecs, inspect.isfunction)]
@@ -25,10 +25,22 @@ def test_hook_documented_with_its_signature(hook: str) -> None:
     assert heading in (ROOT / "docs" / "hooks.md").read_text().splitlines()
 
 
+def test_every_hook_has_one_kind() -> None:
+    assert sorted(HOOK_KINDS) == sorted(HOOKS)
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hooks_md_states_the_kind(hook: str) -> None:
+    """docs/hooks.md says, under each hook's heading, the kind HOOK_KINDS gives it."""
+    text = (ROOT / "docs" / "hooks.md").read_text()
+    section = text.split(f"## {hook}(", 1)[1].split("\n## ", 1)[0]
+    assert f"Kind: **{HOOK_KINDS[hook]}**." in section
+
+
 @pytest.mark.parametrize("hook", HOOKS)
 def test_hookspec_docstring_states_kind_ranks_errors(hook: str) -> None:
     doc = inspect.getdoc(getattr(CkptSpecs, hook)) or ""
-    assert re.search(r"^Kind: (fold|provider|observer)\.", doc, re.M), doc
+    assert re.search(rf"^Kind: {HOOK_KINDS[hook]}\.", doc, re.M), doc  # the docstring agrees with HOOK_KINDS
     assert re.search(r"^Ranks: ", doc, re.M) and re.search(r"^Errors: ", doc, re.M)
 
 

@@ -861,10 +861,7 @@ class CheckpointEngine:
     def _saves_to_keep(self, iteration: int) -> int:
         """How many earlier saves may stay pending while a new one stages: the stage provider's
         ``max_saves_in_flight`` (default 1) minus one; none when one of them is this iteration."""
-        provider = self._plugins.pm.get_plugin(self.pipeline.providers["stage"])
-        limit = getattr(provider, "max_saves_in_flight", 1)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            limit = 1
+        limit = self.pipeline.max_saves_in_flight()
         with self._lock:
             if any(h.iteration == iteration for h in self._pending):
                 return 0
@@ -891,6 +888,12 @@ class CheckpointEngine:
         exit; also saves every ``every`` steps (see :mod:`ckpt_engine.preemption`)."""
         return PreemptionSaver(self, every=every, exit_code=exit_code)
 
+    def wait_ready(self, timeout: float | None = None) -> float:
+        """Block until plugins that start in the background (``pinned_staging``'s writer process)
+        are ready; returns their start-up seconds. Never needed for correctness: saves queue until
+        then. Useful to keep start-up out of a measurement."""
+        return self.pipeline.wait_ready(timeout)
+
     def wait(self) -> None:
         """Block until every pending save is committed; raise if one failed."""
         self._wait_pending()
@@ -898,20 +901,13 @@ class CheckpointEngine:
     def close(self) -> None:
         """Wait for pending saves, then release workers and plugin resources. Idempotent.
 
-        Plugins that hold resources (a writer process, host buffers) expose a ``close()``
-        method; it is called once, in reverse fold order, after every pending save finished.
-        A plugin's optional ``begin_close()`` is called first, before the wait, so that it can
-        bound how long its in-flight work may still take.
+        Plugins take part through the protocols of :mod:`ckpt_engine.lifecycle`: ``begin_close()``
+        first, before the wait, so that a plugin can bound how long its in-flight work may still
+        take; ``close()`` once, in reverse fold order, after every pending save finished.
         """
         if self._closed:
             return
-        for name in self._plugins.order:  # lets a plugin bound the wait below (pinned_staging: close_timeout_s)
-            begin_close = getattr(self._plugins.pm.get_plugin(name), "begin_close", None)
-            if callable(begin_close):
-                try:
-                    begin_close()
-                except Exception as err:
-                    logger.error("%s: begin_close() failed: %s", self.pipeline.describe(name), err)
+        self.pipeline.begin_close()  # lets a plugin bound the wait below (pinned_staging: close_timeout_s)
         try:
             self._wait_pending()
         finally:
@@ -921,17 +917,7 @@ class CheckpointEngine:
                 self._committer.shutdown(wait=True)
                 self._committer = None
             self._save_lock.release()
-            errors: list[BaseException] = []
-            for name in reversed(self._plugins.order):
-                closer = getattr(self._plugins.pm.get_plugin(name), "close", None)
-                if callable(closer):
-                    try:
-                        closer()
-                    except Exception as err:
-                        errors.append(err)
-                        logger.error("closing %s failed: %s", self.pipeline.describe(name), err)
-            if errors:
-                raise CkptEngineError(f"closing plugins failed: {errors[0]}") from errors[0]
+            self.pipeline.close()
 
     def _check_open(self) -> None:
         if self._closed:

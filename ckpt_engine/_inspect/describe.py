@@ -29,18 +29,11 @@ from ..plugin_manager import installed_plugins
 __all__ = ["OptionInfo", "PluginInfo", "config_reference", "describe_plugins", "hook_kind"]
 
 DIST_NAME = "ckpt-engine"
-_HOOK_KINDS = {
-    "remap_keys": "fold",
-    "pre_load_plan": "fold",
-    "stage": "provider",
-    "write": "provider",
-    "on_save_done": "observer",
-}
 HOOK_NAMES = tuple(n for n, _ in inspect.getmembers(hookspecs.CkptSpecs, inspect.isfunction))
 
 
 def hook_kind(name: str) -> str:
-    return _HOOK_KINDS.get(name, "?")
+    return hookspecs.HOOK_KINDS.get(name, "?")
 
 
 @dataclass(frozen=True)

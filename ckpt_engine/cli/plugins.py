@@ -70,10 +70,7 @@ def _describe_config(path: str) -> dict[str, Any]:
             },
         }
     finally:
-        for name in reversed(loaded.order):
-            closer = getattr(loaded.pm.get_plugin(name), "close", None)
-            if callable(closer):
-                closer()
+        pipeline.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

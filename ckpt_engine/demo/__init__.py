@@ -356,15 +356,8 @@ def run_worker(role: str, s: Settings, save_dir: str, async_saves: bool, rank: i
             emit("reference-done", seconds=time.perf_counter() - t0)
     job = Job.create(s, rank, world)
     objects: list[Any] = [DemoObserver(rank)]
-    staging: Any = None
-    if async_saves:
-        # The plugin object is made here (and placed in the fold order by its config entry) so
-        # the demo can wait for its writer process. One buffer set, the default: a save waits
-        # for the previous one, so at most one save is in flight.
-        from ..plugin_manager import installed_plugins
-
-        staging = installed_plugins()[ASYNC_PLUGIN].load()()
-        objects.append(staging)
+    # One buffer set, pinned_staging's default: a save waits for the previous one, so at most one
+    # save is in flight.
     config = {"save_dir": save_dir, "plugins": [ASYNC_PLUGIN] if async_saves else []}
     with CheckpointEngine(config, plugins=objects) as engine:
         t0 = time.perf_counter()
@@ -379,11 +372,10 @@ def run_worker(role: str, s: Settings, save_dir: str, async_saves: bool, rank: i
                 seconds=time.perf_counter() - t0,
                 plugins=list(engine.plugin_names),
             )
-        wait_ready = getattr(staging, "wait_ready", None)
-        if callable(wait_ready):
+        if async_saves:
             # The writer process starts with the engine, alongside the load; a real job trains
             # for a while before its first save, so let it finish starting before the clock runs.
-            startup = wait_ready()
+            startup = engine.wait_ready()
             if rank == 0:
                 emit("writer-ready", seconds=startup)
         watcher: KillPointWatcher | None = None

@@ -1,0 +1,63 @@
+"""What a plugin may implement besides hooks: its part in the engine's life, as typed protocols.
+
+Hooks are called per save or load; these are called once, around the engine's own lifetime. A
+plugin implements any subset, as plain methods (or, for ``max_saves_in_flight``, a property);
+the engine recognises them by these ``runtime_checkable`` protocols and calls them from one place
+(:class:`ckpt_engine.pipeline.Pipeline`), never by probing names. ``docs/hooks.md`` documents
+them beside the hooks.
+
+>>> from ckpt_engine.lifecycle import Closeable
+>>> class HoldsAProcess:
+...     def close(self) -> None:
+...         print("stopped")
+>>> isinstance(HoldsAProcess(), Closeable)
+True
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+__all__ = ["BoundsPendingSaves", "Closeable", "ClosesInTwoSteps", "StartsInBackground"]
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    """Holds resources (a process, host buffers): ``close()`` frees them.
+
+    Called once by ``CheckpointEngine.close()``, after every pending save finished, in reverse
+    fold order. It should be idempotent; an exception is collected and re-raised by ``close()``
+    after every other plugin was closed.
+    """
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ClosesInTwoSteps(Protocol):
+    """Wants to know that the engine is closing before it waits for pending saves, e.g. to start
+    a deadline for in-flight work. ``begin_close()`` runs first, in fold order; an exception is
+    logged and does not stop the close."""
+
+    def begin_close(self) -> None: ...
+
+
+@runtime_checkable
+class BoundsPendingSaves(Protocol):
+    """A ``stage`` provider that can have more than one save pending (double buffering).
+
+    ``max_saves_in_flight`` (an int >= 1; default 1 when not implemented) is how many saves may
+    be pending while a new one stages; the engine waits for older ones beyond that.
+    """
+
+    @property
+    def max_saves_in_flight(self) -> int: ...
+
+
+@runtime_checkable
+class StartsInBackground(Protocol):
+    """Starts something in the background when created (a writer process). ``wait_ready()``
+    blocks until it is ready and returns the start-up seconds; never needed for correctness
+    (work queues until then), useful to keep start-up out of a measurement."""
+
+    def wait_ready(self, timeout: float | None = None) -> float: ...
