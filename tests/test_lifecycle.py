@@ -55,9 +55,10 @@ class Stager:
 
 @pytest.mark.parametrize("limit", [0, True, "2", 1.5])
 def test_an_invalid_max_saves_in_flight_names_the_plugin(save_dir: str, limit: Any) -> None:
-    with CheckpointEngine({"save_dir": save_dir}, plugins=[Stager(limit)]) as engine:
-        with pytest.raises(HookContractError, match=r"max_saves_in_flight must be an int >= 1"):
-            engine.save(1, model=torch.nn.Linear(2, 2))
+    engine = CheckpointEngine({"save_dir": save_dir}, plugins=[Stager(limit)])
+    with pytest.raises(HookContractError, match=r"max_saves_in_flight must be an int >= 1"):
+        engine.save(1, model=torch.nn.Linear(2, 2))
+    engine.close()
 
 
 def test_wait_ready_reaches_plugins_that_start_in_the_background(save_dir: str) -> None:
