@@ -18,15 +18,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 
-from ckpt_engine._dcpio.torch_private import (
+from ckpt_engine._dcpio.torch_private import local_chunks, storage_info, tensor_version
+from ckpt_engine._dcpio.torch_save_archive import (
     ARCHIVE_DTYPES,
     SavedTensorLayout,
-    local_chunks,
     parse_torch_save_tensor,
-    storage_info,
     tensor_archive,
     tensor_data_pkl,
-    tensor_version,
 )
 
 warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
@@ -285,7 +283,7 @@ def test_torch_save_without_crc_is_still_parsed() -> None:
 
 def test_zip64_records_load_and_parse(monkeypatch: pytest.MonkeyPatch) -> None:
     """Items over 4 GiB get zip64 fields; exercised with a lowered limit."""
-    import ckpt_engine._dcpio.torch_private as tp
+    import ckpt_engine._dcpio.torch_save_archive as tp
 
     monkeypatch.setattr(tp, "_ZIP64_LIMIT", 100)
     t = torch.arange(1000.0)

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .._format.metadata import SafeFileSystemReader
-from .torch_private import SavedTensorLayout, parse_torch_save_tensor_at
+from .torch_save_archive import SavedTensorLayout, parse_torch_save_tensor_at
 
 __all__ = ["FastFileSystemReader", "contiguous_region"]
 

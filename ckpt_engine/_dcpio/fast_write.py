@@ -38,7 +38,8 @@ from .._format.digests import write_part
 from .._format.hashing import new_hasher
 from .._format.metadata import remember_metadata
 from .fast_read import _gc_paused
-from .torch_private import storage_info, tensor_archive
+from .torch_private import storage_info
+from .torch_save_archive import tensor_archive
 
 __all__ = ["FastFileSystemWriter"]
 

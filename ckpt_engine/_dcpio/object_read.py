@@ -35,7 +35,7 @@ from .._format.names import METADATA_FILE
 from .._storage.store import FsspecStore
 from ..errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
 from .fast_read import _PREFETCH, _byte_view, _gc_paused, _Item, contiguous_region
-from .torch_private import SavedTensorLayout, parse_torch_save_tensor_at
+from .torch_save_archive import SavedTensorLayout, parse_torch_save_tensor_at
 
 __all__ = ["ObjectStoreReader"]
 

@@ -1,0 +1,587 @@
+"""The ``torch.save`` archive of one tensor: read its layout, and write it without ``torch.save``.
+
+DCP's ``FileSystemWriter`` writes every tensor item of a ``.distcp`` file as one ``torch.save``
+archive. The engine's fast load path (``fast_read``, ``object_read``) reads tensor bytes straight
+into the destination with :func:`parse_torch_save_tensor_at` instead of ``torch.load`` and a copy;
+its fast writer (``fast_write``) emits the same archive bytes around the raw tensor data with
+:func:`tensor_archive`. This is a file format, not an API: the one private torch name it needs
+(the rebuild functions the archive refers to) comes from :mod:`.torch_private`, and
+``tests/test_torch_private.py`` pins the format against ``torch.save``/``torch.load``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import io
+import itertools
+import math
+import os
+import pickle
+import struct
+import sys
+import warnings
+import zipfile
+import zlib
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+import torch
+
+from .torch_private import rebuild_tensor_functions
+
+# -- the torch.save zip layout of one DCP ``.distcp`` item ------------------------------------
+#
+# DCP's ``FileSystemWriter`` (TORCH_SAVE serialization) writes every tensor item as one
+# ``torch.save`` archive: an uncompressed zip whose ``<prefix>/data.pkl`` pickles a call to
+# ``torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad,
+# backward_hooks)`` (``_rebuild_tensor_v3`` with an ``UntypedStorage`` and a trailing dtype for
+# dtypes without a legacy storage class), with the storage given by the persistent id
+# ``("storage", storage_type, key, location, numel)`` and its raw bytes in the record
+# ``<prefix>/data/<key>``, in the byte order named by ``<prefix>/byteorder``. None of this is
+# public API. :func:`parse_torch_save_tensor` reads exactly that shape and returns ``None`` for
+# anything else, so the caller can fall back to ``torch.load``.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SavedTensorLayout:
+    """Where the raw bytes of a tensor saved by ``torch.save`` lie inside its archive."""
+
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    #: Offset of the first data byte from the start of the archive.
+    data_offset: int
+    #: ``numel * element_size``: the data record holds exactly this many bytes.
+    nbytes: int
+
+
+class _Storage:
+    __slots__ = ("dtype", "key", "location", "numel")
+
+    def __init__(self, dtype: torch.dtype | None, key: str, location: str, numel: int) -> None:
+        self.dtype, self.key, self.location, self.numel = dtype, key, location, numel
+
+
+class _Rebuilt:
+    __slots__ = ("args", "version")
+
+    def __init__(self, version: int, args: tuple[Any, ...]) -> None:
+        self.version, self.args = version, args
+
+
+_UNTYPED = object()
+
+
+def _rebuild_v2(*args: Any) -> _Rebuilt:
+    return _Rebuilt(2, args)
+
+
+def _rebuild_v3(*args: Any) -> _Rebuilt:
+    return _Rebuilt(3, args)
+
+
+@functools.cache
+def _legacy_storage_dtypes() -> dict[str, torch.dtype]:
+    """``{"FloatStorage": torch.float32, ...}``: the storage classes torch.save names."""
+    out: dict[str, torch.dtype] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage is deprecated
+        for name in dir(torch):
+            cls = getattr(torch, name, None)
+            if name.endswith("Storage") and isinstance(cls, type) and issubclass(cls, torch.storage.TypedStorage):
+                dtype = getattr(cls, "dtype", None)
+                if isinstance(dtype, torch.dtype):
+                    out[name] = dtype
+    return out
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Unpickles ``data.pkl`` of a one-tensor archive into plain records, constructing nothing."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_v3
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _UNTYPED
+        if module == "torch":
+            legacy = _legacy_storage_dtypes().get(name)
+            if legacy is not None:
+                return legacy
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype):
+                return value
+        raise pickle.UnpicklingError(f"unexpected global {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        _, storage_type, key, location, numel = pid
+        if not (isinstance(key, str) and isinstance(location, str) and type(numel) is int):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        if storage_type is _UNTYPED:
+            return _Storage(None, key, location, numel)
+        if isinstance(storage_type, torch.dtype):
+            return _Storage(storage_type, key, location, numel)
+        raise pickle.UnpicklingError(f"unexpected storage type {storage_type!r}")
+
+
+def _is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """``torch.Tensor.is_contiguous`` from a size and stride (an empty tensor always is)."""
+    if 0 in size:
+        return True
+    expected = 1
+    for n, st in zip(reversed(size), reversed(stride), strict=True):
+        if n != 1 and st != expected:
+            return False
+        expected *= n
+    return True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PickledTensor:
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    storage_key: str
+    #: Bytes the storage holds, by its persistent id.
+    storage_nbytes: int
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_data_pkl(raw: bytes) -> _PickledTensor | None:
+    """The tensor ``data.pkl`` describes, if it is one dense, contiguous, zero-offset CPU tensor.
+
+    Cached by content: a model's many same-shaped tensors pickle to identical bytes.
+    """
+    try:
+        rebuilt = _LayoutUnpickler(io.BytesIO(raw)).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError):
+        return None
+    if not isinstance(rebuilt, _Rebuilt):
+        return None
+    args = rebuilt.args
+    if rebuilt.version == 2 and len(args) in (6, 7):
+        storage, storage_offset, size, stride, _requires_grad, hooks, *meta = args
+        dtype = storage.dtype if isinstance(storage, _Storage) else None
+        count_bytes = None if dtype is None else dtype.itemsize  # a typed storage counts elements
+    elif rebuilt.version == 3 and len(args) in (7, 8):
+        storage, storage_offset, size, stride, _requires_grad, hooks, dtype, *meta = args
+        count_bytes = 1  # an UntypedStorage counts bytes
+        if not isinstance(storage, _Storage) or storage.dtype is not None:
+            return None
+    else:
+        return None
+    if (
+        not isinstance(storage, _Storage)
+        or not isinstance(dtype, torch.dtype)
+        or count_bytes is None
+        or storage.location != "cpu"
+        or storage_offset != 0
+        or hooks
+        or any(meta)
+        or not isinstance(size, tuple)
+        or not isinstance(stride, tuple)
+        or len(size) != len(stride)
+        or not all(type(n) is int and n >= 0 for n in size)
+        or not all(type(st) is int for st in stride)
+        or not _is_contiguous(size, stride)
+    ):
+        return None
+    return _PickledTensor(dtype, size, storage.key, storage.numel * count_bytes)
+
+
+#: A central-directory entry of an uncompressed, unencrypted record: (crc, size, header offset).
+_Entry = tuple[int, int, int]
+#: ``pread(offset, n)``: ``n`` bytes at ``offset`` of the archive (fewer at its end).
+PRead = Callable[[int, int], bytes]
+
+_EOCD = struct.Struct("<4sHHHHIIH")
+_EOCD_MAGIC = b"PK\x05\x06"
+_EOCD64_LOCATOR = struct.Struct("<4sIQI")
+_EOCD64_LOCATOR_MAGIC = b"PK\x06\x07"
+_EOCD64 = struct.Struct("<4sQHHIIQQQQ")
+_EOCD64_MAGIC = b"PK\x06\x06"
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_CENTRAL_MAGIC = b"PK\x01\x02"
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_LOCAL_MAGIC = b"PK\x03\x04"
+_MAX_ENTRIES = 64  # a one-tensor archive has about 7
+
+
+def _central_directory(pread: PRead, length: int) -> dict[bytes, _Entry] | None:
+    """The archive's records by name, read with ``struct`` (the common case: fast).
+
+    ``None`` for anything but a plain archive without a comment whose entries need no zip64
+    extra field; :func:`_central_directory_zipfile` handles those (huge items).
+    """
+    if length < _EOCD.size:
+        return None
+    eocd = pread(length - _EOCD.size, _EOCD.size)
+    if len(eocd) != _EOCD.size:
+        return None
+    magic, _disk, _cd_disk, _n_disk, count, cd_size, cd_offset, comment_len = _EOCD.unpack(eocd)
+    if magic != _EOCD_MAGIC or comment_len:
+        return None
+    if count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
+        loc_at = length - _EOCD.size - _EOCD64_LOCATOR.size
+        loc = pread(loc_at, _EOCD64_LOCATOR.size) if loc_at >= 0 else b""
+        if len(loc) != _EOCD64_LOCATOR.size:
+            return None
+        magic, _disk, eocd64_at, _disks = _EOCD64_LOCATOR.unpack(loc)
+        rec = pread(eocd64_at, _EOCD64.size) if magic == _EOCD64_LOCATOR_MAGIC and eocd64_at < length else b""
+        if len(rec) != _EOCD64.size:
+            return None
+        magic, _size, _made, _need, _disk, _cd_disk, _n_disk, count, cd_size, cd_offset = _EOCD64.unpack(rec)
+        if magic != _EOCD64_MAGIC:
+            return None
+    if count > _MAX_ENTRIES or cd_offset + cd_size > length:
+        return None
+    cd = pread(cd_offset, cd_size)
+    if len(cd) != cd_size:
+        return None
+    entries: dict[bytes, _Entry] = {}
+    pos = 0
+    unpack = _CENTRAL.unpack_from
+    for _ in range(count):
+        if pos + _CENTRAL.size > cd_size:
+            return None
+        (magic, _made, _need, flags, method, _time, _date, crc, csize, usize, name_len, extra_len, comment_len,
+         _disk, _iattr, _eattr, header_offset) = unpack(cd, pos)  # fmt: skip
+        if magic != _CENTRAL_MAGIC or 0xFFFFFFFF in (csize, usize, header_offset):
+            return None  # zip64 sizes or offsets: leave them to zipfile
+        start = pos + _CENTRAL.size
+        pos = start + name_len + extra_len + comment_len
+        if method == zipfile.ZIP_STORED and not flags & 0x1 and csize == usize:
+            entries[cd[start : start + name_len]] = (crc, usize, header_offset)
+    return entries if pos == cd_size else None
+
+
+class _PReadFile(io.RawIOBase):
+    """A seekable file over ``pread`` for the stdlib ``zipfile``."""
+
+    def __init__(self, pread: PRead, length: int) -> None:
+        self._pread, self._length, self._pos = pread, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        if base + offset < 0:
+            raise OSError("seek before the start of the archive")
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        end = self._length if n is None or n < 0 else min(self._length, self._pos + n)
+        data = self._pread(self._pos, max(0, end - self._pos)) if end > self._pos else b""
+        self._pos += len(data)
+        return data
+
+
+def _central_directory_zipfile(pread: PRead, length: int) -> dict[bytes, _Entry] | None:
+    """The same as :func:`_central_directory`, by the stdlib ``zipfile`` (zip64 included)."""
+    with zipfile.ZipFile(_PReadFile(pread, length)) as zf:
+        infos = zf.infolist()
+    if len(infos) > _MAX_ENTRIES:
+        return None
+    return {
+        i.filename.encode(): (i.CRC, i.file_size, i.header_offset)
+        for i in infos
+        if i.compress_type == zipfile.ZIP_STORED and not i.flag_bits & 0x1 and i.compress_size == i.file_size
+    }
+
+
+def _record_offset(pread: PRead, name: bytes, entry: _Entry, length: int) -> int | None:
+    """Offset of an uncompressed record's first byte, from its local header; checks the name."""
+    _crc, size, at = entry
+    header = pread(at, _LOCAL_HEADER.size + len(name))
+    if len(header) != _LOCAL_HEADER.size + len(name):
+        return None
+    magic, *_, name_len, extra_len = _LOCAL_HEADER.unpack_from(header)
+    if magic != _LOCAL_MAGIC or name_len != len(name) or header[_LOCAL_HEADER.size :] != name:
+        return None
+    start: int = at + _LOCAL_HEADER.size + name_len + extra_len
+    return start if start + size <= length else None
+
+
+def _read_record(pread: PRead, name: bytes, entry: _Entry, length: int, limit: int = 1 << 20) -> bytes | None:
+    crc, size, _at = entry
+    start = _record_offset(pread, name, entry, length) if size <= limit else None
+    data = None if start is None else pread(start, size)
+    if data is None or len(data) != size or (crc and zlib.crc32(data) != crc):
+        return None  # a CRC of 0 is "not recorded" (torch.save with crc32 options off)
+    return data
+
+
+_BYTEORDER = sys.byteorder.encode()
+
+
+def parse_torch_save_tensor(f: BinaryIO, *, use_zipfile: bool = False) -> SavedTensorLayout | None:
+    """The layout of the one tensor a ``torch.save`` archive holds, or ``None`` if unsure.
+
+    ``f`` is a seekable binary file whose offset 0 is the archive's first byte and whose end is
+    the archive's end. See :func:`parse_torch_save_tensor_at`.
+    """
+
+    def pread(offset: int, n: int) -> bytes:
+        f.seek(offset)
+        return f.read(n)
+
+    try:
+        length = f.seek(0, io.SEEK_END)
+    except (OSError, ValueError):
+        return None
+    return parse_torch_save_tensor_at(pread, length, use_zipfile=use_zipfile)
+
+
+def parse_torch_save_tensor_at(pread: PRead, length: int, *, use_zipfile: bool = False) -> SavedTensorLayout | None:
+    """The layout of the one tensor a ``torch.save`` archive of ``length`` bytes holds.
+
+    Returns a layout only for an archive holding one dense, contiguous, zero-offset,
+    native-byte-order CPU tensor whose uncompressed data record is exactly
+    ``numel * element_size`` bytes. Anything else, including any parse error, gives ``None``.
+    The central directory is read with ``struct``, or with the stdlib ``zipfile`` where that
+    cannot (zip64 entries) or when ``use_zipfile`` is set; both give the same answer.
+    """
+    try:
+        entries = None if use_zipfile else _central_directory(pread, length)
+        if entries is None:
+            entries = _central_directory_zipfile(pread, length)
+        if entries is None:
+            return None
+        pkl_name = next((n for n in entries if n.endswith(b"/data.pkl") and n.count(b"/") == 1), None)
+        if pkl_name is None:
+            return None
+        prefix = pkl_name[: -len(b"data.pkl")]
+        byteorder_entry = entries.get(prefix + b"byteorder")
+        if byteorder_entry is None:
+            return None  # archives from before torch 2.1 record none; leave them to torch.load
+        if _read_record(pread, prefix + b"byteorder", byteorder_entry, length) != _BYTEORDER:
+            return None
+        raw = _read_record(pread, pkl_name, entries[pkl_name], length)
+        tensor = None if raw is None else _parse_data_pkl(raw)
+        if tensor is None:
+            return None
+        nbytes = math.prod(tensor.size) * tensor.dtype.itemsize
+        data_name = prefix + b"data/" + tensor.storage_key.encode()
+        data_entry = entries.get(data_name)
+        if data_entry is None or data_entry[1] != nbytes or tensor.storage_nbytes != nbytes:
+            return None
+        start = _record_offset(pread, data_name, data_entry, length)
+        if start is None:
+            return None
+        return SavedTensorLayout(dtype=tensor.dtype, size=tensor.size, data_offset=start, nbytes=nbytes)
+    except (zipfile.BadZipFile, struct.error, EOFError, ValueError, OSError, UnicodeError, KeyError):
+        return None
+
+
+# -- writing the same archive without torch.save ----------------------------------------------
+#
+# ``tensor_archive`` lays out a ``torch.save`` archive of one dense contiguous CPU tensor around
+# its data, so a writer can emit ``head``, then the tensor's own bytes, then ``tail``: no
+# serialisation copy and no CRC pass over the data. The result is what ``torch.save`` writes
+# with ``torch.serialization.set_crc32_options(False)`` (a public torch option): the same record
+# names and contents, records 64-byte aligned, the data record's CRC field 0 (torch.load does
+# not check it; the small records carry real CRCs). ``tests/test_torch_private.py`` checks the
+# pickle byte for byte against torch.save and loads every archive with torch.load.
+
+#: dtypes whose ``data.pkl`` this module reproduces (pinned against torch.save per dtype).
+ARCHIVE_DTYPES: frozenset[torch.dtype] = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    }
+)
+_ALIGN = 64
+#: Records at least this large (or at this offset) get zip64 fields; a module constant so the
+#: zip64 path can be tested with small archives.
+_ZIP64_LIMIT = 0xFFFFFFFF
+_PREFIX = "archive/"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArchiveParts:
+    """``head + <the tensor's nbytes> + tail`` is a torch.save archive of the tensor."""
+
+    head: bytes
+    tail: bytes
+    nbytes: int
+
+    @property
+    def length(self) -> int:
+        return len(self.head) + self.nbytes + len(self.tail)
+
+
+class _StorageRef:
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: tuple[Any, ...]) -> None:
+        self.pid = pid
+
+
+class _TensorRef:
+    __slots__ = ("args", "fn")
+
+    def __init__(self, fn: Any, args: tuple[Any, ...]) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.fn, self.args
+
+
+class _ArchivePickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if isinstance(obj, _StorageRef) else None
+
+
+@functools.cache
+def _legacy_storage_classes() -> dict[torch.dtype, type]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {dtype: getattr(torch, name) for name, dtype in _legacy_storage_dtypes().items()}
+
+
+@functools.lru_cache(maxsize=4096)
+def tensor_data_pkl(dtype: torch.dtype, size: tuple[int, ...]) -> bytes:
+    """The ``data.pkl`` torch.save writes for a contiguous, detached CPU tensor of this kind."""
+    stride: list[int] = []
+    acc = 1
+    for n in reversed(size):
+        stride.append(acc)
+        acc *= max(n, 1)  # as torch computes contiguous strides
+    numel = math.prod(size)
+    legacy = _legacy_storage_classes().get(dtype)
+    if legacy is not None:
+        pid = ("storage", legacy, "0", "cpu", numel)
+        args: tuple[Any, ...] = (_StorageRef(pid), 0, size, tuple(reversed(stride)), False, collections.OrderedDict())
+        fn: Any = rebuild_tensor_functions()[0]
+    else:
+        pid = ("storage", torch.storage.UntypedStorage, "0", "cpu", numel * dtype.itemsize)
+        args = (_StorageRef(pid), 0, size, tuple(reversed(stride)), False, collections.OrderedDict(), dtype)
+        fn = rebuild_tensor_functions()[1]
+    buf = io.BytesIO()
+    _ArchivePickler(buf, protocol=2).dump(_TensorRef(fn, args))
+    return buf.getvalue()
+
+
+_serial = itertools.count(int.from_bytes(os.urandom(8), "little") % 10**19 * 10**20)
+
+
+_SERIAL_RECORD = ".data/serialization_id"
+_SERIAL_LEN = 40
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Template:
+    head: bytes
+    tail: bytes
+    nbytes: int
+    #: where, in ``tail``, the serialization id and the two copies of its CRC are
+    id_at: int
+    crc_at: tuple[int, int]
+
+
+@functools.lru_cache(maxsize=4096)
+def _archive_template(dtype: torch.dtype, size: tuple[int, ...], zip64_limit: int) -> _Template:
+    nbytes = math.prod(size) * dtype.itemsize
+    records: list[tuple[str, bytes | None]] = [
+        ("data.pkl", tensor_data_pkl(dtype, size)),
+        (".format_version", b"1"),
+        (".storage_alignment", str(_ALIGN).encode()),
+        ("byteorder", sys.byteorder.encode()),
+        ("data/0", None),  # the tensor's bytes
+        ("version", b"3\n"),
+        (_SERIAL_RECORD, b"0" * _SERIAL_LEN),  # patched per archive
+    ]
+    head = bytearray()
+    tail = bytearray()
+    out = head
+    pos = 0
+    central: list[bytes] = []
+    id_at, crc_local_at, crc_central_at = -1, -1, -1
+    for name, data in records:
+        raw_name = (_PREFIX + name).encode()
+        size_ = nbytes if data is None else len(data)
+        crc = 0 if data is None else zlib.crc32(data)
+        zip64 = size_ >= zip64_limit or pos >= zip64_limit
+        local_extra = struct.pack("<HHQQ", 1, 16, size_, size_) if zip64 else b""
+        unpadded = pos + _LOCAL_HEADER.size + len(raw_name) + len(local_extra) + 4
+        local_extra += struct.pack("<HH", 0x4246, -unpadded % _ALIGN) + b"Z" * (-unpadded % _ALIGN)  # "FB" padding
+        short = 0xFFFFFFFF if zip64 else size_
+        version = 45 if zip64 else 20
+        if name == _SERIAL_RECORD:
+            crc_local_at = len(out) + 14  # the CRC field of a local header
+        out += _LOCAL_HEADER.pack(
+            _LOCAL_MAGIC, version, 0x800, 0, 0, 0, crc, short, short, len(raw_name), len(local_extra)
+        )
+        out += raw_name + local_extra
+        if name == _SERIAL_RECORD:
+            id_at = len(out)
+            crc_central_at = sum(len(c) for c in central) + 16  # the CRC field of a central entry
+        cd_extra = struct.pack("<HHQQQ", 1, 24, size_, size_, pos) if zip64 else b""
+        cd_fields = (crc, short, short, len(raw_name), len(cd_extra), 0, 0, 0, 0, 0xFFFFFFFF if zip64 else pos)
+        cd_header = _CENTRAL.pack(_CENTRAL_MAGIC, version, version, 0x800, 0, 0, 0, *cd_fields)
+        central.append(cd_header + raw_name + cd_extra)
+        pos += _LOCAL_HEADER.size + len(raw_name) + len(local_extra)
+        if data is None:
+            out = tail  # the caller writes the tensor's bytes here
+        else:
+            out += data
+        pos += size_
+    cd_offset = pos
+    crc_central_at += len(tail)
+    cd = b"".join(central)
+    tail += cd
+    pos += len(cd)
+    count = len(records)
+    tail += _EOCD64.pack(_EOCD64_MAGIC, _EOCD64.size - 12, 45, 45, 0, 0, count, count, len(cd), cd_offset)
+    tail += _EOCD64_LOCATOR.pack(_EOCD64_LOCATOR_MAGIC, 0, pos, 1)
+    big = cd_offset >= zip64_limit or len(cd) >= zip64_limit
+    tail += _EOCD.pack(
+        _EOCD_MAGIC, 0, 0, count, count, 0xFFFFFFFF if big else len(cd), 0xFFFFFFFF if big else cd_offset, 0
+    )
+    return _Template(bytes(head), bytes(tail), nbytes, id_at, (crc_local_at, crc_central_at))
+
+
+def tensor_archive(dtype: torch.dtype, size: tuple[int, ...]) -> ArchiveParts | None:
+    """The archive around the data of a tensor of this dtype and size; ``None`` if unsupported.
+
+    Layouts are cached per dtype and size; each call gets a fresh serialization id, as
+    ``torch.save`` gives every archive one.
+    """
+    if dtype not in ARCHIVE_DTYPES:
+        return None
+    t = _archive_template(dtype, tuple(size), _ZIP64_LIMIT)
+    serial = f"{next(_serial):040d}"[-_SERIAL_LEN:].encode()
+    crc = struct.pack("<I", zlib.crc32(serial))
+    tail = bytearray(t.tail)
+    tail[t.id_at : t.id_at + _SERIAL_LEN] = serial
+    for at in t.crc_at:
+        tail[at : at + 4] = crc
+    return ArchiveParts(head=t.head, tail=bytes(tail), nbytes=t.nbytes)
