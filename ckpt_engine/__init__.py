@@ -22,9 +22,11 @@ from .errors import (
     PluginConfigError,
     PluginConflictError,
     PluginLoadError,
+    CheckpointExistsError,
     SaveDirLockedError,
     StorageError,
     UnsafeCheckpointError,
+    UnverifiableCheckpointError,
 )
 from .report import ComponentReport, LoadReport
 from .types import (
@@ -70,6 +72,7 @@ __all__ = [
     "PluginLoadError",
     "RemapContext",
     "SaveContext",
+    "CheckpointExistsError",
     "SaveDirLockedError",
     "SaveHandle",
     "SaveResult",
@@ -77,6 +80,7 @@ __all__ = [
     "StorageError",
     "StorageOptions",
     "UnsafeCheckpointError",
+    "UnverifiableCheckpointError",
     "ValueSpec",
     "WriteContext",
     "WriteResult",

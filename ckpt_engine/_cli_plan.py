@@ -19,13 +19,16 @@ from torch.futures import Future
 
 from ._cli_read import resolve
 from ._dist import quiet_dcp
-from ._metadata import SafeFileSystemReader, read_metadata
+from ._fscheck import require_regular_file
+from ._metadata import METADATA_FILE, SafeFileSystemReader, read_metadata
 from .config import EngineConfig
 from .engine import CheckpointEngine
 from .errors import CheckpointLoadError, CkptEngineError, LoadStrictnessError, first_failure
+from .layout import check_component_files
 from .planner import EngineLoadPlanner
 from .report import ComponentReport, LoadReport
 from .state import TrainingObjects, component_state_dict
+from .store import open_store
 
 
 class NoReadReader(SafeFileSystemReader):
@@ -61,7 +64,10 @@ def dry_run_component(
         trust_checkpoint=cfg.trust_checkpoint,
         ignore_unexpected_prefixes=("grad_scaler.",) if name == "trainer" and objs.grad_scaler is None else (),
     )
-    reader = NoReadReader(component_dir, read_metadata(component_dir))
+    require_regular_file(os.path.join(component_dir, METADATA_FILE), "DCP metadata")
+    metadata = read_metadata(component_dir)
+    check_component_files(component_dir, metadata, open_store(component_dir))  # the plan is what a load does
+    reader = NoReadReader(component_dir, metadata)
     try:
         with quiet_dcp():
             dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True)

@@ -25,10 +25,18 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ._dist import quiet_dcp
+from ._fscheck import require_regular_file
 from ._metadata import METADATA_FILE, SafeFileSystemReader, read_metadata
 from ._object_read import ObjectStoreReader
-from .errors import CheckpointNotFoundError, CkptEngineError, CorruptCheckpointError, first_failure
-from .layout import LATEST_FILE, component_dirs, list_checkpoints, parse_iteration, read_latest
+from ._unsafe import blocked_global, refine_unsafe, weights_only_reason
+from .errors import (
+    CheckpointNotFoundError,
+    CkptEngineError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    first_failure,
+)
+from .layout import LATEST_FILE, check_component_files, component_dirs, list_checkpoints, parse_iteration, read_latest
 from .store import FsspecStore, is_url, open_store
 
 #: Default bytes of tensor data read per batch (a single larger tensor is read on its own).
@@ -220,8 +228,13 @@ class _ReadPlanner(DefaultLoadPlanner):
         try:
             obj: Any = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            obj = Unreadable(first[:200])
+            hostile = blocked_global(err, blocked_only=True)
+            if hostile is not None:  # crafted, not merely unreadable: refuse, naming the global
+                raise UnsafeCheckpointError(
+                    f"value {read_item.storage_index.fqn!r} references the global {hostile}, which "
+                    "weights_only=True unpickling refuses to construct: the checkpoint was crafted or tampered with"
+                ) from None
+            obj = Unreadable(weights_only_reason(err)[:200])
         # Not flattened: the keys are the flat storage keys of the dict handed to dcp.load.
         self.original_state_dict[read_item.dest_index.fqn] = obj
 
@@ -235,7 +248,12 @@ class ComponentReader:
     keys: dict[str, KeyInfo] = field(init=False)
 
     def __post_init__(self) -> None:
+        store = open_store(self.path)
+        if not store.is_object_store:
+            require_regular_file(os.path.join(self.path, METADATA_FILE), "DCP metadata")
         self.metadata = read_metadata(self.path)
+        # Every tensor covered exactly by chunks whose bytes exist, before anything is allocated.
+        check_component_files(self.path, self.metadata, store)
         self.keys = key_infos(self.metadata)
 
     def read(self, keys: Sequence[str]) -> dict[str, Any]:
@@ -243,7 +261,7 @@ class ComponentReader:
         template: dict[str, Any] = {}
         for key in keys:
             info = self.keys[key]
-            template[key] = torch.empty(info.shape, dtype=info.dtype) if info.is_tensor else None
+            template[key] = torch.zeros(info.shape, dtype=info.dtype) if info.is_tensor else None
         if not template:
             return {}
         store = open_store(self.path)
@@ -258,7 +276,7 @@ class ComponentReader:
         except (Exception, CheckpointException) as exc:
             err = first_failure(exc)[0]
             if isinstance(err, CkptEngineError):
-                raise err from None
+                raise refine_unsafe(err, self.path) from None
             what = keys[0] if len(keys) == 1 else f"{len(keys)} keys from {keys[0]!r}"
             raise CorruptCheckpointError(
                 f"{self.path}: cannot read {what}: {type(err).__name__}: {str(err).strip().splitlines()[0]}"

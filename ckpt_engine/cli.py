@@ -294,6 +294,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ._cli_read import exists, human_bytes, is_component_dir, is_save_dir, isdir, normalize
     from .errors import CheckpointNotFoundError
+    from ._load_guard import fail_unverified
     from .integrity import verify_checkpoint
     from .layout import LATEST_FILE, component_dirs, list_checkpoints, read_latest
     from .store import open_store
@@ -327,6 +328,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             results.append(verify_checkpoint(p, level=args.level, progress=bar.update))
         finally:
             bar.close()
+    results = [fail_unverified(r, args.allow_unverified) for r in results]  # checksums fail closed
     ok = all(r.ok for r in results) and not extra_problems
     if args.json:
         _json(
@@ -832,6 +834,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("sizes", "checksums"),
         default="checksums",
         help="how far to check the manifest (default: checksums, which reads every byte)",
+    )
+    p.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="at --level checksums, pass a complete checkpoint whose checksums cannot be checked (no manifest, "
+        "a sizes-only or newer one); by default that fails",
     )
     p.add_argument("--json", action="store_true", help=json_help)
 

@@ -52,6 +52,11 @@ class UnsafeCheckpointError(CkptEngineError):
     """A checkpoint contains a pickled object the safe loader refuses to construct."""
 
 
+class UnverifiableCheckpointError(CkptEngineError):
+    """``verify: checksums`` was asked for, but the checkpoint's checksums cannot be checked (no
+    manifest, a sizes-only or newer one, an unavailable algorithm); ``allow_unverified`` loads it."""
+
+
 class CheckpointLoadError(CkptEngineError):
     """Loading a component failed."""
 
@@ -91,6 +96,10 @@ class LoadStrictnessError(CheckpointLoadError):
 
 class CheckpointSaveError(CkptEngineError):
     """Saving a checkpoint failed; the previous ``latest`` checkpoint is untouched."""
+
+
+class CheckpointExistsError(CheckpointSaveError, FileExistsError):
+    """``save()`` of an iteration that is already committed, without ``allow_overwrite``."""
 
 
 class SaveDirLockedError(CheckpointSaveError):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from .errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, denied
-from .layout import CheckedCheckpoint, check_complete
+from .layout import CheckedCheckpoint, check_complete, parse_iteration
 from .store import Store, store_for
 
 __all__ = [
@@ -339,6 +339,18 @@ def lookup_manifest(checkpoint_dir: str | os.PathLike[str], store: Store | None 
     return ManifestLookup(manifest)
 
 
+def iteration_problem(path: str, manifest: Manifest) -> str | None:
+    """Why the checkpoint folder ``path`` is not the checkpoint its manifest describes (the
+    iteration in its name differs), or ``None``."""
+    named = parse_iteration(os.path.basename(path.rstrip("/")))
+    if named is None or manifest.iteration == named:
+        return None
+    return (
+        f"{path} is named for iteration {named}, but its {MANIFEST_FILE} is of iteration {manifest.iteration}: it "
+        "is another checkpoint under this name (a symlink to, or a copy of, another run's folder?)"
+    )
+
+
 def shard_files(files: Mapping[str, FileEntry], world_size: int) -> list[set[str]]:
     """Split files among ranks by size (largest first, to the least loaded rank); deterministic."""
     shares: list[set[str]] = [set() for _ in range(max(world_size, 1))]
@@ -535,6 +547,9 @@ def verify_checkpoint(
         problems.append(str(err))
         return VerifyReport(path, checked is not None, False, "a file could not be read", problems, level=level)
     problems += result.problems
+    mismatch = iteration_problem(path, lookup.manifest)
+    if mismatch is not None:
+        problems.append(mismatch)
     reason = result.reason
     if problems:
         reason = f"{len(problems)} problem(s) found"

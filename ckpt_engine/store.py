@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
+from ._fscheck import read_regular
 from .errors import ConfigError, StorageError
 
 __all__ = ["FsspecStore", "LocalStore", "Store", "is_url", "local_path", "open_store", "store_for"]
@@ -151,8 +152,7 @@ class LocalStore(Store):
     """A local (or network-mounted) folder: plain ``os`` calls."""
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
-        with open(path, "rb") as f:
-            return f.read() if limit is None else f.read(limit + 1)
+        return read_regular(path, limit)  # a FIFO or device is refused, never waited on
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         with open(path, "rb") as f:
