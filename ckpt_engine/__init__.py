@@ -8,6 +8,7 @@ from ._markers import PROJECT_NAME, hookimpl
 from .config import EngineConfig, PluginEntry, StorageOptions
 from .engine import CheckpointEngine, SaveHandle
 from .errors import (
+    CheckpointExistsError,
     CheckpointLoadError,
     CheckpointNotFoundError,
     CheckpointPermissionError,
@@ -22,7 +23,6 @@ from .errors import (
     PluginConfigError,
     PluginConflictError,
     PluginLoadError,
-    CheckpointExistsError,
     SaveDirLockedError,
     StorageError,
     UnsafeCheckpointError,
@@ -48,6 +48,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PROJECT_NAME",
     "CheckpointEngine",
+    "CheckpointExistsError",
     "CheckpointLoadError",
     "CheckpointNotFoundError",
     "CheckpointPermissionError",
@@ -72,7 +73,6 @@ __all__ = [
     "PluginLoadError",
     "RemapContext",
     "SaveContext",
-    "CheckpointExistsError",
     "SaveDirLockedError",
     "SaveHandle",
     "SaveResult",

@@ -293,8 +293,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ._cli_read import exists, human_bytes, is_component_dir, is_save_dir, isdir, normalize
-    from .errors import CheckpointNotFoundError
     from ._load_guard import fail_unverified
+    from .errors import CheckpointNotFoundError
     from .integrity import verify_checkpoint
     from .layout import LATEST_FILE, component_dirs, list_checkpoints, read_latest
     from .store import open_store

@@ -175,7 +175,9 @@ def check_component_files(
         if rel is None:
             raise CorruptCheckpointError(f"{os.path.join(cdir, METADATA_FILE)}: storage entry {index} has no file")
         if "/" in rel or "\\" in rel or rel.startswith("."):
-            raise CorruptCheckpointError(f"{os.path.join(cdir, METADATA_FILE)} names data file {rel!r} outside its folder")
+            raise CorruptCheckpointError(
+                f"{os.path.join(cdir, METADATA_FILE)} names data file {rel!r} outside its folder"
+            )
         needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
     for rel, end in sorted(needed.items()):
         fpath = store.join(cdir, rel)

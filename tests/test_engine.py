@@ -378,7 +378,7 @@ def test_component_absent_from_checkpoint(save_dir: str) -> None:
     fresh = _fresh()
     # Resuming (rule 1) never leaves a passed component fresh while the rest resumes, strict or not.
     for strict in (True, False):
-        with pytest.raises(IncompleteCheckpointError, match="no component 'optim'.*keys_not_to_resume"):
+        with pytest.raises(IncompleteCheckpointError, match=r"no component 'optim'.*keys_not_to_resume"):
             CheckpointEngine({"save_dir": save_dir, "strict": strict}).load(
                 model=fresh.model, optimizer=fresh.optimizer
             )
@@ -456,7 +456,7 @@ def test_closed_engine_refuses_work(save_dir: str) -> None:
 def test_saving_same_iteration_twice_replaces_it_only_when_allowed(save_dir: str) -> None:
     a, b = TinyTrainingState.create(seed=1), TinyTrainingState.create(seed=2)
     CheckpointEngine({"save_dir": save_dir}).save(3, model=a.model)
-    with pytest.raises(CheckpointExistsError, match="iteration 3 is already committed.*allow_overwrite"):
+    with pytest.raises(CheckpointExistsError, match=r"iteration 3 is already committed.*allow_overwrite"):
         CheckpointEngine({"save_dir": save_dir}).save(3, model=b.model)
     engine = CheckpointEngine({"save_dir": save_dir, "allow_overwrite": True})
     engine.save(3, model=b.model)
