@@ -12,8 +12,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
-from _adv import load
 
+from adversarial._adv import load
 from ckpt_engine import (
     CheckpointEngine,
     CheckpointSaveError,

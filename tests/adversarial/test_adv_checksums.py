@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _adv import ckpt, edit_manifest, flip_byte, load, save
 
+from adversarial._adv import ckpt, edit_manifest, flip_byte, load, save
 from ckpt_engine import UnverifiableCheckpointError
 from ckpt_engine.cli import main
 from ckpt_engine.integrity import MANIFEST_FILE

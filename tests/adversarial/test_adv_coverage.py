@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from _adv import ckpt, load, save, tamper_metadata
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 
+from adversarial._adv import ckpt, load, save, tamper_metadata
 from ckpt_engine import CorruptCheckpointError
 from ckpt_engine.cli import main
 from ckpt_engine.integrity import verify_checkpoint
@@ -97,7 +97,7 @@ def test_diff_refuses(tampered: tuple[Path, str], save_dir: str, capsys: Any) ->
 
 def test_plan_refuses(tampered: tuple[Path, str], capsys: Any) -> None:
     checkpoint, message = tampered
-    code = main(["plan", str(checkpoint), "--model", "_adv:objects"])
+    code = main(["plan", str(checkpoint), "--model", "adversarial._adv:objects"])
     assert code != 0
     assert message in capsys.readouterr().err
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _adv import ckpt, load, save
 
+from adversarial._adv import ckpt, load, save
 from ckpt_engine import CorruptCheckpointError
 from ckpt_engine.cli import main
 from ckpt_engine.integrity import MANIFEST_FILE

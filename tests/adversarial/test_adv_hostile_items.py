@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from _adv import ckpt, load, rehash, save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
+from adversarial._adv import ckpt, load, rehash, save
 from ckpt_engine import UnsafeCheckpointError
 from ckpt_engine._metadata import read_metadata
 from ckpt_engine.cli import main

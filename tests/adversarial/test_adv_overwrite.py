@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
-from _adv import ckpt, load, save
 
+from adversarial._adv import ckpt, load, save
 from ckpt_engine import CheckpointEngine, CheckpointExistsError
 from ckpt_engine.testing import TinyTrainingState
 

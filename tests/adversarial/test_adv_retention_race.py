@@ -8,9 +8,9 @@ import threading
 from typing import Any
 
 import pytest
-from _adv import ckpt, save
 
 import ckpt_engine.engine as engine_module
+from adversarial._adv import ckpt, save
 from ckpt_engine import CheckpointEngine, CheckpointNotFoundError
 from ckpt_engine.layout import remove_checkpoint
 from ckpt_engine.retention import apply_retention

@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _adv import ckpt, load, save
 
+from adversarial._adv import ckpt, load, save
 from ckpt_engine import CorruptCheckpointError
 from ckpt_engine.integrity import verify_checkpoint
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from _adv import ckpt, load, save
 
+from adversarial._adv import ckpt, load, save
 from ckpt_engine import CheckpointEngine, IncompleteCheckpointError
 from ckpt_engine.integrity import MANIFEST_FILE
 from ckpt_engine.testing import TinyTrainingState
