@@ -3,7 +3,7 @@
 For each tensor count (16 fp32 values per tensor, one module of buffers): the engine's save of
 an unchanged structure (the cached plan; checksums on and off, alternating), the engine's load,
 plain ``dcp.save`` / ``dcp.load`` of the same state dict, and the ``.metadata`` file: its size,
-the engine's safe read (``ckpt_engine._metadata.read_metadata``) and a plain ``pickle.load``.
+the engine's safe read (``ckpt_engine._format.metadata.read_metadata``) and a plain ``pickle.load``.
 
     python benchmarks/scale_bench.py --counts 10000,50000 --reps 3 --out scale.json
     python benchmarks/scale_bench.py --smoke
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from ckpt_engine._metadata import read_metadata
 from torch import nn
 
 from ckpt_engine import CheckpointEngine
+from ckpt_engine._format.metadata import read_metadata
 
 
 class Buffers(nn.Module):

@@ -11,6 +11,7 @@ from ._version import __version__
 from .config import EngineConfig, PluginEntry, StorageOptions
 from .errors import (
     ArgumentTypeError,
+    CheckpointExistsError,
     CheckpointLoadError,
     CheckpointNotFoundError,
     CheckpointPermissionError,
@@ -31,6 +32,7 @@ from .errors import (
     SaveDirLockedError,
     StorageError,
     UnsafeCheckpointError,
+    UnverifiableCheckpointError,
 )
 from .report import ComponentReport, LoadReport
 from .types import (
@@ -51,6 +53,7 @@ __all__ = [
     "PROJECT_NAME",
     "ArgumentTypeError",
     "CheckpointEngine",
+    "CheckpointExistsError",
     "CheckpointLoadError",
     "CheckpointNotFoundError",
     "CheckpointPermissionError",
@@ -86,6 +89,7 @@ __all__ = [
     "StorageError",
     "StorageOptions",
     "UnsafeCheckpointError",
+    "UnverifiableCheckpointError",
     "ValueSpec",
     "WriteContext",
     "WriteResult",

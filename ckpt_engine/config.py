@@ -193,6 +193,12 @@ class EngineConfig(BaseModel):
         "reads every file and compares its checksum (catches flipped bytes; reads the checkpoint once "
         "more, split among ranks); `off` skips the manifest.",
     )
+    allow_unverified: bool = Field(
+        default=False,
+        description="With `verify: checksums`, load a checkpoint whose checksums cannot be checked (no "
+        "manifest, as plain DCP and the original checkpointer write them; a sizes-only or newer manifest; an "
+        "unavailable algorithm), reported as unverified. False: such a load is refused.",
+    )
     save_checksums: bool = Field(
         default=True,
         description="Checksum every file into the manifest at commit (re-reads what was just written, "
@@ -220,6 +226,11 @@ class EngineConfig(BaseModel):
         description="Also save and restore every rank's Python, NumPy, torch CPU and CUDA random state (an `rng` "
         "component, one set of keys per rank), so a resumed run draws the same random numbers. Resuming "
         "into another number of ranks is refused; `keys_not_to_resume: [rng]` starts fresh random state.",
+    )
+    allow_overwrite: bool = Field(
+        default=False,
+        description="Let `save()` replace an iteration that is already committed (the old checkpoint stays "
+        "loadable until the new one is committed). False: such a save is refused with CheckpointExistsError.",
     )
     thread_count: int = Field(default=1, ge=1, le=64, description="Writer threads per rank (DCP).")
     sync_files: bool = Field(default=True, description="fsync checkpoint files before commit.")

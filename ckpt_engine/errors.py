@@ -79,6 +79,11 @@ class UnsafeCheckpointError(CorruptCheckpointError):
     """
 
 
+class UnverifiableCheckpointError(CkptEngineError):
+    """``verify: checksums`` was asked for, but the checkpoint's checksums cannot be checked (no
+    manifest, a sizes-only or newer one, an unavailable algorithm); ``allow_unverified`` loads it."""
+
+
 class CheckpointLoadError(CkptEngineError):
     """Loading a component failed."""
 
@@ -137,6 +142,10 @@ def strictness_fixes(component: str, missing: bool, mismatched: bool, unexpected
 
 class CheckpointSaveError(CkptEngineError):
     """Saving a checkpoint failed; the previous ``latest`` checkpoint is untouched."""
+
+
+class CheckpointExistsError(CheckpointSaveError, FileExistsError):
+    """``save()`` of an iteration that is already committed, without ``allow_overwrite``."""
 
 
 class SaveDirLockedError(CheckpointSaveError):

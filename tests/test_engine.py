@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from ckpt_engine import (
     CheckpointEngine,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     ConfigError,
@@ -376,9 +377,13 @@ def test_component_absent_from_checkpoint(save_dir: str) -> None:
     state = TinyTrainingState.create()
     CheckpointEngine({"save_dir": save_dir}).save(1, model=state.model)
     fresh = _fresh()
-    with pytest.raises(IncompleteCheckpointError, match="no component 'optim'"):
-        CheckpointEngine({"save_dir": save_dir}).load(model=fresh.model, optimizer=fresh.optimizer)
-    result = CheckpointEngine({"save_dir": save_dir, "strict": False}).load(
+    # Resuming (rule 1) never leaves a passed component fresh while the rest resumes, strict or not.
+    for strict in (True, False):
+        with pytest.raises(IncompleteCheckpointError, match=r"no component 'optim'.*keys_not_to_resume"):
+            CheckpointEngine({"save_dir": save_dir, "strict": strict}).load(
+                model=fresh.model, optimizer=fresh.optimizer
+            )
+    result = CheckpointEngine({"save_dir": save_dir, "keys_not_to_resume": ["optim"]}).load(
         model=fresh.model, optimizer=fresh.optimizer
     )
     assert result.components == ("model", "trainer") and result.iteration == 1
@@ -453,10 +458,12 @@ def test_closed_engine_refuses_work(save_dir: str) -> None:
         engine.save(1, model=_fresh().model)
 
 
-def test_saving_same_iteration_twice_replaces_it(save_dir: str) -> None:
+def test_saving_same_iteration_twice_replaces_it_only_when_allowed(save_dir: str) -> None:
     a, b = TinyTrainingState.create(seed=1), TinyTrainingState.create(seed=2)
-    engine = CheckpointEngine({"save_dir": save_dir})
-    engine.save(3, model=a.model)
+    CheckpointEngine({"save_dir": save_dir}).save(3, model=a.model)
+    with pytest.raises(CheckpointExistsError, match=r"iteration 3 is already committed.*allow_overwrite"):
+        CheckpointEngine({"save_dir": save_dir}).save(3, model=b.model)
+    engine = CheckpointEngine({"save_dir": save_dir, "allow_overwrite": True})
     engine.save(3, model=b.model)
     assert sorted(os.listdir(save_dir)) == ["iter_000000003", "latest_checkpoint.txt"]
     fresh = _fresh()

@@ -268,8 +268,7 @@ def test_writer_killed_mid_save_fails_clearly_and_a_new_writer_takes_over(save_d
     assert leftovers == [], f"the failed save left {leftovers}"
     assert [r.succeeded for r in recorder.results] == [True, False]
 
-    with pytest.raises(CheckpointSaveError, match="SIGKILL"):  # the next save() reports it first
-        engine.save(3, **state.objects())
+    # The caller saw that failure through its handle: the next save() proceeds.
     state.train(1, seed=3)
     expected = snapshot(state)
     engine.save(3, **state.objects()).result(timeout=TIMEOUT)  # a new writer took over

@@ -124,13 +124,14 @@ def test_manifest_never_breaks_plain_dcp_and_old_checkpoints_still_load(save_dir
     dcp.load(sd, checkpoint_id=str(ckpt / "model"))
     assert_state_dicts_equal(sd, saved[4])
     # The same checkpoint without a manifest (as plain DCP or the original checkpointer write it)
-    # loads, reported and logged as unverified, at every verify level.
+    # loads, reported and logged as unverified, at verify='sizes'; verify='checksums' fails closed
+    # unless allow_unverified says that is fine (tests/adversarial/test_adv_checksums.py).
     result, _ = _load(save_dir)
     assert result.verified
     (ckpt / MANIFEST_FILE).unlink()
-    for level in ("sizes", "checksums"):
+    for config in ({"verify": "sizes"}, {"verify": "checksums", "allow_unverified": True}):
         with caplog.at_level(logging.INFO, logger="ckpt_engine"):
-            result, fresh = _load(save_dir, verify=level)
+            result, fresh = _load(save_dir, **config)
         assert result.iteration == 4 and not result.verified
         assert_state_dicts_equal(dict(fresh.model.state_dict()), saved[4])
     assert "unverified: no ckpt_engine_manifest.json" in caplog.text
@@ -242,7 +243,7 @@ def test_save_checksums_off_records_sizes_only(save_dir: str) -> None:
     assert doc["checksum_algorithm"] is None
     assert all(e["checksum"] is None and e["size"] > 0 for e in doc["files"].values())
     assert _load(save_dir, verify="sizes")[0].verified
-    assert not _load(save_dir, verify="checksums")[0].verified  # loads; cannot claim checksums
+    assert not _load(save_dir, verify="checksums", allow_unverified=True)[0].verified  # cannot claim checksums
     report = verify_checkpoint(str(_ckpt(save_dir, 2)), "checksums")
     assert report.ok and not report.verified and "sizes only" in (report.unverified_reason or "")
 
@@ -377,7 +378,7 @@ def test_retention_never_deletes_latest_nor_newer_checkpoints(save_dir: str) -> 
     _save(save_dir, 1, 2, 3, 4, 5)
     # A rollback: the user pointed latest at 2 and resumed; 3..5 belong to the abandoned run.
     Path(save_dir, "latest_checkpoint.txt").write_text("iter_000000002\n")
-    _save(save_dir, 3, keep_last=1)  # the resumed run saves 3 (replacing the old 3)
+    _save(save_dir, 3, keep_last=1, allow_overwrite=True)  # the resumed run saves 3 (replacing the old 3)
     assert _iters(save_dir) == [3, 4, 5]  # 1 and 2 deleted; 4, 5 (newer than latest) kept
     assert _latest(save_dir) == "iter_000000003\n"
 

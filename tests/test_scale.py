@@ -13,8 +13,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from ckpt_engine import CheckpointEngine
 from ckpt_engine._dcpio.fast_save import plan_cache
-from ckpt_engine._format.manifest import hash_files, list_files
-from ckpt_engine.integrity import MANIFEST_FILE
+from ckpt_engine._format.manifest import MANIFEST_FILE, hash_files, list_files
 
 
 class Bag(nn.Module):

@@ -38,6 +38,7 @@ from ..pipeline import Pipeline
 from ..report import ComponentReport, OverlapRecord, SkipRecord
 from ..types import Decision, LoadContext, PlanEntry, RemapContext, ValueSpec
 from .torch_private import local_chunks
+from .unsafe import unsafe_value_error, weights_only_reason
 
 __all__ = ["EngineLoadPlanner", "EngineSavePlanner", "flat_keys", "target_spec"]
 
@@ -306,11 +307,14 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         try:
             return torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            where = f"component {self.component!r}, key {storage!r} (into {dest!r}) in {self.checkpoint_dir}"
+            hostile = unsafe_value_error(where, err)
+            if hostile is not None:  # a refused global: crafted, and never "trust it" advice
+                raise hostile from None
             raise UnsafeCheckpointError(
-                f"component {self.component!r}, key {storage!r} (into {dest!r}) in {self.checkpoint_dir}: "
-                f"the stored value needs more than weights_only=True unpickling allows ({first}); "
-                "it was not loaded. If you trust this checkpoint, set trust_checkpoint=True"
+                f"{where}: the stored value needs more than weights_only=True unpickling allows "
+                f"({weights_only_reason(err)}); it was not loaded. If you trust this checkpoint, set "
+                "trust_checkpoint=True"
             ) from None
 
 

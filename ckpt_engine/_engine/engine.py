@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import hashlib
 import io
 import json
@@ -28,6 +30,7 @@ from .._dcpio.fast_read import FastFileSystemReader
 from .._dcpio.fast_save import drop_plan_caches
 from .._dcpio.object_read import ObjectStoreReader
 from .._dcpio.planner import EngineLoadPlanner, EngineSavePlanner, flat_keys
+from .._dcpio.unsafe import refine_unsafe
 from .._format.digests import remove_parts, written_entries
 from .._format.layout import (
     CheckedCheckpoint,
@@ -55,12 +58,14 @@ from .._format.manifest import (
 )
 from .._format.names import LATEST_FILE, MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, parse_iteration, partial_dirname
 from .._format.not_checkpoint import resolve_save_folder
-from .._format.pointer import list_checkpoints, read_latest, write_latest
+from .._format.pointer import list_checkpoints, read_latest
+from .._format.read_lock import ReadLock
 from .._format.retention import apply_retention
 from .._storage.paths import check_local_save_dir
 from .._storage.store import FsspecStore, Store, open_store
 from ..config import EngineConfig
 from ..errors import (
+    CheckpointExistsError,
     CheckpointLoadError,
     CheckpointNotFoundError,
     CheckpointSaveError,
@@ -87,7 +92,9 @@ from ..types import (
     WriteResult,
 )
 from . import dist as _dist
+from .load_guard import check_manifest_iteration, missing_for_resume, require_verifiable
 from .preemption import PreemptionSaver
+from .resave import advance_latest, refuse_resave
 from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes, with_rng
 from .state import TrainingObjects, apply_component, component_state_dict
 
@@ -106,6 +113,8 @@ class _Validated:
     verified: bool
     reason: str | None
     store: Store
+    #: Held until the load has read everything (retention skips a folder being read).
+    lock: ReadLock | None = None
 
 
 @dataclass
@@ -156,6 +165,8 @@ class SaveHandle:
         self.path = path
         self._future = future
         self._snapshot = snapshot
+        #: Whether :meth:`result` raised this save's failure to a caller of its own.
+        self.reported = False
 
     def done(self) -> bool:
         return self._future.done()
@@ -180,6 +191,7 @@ class SaveHandle:
                 pass  # a failed copy fails the save: the result below carries its error
         result = self._future.result(timeout)
         if not result.succeeded:
+            self.reported = True
             raise CheckpointSaveError(
                 f"saving iteration {self.iteration} to {self.path} failed: {result.error}"
             ) from result.error
@@ -214,6 +226,9 @@ class CheckpointEngine:
         self._plugins = build_plugin_manager(self.config, plugins)
         self.pipeline = Pipeline(self._plugins)
         self._pending: list[SaveHandle] = []
+        #: Failures of saves whose handle nobody asked, noticed by a later save() (which proceeds):
+        #: raised by the next wait() / close().
+        self._failed: list[CheckpointSaveError] = []
         self._lock = threading.Lock()
         self._committer: ThreadPoolExecutor | None = None
         self._closed = False
@@ -327,7 +342,7 @@ class CheckpointEngine:
             raise InvalidArgumentError("save() needs model=: a module or a list of modules")
         # One save in flight (more only where the stage provider says so): never re-stage while
         # a write may still read the buffers.
-        self._wait_pending(keep=self._saves_to_keep(iteration))
+        self._wait_pending(keep=self._saves_to_keep(iteration), raise_errors=False)
 
         clock = _Clock(time.perf_counter())
         t0 = clock.t0
@@ -348,7 +363,7 @@ class CheckpointEngine:
                 total_seconds=time.perf_counter() - t0,
             )
             self._finish(result, paths, cleanup=False)
-            if isinstance(err, SaveDirLockedError):
+            if isinstance(err, (SaveDirLockedError, CheckpointExistsError)):
                 raise
             detail = str(err) if isinstance(err, CkptEngineError) else f"{type(err).__name__}: {err}"
             raise CheckpointSaveError(f"saving iteration {iteration} to {final_dir} failed: {detail}") from err
@@ -452,6 +467,7 @@ class CheckpointEngine:
                 )
                 key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
             if rank == 0:
+                refuse_resave(paths.iteration, self._resave_targets(paths), self.config.allow_overwrite)
                 os.makedirs(self._staging_root, exist_ok=True)
                 if self._save_lock.acquire():  # first save: also clear what a crash left behind
                     for line in cleanup_leftovers(self._staging_root):
@@ -498,6 +514,12 @@ class CheckpointEngine:
             # The same message on every rank; the failing rank keeps its traceback as the cause.
             raise CheckpointSaveError(f"rank {r} failed while preparing the save: {e}") from local_err
         return staged, key_maps
+
+    def _resave_targets(self, paths: _SavePaths) -> list[tuple[str, Store]]:
+        """Where a committed checkpoint of this iteration would be: the save's own place, and
+        the two-tier local copy."""
+        local = [] if paths.local_final is None else [(paths.local_final, open_store(paths.local_final))]
+        return [(paths.final, self._store), *local]
 
     @staticmethod
     def _remove_own_files(partial: str, rank: int) -> None:
@@ -574,6 +596,9 @@ class CheckpointEngine:
             phase.nbytes = sum(r.bytes_written for r in results)
         except (Exception, CheckpointException) as exc:
             phase.error = _unwrap(exc)[0]
+            # The other components' writes may still be running: let them end before the failed
+            # save's folder is removed (bounded by the write provider's own timeout).
+            concurrent.futures.wait([o for o in outcomes if isinstance(o, Future)])
         phase.write_end = time.perf_counter()
         rank, world = _dist.rank(), _dist.world_size()
         algorithm = DEFAULT_ALGORITHM if self.config.save_checksums else None
@@ -610,12 +635,12 @@ class CheckpointEngine:
                 t_manifest = time.perf_counter()
                 if direct:
                     covered = self._write_manifest(paths, components, algorithm, entries, world, uploaded=True)
-                    write_latest(self.save_dir, paths.name, self._store)
+                    advance_latest(self.save_dir, paths.name, self._store)
                 else:
                     covered = self._write_manifest(paths, components, algorithm, entries, world)
                     assert paths.local_final is not None
                     commit_rename(paths.partial, paths.local_final)
-                    write_latest(os.path.dirname(paths.local_final), paths.name)
+                    advance_latest(os.path.dirname(paths.local_final), paths.name)
                 logger.debug(
                     "manifest of iteration %d: %.1f MB covered in %.3fs",
                     paths.iteration,
@@ -784,7 +809,7 @@ class CheckpointEngine:
             marker = os.path.join(paths.local_final, MANIFEST_FILE)
             with open(marker, "rb") as f:
                 self._store.write_bytes(self._store.join(paths.final, MANIFEST_FILE), f.read())
-            write_latest(self.save_dir, paths.name, self._store)
+            advance_latest(self.save_dir, paths.name, self._store)
         except StorageError as err:
             wrapped = StorageError(f"{err}; the local copy {paths.local_final} is complete and is resumed from")
             wrapped.__cause__ = err
@@ -867,20 +892,29 @@ class CheckpointEngine:
                 return 0
         return limit - 1
 
-    def _wait_pending(self, keep: int = 0) -> list[SaveResult]:
-        """Wait for pending saves, oldest first, until at most ``keep`` remain."""
+    def _wait_pending(self, keep: int = 0, *, raise_errors: bool = True) -> list[SaveResult]:
+        """Wait for pending saves, oldest first, until at most ``keep`` remain. A failure is
+        raised, or with ``raise_errors`` false (a new save: it proceeds) logged and kept for the
+        next :meth:`wait` / :meth:`close`, unless the caller already saw it through its handle."""
         with self._lock:
             cut = max(0, len(self._pending) - keep)
             pending, self._pending = self._pending[:cut], self._pending[cut:]
         results = []
         first_error: CheckpointSaveError | None = None
         for handle in pending:
+            seen = handle.reported
             try:
                 results.append(handle.result())
             except CheckpointSaveError as err:
-                first_error = first_error or err
-        if first_error is not None:
-            raise first_error
+                if raise_errors:
+                    first_error = first_error or err
+                elif not seen:
+                    logger.warning("%s; the new save proceeds", err)
+                    self._failed.append(err)
+        if raise_errors:
+            kept, self._failed = self._failed, []
+            if kept or first_error is not None:
+                raise kept[0] if kept else first_error  # type: ignore[misc]
         return results
 
     def save_on_preemption(self, *, every: int | None = None, exit_code: int = 0) -> PreemptionSaver:
@@ -1075,6 +1109,15 @@ class CheckpointEngine:
         rank, world = _dist.rank(), _dist.world_size()
 
         def check() -> _Validated:
+            lock = ReadLock.acquire(path, local=not store.is_object_store)
+            try:
+                return dataclasses.replace(checks(), lock=lock)
+            except BaseException:
+                if lock is not None:
+                    lock.release()
+                raise
+
+        def checks() -> _Validated:
             if not store.isdir(path):
                 raise CheckpointNotFoundError(missing_hint or f"checkpoint folder {path} does not exist")
             lookup = lookup_manifest(path, store) if level != "off" or store.is_object_store else None
@@ -1089,7 +1132,9 @@ class CheckpointEngine:
             if level == "off" or lookup is None:
                 return _Validated(checked, False, "verify='off'", store)
             if lookup.manifest is None:
+                require_verifiable(path, level, False, lookup.reason, self.config.allow_unverified)
                 return _Validated(checked, False, lookup.reason, store)
+            check_manifest_iteration(path, lookup.manifest)
             share = shard_files(lookup.manifest.files, world)[rank] if level == "checksums" else None
             found = check_against_manifest(
                 path,
@@ -1107,6 +1152,7 @@ class CheckpointEngine:
                     f"checkpoint {path} does not match its manifest ({len(found.problems)} problem(s); nothing "
                     "was loaded):\n  " + "\n  ".join(shown) + more
                 )
+            require_verifiable(path, level, found.complete_check, found.reason, self.config.allow_unverified)
             return _Validated(checked, found.complete_check, found.reason, store)
 
         return self._agreed(check)
@@ -1174,6 +1220,8 @@ class CheckpointEngine:
         iteration = 0
         for name in names:
             if name not in checked.components:
+                if source == "latest":  # rule 1 resumes everything: a gap would restart or mix iterations
+                    raise IncompleteCheckpointError(missing_for_resume(path, name, tuple(checked.components)))
                 if name == "trainer" and objs.grad_scaler is None:
                     continue  # nothing to restore but the iteration: 0
                 if self.config.strict:
@@ -1195,6 +1243,8 @@ class CheckpointEngine:
             if name == "trainer":
                 iteration = int(sd.get("iteration", 0))
         report = LoadReport(reports)
+        if validated.lock is not None:
+            validated.lock.release()  # everything is read
         if _dist.rank() == 0:
             how = f"verified: {self.config.verify}" if validated.verified else f"unverified: {validated.reason}"
             logger.info("loaded %s (iteration %d, %s)\n%s", path, iteration, how, report.summary())
@@ -1243,7 +1293,7 @@ class CheckpointEngine:
         except (Exception, CheckpointException) as exc:
             err, ranks = _unwrap(exc)
             if isinstance(err, CkptEngineError):
-                raise err from None
+                raise refine_unsafe(err, f"component {name!r} in {component_dir}") from None
             where = f" (failed on rank(s) {ranks})" if _dist.world_size() > 1 else ""
             raise CheckpointLoadError(
                 f"loading component {name!r} from {component_dir} failed{where}: {type(err).__name__}: {err}"

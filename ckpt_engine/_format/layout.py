@@ -21,12 +21,14 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .._storage.fscheck import require_inside, require_regular_file
 from .._storage.store import Store, fsync_dir, is_url, store_for
 from ..errors import (
     CheckpointNotFoundError,
@@ -45,6 +47,7 @@ from .names import (
     METADATA_FILE,
 )
 from .not_checkpoint import diagnose_not_checkpoint
+from .read_lock import try_lock_for_delete
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -94,6 +97,9 @@ def check_complete(
     out: dict[str, Metadata] = {}
     for name in names:
         cdir = store.join(path, name)
+        if not store.is_object_store:
+            require_inside(path, os.path.join(cdir, METADATA_FILE))
+            require_regular_file(os.path.join(cdir, METADATA_FILE), "DCP metadata")
         try:
             md = (None if store.is_object_store else recall_metadata(cdir)) or read_metadata(
                 cdir, store, check_metadata_bytes
@@ -104,35 +110,57 @@ def check_complete(
             if not_checkpoint is not None:
                 raise not_checkpoint from err
             raise
-        needed: dict[str, int] = {}
-        for index, info in (md.storage_data or {}).items():
-            rel = getattr(info, "relative_path", None)
-            if rel is None:
-                raise CorruptCheckpointError(f"{os.path.join(cdir, METADATA_FILE)}: storage entry {index} has no file")
-            if "/" in rel or "\\" in rel or rel.startswith("."):
-                raise CorruptCheckpointError(
-                    f"{os.path.join(cdir, METADATA_FILE)} names data file {rel!r} outside its folder"
-                )
-            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
-        for rel, end in sorted(needed.items()):
-            fpath = store.join(cdir, rel)
-            try:
-                if listed is None:
-                    size = os.stat(fpath).st_size
-                elif f"{name}/{rel}" in listed:
-                    size = listed[f"{name}/{rel}"]
-                else:
-                    raise FileNotFoundError(fpath)
-            except FileNotFoundError as err:
-                raise IncompleteCheckpointError(f"{fpath} is missing; {METADATA_FILE} references it") from err
-            except PermissionError as err:
-                raise CheckpointPermissionError(f"cannot stat {fpath}: {denied(err)}") from err
-            if size < end:
-                raise IncompleteCheckpointError(
-                    f"{fpath} is truncated: {size} bytes, but {METADATA_FILE} needs at least {end}"
-                )
+        check_component_files(cdir, md, store, listed, name, root=None if store.is_object_store else path)
         out[name] = md
     return CheckedCheckpoint(path=path, components=out, listing=listed)
+
+
+def check_component_files(
+    cdir: str,
+    md: Metadata,
+    store: Store,
+    listed: dict[str, int] | None = None,
+    name: str = "",
+    root: str | None = None,
+) -> None:
+    """Check one component's metadata (already validated by :func:`.metadata.validate_metadata`)
+    against its data: every byte range a storage entry names exists in its data file (a regular
+    file inside ``root``, the checkpoint folder, when given). ``listed``: sizes from one
+    object-store listing (``name/rel -> bytes``)."""
+    if store.is_object_store and listed is None:
+        listed, name = store.list_files(cdir), ""
+    needed: dict[str, int] = {}
+    for index, info in (md.storage_data or {}).items():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            raise CorruptCheckpointError(f"{os.path.join(cdir, METADATA_FILE)}: storage entry {index} has no file")
+        if "/" in rel or "\\" in rel or rel.startswith("."):
+            raise CorruptCheckpointError(
+                f"{os.path.join(cdir, METADATA_FILE)} names data file {rel!r} outside its folder"
+            )
+        needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(needed.items()):
+        fpath = store.join(cdir, rel)
+        try:
+            if listed is None:
+                if root is not None:
+                    require_inside(root, fpath)
+                st = os.stat(fpath)
+                if not stat.S_ISREG(st.st_mode):
+                    require_regular_file(fpath, "a DCP data file")
+                size = st.st_size
+            elif (f"{name}/{rel}" if name else rel) in listed:
+                size = listed[f"{name}/{rel}" if name else rel]
+            else:
+                raise FileNotFoundError(fpath)
+        except FileNotFoundError as err:
+            raise IncompleteCheckpointError(f"{fpath} is missing; {METADATA_FILE} references it") from err
+        except PermissionError as err:
+            raise CheckpointPermissionError(f"cannot stat {fpath}: {denied(err)}") from err
+        if size < end:
+            raise IncompleteCheckpointError(
+                f"{fpath} is truncated: {size} bytes, but {METADATA_FILE} needs at least {end}"
+            )
 
 
 def remove_tree(path: str | os.PathLike[str], store: Store | None = None) -> None:
@@ -158,6 +186,10 @@ def disk_full_hint(save_dir: str | os.PathLike[str], err: BaseException) -> str:
     return ""
 
 
+class CheckpointInUseError(OSError):
+    """:func:`remove_checkpoint` found a load reading the checkpoint; retention retries later."""
+
+
 def remove_checkpoint(path: str | os.PathLike[str], store: Store | None = None) -> None:
     """Delete a committed checkpoint folder so that a crash never leaves a half-deleted one under
     its ``iter_*`` name: rename it to a hidden ``.iter_*.deleting`` first, then remove that. On
@@ -175,8 +207,14 @@ def remove_checkpoint(path: str | os.PathLike[str], store: Store | None = None) 
     trash = path.with_name(f".{path.name}{DELETING_SUFFIX}")
     if trash.exists():
         shutil.rmtree(trash)  # an earlier attempt got as far as the rename
-    os.replace(path, trash)
-    fsync_dir(path.parent)
+    fd = try_lock_for_delete(os.fspath(path))
+    if fd is None:
+        raise CheckpointInUseError(f"{path} is being read by a load (it holds the folder's shared lock); not deleted")
+    try:
+        os.replace(path, trash)  # a load that locks after this finds the folder gone, before reading
+        fsync_dir(path.parent)
+    finally:
+        os.close(fd)
     shutil.rmtree(trash)
 
 

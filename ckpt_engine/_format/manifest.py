@@ -31,7 +31,7 @@ from .._version import __version__
 from ..errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, IntegrityError, denied
 from .hashing import DEFAULT_ALGORITHM, new_hasher
 from .layout import CheckedCheckpoint, check_complete
-from .names import MANIFEST_FILE, RANK_PART_PREFIX, is_part
+from .names import MANIFEST_FILE, RANK_PART_PREFIX, is_part, parse_iteration
 
 __all__ = [
     "DEFAULT_ALGORITHM",
@@ -325,6 +325,18 @@ def metadata_checker(
     return check
 
 
+def iteration_problem(path: str, manifest: Manifest) -> str | None:
+    """Why the checkpoint folder ``path`` is not the checkpoint its manifest describes (the
+    iteration in its name differs), or ``None``."""
+    named = parse_iteration(os.path.basename(path.rstrip("/")))
+    if named is None or manifest.iteration == named:
+        return None
+    return (
+        f"{path} is named for iteration {named}, but its {MANIFEST_FILE} is of iteration {manifest.iteration}: it "
+        "is another checkpoint under this name (a symlink to, or a copy of, another run's folder?)"
+    )
+
+
 def shard_files(files: Mapping[str, FileEntry], world_size: int) -> list[set[str]]:
     """Split files among ranks by size (largest first, to the least loaded rank); deterministic."""
     shares: list[set[str]] = [set() for _ in range(max(world_size, 1))]
@@ -524,6 +536,9 @@ def verify_checkpoint(
         problems.append(str(err))
         return VerifyReport(path, checked is not None, False, "a file could not be read", problems, level=level)
     problems += result.problems
+    mismatch = iteration_problem(path, lookup.manifest)
+    if mismatch is not None:
+        problems.append(mismatch)
     reason = result.reason
     if problems:
         reason = f"{len(problems)} problem(s) found"

@@ -123,7 +123,7 @@ def validate_metadata(md: Metadata, path: str) -> None:
     storage = md.storage_data or {}
     if not isinstance(storage, dict):
         raise CorruptCheckpointError(f"{path}: storage_data is a {type(storage).__name__}, not a mapping")
-    stored: set[tuple[str, tuple[int, ...] | None]] = set()
+    stored: dict[tuple[str, tuple[int, ...] | None], Any] = {}
     for index, info in storage.items():
         rel = info.relative_path
         if not rel or "\0" in rel or "/" in rel or "\\" in rel or rel.startswith("."):
@@ -132,7 +132,7 @@ def validate_metadata(md: Metadata, path: str) -> None:
             raise CorruptCheckpointError(
                 f"{path}: the storage entry of {index.fqn!r} has offset {info.offset} and length {info.length}"
             )
-        stored.add((index.fqn, None if index.offset is None else tuple(index.offset)))
+        stored[(index.fqn, None if index.offset is None else tuple(index.offset))] = info
     budget = [_MAX_CHUNK_COMPARISONS]
     for key, item in md.state_dict_metadata.items():
         if isinstance(item, BytesStorageMetadata):
@@ -140,10 +140,18 @@ def validate_metadata(md: Metadata, path: str) -> None:
                 raise CorruptCheckpointError(f"{path}: the value of {key!r} has no storage entry")
             continue
         _check_chunks(key, item, path, budget)
+        itemsize = item.properties.dtype.itemsize
         for chunk in item.chunks:
-            if (key, tuple(chunk.offsets)) not in stored:
+            info = stored.get((key, tuple(chunk.offsets)))
+            if info is None:
                 raise CorruptCheckpointError(
                     f"{path}: the chunk of {key!r} at offset {list(chunk.offsets)} has no storage entry"
+                )
+            needed = math.prod(chunk.sizes) * itemsize
+            if not info.transform_descriptors and info.length < needed:  # a compressed item may be smaller
+                raise CorruptCheckpointError(
+                    f"{path}: the chunk of {key!r} at offset {list(chunk.offsets)} needs {needed} bytes of "
+                    f"{item.properties.dtype}, but its storage entry holds {info.length}"
                 )
 
 

@@ -21,7 +21,11 @@ from .._dcpio.planner import EngineLoadPlanner
 from .._engine.dist import quiet_dcp
 from .._engine.engine import CheckpointEngine
 from .._engine.state import TrainingObjects, component_state_dict
+from .._format.layout import check_component_files
 from .._format.metadata import SafeFileSystemReader, read_metadata
+from .._format.names import METADATA_FILE
+from .._storage.fscheck import require_regular_file
+from .._storage.store import open_store
 from ..config import EngineConfig
 from ..errors import CheckpointLoadError, CkptEngineError, LoadStrictnessError, UsageError, first_failure
 from ..report import ComponentReport, LoadReport
@@ -61,7 +65,10 @@ def dry_run_component(
         trust_checkpoint=cfg.trust_checkpoint,
         ignore_unexpected_prefixes=("grad_scaler.",) if name == "trainer" and objs.grad_scaler is None else (),
     )
-    reader = NoReadReader(component_dir, read_metadata(component_dir))
+    require_regular_file(os.path.join(component_dir, METADATA_FILE), "DCP metadata")
+    metadata = read_metadata(component_dir)
+    check_component_files(component_dir, metadata, open_store(component_dir))  # the plan is what a load does
+    reader = NoReadReader(component_dir, metadata)
     try:
         with quiet_dcp():
             dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True)

@@ -25,13 +25,21 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .._dcpio.object_read import ObjectStoreReader
+from .._dcpio.unsafe import blocked_global, refine_unsafe, weights_only_reason
 from .._engine.dist import quiet_dcp
-from .._format.layout import component_dirs
+from .._format.layout import check_component_files, component_dirs
 from .._format.metadata import SafeFileSystemReader, read_metadata
 from .._format.names import LATEST_FILE, METADATA_FILE, parse_iteration
 from .._format.pointer import list_checkpoints, read_latest
+from .._storage.fscheck import require_regular_file
 from .._storage.store import FsspecStore, is_url, open_store
-from ..errors import CheckpointNotFoundError, CkptEngineError, CorruptCheckpointError, first_failure
+from ..errors import (
+    CheckpointNotFoundError,
+    CkptEngineError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    first_failure,
+)
 
 #: Default bytes of tensor data read per batch (a single larger tensor is read on its own).
 DEFAULT_BUDGET = 64 << 20
@@ -222,8 +230,13 @@ class _ReadPlanner(DefaultLoadPlanner):
         try:
             obj: Any = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            obj = Unreadable(first[:200])
+            hostile = blocked_global(err, blocked_only=True)
+            if hostile is not None:  # crafted, not merely unreadable: refuse, naming the global
+                raise UnsafeCheckpointError(
+                    f"value {read_item.storage_index.fqn!r} references the global {hostile}, which "
+                    "weights_only=True unpickling refuses to construct: the checkpoint was crafted or tampered with"
+                ) from None
+            obj = Unreadable(weights_only_reason(err)[:200])
         # Not flattened: the keys are the flat storage keys of the dict handed to dcp.load.
         self.original_state_dict[read_item.dest_index.fqn] = obj
 
@@ -237,7 +250,12 @@ class ComponentReader:
     keys: dict[str, KeyInfo] = field(init=False)
 
     def __post_init__(self) -> None:
+        store = open_store(self.path)
+        if not store.is_object_store:
+            require_regular_file(os.path.join(self.path, METADATA_FILE), "DCP metadata")
         self.metadata = read_metadata(self.path)
+        # Every tensor covered exactly by chunks whose bytes exist, before anything is allocated.
+        check_component_files(self.path, self.metadata, store)
         self.keys = key_infos(self.metadata)
 
     def read(self, keys: Sequence[str]) -> dict[str, Any]:
@@ -245,7 +263,7 @@ class ComponentReader:
         template: dict[str, Any] = {}
         for key in keys:
             info = self.keys[key]
-            template[key] = torch.empty(info.shape, dtype=info.dtype) if info.is_tensor else None
+            template[key] = torch.zeros(info.shape, dtype=info.dtype) if info.is_tensor else None
         if not template:
             return {}
         store = open_store(self.path)
@@ -260,7 +278,7 @@ class ComponentReader:
         except (Exception, CheckpointException) as exc:
             err = first_failure(exc)[0]
             if isinstance(err, CkptEngineError):
-                raise err from None
+                raise refine_unsafe(err, self.path) from None
             what = keys[0] if len(keys) == 1 else f"{len(keys)} keys from {keys[0]!r}"
             raise CorruptCheckpointError(
                 f"{self.path}: cannot read {what}: {type(err).__name__}: {str(err).strip().splitlines()[0]}"

@@ -35,6 +35,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..config import StorageOptions
 from ..errors import ConfigError, StorageError
+from .fscheck import read_regular
 from .urls import is_url, local_path
 
 __all__ = ["FsspecStore", "LocalStore", "Store", "is_url", "local_path", "open_store", "store_for"]
@@ -142,11 +143,7 @@ class LocalStore(Store):
     """A local (or network-mounted) folder: plain ``os`` calls."""
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
-        with open(path, "rb") as f:
-            if limit is None:
-                return f.read()
-            # read(n) allocates n bytes up front: never ask for more than the file holds
-            return f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
+        return read_regular(path, limit)  # a FIFO or device is refused, never waited on
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         with open(path, "rb") as f:

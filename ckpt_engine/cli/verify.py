@@ -11,6 +11,7 @@ from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, Progress, print_json, pri
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from .._engine.load_guard import fail_unverified
     from .._format.layout import component_dirs
     from .._format.manifest import verify_checkpoint
     from .._format.names import LATEST_FILE
@@ -48,6 +49,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             results.append(verify_checkpoint(p, level=args.level, progress=bar.update))
         finally:
             bar.close()
+    results = [fail_unverified(r, args.allow_unverified) for r in results]  # checksums fail closed
     ok = all(r.ok for r in results) and not extra_problems
     if args.json:
         print_json(
@@ -97,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("sizes", "checksums"),
         default="checksums",
         help="how far to check the manifest (default: checksums, which reads every byte)",
+    )
+    parser.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="at --level checksums, pass a complete checkpoint whose checksums cannot be checked (no manifest, "
+        "a sizes-only or newer one); by default that fails",
     )
     parser.add_argument("--json", action="store_true", help=JSON_HELP)
 

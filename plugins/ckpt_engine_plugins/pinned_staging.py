@@ -233,13 +233,14 @@ class PinnedStagingPlugin:
             default=300.0, gt=0, description="close() and interpreter exit wait this long for an in-flight save."
         )
         writer_start_timeout_s: float = Field(
-            default=300.0, gt=0, description="A writer not ready this long after it was started is killed."
+            default=120.0, gt=0, description="A writer not ready this long after it was started is killed."
         )
         write_timeout_s: float = Field(
-            default=1800.0,
+            default=300.0,
             gt=0,
             description="A write still pending this long is declared hung: the writer is killed and the save "
-            "fails. Also the writer group's collective timeout.",
+            "fails with an error naming its pid and the writes in flight. Also the writer group's collective "
+            "timeout. Raise it for states that take longer to write.",
         )
         thread_count: int | None = Field(
             default=None, ge=1, le=64, description="DCP writer threads; default: the engine's thread_count."
