@@ -23,9 +23,9 @@ import pluggy
 import torch
 from torch import nn
 
+from ._dcpio.described import plan_component
 from ._engine.engine import CheckpointEngine
 from ._markers import PROJECT_NAME
-from ._dcpio.described import plan_component
 from .config import EngineConfig
 from .hookspecs import CkptSpecs
 from .report import ComponentReport

@@ -34,10 +34,10 @@ from torch.futures import Future
 from .._engine.dist import quiet_dcp
 from ..config import EngineConfig, PluginEntry
 from ..errors import CheckpointLoadError, CkptEngineError, ConfigError, first_failure
-from ..plugin_manager import build_plugin_manager, instantiate
 from ..pipeline import Pipeline
-from .planner import EngineLoadPlanner
+from ..plugin_manager import build_plugin_manager, instantiate
 from ..report import ComponentReport
+from .planner import EngineLoadPlanner
 
 __all__ = ["PlannedLoad", "described_metadata", "plan_component"]
 
