@@ -8,6 +8,9 @@ each measurement in a fresh child process so peak memory is its own:
 * ``dcp_hf_reader``: ``dcp.load`` into the model's state dict with torch's ``HuggingFaceStorageReader``;
 * ``ours``: ``CheckpointEngine.load(model=...)`` with ``load_path`` = the folder.
 
+``load_file`` maps the files and returns tensors whose pages are read on first touch, so its own
+time is ~0; ``st_load_file+copy`` is what filling a model with it costs.
+
 Two cases: fp32 files into an fp32 model, and bf16 files into an fp32 model (a cast on load).
 "peak" is the child's peak RSS above what it held once the model existed (``ru_maxrss``).
 
@@ -70,7 +73,14 @@ def _child(method: str, folder: str, mib: int, layers: int) -> dict[str, float]:
 
     from ckpt_engine import CheckpointEngine
 
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     torch.set_num_threads(1)
+    # torch's get_model_state_dict (every engine load builds the model's state dict with it)
+    # imports torch._dynamo on its first call with submodules (~0.4 s, once per process): paid
+    # here by every method alike, outside the timed part (docs/performance.md quotes it)
+    get_model_state_dict(nn.Sequential(nn.Linear(2, 2)))
     model = _model(mib, layers)
     files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
     run = tempfile.mkdtemp()
@@ -149,7 +159,7 @@ def main() -> None:
                         "peak_mib": max(r["peak_mib"] for r in runs[method]),
                     }
                 )
-    size = f"{args.mib} MiB fp32 model, {args.layers} tensors pairs, 4 shards"
+    size = f"{args.mib} MiB fp32 model, {args.layers} Linear layers, 4 shards"
     print(f"HF safetensors load ({size}; files from the page cache; {args.reps} reps)")
     print(f"{'files':<9} {'method':<18} {'median s':>9} {'min s':>7} {'GB/s':>6} {'peak MiB':>9}  vs st_load_file")
     for row in rows:

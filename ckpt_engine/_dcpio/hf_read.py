@@ -4,9 +4,9 @@ a ``StorageReader`` over it (``load_path`` = safetensors; the resume rule is ``_
 :class:`SafetensorsReader` serves DCP metadata built from the files' headers (each tensor one
 chunk at offset 0) and reads each read item's region with ``pread`` straight into the
 destination tensor DCP hands it: for a DTensor / FSDP2 parameter that is the rank's local shard,
-so a rank reads only its shard's bytes. A stored dtype that differs from the destination's is
-read into a buffer of the stored dtype and cast by ``copy_`` (the report lists it under
-``cast``).
+so a rank reads only its shard's bytes. A stored dtype that differs from the destination's (the
+report lists it under ``cast``) is cast by one ``copy_`` from a view of the file's mapped pages,
+so no buffer of the stored dtype is allocated and only the region's pages are touched.
 
 Why not ``torch.distributed.checkpoint.HuggingFaceStorageReader`` (public in torch 2.13)?
 * it takes every ``*.safetensors`` file in the folder and ignores ``model.safetensors.index.json``,
@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -200,32 +201,55 @@ class SafetensorsReader(StorageReader):
         for item in plan.items:
             by_file.setdefault(self.index.tensors[item.storage_index.fqn].file, []).append(item)
         for path, items in by_file.items():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                for item in items:
-                    self._read_item(fd, item, planner)
-            finally:
-                os.close(fd)
+            with open(path, "rb") as f:
+                mapped: mmap.mmap | None = None
+                try:
+                    for item in items:
+                        entry = self.index.tensors[item.storage_index.fqn]
+                        dest = planner.resolve_tensor(item).detach()
+                        if dest.dtype == entry.dtype and dest.device.type == "cpu" and dest.is_contiguous():
+                            self._read_into(f.fileno(), entry, item, dest)
+                        else:
+                            mapped = mapped or self._map(f, entry)
+                            self._copy_from_map(mapped, entry, item, dest)
+                        planner.commit_tensor(item, dest)
+                finally:
+                    if mapped is not None:
+                        mapped.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_item(self, fd: int, item: ReadItem, planner: LoadPlanner) -> None:
-        name = item.storage_index.fqn
-        entry = self.index.tensors[name]
-        dest = planner.resolve_tensor(item).detach()
-        lengths = tuple(item.lengths)
-        direct = dest.dtype == entry.dtype and dest.device.type == "cpu" and dest.is_contiguous()
-        buf = dest if direct else torch.empty(lengths, dtype=entry.dtype)
-        view = _byte_view(buf)
+    def _read_into(self, fd: int, entry: TensorEntry, item: ReadItem, dest: torch.Tensor) -> None:
+        """Same dtype, contiguous CPU destination: ``pread`` the region's runs straight into it."""
+        view = _byte_view(dest)
         pos = 0
-        for offset, nbytes in _runs(entry, tuple(item.storage_offsets), lengths):
-            _pread_into(fd, view[pos : pos + nbytes], offset, entry.file, name)
+        for offset, nbytes in _runs(entry, tuple(item.storage_offsets), tuple(item.lengths)):
+            _pread_into(fd, view[pos : pos + nbytes], offset, entry.file, item.storage_index.fqn)
             pos += nbytes
         self.bytes_read += pos
-        if not direct:
-            dest.copy_(buf)
-        planner.commit_tensor(item, dest)
+
+    def _map(self, f: Any, entry: TensorEntry) -> mmap.mmap:
+        # read_header checked every range against the file's size; a file cut short since then
+        # would fault on access instead of raising, so check the size again right here
+        needed = max(e.end for e in self.index.tensors.values() if e.file == entry.file)
+        if os.fstat(f.fileno()).st_size < needed:
+            raise CorruptCheckpointError(f"{entry.file}: the file is shorter than its header says (truncated)")
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # copy-on-write: writable, never written
+
+    def _copy_from_map(self, mapped: mmap.mmap, entry: TensorEntry, item: ReadItem, dest: torch.Tensor) -> None:
+        """A cast, or a destination that is not a contiguous CPU tensor: ``copy_`` from a view of
+        the file's pages (one pass; only the region's pages are touched)."""
+        numel = math.prod(item.lengths)
+        if numel == 0:
+            return
+        full = torch.frombuffer(mapped, dtype=entry.dtype, count=math.prod(entry.shape), offset=entry.begin)
+        region = full.view(entry.shape)[
+            tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths, strict=True))
+        ]
+        dest.copy_(region)
+        self.bytes_read += numel * entry.dtype.itemsize
+        del full, region  # no view may outlive the map
 
 
 def _runs(entry: TensorEntry, offsets: Sequence[int], lengths: Sequence[int]) -> list[tuple[int, int]]:
