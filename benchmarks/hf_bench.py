@@ -70,11 +70,10 @@ def _child(method: str, folder: str, mib: int, layers: int) -> dict[str, float]:
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
-
-    from ckpt_engine import CheckpointEngine
-
     from torch import nn
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ckpt_engine import CheckpointEngine
 
     torch.set_num_threads(1)
     # torch's get_model_state_dict (every engine load builds the model's state dict with it)
@@ -136,7 +135,6 @@ def main() -> None:
         return
     if args.smoke:
         args.mib, args.layers, args.reps = 4, 4, 1
-    methods = METHODS
     rows = []
     with tempfile.TemporaryDirectory(prefix="hf-bench-") as root:
         for dtype in ("float32", "bfloat16"):

@@ -24,7 +24,7 @@ from ckpt_engine import (
     IncompleteCheckpointError,
     LoadStrictnessError,
 )
-from ckpt_engine._hf_load import _runs, read_index
+from ckpt_engine._dcpio.hf_read import _runs, read_index
 from ckpt_engine.cli import main
 from ckpt_engine.testing import assert_state_dicts_equal
 
