@@ -164,7 +164,9 @@ class EngineConfig(BaseModel):
     load_path: str | None = Field(
         default=None,
         description="Used when there is no `latest_checkpoint.txt`: a checkpoint folder "
-        "(`.../iter_000000100`), a save folder (its latest checkpoint) or a `.pth` model state dict.",
+        "(`.../iter_000000100`), a save folder (its latest checkpoint), a `.pth` model state dict, or Hugging "
+        "Face safetensors weights (a `.safetensors` file, or a folder with `model.safetensors` or shards and "
+        "`model.safetensors.index.json`).",
     )
     load_training_state: bool = Field(
         default=False, description="With `load_path`: load every component, not just `model`."

@@ -92,7 +92,9 @@ class Pipeline:
         """Run the ``remap_keys`` fold from the identity map over ``keys``."""
         key_map: dict[str, str] = {k: k for k in keys}
         for name in self.fold_order["remap_keys"]:
+            noted = len(ctx.notes)
             result = self._call_one("remap_keys", name, ctx=ctx, key_map=MappingProxyType(key_map))
+            ctx.notes[noted:] = [f"{name}: {n}" for n in ctx.notes[noted:]]
             if result is None:
                 continue
             key_map = self._check_key_map(name, ctx, key_map, result)
@@ -106,6 +108,8 @@ class Pipeline:
                         f"come from one key (fold order: {', '.join(self.fold_order['remap_keys'])})"
                     )
                 seen[storage] = dest
+            for note in ctx.notes:
+                logger.info("save of component %r: %s", ctx.component, note)
         return key_map
 
     def _check_key_map(self, name: str, ctx: RemapContext, before: Mapping[str, str], result: Any) -> dict[str, str]:

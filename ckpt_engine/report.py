@@ -44,6 +44,8 @@ class ComponentReport:
     renamed: Mapping[str, str] = field(default_factory=dict)
     #: destination key -> (stored dtype, target dtype), for values cast on load.
     cast: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    #: What plugins said about this load (``RemapContext.note``), each prefixed with the plugin's name.
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -64,6 +66,7 @@ class ComponentReport:
             },
             "renamed": dict(self.renamed),
             "cast": {k: list(v) for k, v in self.cast.items()},
+            "notes": list(self.notes),
         }
 
     def summary_lines(self, threshold: int = 8) -> list[str]:
@@ -72,6 +75,7 @@ class ComponentReport:
             f"{len(self.skipped)} skipped, {len(self.missing)} missing, {len(self.unexpected)} unexpected"
         )
         lines = [head]
+        lines += [f"  note: {n}" for n in self.notes]
         if self.renamed:
             pairs = sorted({_rename_rule(d, s) for d, s in self.renamed.items()})
             lines += [f"  renamed {p}" for p in pairs[:threshold]]

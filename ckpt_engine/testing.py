@@ -1,4 +1,10 @@
-"""Helpers for testing ckpt-engine plugins (yours and ours), on CPU, with real DCP checkpoints.
+"""Helpers for testing ckpt-engine plugins (yours and ours), on CPU.
+
+* :func:`plan_load` / :func:`plan_reads`: the engine's real load planner and hooks on a
+  described checkpoint, without files (see ``docs/testing-plugins.md``);
+* :func:`make_engine`, :class:`TinyTrainingState`, :func:`assert_state_dicts_equal`: round trips
+  through real DCP checkpoints;
+* :mod:`ckpt_engine.strategies`: hypothesis strategies for property tests.
 
 >>> from ckpt_engine.testing import TinyTrainingState, make_engine
 >>> state = TinyTrainingState.create(seed=0)                       # doctest: +SKIP
@@ -17,12 +23,66 @@ import pluggy
 import torch
 from torch import nn
 
+from ._dcpio.described import plan_component
 from ._engine.engine import CheckpointEngine
 from ._markers import PROJECT_NAME
 from .config import EngineConfig
 from .hookspecs import CkptSpecs
+from .report import ComponentReport
 
-__all__ = ["TinyTrainingState", "assert_state_dicts_equal", "bare_plugin_manager", "make_engine"]
+__all__ = [
+    "TinyTrainingState",
+    "assert_state_dicts_equal",
+    "bare_plugin_manager",
+    "make_engine",
+    "plan_load",
+    "plan_reads",
+]
+
+
+def plan_load(
+    target: Mapping[str, Any],
+    stored: Mapping[str, Any],
+    *,
+    plugins: Any = (),
+    strict: bool = False,
+    component: str = "model",
+) -> ComponentReport:
+    """The :class:`ComponentReport` loading ``stored`` into ``target`` would produce; no files.
+
+    It runs ``dcp.load`` with the engine's own load planner (``remap_keys``, ``pre_load_plan``,
+    strictness), exactly as ``CheckpointEngine.load`` does for one component, with a storage
+    reader that serves metadata built from ``stored`` and reads nothing. ``target`` is left as
+    it was.
+
+    * ``target``: the state dict being loaded into (nested dicts allowed; tensors may be meta
+      tensors; non-tensor values are allowed).
+    * ``stored``: the checkpoint, by storage key (flattened, as ``ckpt-engine inspect`` lists
+      them): a tensor, a ``(shape, dtype)`` pair, or any other value (a non-tensor entry).
+    * ``plugins``: in fold order, plugin objects (or classes) and config entries (``"size_mismatch"``,
+      ``{"name": ..., "options": ...}``, ``"package.module:Class"``). As in ``EngineConfig``,
+      ``te_extra_state`` is on unless listed with ``enabled: false``.
+    * ``strict=True`` raises what a strict load raises (``LoadStrictnessError`` listing every
+      unresolved key; a plugin's error as ``load()`` reports it).
+    """
+    return plan_component(target, stored, plugins=plugins, strict=strict, component=component).report
+
+
+def plan_reads(
+    target: Mapping[str, Any],
+    stored: Mapping[str, Any],
+    *,
+    plugins: Any = (),
+    strict: bool = False,
+    component: str = "model",
+) -> list[Any]:
+    """The DCP ``ReadItem`` s the same plan hands the storage reader (arguments as :func:`plan_load`).
+
+    ``item.storage_index.fqn`` is the storage key read, ``item.dest_index.fqn`` the destination
+    it lands in; a storage key that feeds several destinations is read once (the copies are made
+    after the read and have no item of their own). An empty tensor has no read item.
+    """
+    return plan_component(target, stored, plugins=plugins, strict=strict, component=component).items
 
 
 def bare_plugin_manager() -> pluggy.PluginManager:

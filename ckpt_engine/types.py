@@ -143,6 +143,17 @@ class RemapContext:
     checkpoint_path: str
     rank: int
     world_size: int
+    #: Lines for this component's load report (``ComponentReport.notes``); add them with :meth:`note`.
+    notes: list[str] = field(default_factory=list, compare=False, repr=False)
+
+    def note(self, message: str) -> None:
+        """Add a line to the load report (on save, to the log), e.g. a rename rule that matched nothing.
+
+        The engine prefixes it with the plugin's name. Give the same notes on every rank.
+
+        .. versionadded:: 0.2
+        """
+        self.notes.append(message)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,8 +286,8 @@ class LoadResult:
     iteration: int
     checkpoint_path: str | None
     report: LoadReport
-    #: Which resume rule applied: ``latest``, ``load_path``, ``pth`` or ``scratch``.
-    source: Literal["latest", "load_path", "pth", "scratch"] = "scratch"
+    #: Which resume rule applied: ``latest``, ``load_path``, ``pth``, ``safetensors`` or ``scratch``.
+    source: Literal["latest", "load_path", "pth", "safetensors", "scratch"] = "scratch"
     components: tuple[str, ...] = field(default_factory=tuple)
     #: Whether the checkpoint's manifest existed and every file matched it at the configured
     #: ``verify`` level before anything was loaded (False for checkpoints without a manifest,

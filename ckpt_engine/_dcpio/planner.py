@@ -123,17 +123,15 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         storage_keys = frozenset(saved)
         dest_keys = list(self.state_dict)
 
-        key_map = self.pipeline.remap_keys(
-            RemapContext(
-                component=self.component,
-                direction="load",
-                storage_keys=storage_keys,
-                checkpoint_path=self.checkpoint_dir,
-                rank=self.rank,
-                world_size=self.world_size,
-            ),
-            dest_keys,
+        remap_ctx = RemapContext(
+            component=self.component,
+            direction="load",
+            storage_keys=storage_keys,
+            checkpoint_path=self.checkpoint_dir,
+            rank=self.rank,
+            world_size=self.world_size,
         )
+        key_map = self.pipeline.remap_keys(remap_ctx, dest_keys)
         entries = tuple(self._initial_entry(dest, key_map[dest], saved) for dest in dest_keys)
         entries = self.pipeline.pre_load_plan(
             LoadContext(
@@ -150,7 +148,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         unexpected = sorted(k for k in storage_keys - claimed if not k.startswith(self.ignore_unexpected_prefixes))
         self._apply_strictness(entries, unexpected)
         items = self._read_items(entries)
-        self.report = self._build_report(entries, unexpected)
+        self.report = dataclasses.replace(self._build_report(entries, unexpected), notes=tuple(remap_ctx.notes))
         return LoadPlan(items)
 
     def _initial_entry(self, dest: str, storage: str, saved: Mapping[str, Any]) -> PlanEntry:

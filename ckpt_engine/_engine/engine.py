@@ -92,6 +92,7 @@ from ..types import (
     WriteResult,
 )
 from . import dist as _dist
+from .hf_load import is_safetensors_path, load_safetensors
 from .load_guard import check_manifest_iteration, missing_for_resume, require_verifiable
 from .preemption import PreemptionSaver
 from .resave import advance_latest, refuse_resave
@@ -973,7 +974,8 @@ class CheckpointEngine:
         1. ``latest_checkpoint.txt`` in the load directory: every component passed in.
         2. else ``load_path`` is a checkpoint folder: ``model`` (all with
            ``load_training_state``; ``model`` + ``scheduler`` with ``only_load_scheduler_state``).
-        3. else ``load_path`` ends in ``.pth``: a plain model state dict, non-strict.
+        3. else ``load_path`` ends in ``.pth``: a plain model state dict, non-strict; or it is
+           safetensors weights (a ``.safetensors`` file, or a Hugging Face folder): ``model`` only.
         4. else nothing: iteration 0.
         """
         self._check_open()
@@ -1015,6 +1017,8 @@ class CheckpointEngine:
             lp_store = open_store(lp, cfg.storage)
             if lp.endswith(".pth"):
                 return self._load_pth(objs, lp, lp_store)
+            if is_safetensors_path(lp):
+                return load_safetensors(self, objs, lp)
             if not self._agreed(lambda: lp_store.isdir(lp)):
                 raise CheckpointNotFoundError(
                     f"load_path {lp!r} does not exist or is not a checkpoint folder (nor a .pth file); "

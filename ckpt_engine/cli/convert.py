@@ -21,6 +21,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .._inspect.reader import ComponentReader, human_bytes, match_keys, resolve
 
     fmt = args.to or _SUFFIXES.get(os.path.splitext(args.out)[1].lower())
+    if fmt == "hf":
+        return _convert_hf(args)
     if fmt is None:
         raise UsageError(f"cannot tell the format from {args.out!r}; give --to torch or --to safetensors")
     if fmt == "safetensors":
@@ -72,10 +74,86 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _convert_hf(args: argparse.Namespace) -> int:
+    """``--to hf``: a Hugging Face folder (``_inspect.hf_export``)."""
+    import torch
+
+    from .._format.layout import check_complete
+    from .._format.safetensors import INDEX_FILE, SINGLE_FILE
+    from .._inspect.hf_export import DTYPE_ALIASES, export_hf
+    from .._inspect.reader import ComponentReader, human_bytes, match_keys, resolve
+
+    cast = None
+    if args.dtype:
+        cast = getattr(torch, DTYPE_ALIASES.get(args.dtype.lower(), args.dtype), None)
+        if not isinstance(cast, torch.dtype) or not cast.is_floating_point:
+            raise UsageError(f"--dtype {args.dtype!r} is not a floating-point dtype (e.g. bf16, bfloat16, float16)")
+    out = args.out
+    if os.path.exists(out) and not args.force:
+        raise UsageError(f"{out} exists; pass --force to replace it")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"{out} is a file; --to hf writes a folder")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise UsageError(f"the folder of {out} does not exist: {parent}")
+    target = resolve(args.checkpoint, [args.component])
+    check_complete(target.checkpoint)
+    reader = ComponentReader(target.components[args.component])
+    keys = match_keys(reader.keys, args.keys or ())
+    if not keys:
+        raise UsageError(f"no key of component {args.component!r} matches {', '.join(args.keys or ())}")
+    bar = Progress(f"converting {args.component}", sum(reader.keys[k].nbytes for k in keys))
+    t0 = time.perf_counter()
+    try:
+        result = export_hf(
+            reader,
+            keys,
+            out,
+            max_shard_size=args.max_shard_size or parse_shard_size_arg("5GB"),
+            cast=cast,
+            progress=bar.advance,
+            budget=args.budget,
+            replace=args.force,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    finally:
+        bar.close()
+    how = f", floating-point tensors cast to {str(cast).removeprefix('torch.')}" if cast is not None else ""
+    shards = f"{len(result.files)} shards + {INDEX_FILE}" if len(result.files) > 1 else SINGLE_FILE
+    print_lines(
+        f"wrote {out} (Hugging Face safetensors, {shards}): {result.written} tensors of component "
+        f"{args.component!r} from {target.describe()}, {human_bytes(result.total_size)}{how}, "
+        f"in {time.perf_counter() - t0:.1f}s"
+    )
+    if result.left_out:
+        print_lines(
+            f"left out {len(result.left_out)} non-tensor value(s) (safetensors holds only tensors): "
+            + ", ".join(result.left_out[:10])
+            + (" ..." if len(result.left_out) > 10 else "")
+        )
+    print_lines(f"load it with: transformers' from_pretrained({out!r}), safetensors, or load_path: {out}")
+    return EXIT_OK
+
+
+def parse_shard_size_arg(text: str) -> int:
+    from .._inspect.hf_export import parse_shard_size
+
+    return parse_shard_size(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT")
     parser.add_argument("out", metavar="OUT")
-    parser.add_argument("--to", choices=("torch", "safetensors"), help="output format (default: from OUT's suffix)")
+    parser.add_argument(
+        "--to", choices=("torch", "safetensors", "hf"), help="output format (default: from OUT's suffix)"
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=parse_shard_size_arg,
+        metavar="SIZE",
+        help="--to hf: largest shard file, e.g. 5GB (the default), 500MB, 2GiB",
+    )
     parser.add_argument("--component", default="model", help="component to convert (default: model)")
     parser.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
     parser.add_argument("--keys", action="append", metavar="GLOB", help="only keys matching this glob (repeatable)")
@@ -85,12 +163,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 COMMAND = Command(
     name="convert",
-    summary="write one consolidated torch or safetensors file",
+    summary="write one consolidated torch or safetensors file, or a Hugging Face folder",
     example="ckpt-engine convert runs/exp1/checkpoints model.safetensors --to safetensors --dtype bfloat16\n"
-    "  ckpt-engine convert runs/exp1/checkpoints/iter_000000020 model.pt --to torch",
+    "  ckpt-engine convert runs/exp1/checkpoints/iter_000000020 model.pt --to torch\n"
+    "  ckpt-engine convert runs/exp1/checkpoints hf_model/ --to hf --max-shard-size 5GB --dtype bf16",
     description="One consolidated file of a component for inference or sharing, assembled from all "
     "shards. Streamed: memory stays bounded by the largest tensor. torch files load with "
-    "torch.load(path, weights_only=True); safetensors files with safetensors.torch.load_file(path).",
+    "torch.load(path, weights_only=True); safetensors files with safetensors.torch.load_file(path). "
+    "--to hf writes a Hugging Face folder (model.safetensors, or shards plus model.safetensors.index.json) "
+    "that transformers and load_path read.",
     add_arguments=add_arguments,
     run=cmd_convert,
 )
