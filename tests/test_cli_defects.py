@@ -1,0 +1,96 @@
+"""Command-line defects a new user hit: unreadable values in ``inspect``/``diff``, ``plan``'s
+validation and rules, ``plugins --config`` imports, ``ls`` exit codes and counts, nested ``convert``."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ckpt_engine import CheckpointEngine
+from ckpt_engine.cli import main
+from ckpt_engine.testing import TinyTrainingState
+
+Run = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Run:
+    def run(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+class ExtraState(nn.Module):
+    """A layer whose extra state is a ``BytesIO``, as the original checkpointer's Transformer
+    Engine layers store it: a value ``weights_only=True`` refuses."""
+
+    def __init__(self, payload: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.payload = payload
+
+    def get_extra_state(self) -> Any:
+        buf = io.BytesIO()
+        torch.save(torch.arange(self.payload), buf)
+        buf.seek(0)
+        return buf
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def extra_state(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("extra")
+    out = {}
+    for name, payload in (("a", 3), ("same", 3), ("other", 5)):
+        torch.manual_seed(0)
+        with CheckpointEngine({"save_dir": str(root / name)}) as engine:
+            engine.save(1, model=ExtraState(payload))
+        out[name] = root / name / "iter_000000001"
+    return out
+
+
+# -- 6, 7: values weights_only cannot read ---------------------------------------------------------
+
+
+def test_diff_compares_unreadable_values_by_their_stored_bytes(cli: Run, extra_state: dict[str, Path]) -> None:
+    code, out, _ = cli("diff", str(extra_state["a"]), str(extra_state["a"]))
+    assert code == 0 and "model: identical" in out and out.rstrip().endswith("the checkpoints are identical")
+    code, out, _ = cli("diff", str(extra_state["a"]), str(extra_state["same"]), "--json")
+    assert code == 0 and json.loads(out)["identical"] is True
+    code, out, _ = cli("diff", str(extra_state["a"]), str(extra_state["other"]), "--component", "model")
+    assert code == 1 and "differs: _extra_state:" in out
+    assert "\x1b" not in out and "Weights only load failed" not in out
+
+
+def test_inspect_shows_a_short_placeholder_and_trust_reads_the_value(cli: Run, extra_state: dict[str, Path]) -> None:
+    code, out, _ = cli("inspect", str(extra_state["a"]))
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.strip().startswith("_extra_state"))
+    assert "<not readable with weights_only: _io.BytesIO; --trust reads it>" in line
+    assert "\x1b" not in out and "Weights only load failed" not in out and "pytorch.org" not in out
+    code, out, _ = cli("inspect", str(extra_state["a"]), "--json")
+    value = json.loads(out)["components"]["model"]["keys"]
+    shown = {k["key"]: k.get("value") for k in value}
+    assert shown["_extra_state"] == "<not readable with weights_only: _io.BytesIO; --trust reads it>"
+
+    code, out, _ = cli("inspect", str(extra_state["a"]), "--trust")
+    assert code == 0 and "<_io.BytesIO object" in out and "not readable" not in out
+    code, out, _ = cli("diff", str(extra_state["a"]), str(extra_state["other"]), "--trust", "--json")
+    changed = json.loads(out)["components"]["model"]["values_changed"]
+    assert code == 1 and list(changed) == ["_extra_state"] and "BytesIO" in changed["_extra_state"]["a"]
