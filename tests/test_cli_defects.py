@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
-import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +16,6 @@ from torch import nn
 
 from ckpt_engine import CheckpointEngine
 from ckpt_engine.cli import main
-from ckpt_engine.testing import TinyTrainingState
 
 Run = Callable[..., tuple[int, str, str]]
 
@@ -94,3 +91,34 @@ def test_inspect_shows_a_short_placeholder_and_trust_reads_the_value(cli: Run, e
     code, out, _ = cli("diff", str(extra_state["a"]), str(extra_state["other"]), "--trust", "--json")
     changed = json.loads(out)["components"]["model"]["values_changed"]
     assert code == 1 and list(changed) == ["_extra_state"] and "BytesIO" in changed["_extra_state"]["a"]
+
+
+# -- 9: one import rule for `module:attr` plugins -----------------------------------------------
+
+
+@pytest.fixture
+def plugin_in_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A plugin module in the current folder, which is not on ``sys.path`` (as under the
+    console script); a config that names it by ``module:attr``."""
+    (tmp_path / "cwd_remap_plugin.py").write_text(
+        "from ckpt_engine import hookimpl\n\n\n"
+        "class Remap:\n"
+        "    @hookimpl\n"
+        "    def remap_keys(self, ctx, key_map):\n"
+        "        return key_map\n"
+    )
+    (tmp_path / "engine.yaml").write_text(
+        f"save_dir: {tmp_path / 'ckpt'}\nplugins:\n  - name: mine\n    path: cwd_remap_plugin:Remap\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    yield tmp_path
+    sys.modules.pop("cwd_remap_plugin", None)
+
+
+def test_plugins_config_imports_a_plugin_from_the_current_folder(cli: Run, plugin_in_cwd: Path) -> None:
+    code, out, err = cli("plugins", "--config", "engine.yaml")
+    assert code == 0, err
+    assert "enabled, in fold order: te_extra_state, mine" in out and "remap_keys: mine" in out
+    code, out, _ = cli("plugins", "--config", "engine.yaml", "--json")
+    assert code == 0 and json.loads(out)["config"]["order"] == ["te_extra_state", "mine"]
