@@ -16,6 +16,8 @@ from torch import nn
 
 from ckpt_engine import CheckpointEngine
 from ckpt_engine.cli import main
+from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.testing import TinyTrainingState
 
 Run = Callable[..., tuple[int, str, str]]
 
@@ -122,3 +124,56 @@ def test_plugins_config_imports_a_plugin_from_the_current_folder(cli: Run, plugi
     assert "enabled, in fold order: te_extra_state, mine" in out and "remap_keys: mine" in out
     code, out, _ = cli("plugins", "--config", "engine.yaml", "--json")
     assert code == 0 and json.loads(out)["config"]["order"] == ["te_extra_state", "mine"]
+
+
+# -- 8: plan checks what load() checks, and reads what load() reads ------------------------------
+
+
+@pytest.fixture
+def plan_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    state = TinyTrainingState.create(seed=0, hidden=8)
+    save_dir = tmp_path / "ckpt"
+    with CheckpointEngine({"save_dir": str(save_dir)}) as engine:
+        engine.save(3, **state.objects())
+    (tmp_path / "plan_factories.py").write_text(
+        "from ckpt_engine.testing import TinyTrainingState\n\n\n"
+        "def build():\n"
+        "    return TinyTrainingState.create(seed=1, hidden=8).model\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    yield {"dir": save_dir, "checkpoint": save_dir / "iter_000000003", "root": tmp_path}
+    sys.modules.pop("plan_factories", None)
+
+
+def test_plan_refuses_a_truncated_checkpoint_as_load_does(cli: Run, plan_setup: dict[str, Any]) -> None:
+    data = next((plan_setup["checkpoint"] / "model").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:50])
+    engine = CheckpointEngine({"save_dir": str(plan_setup["dir"])})
+    with pytest.raises(CkptEngineError) as refused:
+        engine.load(model=TinyTrainingState.create(seed=1, hidden=8).model)
+    engine.close()
+    code, out, _ = cli("plan", str(plan_setup["dir"]), "--model", "plan_factories:build")
+    assert code == 1 and "FAILED: the load would fail:" in out and "would succeed" not in out
+    assert f"  {str(refused.value).splitlines()[0]}" in out.splitlines()
+    code, out, _ = cli("plan", str(plan_setup["dir"]), "--model", "plan_factories:build", "--json")
+    data_json = json.loads(out)
+    assert code == 1 and data_json["ok"] is False and data_json["errors"] == [str(refused.value)]
+
+
+def test_plan_of_a_load_path_load_reads_only_the_model(cli: Run, plan_setup: dict[str, Any]) -> None:
+    config = plan_setup["root"] / "finetune.yaml"
+    config.write_text(f"save_dir: {plan_setup['root'] / 'new'}\nload_path: {plan_setup['checkpoint']}\n")
+    result = CheckpointEngine(str(config)).load(model=TinyTrainingState.create(seed=1, hidden=8).model)
+    assert result.components == ("model",)
+    code, out, _ = cli(
+        "plan", str(plan_setup["checkpoint"]), "--model", "plan_factories:build", "--config", str(config)
+    )
+    assert code == 0, out
+    assert "model: " in out and "trainer:" not in out and "rule: load_path, model only" in out
+    code, out, _ = cli(
+        "plan", str(plan_setup["checkpoint"]), "--model", "plan_factories:build", "--config", str(config), "--json"
+    )
+    assert list(json.loads(out)["report"]) == ["model"]
+    # Without the config the checkpoint is planned as a resume: the trainer's iteration too.
+    code, out, _ = cli("plan", str(plan_setup["checkpoint"]), "--model", "plan_factories:build")
+    assert code == 0 and "trainer: 1 loaded" in out
