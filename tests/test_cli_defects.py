@@ -177,3 +177,58 @@ def test_plan_of_a_load_path_load_reads_only_the_model(cli: Run, plan_setup: dic
     # Without the config the checkpoint is planned as a resume: the trainer's iteration too.
     code, out, _ = cli("plan", str(plan_setup["checkpoint"]), "--model", "plan_factories:build")
     assert code == 0 and "trainer: 1 loaded" in out
+
+
+# -- 12: convert --nested writes what optimizer.load_state_dict takes ----------------------------
+
+
+def _model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    groups = [
+        {"params": list(model[0].parameters()), "lr": 1e-2},
+        {"params": list(model[2].parameters()), "lr": 3e-3, "weight_decay": 0.1},
+    ]
+    return model, torch.optim.AdamW(groups)
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, seeds: range) -> list[float]:
+    losses = []
+    for s in seeds:
+        g = torch.Generator().manual_seed(s)
+        loss = model(torch.randn(16, 4, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_convert_nested_optimizer_loads_into_the_optimizer_and_resumes_exactly(cli: Run, tmp_path: Path) -> None:
+    model, opt = _model_and_optimizer(0)
+    _steps(model, opt, range(3))
+    with CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}) as engine:
+        engine.save(3, model=model, optimizer=opt)
+    expected = _steps(model, opt, range(3, 6))
+
+    out = tmp_path / "optim.pt"
+    code, stdout, err = cli("convert", str(tmp_path / "ckpt"), str(out), "--component", "optim", "--nested")
+    assert code == 0, err
+    assert "optimizer.load_state_dict(torch.load(path, weights_only=True))" in stdout
+    model2, opt2 = _model_and_optimizer(1)
+    model2.load_state_dict(_model_file(cli, tmp_path))
+    nested = torch.load(out, weights_only=True)
+    assert [len(g["params"]) for g in nested["param_groups"]] == [2, 2]
+    opt2.load_state_dict(nested)
+    assert _steps(model2, opt2, range(3, 6)) == expected
+
+    code, _, err = cli("convert", str(tmp_path / "ckpt"), str(tmp_path / "m2.pt"), "--nested")
+    assert code == 2 and "--nested is for an optimizer component" in err
+    assert not (tmp_path / "m2.pt").exists()
+
+
+def _model_file(cli: Run, tmp_path: Path) -> dict[str, torch.Tensor]:
+    code, _, err = cli("convert", str(tmp_path / "ckpt"), str(tmp_path / "m.pt"))
+    assert code == 0, err
+    loaded: dict[str, torch.Tensor] = torch.load(tmp_path / "m.pt", weights_only=True)
+    return loaded
