@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -232,3 +234,69 @@ def _model_file(cli: Run, tmp_path: Path) -> dict[str, torch.Tensor]:
     assert code == 0, err
     loaded: dict[str, torch.Tensor] = torch.load(tmp_path / "m.pt", weights_only=True)
     return loaded
+
+
+# -- 11: ls exit codes, hints, counts, and a re-save interrupted between its renames -------------
+
+
+@pytest.fixture
+def two_saves(tmp_path: Path) -> Path:
+    state = TinyTrainingState.create(seed=0, hidden=8)
+    with CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}) as engine:
+        for it in (2, 4):
+            state.train(1, seed=it)
+            engine.save(it, **state.objects())
+    return tmp_path / "ckpt"
+
+
+def _flip(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_ls_verify_exits_1_when_a_checkpoint_is_corrupt(cli: Run, two_saves: Path) -> None:
+    assert cli("ls", str(two_saves), "--verify")[0] == 0
+    _flip(next((two_saves / "iter_000000004" / "optim").glob("*.distcp")))  # the latest
+    code, out, _ = cli("ls", str(two_saves), "--verify")
+    assert code == 1 and re.search(r"iter_000000004 .*CORRUPT", out)
+    code, out, _ = cli("ls", str(two_saves), "--verify", "--json")
+    assert code == 1 and json.loads(out)["ok"] is False
+    assert cli("ls", str(two_saves))[0] == 0  # sizes only: the flipped byte is not seen
+    shutil.copytree(two_saves / "iter_000000002", two_saves / "iter_000000001")
+    _flip(next((two_saves / "iter_000000001" / "model").glob("*.distcp")))
+    (two_saves / "iter_000000004" / "ckpt_engine_manifest.json").unlink()  # latest fine again
+    code, out, _ = cli("ls", str(two_saves), "--verify")
+    assert code == 1 and re.search(r"iter_000000001 .*CORRUPT", out)
+
+
+def test_ls_hints_match_what_can_be_checked_and_counts_files_as_verify(cli: Run, two_saves: Path) -> None:
+    (two_saves / "iter_000000002" / "ckpt_engine_manifest.json").unlink()
+    code, out, _ = cli("ls", str(two_saves))
+    assert code == 0
+    assert re.search(r"iter_000000002 .*complete", out) and re.search(r"iter_000000004 .*verified", out)
+    assert "(complete: no manifest, so no sizes or checksums to compare" in out
+    assert "(verified: sizes match the manifest; `ckpt-engine ls --verify` also compares checksums)" in out
+    (two_saves / "iter_000000004" / "ckpt_engine_manifest.json").unlink()
+    code, out, _ = cli("ls", str(two_saves))
+    assert "checksums)" not in out and "--verify" not in out
+    ls_rows = {c["name"]: c for c in json.loads(cli("ls", str(two_saves), "--json")[1])["checkpoints"]}
+    for name in ("iter_000000002", "iter_000000004"):
+        verified = json.loads(cli("verify", str(two_saves / name), "--json")[1])["checkpoints"][0]
+        assert (ls_rows[name]["files"], ls_rows[name]["bytes"]) == (verified["files"], verified["bytes"])
+
+
+def test_ls_after_a_crash_between_the_two_renames_of_a_resave(cli: Run, two_saves: Path) -> None:
+    # A re-save of iteration 4 had renamed the old checkpoint aside and not yet put the new one in place.
+    shutil.copytree(two_saves / "iter_000000004", two_saves / ".iter_000000004.partial")
+    (two_saves / "iter_000000004").rename(two_saves / ".iter_000000004.replaced.12345")
+    code, out, _ = cli("ls", str(two_saves))
+    assert code == 0 and "no checkpoints" not in out and "does not exist" not in out
+    assert re.search(r"^\s*4\s+iter_000000004\s.*verified\s+<- latest$", out, re.M)
+    assert "iter_000000004: in .iter_000000004.replaced.12345: a re-save of it was interrupted" in out
+    rows = json.loads(cli("ls", str(two_saves), "--json")[1])["checkpoints"]
+    assert [(r["name"], r["status"]) for r in rows if r["latest"]] == [("iter_000000004", "verified")]
+    # What ls says is what an engine then finds.
+    with CheckpointEngine({"save_dir": str(two_saves)}) as engine:
+        result = engine.load(**TinyTrainingState.create(seed=1, hidden=8).objects())
+    assert result.iteration == 4
