@@ -131,14 +131,14 @@ def test_ls_flags_incomplete_corrupt_uncommitted_and_dangling_latest(
 
     code, out, _ = cli("ls", str(ckpt), "--json")
     rows = {c["name"]: c for c in json.loads(out)["checkpoints"]}
-    assert code == 0
+    assert code == 1  # an incomplete checkpoint and a dangling latest are problems
     assert rows["iter_000000002"]["status"] == "INCOMPLETE"
     assert "truncated" in rows["iter_000000002"]["problems"][0]
     assert rows["iter_000000004"]["status"] == "verified"  # sizes only: the flipped byte is not seen
     assert rows[".iter_000000006.partial"]["status"] == "uncommitted"
 
     code, out, _ = cli("ls", str(ckpt), "--verify")
-    assert code == 0
+    assert code == 1
     assert re.search(r"iter_000000004 .*CORRUPT", out)
     assert "names 'iter_000000008', which does not exist" in out
 

@@ -12,7 +12,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
@@ -201,6 +201,18 @@ class SaveHandle:
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"SaveHandle(iteration={self.iteration}, path={self.path!r}, {state})"
+
+
+def components_by_rule(config: EngineConfig, extra: Iterable[str], rule: str) -> list[str]:
+    """The components :meth:`CheckpointEngine.load` reads by ``rule`` (DESIGN section 4), before
+    ``keys_not_to_resume`` and what the caller passed: every one for ``latest``; for
+    ``load_path`` ``model`` only, ``model`` + ``scheduler`` with ``only_load_scheduler_state``,
+    every one with ``load_training_state``."""
+    if rule == "latest" or config.load_training_state:
+        return [*STANDARD_COMPONENTS, *extra]
+    if config.only_load_scheduler_state:
+        return ["model", "scheduler"]
+    return ["model"]
 
 
 def _unwrap(exc: BaseException) -> tuple[BaseException, list[int]]:
@@ -986,7 +998,7 @@ class CheckpointEngine:
         cfg = self.config
         load_dir = cfg.resolved_load_dir
         store = open_store(load_dir, cfg.storage)
-        wanted_all = [*STANDARD_COMPONENTS, *objs.extra]
+        wanted_all = components_by_rule(cfg, objs.extra, "latest")
         latest_file = store.join(load_dir, LATEST_FILE)
         try:
             latest = self._agreed(lambda: read_latest(load_dir, store))
@@ -1025,12 +1037,7 @@ class CheckpointEngine:
                     "fix load_path, or unset it to start from scratch"
                 )
             lp = self._agreed(lambda: resolve_save_folder(cfg.load_path or "", lp_store)) or lp  # its latest
-            if cfg.load_training_state:
-                wanted = wanted_all
-            elif cfg.only_load_scheduler_state:
-                wanted = ["model", "scheduler"]
-            else:
-                wanted = ["model"]
+            wanted = components_by_rule(cfg, objs.extra, "load_path")
             return self._load_checkpoint(objs, lp, wanted, "load_path", self._validate(lp, lp_store))
         if _dist.rank() == 0:
             logger.info("no checkpoint in %s and no load_path: starting from scratch", load_dir)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .optim_layout import NotOptimizerStateError, nest_optimizer_state
 from .reader import DEFAULT_BUDGET, ComponentReader, KeyInfo, Unreadable
 
 __all__ = ["SAFETENSORS_DTYPES", "convert_component", "require_safetensors"]
@@ -84,17 +85,19 @@ def convert_component(
     cast: torch.dtype | None = None,
     progress: Callable[[int], None] | None = None,
     budget: int = DEFAULT_BUDGET,
+    nested: bool = False,
 ) -> tuple[int, list[str]]:
     """Write ``keys`` of ``reader``'s component to ``out``; returns (values written, keys left out).
 
-    ``progress(nbytes)`` is called after each value with the bytes it added.
+    ``progress(nbytes)`` is called after each value with the bytes it added. ``nested`` (torch
+    only, for ``optim``): the nested form ``optimizer.load_state_dict`` takes, not flat keys.
     """
     tmp = f"{out}.tmp.{os.getpid()}"
     try:
         if fmt == "safetensors":
             result = _write_safetensors(reader, keys, tmp, cast, progress, budget)
         elif fmt == "torch":
-            result = _write_torch(reader, keys, tmp, out, cast, progress, budget)
+            result = _write_torch(reader, keys, tmp, out, cast, progress, budget, nested)
         else:
             raise ConvertError(f"unknown format {fmt!r}; use torch or safetensors")
         os.replace(tmp, out)
@@ -161,6 +164,7 @@ def _write_torch(
     cast: torch.dtype | None,
     progress: Callable[[int], None] | None,
     budget: int,
+    nested: bool = False,
 ) -> tuple[int, list[str]]:
     scratch = f"{out}.parts.{os.getpid()}"
     os.makedirs(scratch)
@@ -187,8 +191,14 @@ def _write_torch(
             shape, dtype = tuple(t.shape), t.dtype
             del t
             result[key] = torch.from_file(part, shared=False, size=_numel(shape), dtype=dtype).view(shape)
+        written = len(result)
+        if nested:
+            try:
+                result = nest_optimizer_state(result)
+            except NotOptimizerStateError as err:
+                raise ConvertError(f"--nested is for an optimizer component: {err}") from err
         torch.save(result, tmp)
-        return len(result), left_out
+        return written, left_out
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

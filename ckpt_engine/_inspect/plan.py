@@ -19,13 +19,13 @@ from torch.futures import Future
 
 from .._dcpio.planner import EngineLoadPlanner
 from .._engine.dist import quiet_dcp
-from .._engine.engine import CheckpointEngine
+from .._engine.engine import CheckpointEngine, components_by_rule
 from .._engine.state import TrainingObjects, component_state_dict
 from .._format.layout import check_component_files
 from .._format.metadata import SafeFileSystemReader, read_metadata
 from .._format.names import METADATA_FILE
 from .._storage.fscheck import require_regular_file
-from .._storage.store import open_store
+from .._storage.store import is_url, open_store
 from ..config import EngineConfig
 from ..errors import CheckpointLoadError, CkptEngineError, LoadStrictnessError, UsageError, first_failure
 from ..report import ComponentReport, LoadReport
@@ -97,13 +97,28 @@ def _split_unresolved(rep: ComponentReport) -> tuple[ComponentReport, dict[str, 
     return dataclasses.replace(rep, skipped=kept), unresolved
 
 
+def load_rule(config: EngineConfig, checkpoint: str) -> str:
+    """``load_path`` when ``checkpoint`` is the one the config's ``load_path`` names (a checkpoint
+    folder, or a save folder's latest): load() reads it by that rule; else ``latest``."""
+    if not config.load_path or config.load_path.endswith(".pth"):
+        return "latest"
+    try:
+        named = resolve(config.load_path).checkpoint
+    except CkptEngineError:
+        return "latest"
+    same = named == checkpoint if is_url(named) else os.path.abspath(named) == os.path.abspath(checkpoint)
+    return "load_path" if same else "latest"
+
+
 def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
     target = resolve(args.checkpoint)
     if args.config:
         config = EngineConfig.from_file(args.config)
     else:
         config = EngineConfig(save_dir=os.path.dirname(target.checkpoint) or ".")
-    wanted = [n for n in objs.available() if n not in config.keys_not_to_resume]
+    rule = load_rule(config, target.checkpoint)
+    by_rule = components_by_rule(config, objs.extra, rule)
+    wanted = [n for n in objs.available() if n in by_rule and n not in config.keys_not_to_resume]
     if args.component:
         unknown = [c for c in args.component if c not in objs.available()]
         if unknown:
@@ -117,9 +132,16 @@ def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
     failures: list[str] = []
     absent: list[str] = []
     items = 0
+    if rule == "load_path":
+        lines.append(f"rule: load_path, {', '.join(by_rule)} only (load_training_state loads every component)")
     with CheckpointEngine(config) as engine:
         plugins = ", ".join(engine.plugin_names) or "(none)"
         lines.append(f"plugins (fold order): {plugins}; strict={config.strict}")
+        try:  # the checks load() runs before it reads anything
+            engine._validate(target.checkpoint, open_store(target.checkpoint, config.storage))
+        except CkptEngineError as err:
+            failures.append(str(err))
+            wanted = []
         for name in wanted:
             cdir = target.components.get(name)
             if cdir is None:

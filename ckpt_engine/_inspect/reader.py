@@ -2,7 +2,8 @@
 
 Everything here reads metadata with :func:`ckpt_engine._format.metadata.read_metadata` (parsed without
 pickle, then validated) and values with ``torch.load(weights_only=True)``: inspecting an untrusted checkpoint
-never runs code from it. Tensors are read a batch at a time (a batch holds at most ``budget``
+never runs code from it (unless the user passes ``--trust``, for a checkpoint they trust).
+Tensors are read a batch at a time (a batch holds at most ``budget``
 bytes, or one tensor when a tensor is larger), so memory is bounded by the largest tensor, not
 by the checkpoint.
 """
@@ -13,6 +14,7 @@ import fnmatch
 import io
 import os
 import pickle
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +27,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .._dcpio.object_read import ObjectStoreReader
-from .._dcpio.unsafe import blocked_global, refine_unsafe, weights_only_reason
+from .._dcpio.unsafe import blocked_global, refine_unsafe
 from .._engine.dist import quiet_dcp
 from .._format.layout import check_component_files, component_dirs
 from .._format.metadata import SafeFileSystemReader, read_metadata
@@ -210,25 +212,51 @@ def prefix_of(key: str) -> str:
 # -- reading values -------------------------------------------------------------------------
 
 
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 @dataclass(frozen=True)
 class Unreadable:
-    """A non-tensor value that ``weights_only=True`` unpickling refuses (it needs arbitrary code)."""
+    """A non-tensor value that ``weights_only=True`` unpickling refuses (it needs arbitrary code),
+    or that a damaged data file does not hold."""
 
+    #: What refused it, short: the global the unpickler refused (``_io.BytesIO``), or an error line.
     reason: str
+    #: Whether ``--trust`` (``weights_only=False``) would read it; false for a damaged file.
+    needs_trust: bool = True
 
     def __str__(self) -> str:
-        return f"<not readable with weights_only=True: {self.reason}>"
+        if self.needs_trust:
+            return f"<not readable with weights_only: {self.reason}; --trust reads it>"
+        return f"<unreadable: {self.reason}>"
+
+
+def refused_value(err: BaseException) -> Unreadable:
+    """The short placeholder for a value ``weights_only`` refused: torch's message is paragraphs
+    long, with terminal escape codes; what matters is the global it refused."""
+    text = _ANSI_RE.sub("", str(err))
+    found = _GLOBAL_RE.search(text)
+    if found:
+        return Unreadable(found.group(1))
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(err).__name__)
+    return Unreadable(first[:80])
 
 
 class _ReadPlanner(DefaultLoadPlanner):
-    """Reads the requested flat storage keys; non-tensor values with ``weights_only=True``."""
+    """Reads the requested flat storage keys; non-tensor values with ``weights_only=True`` unless
+    ``trust``. Keeps each value's stored bytes, so values compare even when they cannot be read."""
 
-    def __init__(self) -> None:
+    def __init__(self, trust: bool = False) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+        self.trust = trust
+        self.stored: dict[str, bytes] = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        self.stored[key] = value.getvalue()
         try:
-            obj: Any = torch.load(value, weights_only=True)
+            obj: Any = torch.load(value, weights_only=not self.trust)
         except pickle.UnpicklingError as err:
             hostile = blocked_global(err, blocked_only=True)
             if hostile is not None:  # crafted, not merely unreadable: refuse, naming the global
@@ -236,9 +264,9 @@ class _ReadPlanner(DefaultLoadPlanner):
                     f"value {read_item.storage_index.fqn!r} references the global {hostile}, which "
                     "weights_only=True unpickling refuses to construct: the checkpoint was crafted or tampered with"
                 ) from None
-            obj = Unreadable(weights_only_reason(err)[:200])
+            obj = refused_value(err)
         # Not flattened: the keys are the flat storage keys of the dict handed to dcp.load.
-        self.original_state_dict[read_item.dest_index.fqn] = obj
+        self.original_state_dict[key] = obj
 
 
 @dataclass
@@ -246,8 +274,12 @@ class ComponentReader:
     """Reads values of one component folder, safely and a batch at a time."""
 
     path: str
+    #: Read non-tensor values with ``weights_only=False``: runs any code the checkpoint holds.
+    trust: bool = False
     metadata: Metadata = field(init=False)
     keys: dict[str, KeyInfo] = field(init=False)
+    #: The stored (pickled) bytes of the non-tensor values of the last :meth:`read`.
+    stored: dict[str, bytes] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         store = open_store(self.path)
@@ -272,9 +304,10 @@ class ComponentReader:
             if isinstance(store, FsspecStore)
             else SafeFileSystemReader(self.path, self.metadata)
         )
+        planner = _ReadPlanner(self.trust)
         try:
             with quiet_dcp():
-                dcp.load(template, storage_reader=reader, planner=_ReadPlanner(), no_dist=True)
+                dcp.load(template, storage_reader=reader, planner=planner, no_dist=True)
         except (Exception, CheckpointException) as exc:
             err = first_failure(exc)[0]
             if isinstance(err, CkptEngineError):
@@ -286,6 +319,7 @@ class ComponentReader:
                 if str(err).strip()
                 else f"{self.path}: cannot read {what}: {type(err).__name__}"
             ) from err
+        self.stored = planner.stored
         return template
 
     def iter_values(self, keys: Sequence[str], budget: int = DEFAULT_BUDGET) -> Iterator[tuple[str, Any]]:

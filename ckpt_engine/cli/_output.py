@@ -12,6 +12,10 @@ from .._inspect.reader import human_bytes
 
 EXIT_OK, EXIT_PROBLEM, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 JSON_HELP = "print JSON instead of text (for scripts)"
+TRUST_HELP = (
+    "read values that weights_only refuses with weights_only=False: this runs any code the "
+    "checkpoint holds; only for checkpoints you trust"
+)
 
 
 class Progress:

@@ -27,6 +27,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot tell the format from {args.out!r}; give --to torch or --to safetensors")
     if fmt == "safetensors":
         require_safetensors()
+        if args.nested:
+            raise UsageError("--nested writes a torch file; safetensors holds only flat tensors")
     cast = None
     if args.dtype:
         cast = getattr(torch, args.dtype, None)
@@ -48,7 +50,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     bar = Progress(f"converting {args.component}", total)
     t0 = time.perf_counter()
     try:
-        written, left_out = convert_component(reader, keys, out, fmt, cast, bar.advance, budget=args.budget)
+        written, left_out = convert_component(
+            reader, keys, out, fmt, cast, bar.advance, budget=args.budget, nested=args.nested
+        )
     except ConvertError as err:
         raise UsageError(str(err)) from err
     finally:
@@ -68,6 +72,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     hint = (
         "load it with: safetensors.torch.load_file(path)"
         if fmt == "safetensors"
+        else "load it with: optimizer.load_state_dict(torch.load(path, weights_only=True))"
+        if args.nested
         else "load it with: torch.load(path, weights_only=True)"
     )
     print_lines(hint)
@@ -157,6 +163,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--component", default="model", help="component to convert (default: model)")
     parser.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
     parser.add_argument("--keys", action="append", metavar="GLOB", help="only keys matching this glob (repeatable)")
+    parser.add_argument(
+        "--nested",
+        action="store_true",
+        help="for an optimizer: write the nested state dict optimizer.load_state_dict takes (default: flat keys)",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite OUT")
     parser.add_argument("--budget", type=parse_size, default="64M", help=argparse.SUPPRESS)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ._command import Command
-from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, Progress, parse_size, print_json, print_lines
+from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, TRUST_HELP, Progress, parse_size, print_json, print_lines
 
 
 def _max_abs_diff(a: Any, b: Any) -> float:
@@ -29,7 +29,7 @@ def _max_abs_diff(a: Any, b: Any) -> float:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from .._inspect.reader import ComponentReader, Unreadable, batches, match_keys, resolve, summarize_value
+    from .._inspect.reader import ComponentReader, batches, match_keys, resolve, summarize_value
 
     a, b = resolve(args.a), resolve(args.b)
     wanted = args.component or sorted(set(a.components) | set(b.components))
@@ -45,7 +45,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             result["components"][name] = {"only_in": side}
             differs = True
             continue
-        ra, rb = ComponentReader(a.components[name]), ComponentReader(b.components[name])
+        ra, rb = ComponentReader(a.components[name], args.trust), ComponentReader(b.components[name], args.trust)
         keys_a = match_keys(ra.keys, args.keys or ())
         keys_b = match_keys(rb.keys, args.keys or ())
         only_a = [k for k in keys_a if k not in rb.keys]
@@ -78,7 +78,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
                         if d > args.atol:
                             diffs[k] = d
                         bar.advance(ra.keys[k].nbytes)
-                    elif isinstance(x, Unreadable) or isinstance(y, Unreadable) or not _values_equal(x, y):
+                    elif not _same_value(x, y, ra.stored.get(k), rb.stored.get(k)):
                         value_changes[k] = (summarize_value(x), summarize_value(y))
         finally:
             bar.close()
@@ -117,6 +117,18 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_PROBLEM if differs else EXIT_OK
 
 
+def _same_value(x: Any, y: Any, stored_x: bytes | None, stored_y: bytes | None) -> bool:
+    """Equal stored bytes are equal values, read or not (a value ``weights_only`` refuses, such
+    as the original checkpointer's ``_extra_state``, compares by them); else the read values."""
+    from .._inspect.reader import Unreadable
+
+    if stored_x is not None and stored_x == stored_y:
+        return True
+    if isinstance(x, Unreadable) or isinstance(y, Unreadable):
+        return False
+    return _values_equal(x, y)
+
+
 def _values_equal(x: Any, y: Any) -> bool:
     import torch
 
@@ -141,6 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keys", action="append", metavar="GLOB", help="only keys matching this glob (repeatable)")
     parser.add_argument("--atol", type=float, default=0.0, help="differences up to this count as equal (default 0)")
     parser.add_argument("--limit", type=int, default=20, help="list at most this many keys per kind (0: all)")
+    parser.add_argument("--trust", action="store_true", help=TRUST_HELP)
     parser.add_argument("--budget", type=parse_size, default="64M", help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help=JSON_HELP)
 
@@ -150,8 +163,9 @@ COMMAND = Command(
     summary="compare two checkpoints key by key (streamed)",
     example="ckpt-engine diff runs/exp1/checkpoints/iter_000000010 runs/exp1/checkpoints/iter_000000020",
     description="Per component: keys only in A, only in B, shape or dtype changed, and for common keys "
-    "the largest absolute difference. Reads one batch of tensors at a time from A, then the same from "
-    "B: memory is bounded by the largest tensor, never a whole checkpoint. Exit code 0 when identical, "
+    "the largest absolute difference; other values compare by their stored bytes, then by value. "
+    "Reads one batch of tensors at a time from A, then the same from B: memory is bounded "
+    "by the largest tensor, never a whole checkpoint. Exit code 0 when identical, "
     "1 when they differ.",
     add_arguments=add_arguments,
     run=cmd_diff,

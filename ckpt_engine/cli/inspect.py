@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from ._command import Command
-from ._output import EXIT_OK, JSON_HELP, plural, print_json, print_lines
+from ._output import EXIT_OK, JSON_HELP, TRUST_HELP, plural, print_json, print_lines
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -29,7 +29,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not report.complete or report.problems:
         lines.append(f"warning: {report.problems[0] if report.problems else 'incomplete'}")
     for name, cdir in target.components.items():
-        reader = ComponentReader(cdir)
+        reader = ComponentReader(cdir, args.trust)
         keys = match_keys(reader.keys, args.keys or ())
         values: dict[str, Any] = {}
         small = [k for k in keys if not reader.keys[k].is_tensor and reader.keys[k].stored_bytes <= 65536]
@@ -37,7 +37,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             try:
                 values = reader.read(small)
             except Exception as err:  # a damaged data file: still show the metadata
-                values = dict.fromkeys(small, Unreadable(str(err).splitlines()[0][:120]))
+                values = dict.fromkeys(small, Unreadable(_first_line(err), needs_trust=False))
         infos = [reader.keys[k] for k in keys]
         tensors = [i for i in infos if i.is_tensor]
         total = sum(i.stored_bytes for i in infos)
@@ -104,12 +104,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _first_line(err: BaseException) -> str:
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT")
     parser.add_argument("--component", action="append", metavar="C", help="only this component (repeatable)")
     parser.add_argument("--keys", action="append", metavar="GLOB", help="only keys matching this glob (repeatable)")
     parser.add_argument("--summary", action="store_true", help="totals only, no per-key table")
     parser.add_argument("--no-values", action="store_true", help="do not read non-tensor values")
+    parser.add_argument("--trust", action="store_true", help=TRUST_HELP)
     parser.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
@@ -118,7 +124,8 @@ COMMAND = Command(
     summary="every key of a checkpoint: dtype, shape, shards, bytes",
     example="ckpt-engine inspect runs/exp1/checkpoints/iter_000000020 --component model --keys '*.weight'",
     description="Every key with dtype, global shape, number of stored shards and bytes; small non-tensor "
-    "values shown; totals per component and per top-level prefix. CHECKPOINT may be a checkpoint folder, "
+    "values shown (a value weights_only refuses as a short placeholder; --trust reads it); totals "
+    "per component and per top-level prefix. CHECKPOINT may be a checkpoint folder, "
     "one component folder, or a save folder (its latest checkpoint).",
     add_arguments=add_arguments,
     run=cmd_inspect,

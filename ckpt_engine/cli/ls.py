@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from ..errors import UsageError
 from ._command import Command
-from ._output import EXIT_OK, JSON_HELP, print_json, print_lines
+from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, print_json, print_lines
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -43,7 +43,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         warnings.append(f"warning: {err}")
     level: Literal["sizes", "checksums"] = "checksums" if args.verify else "sizes"
     rows: list[dict[str, Any]] = []
-    for iteration, path in list_checkpoints(save_dir):
+    for iteration, path, note in _committed(save_dir):
         report = verify_checkpoint(path, level=level)
         if not report.complete:
             status = "INCOMPLETE"
@@ -53,19 +53,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
             status = "verified"
         else:
             status = "complete"
-        size, files = disk_usage(path)
         rows.append(
             {
                 "iteration": iteration,
-                "name": os.path.basename(path),
+                "name": iter_dirname(iteration),
                 "path": path,
                 "components": component_dirs(path),
-                "bytes": size,
-                "files": files,
+                # Counted as `verify` counts them: the checkpoint's data and metadata files.
+                "bytes": report.bytes,
+                "files": report.files,
                 "status": status,
                 "verified": report.verified,
                 "problems": list(report.problems),
-                "latest": os.path.basename(path) == latest,
+                "latest": iter_dirname(iteration) == latest,
+                "note": note,
             }
         )
     for iteration, path in uncommitted_dirs(save_dir):
@@ -85,6 +86,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     f"{iter_dirname(iteration)} replaces it"
                 ],
                 "latest": False,
+                "note": None,
             }
         )
     rows.sort(key=lambda r: (r["iteration"], r["status"] == "uncommitted"))
@@ -93,12 +95,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         if r["latest"] and r["status"] in ("INCOMPLETE", "CORRUPT"):
             warnings.append(f"warning: {LATEST_FILE} names {r['name']}, which is {r['status'].lower()}")
+    problem = bool(warnings) or any(r["status"] in ("INCOMPLETE", "CORRUPT") for r in rows)
+    code = EXIT_PROBLEM if problem else EXIT_OK
     if args.json:
-        print_json({"save_dir": save_dir, "latest": latest, "checkpoints": rows, "warnings": warnings})
-        return EXIT_OK
+        print_json(
+            {"save_dir": save_dir, "latest": latest, "checkpoints": rows, "warnings": warnings, "ok": not problem}
+        )
+        return code
     if not rows:
         print_lines(f"no checkpoints in {save_dir}", *warnings)
-        return EXIT_OK
+        return code
     body = [
         [
             str(r["iteration"]),
@@ -113,12 +119,42 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ]
     print_lines(*table(body, ["iteration", "checkpoint", "components", "size", "files", "status", ""], right=(0, 3, 4)))
     for r in rows:
+        if r["note"]:
+            print_lines(f"{r['name']}: {r['note']}")
         if r["status"] != "complete" and r["problems"]:
             print_lines(f"{r['name']}: {r['problems'][0]}")
-    if not args.verify and any(r["status"] == "complete" for r in rows):
-        print_lines("(sizes checked; `ckpt-engine ls --verify` or `ckpt-engine verify` also checks checksums)")
+    if not args.verify and any(r["status"] == "verified" for r in rows):
+        print_lines("(verified: sizes match the manifest; `ckpt-engine ls --verify` also compares checksums)")
+    if any(r["status"] == "complete" for r in rows):
+        print_lines(
+            "(complete: no manifest, so no sizes or checksums to compare; every file the metadata names is there)"
+        )
     print_lines(*warnings)
-    return EXIT_OK
+    return code
+
+
+def _committed(save_dir: str) -> list[tuple[int, str, str | None]]:
+    """``(iteration, folder, note)`` of every committed checkpoint, oldest first. A checkpoint whose
+    re-save crashed between its two renames sits in its ``.replaced`` folder until the next engine
+    start moves it back: it is listed from there, with a note."""
+    from .._format.layout import find_leftovers, list_checkpoints
+    from .._format.names import parse_iteration
+
+    found: list[tuple[int, str, str | None]] = [(i, p, None) for i, p in list_checkpoints(save_dir)]
+    present = {i for i, _, _ in found}
+    for lo in find_leftovers(save_dir):
+        iteration = parse_iteration(lo.checkpoint)
+        if lo.kind == "replaced" and iteration is not None and iteration not in present:
+            present.add(iteration)
+            found.append(
+                (
+                    iteration,
+                    lo.path,
+                    f"in {os.path.basename(lo.path)}: a re-save of it was interrupted between its two renames; "
+                    "the next engine started on this folder moves it back (loads see it then)",
+                )
+            )
+    return sorted(found)
 
 
 def _looks_like_checkpoint(path: str) -> bool:

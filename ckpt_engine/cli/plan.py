@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import UsageError
 from ._command import Command
 from ._output import JSON_HELP
+from ._user_code import make_cwd_importable
 
 
 def import_factory(spec: str) -> Callable[[], Any]:
@@ -20,8 +19,7 @@ def import_factory(spec: str) -> Callable[[], Any]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise UsageError(f"--model {spec!r} must be 'package.module:factory' (a callable that builds the model)")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    make_cwd_importable()
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as err:
@@ -81,6 +79,7 @@ def _build_objects(spec: str) -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .._inspect.plan import plan_load
 
+    make_cwd_importable()  # the factory's module and a config's `module:attr` plugins
     return plan_load(args, _build_objects(args.model))
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from ._command import Command
 from ._output import EXIT_OK, JSON_HELP, print_json, print_lines
+from ._user_code import make_cwd_importable
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -59,6 +60,7 @@ def _describe_config(path: str) -> dict[str, Any]:
     from ..plugin_manager import build_plugin_manager
 
     config = EngineConfig.from_file(path)
+    make_cwd_importable()  # a `module:attr` plugin imports as it does for `plan --config`
     loaded = build_plugin_manager(config)
     pipeline = Pipeline(loaded)
     try:
