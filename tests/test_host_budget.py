@@ -115,19 +115,21 @@ def test_a_tensor_larger_than_the_budget_gets_a_window_of_its_own(
     budget = 64 * 1024
     largest = 256 * 256 * 4
     plugin = PinnedStagingPlugin(PinnedStagingPlugin.Options(max_host_bytes=budget))
-    with caplog.at_level(logging.WARNING, logger="ckpt_engine.pinned_staging"):
-        with CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}, plugins=[plugin]) as engine:
-            expected_model = copy.deepcopy(model.state_dict())
-            expected_optim = copy.deepcopy(optimizer.state_dict())
-            handle = engine.save(5, model=model, optimizer=optimizer)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.zero_()
-            handle.result(TIMEOUT)
-            # Documented: the buffer set grows to exactly the largest tensor, never to the state.
-            (info,) = plugin.buffer_sets()
-            assert info.nbytes == largest
-            assert info.windows >= 4  # weight and momentum of the big layer alone, the small ones packed
+    with (
+        caplog.at_level(logging.WARNING, logger="ckpt_engine.pinned_staging"),
+        CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}, plugins=[plugin]) as engine,
+    ):
+        expected_model = copy.deepcopy(model.state_dict())
+        expected_optim = copy.deepcopy(optimizer.state_dict())
+        handle = engine.save(5, model=model, optimizer=optimizer)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        handle.result(TIMEOUT)
+        # Documented: the buffer set grows to exactly the largest tensor, never to the state.
+        (info,) = plugin.buffer_sets()
+        assert info.nbytes == largest
+        assert info.windows >= 4  # weight and momentum of the big layer alone, the small ones packed
     assert any("larger than the staging budget" in r.getMessage() for r in caplog.records)
     fresh = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8))
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)

@@ -25,10 +25,11 @@ The hand-over, per save (an *epoch* of the buffer set):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -182,7 +183,7 @@ class WindowedStorageWriter(EngineFileSystemWriter):
             plan.items,
             key=lambda i: -1 if i.type == WriteItemType.BYTE_IO else windows.get(i.index.fqn, -1),
         )
-        waiting = _WaitingPlanner(planner, windows, self._cursor)
+        waiting = cast(SavePlanner, _WaitingPlanner(planner, windows, self._cursor))
         return super().write_data(dataclasses.replace(plan, items=items), waiting)
 
 
@@ -250,16 +251,18 @@ class WindowPump:
         with self._cond:
             self._cond.notify_all()
 
+    def _ready(self, previous: int) -> bool:
+        return self._drained >= previous or all(f.done() for f in self._futures)
+
     def run(self) -> None:
         """Stage windows 1.. as the writer drains their predecessors; returns after the last
         one is staged, or early once every write is done (no later window was needed)."""
         self.ran = True
         for index in range(1, self.count):
+            previous = index - 1
             with self._cond:
-                ok = self._cond.wait_for(
-                    lambda i=index: self._drained >= i - 1 or all(f.done() for f in self._futures), self.timeout
-                )
-                drained = self._drained >= index - 1
+                ok = self._cond.wait_for(functools.partial(self._ready, previous), self.timeout)
+                drained = self._drained >= previous
             if not drained:
                 failed = [f.exception() for f in self._futures if f.done() and f.exception() is not None]
                 if failed:

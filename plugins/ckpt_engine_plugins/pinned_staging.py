@@ -22,6 +22,13 @@ one is still being written (the plugin declares ``max_saves_in_flight = 2`` and 
 then waits only for the save before last). A set is never re-staged while a write that reads
 it is pending: staging waits for it.
 
+**Budget** (``max_host_bytes``). Each buffer set holds at most ``max_host_bytes / buffers``
+bytes. A larger state is staged in *windows* of the same set (see ``_pinned_windows``): the
+first is copied in ``stage``, the rest by the last ``write`` as the writer drains each previous
+window, so ``save()`` returns once the last window is staged. A tensor is never split: one
+larger than the share gets a window of its own and the set grows to hold it. ``overlap`` is
+refused with a budget. Without a budget, or for a state that fits, nothing changes.
+
 **write** (every rank, per component). Queues a request for the writer and returns a future.
 The writer (``_pinned_writer``) is a plain ``python -m`` subprocess, started when the plugin
 is created (at engine construction, so the first save does not wait for it). It never imports
