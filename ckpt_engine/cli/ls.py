@@ -137,8 +137,9 @@ def _committed(save_dir: str) -> list[tuple[int, str, str | None]]:
     """``(iteration, folder, note)`` of every committed checkpoint, oldest first. A checkpoint whose
     re-save crashed between its two renames sits in its ``.replaced`` folder until the next engine
     start moves it back: it is listed from there, with a note."""
-    from .._format.layout import find_leftovers, list_checkpoints
+    from .._format.layout import find_leftovers
     from .._format.names import parse_iteration
+    from .._format.pointer import list_checkpoints
 
     found: list[tuple[int, str, str | None]] = [(i, p, None) for i, p in list_checkpoints(save_dir)]
     present = {i for i, _, _ in found}

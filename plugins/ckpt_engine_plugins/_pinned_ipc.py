@@ -98,6 +98,8 @@ class Alloc:
     path: str
     nbytes: int
     slots: tuple[SlotSpec, ...]
+    #: Each slot's window (``max_host_bytes``); empty: one window, the whole state.
+    windows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +123,19 @@ class Save:
     #: Set when this rank's snapshot failed (``overlap``): the writers agree before DCP starts,
     #: so every rank fails this save together instead of waiting for this one.
     abort: str | None = None
+    #: The buffer set's save epoch when it is staged in windows (``max_host_bytes``).
+    epoch: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Window ``index`` of buffer set ``set_id`` holds the save of ``epoch`` (or, with ``error``,
+    never will: the save fails)."""
+
+    set_id: int
+    epoch: int
+    index: int
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +161,15 @@ class StartFailed:
 class Mapped:
     set_id: int
     error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """The writer will not read windows up to ``index`` of the set's ``epoch`` again."""
+
+    set_id: int
+    epoch: int
+    index: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from ckpt_engine import CheckpointSaveError, WriteResult
 
 from ._pinned_ipc import (
     Done,
+    Drained,
     Init,
     Mapped,
     PipeClosed,
@@ -105,6 +106,7 @@ class WriterProcess:
         on_lost: Callable[[WriterProcess, PinnedWriterError], None],
         on_mapped: Callable[[int, str | None], None],
         on_failed_write: Callable[[WriterProcess], None],
+        on_drained: Callable[[Drained], None] | None = None,
     ) -> None:
         self.rank = init.rank
         self.generation = generation
@@ -112,6 +114,7 @@ class WriterProcess:
         self._on_lost = on_lost
         self._on_mapped = on_mapped
         self._on_failed_write = on_failed_write
+        self._on_drained = on_drained
         self._lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
@@ -239,6 +242,9 @@ class WriterProcess:
                 break
             if isinstance(msg, Done):
                 self._resolve(msg)
+            elif isinstance(msg, Drained):
+                if self._on_drained is not None:
+                    self._on_drained(msg)
             elif isinstance(msg, Mapped):
                 self._on_mapped(msg.set_id, msg.error)
             elif isinstance(msg, Ready):

@@ -36,6 +36,7 @@ from typing import Any
 from ._pinned_ipc import (
     Alloc,
     Done,
+    Drained,
     Free,
     Init,
     Mapped,
@@ -46,6 +47,7 @@ from ._pinned_ipc import (
     Shutdown,
     SkeletonUnpickler,
     StartFailed,
+    Window,
     encode,
     read_message,
     write_frame,
@@ -88,6 +90,11 @@ class _Writer:
         self.slabs: dict[int, Any] = {}
         self.slab_errors: dict[int, str] = {}
         self.meshes: dict[MeshSpec, Any] = {}
+        #: Windowed sets (``max_host_bytes``): each slot's window, and how far the current epoch was read.
+        self.windows: dict[int, tuple[int, ...]] = {}
+        self.cursors: dict[int, Any] = {}
+        self.board: Any = None
+        self.send: Any = None
         if self.world > 1:
             if init.store_host is None or init.store_port is None:
                 raise RuntimeError("no rendezvous store address for a multi-rank writer group")
@@ -109,6 +116,8 @@ class _Writer:
 
         try:
             self.slabs[msg.set_id] = WriterSlab(msg.path, msg.nbytes, msg.slots)
+            if msg.windows and max(msg.windows) > 0:
+                self.windows[msg.set_id] = msg.windows
         except Exception as err:
             self.slab_errors[msg.set_id] = f"cannot map buffer set {msg.set_id} ({msg.path}): {_describe(err)}"
             return Mapped(msg.set_id, self.slab_errors[msg.set_id])
@@ -117,6 +126,10 @@ class _Writer:
     def free(self, msg: Free) -> None:
         slab = self.slabs.pop(msg.set_id, None)
         self.slab_errors.pop(msg.set_id, None)
+        self.windows.pop(msg.set_id, None)
+        self.cursors.pop(msg.set_id, None)
+        if self.board is not None:
+            self.board.forget(msg.set_id)
         if slab is not None:
             slab.release()
             gc.collect()
@@ -179,8 +192,16 @@ class _Writer:
             for spec in needed:  # same meshes, same order, on every rank (group creation is collective)
                 self._mesh(spec)
             tensors = slab.tensors
+            window_of: dict[int, int] = {}
+            slot_windows = self.windows.get(msg.set_id) if msg.epoch is not None else None
 
             def resolve(pid: Any) -> Any:
+                obj = _resolve(pid)
+                if slot_windows is not None:
+                    window_of[id(obj)] = slot_windows[pid[1]]
+                return obj
+
+            def _resolve(pid: Any) -> Any:
                 if pid[0] == "t":
                     return tensors[pid[1]]
                 _, slot, mesh_index, placements, shape, stride = pid
@@ -194,15 +215,38 @@ class _Writer:
                 )
 
             state_dict = SkeletonUnpickler(msg.skeleton, resolve, forbid_main=True).load()
-            writer = EngineFileSystemWriter(
-                msg.path, thread_count=msg.thread_count, sync_files=msg.sync_files, overwrite=True
-            )
+            if slot_windows is not None and msg.epoch is not None:
+                writer: Any = self._windowed_writer(msg, window_of)
+            else:
+                writer = EngineFileSystemWriter(
+                    msg.path, thread_count=msg.thread_count, sync_files=msg.sync_files, overwrite=True
+                )
             nbytes = _save(state_dict, writer, msg.planner)
             return Done(msg.req_id, True, nbytes, time.perf_counter() - t0, None)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
             return Done(msg.req_id, False, 0, time.perf_counter() - t0, _describe(err))
+
+    def _windowed_writer(self, msg: Save, window_of: dict[int, int]) -> Any:
+        """The storage writer of a save staged in windows (``_pinned_windows``)."""
+        from ._pinned_windows import WindowCursor, WindowedStorageWriter
+
+        assert msg.epoch is not None
+        cursor = self.cursors.get(msg.set_id)
+        if cursor is None or cursor.epoch != msg.epoch:
+            set_id, epoch, send = msg.set_id, msg.epoch, self.send
+            cursor = WindowCursor(
+                set_id,
+                epoch,
+                self.board,
+                lambda index: send(Drained(set_id, epoch, index)),
+                self.write_timeout.total_seconds(),
+            )
+            self.cursors[msg.set_id] = cursor
+        return WindowedStorageWriter(
+            msg.path, window_of=window_of, cursor=cursor, sync_files=msg.sync_files, overwrite=True
+        )
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -235,13 +279,17 @@ def _mesh_key(spec: MeshSpec) -> tuple[Any, ...]:
     return (spec.shape, spec.ranks, spec.dim_names or ())
 
 
-def _pump(fd_in: int, inbox: queue.Queue[Any]) -> None:
-    """Move requests from the pipe to the inbox; exit the process if the training process is gone."""
+def _pump(fd_in: int, inbox: queue.Queue[Any], board: Any) -> None:
+    """Move requests from the pipe to the inbox (window announcements straight to the board: a
+    save may be waiting for one); exit the process if the training process is gone."""
     while True:
         try:
             msg = read_message(fd_in)
         except (PipeClosed, OSError, pickle.UnpicklingError):
             os._exit(EXIT_PARENT_GONE)
+        if isinstance(msg, Window):
+            board.staged(msg.set_id, msg.epoch, msg.index, msg.error)
+            continue
         inbox.put(msg)
         if isinstance(msg, Shutdown):
             return
@@ -264,8 +312,11 @@ def main(argv: list[str]) -> None:
         os._exit(EXIT_PARENT_GONE)
     if not isinstance(init, Init):
         os._exit(EXIT_PROTOCOL)
+    from ._pinned_windows import WindowBoard
+
     inbox: queue.Queue[Any] = queue.Queue()
-    threading.Thread(target=_pump, args=(fd_in, inbox), name="pinned-writer-pump", daemon=True).start()
+    board = WindowBoard()
+    threading.Thread(target=_pump, args=(fd_in, inbox, board), name="pinned-writer-pump", daemon=True).start()
     try:
         writer = _Writer(init)
     except BaseException as err:
@@ -274,6 +325,7 @@ def main(argv: list[str]) -> None:
             send(StartFailed(f"{tb} (rank {init.rank} of {init.world_size})"))
         finally:
             os._exit(EXIT_START_FAILED)
+    writer.board, writer.send = board, send
     try:
         send(Ready(os.getpid(), time.perf_counter() - t0))
         while True:

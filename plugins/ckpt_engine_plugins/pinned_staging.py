@@ -22,6 +22,13 @@ one is still being written (the plugin declares ``max_saves_in_flight = 2`` and 
 then waits only for the save before last). A set is never re-staged while a write that reads
 it is pending: staging waits for it.
 
+**Budget** (``max_host_bytes``). Each buffer set holds at most ``max_host_bytes / buffers``
+bytes. A larger state is staged in *windows* of the same set (see ``_pinned_windows``): the
+first is copied in ``stage``, the rest by the last ``write`` as the writer drains each previous
+window, so ``save()`` returns once the last window is staged. A tensor is never split: one
+larger than the share gets a window of its own and the set grows to hold it. ``overlap`` is
+refused with a budget. Without a budget, or for a state that fits, nothing changes.
+
 **write** (every rank, per component). Queues a request for the writer and returns a future.
 The writer (``_pinned_writer``) is a plain ``python -m`` subprocess, started when the plugin
 is created (at engine construction, so the first save does not wait for it). It never imports
@@ -61,6 +68,7 @@ import dataclasses
 import io
 import itertools
 import logging
+import math
 import os
 import pickle
 import threading
@@ -72,12 +80,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch.distributed.tensor import DTensor
 
 from ckpt_engine import CkptEngineError, SaveContext, StagedState, WriteContext, WriteResult, hookimpl
 
-from ._pinned_buffers import HostSlab, default_shm_dir, plan_layout, sweep_stale_files
+from ._pinned_buffers import HostSlab, default_shm_dir, sweep_stale_files
 from ._pinned_copy import (
     Snapshot,
     SnapshotChangedError,
@@ -88,8 +96,9 @@ from ._pinned_copy import (
     owners_of,
     tensor_names,
 )
-from ._pinned_ipc import Alloc, Free, Init, MeshSpec, Save, SkeletonUnpickler
+from ._pinned_ipc import Alloc, Drained, Free, Init, MeshSpec, Save, SkeletonUnpickler, Window
 from ._pinned_process import Pending, PinnedWriterError, WriterProcess
+from ._pinned_windows import WindowPump, plan_windows
 
 __all__ = ["BufferSetInfo", "PinnedStagingPlugin", "PinnedWriterError", "SnapshotChangedError"]
 
@@ -110,6 +119,8 @@ class BufferSetInfo:
     data_ptr: int
     pinned: bool
     busy: bool
+    #: Windows a save is staged in (``max_host_bytes``); 1: the whole state at once.
+    windows: int = 1
 
 
 @dataclass(eq=False)
@@ -117,9 +128,19 @@ class _BufferSet:
     slab: HostSlab
     signature: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     generation: int
+    #: Each slot's window (``max_host_bytes``); all 0: the whole state at once.
+    windows: tuple[int, ...] = ()
+    #: Saves staged into this set so far (a windowed save's epoch).
+    epoch: int = 0
+    #: The windowed save now being handed over, if any.
+    pump: WindowPump | None = None
     #: Writes that read the set, and an ``overlap`` copy still writing into it.
     futures: list[Future[Any]] = field(default_factory=list)
     last_used: float = 0.0
+
+    @property
+    def windowed(self) -> bool:
+        return bool(self.windows) and max(self.windows) > 0
 
     @property
     def busy(self) -> bool:
@@ -134,12 +155,17 @@ class _Staged:
     meshes: tuple[MeshSpec, ...]
     tree: dict[str, Any]
     snapshot: Snapshot | None = None
+    #: ``max_host_bytes``: the window hand-over, its epoch and the components in write order.
+    pump: WindowPump | None = None
+    epoch: int | None = None
+    order: tuple[str, ...] = ()
 
 
 class _Collector:
     """Assigns staging slots to the tensors met while pickling a skeleton."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, share_across_components: bool = True) -> None:
+        self.share_across_components = share_across_components
         self.sources: list[torch.Tensor] = []
         self.meshes: list[MeshSpec] = []
         self._slots: dict[int, int] = {}
@@ -159,6 +185,12 @@ class _Collector:
             self.sources.append(local)
             self._keep.append(obj)
         return slot
+
+    def next_component(self) -> None:
+        """A windowed save writes components one after another: a tensor two components share
+        gets a slot in each, so neither reads a window the other's writes have moved past."""
+        if not self.share_across_components:
+            self._slots = {}
 
     @property
     def objects(self) -> list[torch.Tensor]:
@@ -257,6 +289,22 @@ class PinnedStagingPlugin:
             "optimizer.step() waits for the copy, and a tensor changed in place before it was copied fails "
             "that save with SnapshotChangedError.",
         )
+        max_host_bytes: int | None = Field(
+            default=None,
+            gt=0,
+            description="Staging memory budget in bytes for all buffer sets together (each gets "
+            "max_host_bytes / buffers). A larger state is staged in windows that fit, reusing the same "
+            "buffers: save() then returns after the last window is staged. Default: no limit.",
+        )
+
+        @model_validator(mode="after")
+        def _overlap_or_budget(self) -> PinnedStagingPlugin.Options:
+            if self.overlap and self.max_host_bytes is not None:
+                raise ValueError(
+                    "overlap: true and max_host_bytes cannot be combined: a state staged in windows is copied "
+                    "while save() waits for the writer, so there is no copy left to overlap; drop one of them"
+                )
+            return self
 
     def __init__(self, options: Options | None = None) -> None:
         self.options = options if options is not None else self.Options()
@@ -332,6 +380,7 @@ class PinnedStagingPlugin:
                     data_ptr=s.slab.data_ptr,
                     pinned=s.slab.pinned,
                     busy=s.busy,
+                    windows=(max(s.windows) + 1) if s.windows else 1,
                 )
                 for s in self._sets
             )
@@ -357,6 +406,7 @@ class PinnedStagingPlugin:
             on_lost=self._on_writer_lost,
             on_mapped=self._on_mapped,
             on_failed_write=self._on_failed_write,
+            on_drained=self._on_drained,
         )
         logger.debug(
             "rank %d: started pinned_staging writer pid %d (generation %d)", self._rank, writer.pid, generation
@@ -400,6 +450,13 @@ class PinnedStagingPlugin:
         if error is not None:
             logger.error("rank %d: %s", self._rank, error)
 
+    def _on_drained(self, msg: Drained) -> None:
+        with self._lock:
+            pumps = [s.pump for s in self._sets if s.slab.set_id == msg.set_id and s.pump is not None]
+        for pump in pumps:
+            if pump.epoch == msg.epoch:
+                pump.drained(msg.index)
+
     # -- stage ----------------------------------------------------------------------------
 
     @hookimpl
@@ -410,9 +467,10 @@ class PinnedStagingPlugin:
                 f"{ctx.rank} of {ctx.world_size}; create the engine after init_process_group"
             )
         writer = self._live_writer()
-        collector = _Collector()
+        collector = _Collector(share_across_components=self.options.max_host_bytes is None)
         skeletons: dict[str, bytes] = {}
         for name, sd in state.items():
+            collector.next_component()
             buf = io.BytesIO()
             try:
                 _SkeletonPickler(buf, collector).dump(sd)
@@ -425,16 +483,25 @@ class PinnedStagingPlugin:
                 ) from err
             skeletons[name] = buf.getvalue()
         self._settle_snapshots()  # an earlier overlap copy: complete and confirmed before its buffers are reused
+        self._abandon_pumps()  # a windowed save whose writes were never all requested
         buffers = self._acquire(collector.signature(), writer)
         views = buffers.slab.views
-        snapshot = self._copy(ctx, state, collector, buffers)
+        pump: WindowPump | None = None
+        snapshot: Snapshot | None = None
+        if buffers.windowed:
+            pump = self._stage_windowed(collector, buffers, writer)
+        else:
+            snapshot = self._copy(ctx, state, collector, buffers)
         trees: dict[str, dict[str, Any]] = {}
         meshes = tuple(collector.meshes)
         staged: dict[str, _Staged] = {}
+        order = tuple(skeletons)
         for name, skeleton in skeletons.items():
+            # With windows, the views show whichever window the set holds now: only the writer reads them.
             tree = SkeletonUnpickler(skeleton, lambda pid: views[pid[1]]).load()
             trees[name] = tree
-            staged[name] = _Staged(buffers, skeleton, meshes, tree, snapshot)
+            epoch = buffers.epoch if pump is not None else None
+            staged[name] = _Staged(buffers, skeleton, meshes, tree, snapshot, pump, epoch, order)
         with self._lock:
             self._staged = staged
         return StagedState(components=trees, is_copy=True, snapshot=snapshot)
@@ -465,6 +532,35 @@ class PinnedStagingPlugin:
             buffers.futures.append(snapshot.settled)
             self._snapshots.append(snapshot)
         return snapshot
+
+    def _stage_windowed(self, collector: _Collector, buffers: _BufferSet, writer: WriterProcess) -> WindowPump:
+        """Copy window 0 now; the last ``write`` stages the rest as the writer drains them."""
+        views, sources, windows = buffers.slab.views, collector.sources, buffers.windows
+        by_window: dict[int, list[int]] = {}
+        for i, w in enumerate(windows):
+            by_window.setdefault(w, []).append(i)
+        set_id = buffers.slab.set_id
+        buffers.epoch += 1
+        epoch = buffers.epoch
+
+        def copy_window(index: int) -> None:
+            slots = by_window.get(index, [])
+            copy_now([views[i] for i in slots], [sources[i] for i in slots], self._streams)
+
+        def announce(index: int, error: str | None) -> None:
+            writer.send(Window(set_id, epoch, index, error))
+
+        pump = WindowPump(set_id, epoch, windows, copy_window, announce, self.options.write_timeout_s + 60.0)
+        with self._lock:
+            buffers.pump = pump
+        pump.stage_first()
+        return pump
+
+    def _abandon_pumps(self) -> None:
+        with self._lock:
+            pumps = [s.pump for s in self._sets if s.pump is not None and not s.pump.ran]
+        for pump in pumps:
+            pump.fail("the save was abandoned before all of its components were written")
 
     def _settle_snapshots(self, timeout: float | None = None) -> None:
         """Complete and confirm earlier overlap copies (on the training thread); their saves
@@ -506,16 +602,36 @@ class PinnedStagingPlugin:
                     f"{self.options.write_timeout_s + 60.0:g}s; cannot stage without overwriting it"
                 )
 
+    def _window_capacity(self, signature: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> int | None:
+        """Bytes one buffer set may hold (``max_host_bytes / buffers``); ``None``: no limit."""
+        budget = self.options.max_host_bytes
+        if budget is None:
+            return None
+        capacity = budget // self.options.buffers
+        largest = max((math.prod(shape) * dtype.itemsize for shape, dtype in signature), default=0)
+        if largest > capacity:
+            logger.warning(
+                "rank %d: a tensor of %.1f MiB is larger than the staging budget of %.1f MiB per buffer set "
+                "(max_host_bytes=%d, buffers=%d); it is staged in a window of its own and the buffer set grows "
+                "to hold it",
+                self._rank,
+                largest / 2**20,
+                capacity / 2**20,
+                budget,
+                self.options.buffers,
+            )
+        return capacity
+
     def _allocate(
         self, signature: tuple[tuple[tuple[int, ...], torch.dtype], ...], writer: WriterProcess
     ) -> _BufferSet:
-        slots, nbytes = plan_layout(signature)
+        slots, nbytes, windows = plan_windows(signature, self._window_capacity(signature))
         set_id = next(self._set_ids)
         slab = HostSlab(set_id, self._shm_dir, slots, nbytes, self._pin)
-        buffers = _BufferSet(slab, signature, writer.generation, last_used=time.monotonic())
+        buffers = _BufferSet(slab, signature, writer.generation, windows=windows, last_used=time.monotonic())
         self._sets.append(buffers)
         try:
-            writer.send(Alloc(set_id=set_id, path=slab.path or "", nbytes=nbytes, slots=slots))
+            writer.send(Alloc(set_id=set_id, path=slab.path or "", nbytes=nbytes, slots=slots, windows=windows))
         except PinnedWriterError:
             self._sets.remove(buffers)
             slab.release()
@@ -570,14 +686,58 @@ class PinnedStagingPlugin:
             planner=ctx.planner,
             thread_count=self.options.thread_count or ctx.thread_count,
             sync_files=ctx.sync_files,
+            epoch=staged.epoch,
         )
         with self._lock:
             staged.buffers.futures.append(future)  # busy until the writer has read it
-        if staged.snapshot is None:
+        if staged.pump is not None:
+            self._write_windowed(ctx, staged, writer, message, future)
+        elif staged.snapshot is None:
             self._send(writer, message, future)
         else:  # hand over only a complete, confirmed snapshot
             staged.snapshot.when_settled(lambda error: self._hand_over(writer, message, future, error))
         return future
+
+    def _write_windowed(
+        self, ctx: WriteContext, staged: _Staged, writer: WriterProcess, message: Save, future: Future[WriteResult]
+    ) -> None:
+        """Send one component of a windowed save; after the last one, stage the remaining
+        windows as the writer drains them (``save()`` returns once the last is staged)."""
+        pump = staged.pump
+        assert pump is not None
+        done = len(pump.components)
+        expected = staged.order[done] if done < len(staged.order) else None
+        if ctx.component != expected:
+            pump.fail(f"component {ctx.component!r} written out of order")
+            future.set_exception(CkptEngineError("pinned_staging: windowed save written out of order"))
+            raise CkptEngineError(
+                f"pinned_staging (max_host_bytes): component {ctx.component!r} was written out of the order it was "
+                f"staged in ({', '.join(staged.order)}); a save staged in windows must be written in that order"
+            )
+        pump.components.append(ctx.component)
+        pump.watch(future)
+        try:
+            self._send(writer, message, future)
+        except BaseException:
+            pump.fail("the save request could not be sent")
+            raise
+        if ctx.component != staged.order[-1]:
+            return
+        try:
+            pump.run()
+        except BaseException as err:
+            # The writer stops reading at once; wait (bounded) so nothing still writes the folder.
+            concurrent.futures.wait(pump.futures, timeout=self.options.write_timeout_s + 60.0)
+            if isinstance(err, CkptEngineError):
+                raise
+            raise CkptEngineError(
+                f"pinned_staging (max_host_bytes): staging window {pump.staged + 1} of {pump.count} failed: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        finally:
+            with self._lock:
+                if staged.buffers.pump is pump:
+                    staged.buffers.pump = None
 
     def _send(self, writer: WriterProcess, message: Save, future: Future[WriteResult]) -> None:
         try:
