@@ -142,6 +142,7 @@ def test_default_settings_kill_in_the_middle_and_leave_a_checkpoint_to_resume() 
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("CKPT_ENGINE_SLOW_TESTS"), reason="about 45 s on 2 CPU cores: set CKPT_ENGINE_SLOW_TESTS=1"
 )

@@ -97,6 +97,7 @@ def test_verify_never_raises_for_a_damaged_metadata(tmp_path: Path, save_dir: st
     assert verify_checkpoint(str(ckpt), "checksums").verified
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not THOROUGH, reason="exhaustive: set CKPT_ENGINE_FUZZ=thorough")
 def test_every_bit_flip_of_a_model_and_optimizer_metadata(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
