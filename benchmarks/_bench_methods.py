@@ -388,6 +388,8 @@ class DcpAsyncProcess(DcpAsync):
 def _engine(ctx: Ctx, save_dir: str, **config: Any) -> Any:
     from ckpt_engine import CheckpointEngine, EngineConfig
 
+    # Rounds save the same iteration into one folder on purpose: replacing it is the measured path.
+    config.setdefault("allow_overwrite", True)
     return CheckpointEngine(EngineConfig(save_dir=save_dir, **config))
 
 

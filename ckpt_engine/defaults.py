@@ -13,7 +13,7 @@ from typing import Any
 
 from ._dcpio.fast_save import plan_cache, save_state_dict
 from ._dcpio.fast_write import FastFileSystemWriter
-from ._engine.dist import quiet_dcp
+from ._dist import quiet_dcp
 from ._markers import hookimpl
 from .types import SaveContext, StagedState, WriteContext, WriteResult
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .._engine.dist import quiet_dcp
+from .._dist import quiet_dcp
 from ..config import EngineConfig, PluginEntry
 from ..errors import CheckpointLoadError, CkptEngineError, ConfigError, first_failure
 from ..pipeline import Pipeline

@@ -3,37 +3,28 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .. import errors
-from .._dcpio.fast_read import FastFileSystemReader
+from .. import _dist
 from .._dcpio.fast_save import drop_plan_caches
-from .._dcpio.object_read import ObjectStoreReader
-from .._dcpio.planner import EngineLoadPlanner, EngineSavePlanner, flat_keys
-from .._dcpio.unsafe import refine_unsafe
+from .._dcpio.planner import EngineSavePlanner, flat_keys
 from .._format.digests import remove_parts, written_entries
 from .._format.layout import (
-    CheckedCheckpoint,
     SaveDirLock,
     check_complete,
     cleanup_leftovers,
@@ -46,43 +37,29 @@ from .._format.layout import (
 from .._format.manifest import (
     DEFAULT_ALGORITHM,
     FileEntry,
-    check_against_manifest,
     list_files,
-    lookup_manifest,
-    metadata_checker,
     new_manifest,
     owner_rank,
     referenced_files,
-    shard_files,
     write_manifest,
 )
-from .._format.names import LATEST_FILE, MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, parse_iteration, partial_dirname
-from .._format.not_checkpoint import resolve_save_folder
-from .._format.pointer import list_checkpoints, read_latest
-from .._format.read_lock import ReadLock
+from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, partial_dirname
 from .._format.retention import apply_retention
 from .._storage.paths import check_local_save_dir
 from .._storage.store import FsspecStore, Store, open_store
 from ..config import EngineConfig
 from ..errors import (
     CheckpointExistsError,
-    CheckpointLoadError,
-    CheckpointNotFoundError,
     CheckpointSaveError,
     CkptEngineError,
-    ConfigError,
     IncompleteCheckpointError,
-    IntegrityError,
     InvalidArgumentError,
     SaveDirLockedError,
     StorageError,
-    first_failure,
 )
 from ..pipeline import Pipeline
 from ..plugin_manager import build_plugin_manager
-from ..report import ComponentReport, LoadReport, SkipRecord
 from ..types import (
-    STANDARD_COMPONENTS,
     LoadResult,
     PendingSnapshot,
     RemapContext,
@@ -91,31 +68,18 @@ from ..types import (
     WriteContext,
     WriteResult,
 )
-from . import dist as _dist
-from .hf_load import is_safetensors_path, load_safetensors
-from .load_guard import check_manifest_iteration, missing_for_resume, require_verifiable
+from .consensus import agree, unwrap
+from .loader import Loader
 from .preemption import PreemptionSaver
 from .resave import advance_latest, refuse_resave
-from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes, with_rng
-from .state import TrainingObjects, apply_component, component_state_dict
+from .rng import with_rng
+from .state import TrainingObjects, component_state_dict
 
 __all__ = ["CheckpointEngine", "SaveHandle"]
 
 logger = logging.getLogger("ckpt_engine")
 
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class _Validated:
-    """A checkpoint that passed the pre-load checks."""
-
-    checked: CheckedCheckpoint
-    verified: bool
-    reason: str | None
-    store: Store
-    #: Held until the load has read everything (retention skips a folder being read).
-    lock: ReadLock | None = None
 
 
 @dataclass
@@ -203,24 +167,6 @@ class SaveHandle:
         return f"SaveHandle(iteration={self.iteration}, path={self.path!r}, {state})"
 
 
-def components_by_rule(config: EngineConfig, extra: Iterable[str], rule: str) -> list[str]:
-    """The components :meth:`CheckpointEngine.load` reads by ``rule`` (DESIGN section 4), before
-    ``keys_not_to_resume`` and what the caller passed: every one for ``latest``; for
-    ``load_path`` ``model`` only, ``model`` + ``scheduler`` with ``only_load_scheduler_state``,
-    every one with ``load_training_state``."""
-    if rule == "latest" or config.load_training_state:
-        return [*STANDARD_COMPONENTS, *extra]
-    if config.only_load_scheduler_state:
-        return ["model", "scheduler"]
-    return ["model"]
-
-
-def _unwrap(exc: BaseException) -> tuple[BaseException, list[int]]:
-    """:func:`~ckpt_engine.errors.first_failure`; an error raised outside DCP is this rank's."""
-    err, ranks = first_failure(exc)
-    return err, ranks or [_dist.rank()]
-
-
 class CheckpointEngine:
     """Saves and restores model, optimizer, scheduler, grad scaler, iteration and extra state.
 
@@ -267,6 +213,7 @@ class CheckpointEngine:
         #: same folder gets SaveDirLockedError instead of interleaving checkpoints. (An object
         #: store has no lock: the local staging folder is what is locked there.)
         self._save_lock = SaveDirLock(self._staging_root)
+        self._loader = Loader(self.config, self.pipeline, self.save_dir, self._local_dir)
         self._remove_leftovers_at_start()
 
     def _remove_leftovers_at_start(self) -> None:
@@ -407,7 +354,7 @@ class CheckpointEngine:
                     out = out.result()  # the live state: must be written before save() returns
                 outcomes.append(out)
         except (Exception, CheckpointException) as exc:
-            cause, ranks = _unwrap(exc)
+            cause, ranks = unwrap(exc)
             raise self._fail_sync(paths, components, cause, ranks, clock) from cause
 
         clock.blocked = time.perf_counter() - t0
@@ -464,7 +411,6 @@ class CheckpointEngine:
         clock: _Clock,
     ) -> tuple[Any, dict[str, dict[str, str]]]:
         """Build state dicts, run ``remap_keys`` and ``stage``; every rank agrees on success."""
-        error: str | None = None
         staged: Any = None
         key_maps: dict[str, dict[str, str]] = {}
         try:
@@ -514,18 +460,17 @@ class CheckpointEngine:
         except Exception as exc:
             if world == 1:
                 raise
-            error = f"{type(exc).__name__}: {exc}"
             local_err: Exception | None = exc
         else:
             local_err = None
         # Consensus (also the barrier after rank 0 cleared the partial folder): a failure on
         # one rank fails the save on all ranks before anyone enters DCP's collectives.
-        errors = _dist.all_gather_object(error)
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            r, e = failed[0]
+        failed = agree(local_err, fallback=CheckpointSaveError).first
+        if failed is not None:
             # The same message on every rank; the failing rank keeps its traceback as the cause.
-            raise CheckpointSaveError(f"rank {r} failed while preparing the save: {e}") from local_err
+            raise CheckpointSaveError(
+                f"rank {failed.rank} failed while preparing the save: {failed.text}"
+            ) from local_err
         return staged, key_maps
 
     def _resave_targets(self, paths: _SavePaths) -> list[tuple[str, Store]]:
@@ -608,7 +553,7 @@ class CheckpointEngine:
             results = [self.pipeline.check_write_result(o.result() if isinstance(o, Future) else o) for o in outcomes]
             phase.nbytes = sum(r.bytes_written for r in results)
         except (Exception, CheckpointException) as exc:
-            phase.error = _unwrap(exc)[0]
+            phase.error = unwrap(exc)[0]
             # The other components' writes may still be running: let them end before the failed
             # save's folder is removed (bounded by the write provider's own timeout).
             concurrent.futures.wait([o for o in outcomes if isinstance(o, Future)])
@@ -629,15 +574,12 @@ class CheckpointEngine:
                 except Exception as err:
                     phase.error = err
             if collective and world > 1:
-                local = None if phase.error is None else f"{type(phase.error).__name__}: {phase.error}"
-                gathered = _dist.all_gather_object((local, entries))
-                if phase.error is None:
-                    failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
-                    if failed:
-                        phase.error = CheckpointSaveError(
-                            f"rank {failed[0][0]} failed to write its files: {failed[0][1]}"
-                        )
-                entries = {rel: entry for _, part in gathered for rel, entry in part.items()}
+                wrote = agree(phase.error, entries, fallback=CheckpointSaveError)
+                if phase.error is None and wrote.first is not None:
+                    phase.error = CheckpointSaveError(
+                        f"rank {wrote.first.rank} failed to write its files: {wrote.first.text}"
+                    )
+                entries = {rel: entry for part in wrote.payloads for rel, entry in part.items()}
             elif direct and world > 1:
                 try:
                     entries = self._exchange_parts(paths, entries, phase.error)
@@ -664,13 +606,9 @@ class CheckpointEngine:
                 phase.error = err
         if collective and world > 1:
             # Doubles as the barrier that keeps ranks from running ahead of the commit.
-            errors = _dist.all_gather_object(
-                None if phase.error is None else f"{type(phase.error).__name__}: {phase.error}"
-            )
-            if phase.error is None:
-                failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-                if failed:
-                    phase.error = CheckpointSaveError(f"rank {failed[0][0]} failed to commit: {failed[0][1]}")
+            committed = agree(phase.error, fallback=CheckpointSaveError).first
+            if phase.error is None and committed is not None:
+                phase.error = CheckpointSaveError(f"rank {committed.rank} failed to commit: {committed.text}")
         return phase
 
     def _result(
@@ -994,367 +932,4 @@ class CheckpointEngine:
         self.wait()  # never read a checkpoint that is still being committed
         extra = with_rng(extra, self.config.rng)
         objs = TrainingObjects.from_args(model, optimizer, scheduler, grad_scaler, extra)
-        self._check_keys_not_to_resume(objs)
-        cfg = self.config
-        load_dir = cfg.resolved_load_dir
-        store = open_store(load_dir, cfg.storage)
-        wanted_all = components_by_rule(cfg, objs.extra, "latest")
-        latest_file = store.join(load_dir, LATEST_FILE)
-        try:
-            latest = self._agreed(lambda: read_latest(load_dir, store))
-        except CkptEngineError as err:
-            if not cfg.fallback_to_last_complete:
-                raise
-            return self._load_fallback(objs, load_dir, store, latest_file, err, wanted_all)
-        if self._local_dir is not None and load_dir == self.save_dir:
-            local = self._local_copy(latest)
-            if local is not None:
-                return self._load_checkpoint(objs, local.checked.path, wanted_all, "latest", local)
-        if latest is not None:
-            path = store.join(load_dir, latest)
-            try:
-                validated = self._validate(
-                    path,
-                    store,
-                    missing_hint=f"{latest_file} names {latest!r}, but {path} does not exist; restore it, or "
-                    "point latest_checkpoint.txt at an existing checkpoint (or set fallback_to_last_complete)",
-                )
-            except CkptEngineError as err:
-                if not cfg.fallback_to_last_complete:
-                    raise
-                return self._load_fallback(objs, load_dir, store, path, err, wanted_all)
-            return self._load_checkpoint(objs, path, wanted_all, "latest", validated)
-        if cfg.load_path:
-            lp = cfg.load_path
-            lp_store = open_store(lp, cfg.storage)
-            if lp.endswith(".pth"):
-                return self._load_pth(objs, lp, lp_store)
-            if is_safetensors_path(lp):
-                return load_safetensors(self, objs, lp)
-            if not self._agreed(lambda: lp_store.isdir(lp)):
-                raise CheckpointNotFoundError(
-                    f"load_path {lp!r} does not exist or is not a checkpoint folder (nor a .pth file); "
-                    "fix load_path, or unset it to start from scratch"
-                )
-            lp = self._agreed(lambda: resolve_save_folder(cfg.load_path or "", lp_store)) or lp  # its latest
-            wanted = components_by_rule(cfg, objs.extra, "load_path")
-            return self._load_checkpoint(objs, lp, wanted, "load_path", self._validate(lp, lp_store))
-        if _dist.rank() == 0:
-            logger.info("no checkpoint in %s and no load_path: starting from scratch", load_dir)
-        return LoadResult(iteration=0, checkpoint_path=None, report=LoadReport(), source="scratch")
-
-    def _check_keys_not_to_resume(self, objs: TrainingObjects) -> None:
-        known = {*STANDARD_COMPONENTS, *objs.extra}
-        unknown = [k for k in self.config.keys_not_to_resume if k not in known]
-        if unknown:
-            raise ConfigError(
-                f"keys_not_to_resume names {unknown}, which are not components of this load; components: "
-                f"{', '.join(sorted(known))}. Fix the name, or pass the extra= component it refers to"
-            )
-
-    # -- load: validation and fallback -------------------------------------------------------
-
-    def _agreed(self, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` on every rank; if it raises on any rank, raise on every rank (the error of
-        the lowest failing rank), so that no rank walks into a collective the others skip."""
-        local: CkptEngineError | None = None
-        value: Any = None
-        try:
-            value = fn()
-        except CkptEngineError as err:
-            local = err
-        except Exception as err:
-            local = CheckpointLoadError(f"{type(err).__name__}: {err}")
-            local.__cause__ = err
-        if _dist.world_size() > 1:
-            gathered = _dist.all_gather_object(None if local is None else (type(local).__name__, str(local)))
-            failed = [(r, g) for r, g in enumerate(gathered) if g is not None]
-            if failed and local is None:
-                r, (name, message) = failed[0]
-                found = getattr(errors, name, None)
-                cls: type[CkptEngineError] = CheckpointLoadError
-                # LoadStrictnessError needs more than a message to be built: it stays the default.
-                if (
-                    isinstance(found, type)
-                    and issubclass(found, CkptEngineError)
-                    and found is not errors.LoadStrictnessError
-                ):
-                    cls = found
-                raise cls(f"{message} (found by rank {r})")
-        if local is not None:
-            raise local
-        return value  # type: ignore[no-any-return]
-
-    def _local_copy(self, remote_latest: str | None) -> _Validated | None:
-        """Two-tier: the local copy to resume from, if its ``latest`` is complete and at least as
-        new as the object store's; ``None`` (logged) otherwise."""
-        assert self._local_dir is not None
-        local_dir = self._local_dir
-        try:
-            name = self._agreed(lambda: read_latest(local_dir))
-        except CkptEngineError as err:
-            logger.warning("ignoring the local copy in %s: %s", local_dir, err)
-            return None
-        if name is None:
-            return None
-        local_iter, remote_iter = parse_iteration(name), parse_iteration(remote_latest or "")
-        if local_iter is None or (remote_iter is not None and local_iter < remote_iter):
-            return None
-        try:
-            validated = self._validate(os.path.join(local_dir, name), open_store(local_dir))
-        except CkptEngineError as err:
-            if _dist.rank() == 0:
-                logger.warning("the local copy %s cannot be resumed (%s); using %s", name, err, self.save_dir)
-            return None
-        if _dist.rank() == 0:
-            logger.info(
-                "resuming from the local copy %s (the object store's latest: %s)", validated.checked.path, remote_latest
-            )
-        return validated
-
-    def _validate(self, path: str, store: Store, missing_hint: str | None = None) -> _Validated:
-        """Everything checked before any tensor is read, agreed by every rank: the folder exists,
-        the checkpoint is complete (DESIGN section 2) and, per ``verify``, its files match the
-        manifest (checksums split among ranks)."""
-        level = self.config.verify
-        rank, world = _dist.rank(), _dist.world_size()
-
-        def check() -> _Validated:
-            lock = ReadLock.acquire(path, local=not store.is_object_store)
-            try:
-                return dataclasses.replace(checks(), lock=lock)
-            except BaseException:
-                if lock is not None:
-                    lock.release()
-                raise
-
-        def checks() -> _Validated:
-            if not store.isdir(path):
-                raise CheckpointNotFoundError(missing_hint or f"checkpoint folder {path} does not exist")
-            lookup = lookup_manifest(path, store) if level != "off" or store.is_object_store else None
-            if store.is_object_store and (lookup is None or lookup.manifest is None):
-                raise IncompleteCheckpointError(
-                    f"{path} has no {MANIFEST_FILE}, its completion marker: on an object store the marker is "
-                    "written last, so this is an interrupted save (or a checkpoint written by another tool; copy "
-                    "that to a local folder to load it)"
-                )
-            manifest = lookup.manifest if lookup is not None and level != "off" else None
-            checked = check_complete(path, store, metadata_checker(path, manifest, store) if manifest else None)
-            if level == "off" or lookup is None:
-                return _Validated(checked, False, "verify='off'", store)
-            if lookup.manifest is None:
-                require_verifiable(path, level, False, lookup.reason, self.config.allow_unverified)
-                return _Validated(checked, False, lookup.reason, store)
-            check_manifest_iteration(path, lookup.manifest)
-            share = shard_files(lookup.manifest.files, world)[rank] if level == "checksums" else None
-            found = check_against_manifest(
-                path,
-                lookup.manifest,
-                level,
-                referenced=referenced_files(checked),
-                checksum_only=share,
-                store=store,
-                listing=checked.listing,
-            )
-            if found.problems:
-                shown = found.problems[:20]
-                more = f"\n  ... and {len(found.problems) - 20} more" if len(found.problems) > 20 else ""
-                raise IntegrityError(
-                    f"checkpoint {path} does not match its manifest ({len(found.problems)} problem(s); nothing "
-                    "was loaded):\n  " + "\n  ".join(shown) + more
-                )
-            require_verifiable(path, level, found.complete_check, found.reason, self.config.allow_unverified)
-            return _Validated(checked, found.complete_check, found.reason, store)
-
-        return self._agreed(check)
-
-    def _load_fallback(
-        self,
-        objs: TrainingObjects,
-        load_dir: str,
-        store: Store,
-        bad: str,
-        err: CkptEngineError,
-        wanted: list[str],
-    ) -> LoadResult:
-        """``fallback_to_last_complete``: the newest checkpoint that passes :meth:`_validate`."""
-
-        def same(a: str, b: str) -> bool:
-            return a.rstrip("/") == b.rstrip("/") if store.is_object_store else os.path.abspath(a) == os.path.abspath(b)
-
-        candidates: list[str] = _dist.broadcast_object(
-            [p for _, p in reversed(list_checkpoints(load_dir, store)) if not same(p, bad)]
-        )
-        tried = []
-        for path in candidates:
-            try:
-                validated = self._validate(path, store)
-            except CkptEngineError as cand_err:
-                tried.append(f"{os.path.basename(path)}: {type(cand_err).__name__}")
-                continue
-            if _dist.rank() == 0:
-                logger.warning(
-                    "%s cannot be loaded (%s: %s); fell back to %s, the newest checkpoint that passes the "
-                    "checks (fallback_to_last_complete=True)",
-                    bad,
-                    type(err).__name__,
-                    err,
-                    path,
-                )
-            return self._load_checkpoint(objs, path, wanted, "latest", validated, fell_back_from=bad)
-        detail = f" (refused: {'; '.join(tried)})" if tried else ""
-        raise type(err)(
-            f"{err}; fallback_to_last_complete found no other complete checkpoint in {load_dir}{detail}"
-        ) from err
-
-    def _load_checkpoint(
-        self,
-        objs: TrainingObjects,
-        path: str,
-        wanted: list[str],
-        source: Any,
-        validated: _Validated,
-        *,
-        fell_back_from: str | None = None,
-    ) -> LoadResult:
-        checked = validated.checked
-        if self.config.trust_checkpoint and _dist.rank() == 0:
-            logger.warning(
-                "trust_checkpoint=True: non-tensor values of %s are unpickled without weights_only, which runs "
-                "any code the checkpoint holds; use it only for checkpoints you trust",
-                path,
-            )
-        excluded = set(self.config.keys_not_to_resume)
-        available = set(objs.available())
-        names = [n for n in wanted if n not in excluded and n in available]
-        reports: dict[str, ComponentReport] = {}
-        iteration = 0
-        for name in names:
-            if name not in checked.components:
-                if source == "latest":  # rule 1 resumes everything: a gap would restart or mix iterations
-                    raise IncompleteCheckpointError(missing_for_resume(path, name, tuple(checked.components)))
-                if name == "trainer" and objs.grad_scaler is None:
-                    continue  # nothing to restore but the iteration: 0
-                if self.config.strict:
-                    raise IncompleteCheckpointError(
-                        f"checkpoint {path} has no component {name!r} (it has: {', '.join(checked.components)}); "
-                        f"add {name!r} to keys_not_to_resume, don't pass it, or set strict=False"
-                    )
-                logger.warning("checkpoint %s has no component %r; not loaded", path, name)
-                continue
-            if name == RNG_COMPONENT:
-                check_saved_world_size(checked.components[name], path, _dist.world_size())
-            sd = component_state_dict(objs, name, 0)
-            planner = self._load_component(
-                name, validated.store.join(path, name), sd, checked.components[name], objs, validated.store
-            )
-            assert planner.report is not None
-            reports[name] = planner.report
-            apply_component(objs, name, sd, planner.untouched_roots)
-            if name == "trainer":
-                iteration = int(sd.get("iteration", 0))
-        report = LoadReport(reports)
-        if validated.lock is not None:
-            validated.lock.release()  # everything is read
-        if _dist.rank() == 0:
-            how = f"verified: {self.config.verify}" if validated.verified else f"unverified: {validated.reason}"
-            logger.info("loaded %s (iteration %d, %s)\n%s", path, iteration, how, report.summary())
-        return LoadResult(
-            iteration=iteration,
-            checkpoint_path=path,
-            report=report,
-            source=source,
-            components=tuple(reports),
-            verified=validated.verified,
-            fell_back_from=fell_back_from,
-        )
-
-    def _load_component(
-        self,
-        name: str,
-        component_dir: str,
-        sd: dict[str, Any],
-        metadata: Any,
-        objs: TrainingObjects,
-        store: Store,
-    ) -> EngineLoadPlanner:
-        planner = EngineLoadPlanner(
-            component=name,
-            checkpoint_dir=component_dir,
-            pipeline=self.pipeline,
-            strict=self.config.strict,
-            strict_unexpected=self.config.strict_unexpected,
-            trust_checkpoint=self.config.trust_checkpoint,
-            ignore_unexpected_prefixes=("grad_scaler.",)
-            if name == "trainer" and objs.grad_scaler is None
-            else other_rank_prefixes(_dist.rank(), _dist.world_size())
-            if name == RNG_COMPONENT
-            else (),
-            rank=_dist.rank(),
-            world_size=_dist.world_size(),
-        )
-        try:
-            with _dist.quiet_dcp():
-                reader: Any = (
-                    ObjectStoreReader(component_dir, store, metadata)
-                    if isinstance(store, FsspecStore)
-                    else FastFileSystemReader(component_dir, metadata)
-                )
-                dcp.load(sd, storage_reader=reader, planner=planner)
-        except (Exception, CheckpointException) as exc:
-            err, ranks = _unwrap(exc)
-            if isinstance(err, CkptEngineError):
-                raise refine_unsafe(err, f"component {name!r} in {component_dir}") from None
-            where = f" (failed on rank(s) {ranks})" if _dist.world_size() > 1 else ""
-            raise CheckpointLoadError(
-                f"loading component {name!r} from {component_dir} failed{where}: {type(err).__name__}: {err}"
-            ) from err
-        return planner
-
-    def _load_pth(self, objs: TrainingObjects, path: str, store: Store) -> LoadResult:
-        if not store.exists(path) or store.isdir(path):
-            raise CheckpointNotFoundError(f"load_path {path!r} does not exist; fix load_path or unset it")
-        if not objs.modules:
-            raise InvalidArgumentError("a .pth load_path loads a model: pass model=")
-        try:
-            source: Any = io.BytesIO(store.read_bytes(path)) if store.is_object_store else path
-            loaded = torch.load(source, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise CheckpointLoadError(
-                f"cannot load {path} as a model state dict with weights_only=True: {err}"
-            ) from err
-        if isinstance(loaded, Mapping) and "model" in loaded and isinstance(loaded["model"], Mapping):
-            loaded = loaded["model"]
-        if not isinstance(loaded, Mapping):
-            raise CheckpointLoadError(f"{path} holds a {type(loaded).__name__}, not a model state dict")
-        target = component_state_dict(objs, "model")
-        converted: dict[str, Any] = {}
-        loaded_keys, skipped = [], {}
-        for key, value in loaded.items():
-            live = target.get(key)
-            if live is None:
-                continue
-            if isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor) and value.shape != live.shape:
-                skipped[key] = SkipRecord(reason=f"shape {list(value.shape)} != target {list(live.shape)}")
-                continue
-            if isinstance(live, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                value = distribute_tensor(value.to(live.dtype), live.device_mesh, live.placements)
-            converted[key] = value
-            loaded_keys.append(key)
-        for module in objs.modules:
-            set_model_state_dict(module, converted, options=StateDictOptions(strict=False))
-        report = LoadReport(
-            {
-                "model": ComponentReport(
-                    component="model",
-                    checkpoint_dir=path,
-                    loaded=tuple(loaded_keys),
-                    missing=tuple(sorted(set(target) - set(loaded))),
-                    unexpected=tuple(sorted(set(loaded) - set(target))),
-                    skipped=skipped,
-                )
-            }
-        )
-        if _dist.rank() == 0:
-            logger.info("loaded model weights from %s (non-strict)\n%s", path, report.summary())
-        return LoadResult(iteration=0, checkpoint_path=path, report=report, source="pth", components=("model",))
+        return self._loader.load(objs)

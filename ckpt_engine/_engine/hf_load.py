@@ -15,30 +15,31 @@ from typing import TYPE_CHECKING
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .. import _dist
 from .._dcpio.hf_read import SafetensorsReader, is_safetensors_path, read_index
 from .._dcpio.planner import EngineLoadPlanner
 from ..errors import CheckpointLoadError, CkptEngineError, ConfigError, first_failure
 from ..report import LoadReport
 from ..types import LoadResult
-from . import dist as _dist
+from .consensus import agreed
 from .state import TrainingObjects, apply_component, component_state_dict
 
 if TYPE_CHECKING:
-    from .engine import CheckpointEngine
+    from .loader import Loader
 
 __all__ = ["is_safetensors_path", "load_safetensors"]
 
 logger = logging.getLogger("ckpt_engine")
 
 
-def load_safetensors(engine: CheckpointEngine, objs: TrainingObjects, path: str) -> LoadResult:
+def load_safetensors(engine: Loader, objs: TrainingObjects, path: str) -> LoadResult:
     """Resume rule for safetensors weights: ``model`` only, iteration 0, through the engine's planner."""
     if not objs.modules:
         raise ConfigError(f"load_path {path!r} holds model weights (safetensors): pass model= to load()")
     if "model" in engine.config.keys_not_to_resume:
         logger.info("load_path %s: model is in keys_not_to_resume; nothing loaded", path)
         return LoadResult(iteration=0, checkpoint_path=path, report=LoadReport(), source="safetensors")
-    index = engine._agreed(lambda: read_index(path))
+    index = agreed(lambda: read_index(path))
     cfg = engine.config
     sd = component_state_dict(objs, "model")
     planner = EngineLoadPlanner(

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
+from .. import _dist
 from ..errors import InvalidArgumentError
-from . import dist as _dist
 
 if TYPE_CHECKING:
     from .engine import CheckpointEngine, SaveHandle

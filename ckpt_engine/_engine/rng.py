@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .. import _dist
 from ..errors import CheckpointLoadError, ConfigError
-from . import dist as _dist
 
 __all__ = [
     "RNG_COMPONENT",

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from .._dcpio.planner import EngineLoadPlanner
-from .._engine.dist import quiet_dcp
-from .._engine.engine import CheckpointEngine, components_by_rule
+from .._dist import quiet_dcp
+from .._engine.loader import Loader, components_by_rule
 from .._engine.state import TrainingObjects, component_state_dict
 from .._format.layout import check_component_files
 from .._format.metadata import SafeFileSystemReader, read_metadata
@@ -28,6 +28,8 @@ from .._storage.fscheck import require_regular_file
 from .._storage.store import is_url, open_store
 from ..config import EngineConfig
 from ..errors import CheckpointLoadError, CkptEngineError, LoadStrictnessError, UsageError, first_failure
+from ..pipeline import Pipeline
+from ..plugin_manager import build_plugin_manager
 from ..report import ComponentReport, LoadReport
 from .reader import resolve
 
@@ -45,7 +47,7 @@ class NoReadReader(SafeFileSystemReader):
 
 
 def dry_run_component(
-    engine: CheckpointEngine,
+    engine: Loader,
     objs: TrainingObjects,
     name: str,
     component_dir: str,
@@ -134,11 +136,14 @@ def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
     items = 0
     if rule == "load_path":
         lines.append(f"rule: load_path, {', '.join(by_rule)} only (load_training_state loads every component)")
-    with CheckpointEngine(config) as engine:
-        plugins = ", ".join(engine.plugin_names) or "(none)"
+    loaded = build_plugin_manager(config)
+    pipeline = Pipeline(loaded)
+    engine = Loader(config, pipeline, config.save_dir, None)  # the engine's own resume logic
+    try:
+        plugins = ", ".join(loaded.order) or "(none)"
         lines.append(f"plugins (fold order): {plugins}; strict={config.strict}")
         try:  # the checks load() runs before it reads anything
-            engine._validate(target.checkpoint, open_store(target.checkpoint, config.storage))
+            engine.validate(target.checkpoint, open_store(target.checkpoint, config.storage))
         except CkptEngineError as err:
             failures.append(str(err))
             wanted = []
@@ -162,6 +167,8 @@ def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
                 report, n = dry_run_component(engine, objs, name, cdir, strict=False, strict_unexpected=False)
             reports[name] = report
             items += n
+    finally:
+        pipeline.close()
     load_report = LoadReport(reports)
     ok = not failures
     if args.json:

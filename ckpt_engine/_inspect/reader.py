@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from .._dcpio.object_read import ObjectStoreReader
 from .._dcpio.unsafe import blocked_global, refine_unsafe
-from .._engine.dist import quiet_dcp
+from .._dist import quiet_dcp
 from .._format.layout import check_component_files, component_dirs
 from .._format.metadata import SafeFileSystemReader, read_metadata
 from .._format.names import LATEST_FILE, METADATA_FILE, parse_iteration

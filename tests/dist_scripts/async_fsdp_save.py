@@ -79,12 +79,13 @@ def main() -> None:
         failure = None
     except CheckpointSaveError as err:
         failure = str(err)
+    # The failure was seen through its handle: the next save proceeds (it used to raise it again).
     try:
-        engine.save(5, model=model, optimizer=optim)  # reports save 4's failure first
+        recovered = engine.save(5, model=model, optimizer=optim)
         reported_again = False
     except CheckpointSaveError:
         reported_again = True
-    recovered = engine.save(5, model=model, optimizer=optim)
+        recovered = engine.save(6, model=model, optimizer=optim)
     after = {"params": params_full(model), "exp_avg": optim_full(model, optim, "exp_avg")}
     recovered_ok = recovered.result(timeout=90).succeeded
     engine.close()

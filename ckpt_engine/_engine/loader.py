@@ -1,0 +1,443 @@
+"""The resume side of the engine: which checkpoint a load reads (DESIGN section 4), the checks
+before anything is read, and reading each component into the training objects.
+
+:class:`Loader` owns it; :meth:`CheckpointEngine.load <ckpt_engine.CheckpointEngine.load>` builds
+the training objects and hands them over. The ``plan`` command and ``ckpt_engine.testing`` use
+the same :func:`components_by_rule`, and every check here runs through the one consensus
+primitive (:func:`~ckpt_engine._engine.consensus.agreed`), so a failure on one rank is raised on
+every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .. import _dist
+from .._dcpio.fast_read import FastFileSystemReader
+from .._dcpio.object_read import ObjectStoreReader
+from .._dcpio.planner import EngineLoadPlanner
+from .._dcpio.unsafe import refine_unsafe
+from .._format.layout import (
+    CheckedCheckpoint,
+    check_complete,
+)
+from .._format.manifest import (
+    check_against_manifest,
+    lookup_manifest,
+    metadata_checker,
+    referenced_files,
+    shard_files,
+)
+from .._format.names import LATEST_FILE, MANIFEST_FILE, parse_iteration
+from .._format.not_checkpoint import resolve_save_folder
+from .._format.pointer import list_checkpoints, read_latest
+from .._format.read_lock import ReadLock
+from .._storage.store import FsspecStore, Store, open_store
+from ..config import EngineConfig
+from ..errors import (
+    CheckpointLoadError,
+    CheckpointNotFoundError,
+    CkptEngineError,
+    ConfigError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    InvalidArgumentError,
+)
+from ..pipeline import Pipeline
+from ..report import ComponentReport, LoadReport, SkipRecord
+from ..types import (
+    STANDARD_COMPONENTS,
+    LoadResult,
+)
+from .consensus import agreed, unwrap
+from .hf_load import is_safetensors_path, load_safetensors
+from .load_guard import check_manifest_iteration, missing_for_resume, require_verifiable
+from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes
+from .state import TrainingObjects, apply_component, component_state_dict
+
+__all__ = ["Loader", "components_by_rule"]
+
+logger = logging.getLogger("ckpt_engine")
+
+
+@dataclass(frozen=True)
+class _Validated:
+    """A checkpoint that passed the pre-load checks."""
+
+    checked: CheckedCheckpoint
+    verified: bool
+    reason: str | None
+    store: Store
+    #: Held until the load has read everything (retention skips a folder being read).
+    lock: ReadLock | None = None
+
+
+def components_by_rule(config: EngineConfig, extra: Iterable[str], rule: str) -> list[str]:
+    """The components :meth:`CheckpointEngine.load` reads by ``rule`` (DESIGN section 4), before
+    ``keys_not_to_resume`` and what the caller passed: every one for ``latest``; for
+    ``load_path`` ``model`` only, ``model`` + ``scheduler`` with ``only_load_scheduler_state``,
+    every one with ``load_training_state``."""
+    if rule == "latest" or config.load_training_state:
+        return [*STANDARD_COMPONENTS, *extra]
+    if config.only_load_scheduler_state:
+        return ["model", "scheduler"]
+    return ["model"]
+
+
+class Loader:
+    """Resumes training objects from the checkpoints of one engine's configuration."""
+
+    def __init__(self, config: EngineConfig, pipeline: Pipeline, save_dir: str, local_dir: str | None) -> None:
+        self.config = config
+        self.pipeline = pipeline
+        self.save_dir = save_dir
+        #: The two-tier local copy's folder (``storage.local_dir``), where a resume may read first.
+        self._local_dir = local_dir
+
+    def load(self, objs: TrainingObjects) -> LoadResult:
+        """Resume ``objs`` by the rules of DESIGN section 4 (see :meth:`CheckpointEngine.load`)."""
+        self._check_keys_not_to_resume(objs)
+        cfg = self.config
+        load_dir = cfg.resolved_load_dir
+        store = open_store(load_dir, cfg.storage)
+        wanted_all = components_by_rule(cfg, objs.extra, "latest")
+        latest_file = store.join(load_dir, LATEST_FILE)
+        try:
+            latest = agreed(lambda: read_latest(load_dir, store))
+        except CkptEngineError as err:
+            if not cfg.fallback_to_last_complete:
+                raise
+            return self._load_fallback(objs, load_dir, store, latest_file, err, wanted_all)
+        if self._local_dir is not None and load_dir == self.save_dir:
+            local = self._local_copy(latest)
+            if local is not None:
+                return self._load_checkpoint(objs, local.checked.path, wanted_all, "latest", local)
+        if latest is not None:
+            path = store.join(load_dir, latest)
+            try:
+                validated = self.validate(
+                    path,
+                    store,
+                    missing_hint=f"{latest_file} names {latest!r}, but {path} does not exist; restore it, or "
+                    "point latest_checkpoint.txt at an existing checkpoint (or set fallback_to_last_complete)",
+                )
+            except CkptEngineError as err:
+                if not cfg.fallback_to_last_complete:
+                    raise
+                return self._load_fallback(objs, load_dir, store, path, err, wanted_all)
+            return self._load_checkpoint(objs, path, wanted_all, "latest", validated)
+        if cfg.load_path:
+            lp = cfg.load_path
+            lp_store = open_store(lp, cfg.storage)
+            if lp.endswith(".pth"):
+                return self._load_pth(objs, lp, lp_store)
+            if is_safetensors_path(lp):
+                return load_safetensors(self, objs, lp)
+            if not agreed(lambda: lp_store.isdir(lp)):
+                raise CheckpointNotFoundError(
+                    f"load_path {lp!r} does not exist or is not a checkpoint folder (nor a .pth file); "
+                    "fix load_path, or unset it to start from scratch"
+                )
+            lp = agreed(lambda: resolve_save_folder(cfg.load_path or "", lp_store)) or lp  # its latest
+            wanted = components_by_rule(cfg, objs.extra, "load_path")
+            return self._load_checkpoint(objs, lp, wanted, "load_path", self.validate(lp, lp_store))
+        if _dist.rank() == 0:
+            logger.info("no checkpoint in %s and no load_path: starting from scratch", load_dir)
+        return LoadResult(iteration=0, checkpoint_path=None, report=LoadReport(), source="scratch")
+
+    def _check_keys_not_to_resume(self, objs: TrainingObjects) -> None:
+        known = {*STANDARD_COMPONENTS, *objs.extra}
+        unknown = [k for k in self.config.keys_not_to_resume if k not in known]
+        if unknown:
+            raise ConfigError(
+                f"keys_not_to_resume names {unknown}, which are not components of this load; components: "
+                f"{', '.join(sorted(known))}. Fix the name, or pass the extra= component it refers to"
+            )
+
+    # -- load: validation and fallback -------------------------------------------------------
+
+    def _local_copy(self, remote_latest: str | None) -> _Validated | None:
+        """Two-tier: the local copy to resume from, if its ``latest`` is complete and at least as
+        new as the object store's; ``None`` (logged) otherwise."""
+        assert self._local_dir is not None
+        local_dir = self._local_dir
+        try:
+            name = agreed(lambda: read_latest(local_dir))
+        except CkptEngineError as err:
+            logger.warning("ignoring the local copy in %s: %s", local_dir, err)
+            return None
+        if name is None:
+            return None
+        local_iter, remote_iter = parse_iteration(name), parse_iteration(remote_latest or "")
+        if local_iter is None or (remote_iter is not None and local_iter < remote_iter):
+            return None
+        try:
+            validated = self.validate(os.path.join(local_dir, name), open_store(local_dir))
+        except CkptEngineError as err:
+            if _dist.rank() == 0:
+                logger.warning("the local copy %s cannot be resumed (%s); using %s", name, err, self.save_dir)
+            return None
+        if _dist.rank() == 0:
+            logger.info(
+                "resuming from the local copy %s (the object store's latest: %s)", validated.checked.path, remote_latest
+            )
+        return validated
+
+    def validate(self, path: str, store: Store, missing_hint: str | None = None) -> _Validated:
+        """Everything checked before any tensor is read, agreed by every rank: the folder exists,
+        the checkpoint is complete (DESIGN section 2) and, per ``verify``, its files match the
+        manifest (checksums split among ranks)."""
+        level = self.config.verify
+        rank, world = _dist.rank(), _dist.world_size()
+
+        def check() -> _Validated:
+            lock = ReadLock.acquire(path, local=not store.is_object_store)
+            try:
+                return dataclasses.replace(checks(), lock=lock)
+            except BaseException:
+                if lock is not None:
+                    lock.release()
+                raise
+
+        def checks() -> _Validated:
+            if not store.isdir(path):
+                raise CheckpointNotFoundError(missing_hint or f"checkpoint folder {path} does not exist")
+            lookup = lookup_manifest(path, store) if level != "off" or store.is_object_store else None
+            if store.is_object_store and (lookup is None or lookup.manifest is None):
+                raise IncompleteCheckpointError(
+                    f"{path} has no {MANIFEST_FILE}, its completion marker: on an object store the marker is "
+                    "written last, so this is an interrupted save (or a checkpoint written by another tool; copy "
+                    "that to a local folder to load it)"
+                )
+            manifest = lookup.manifest if lookup is not None and level != "off" else None
+            checked = check_complete(path, store, metadata_checker(path, manifest, store) if manifest else None)
+            if level == "off" or lookup is None:
+                return _Validated(checked, False, "verify='off'", store)
+            if lookup.manifest is None:
+                require_verifiable(path, level, False, lookup.reason, self.config.allow_unverified)
+                return _Validated(checked, False, lookup.reason, store)
+            check_manifest_iteration(path, lookup.manifest)
+            share = shard_files(lookup.manifest.files, world)[rank] if level == "checksums" else None
+            found = check_against_manifest(
+                path,
+                lookup.manifest,
+                level,
+                referenced=referenced_files(checked),
+                checksum_only=share,
+                store=store,
+                listing=checked.listing,
+            )
+            if found.problems:
+                shown = found.problems[:20]
+                more = f"\n  ... and {len(found.problems) - 20} more" if len(found.problems) > 20 else ""
+                raise IntegrityError(
+                    f"checkpoint {path} does not match its manifest ({len(found.problems)} problem(s); nothing "
+                    "was loaded):\n  " + "\n  ".join(shown) + more
+                )
+            require_verifiable(path, level, found.complete_check, found.reason, self.config.allow_unverified)
+            return _Validated(checked, found.complete_check, found.reason, store)
+
+        return agreed(check)
+
+    def _load_fallback(
+        self,
+        objs: TrainingObjects,
+        load_dir: str,
+        store: Store,
+        bad: str,
+        err: CkptEngineError,
+        wanted: list[str],
+    ) -> LoadResult:
+        """``fallback_to_last_complete``: the newest checkpoint that passes :meth:`_validate`."""
+
+        def same(a: str, b: str) -> bool:
+            return a.rstrip("/") == b.rstrip("/") if store.is_object_store else os.path.abspath(a) == os.path.abspath(b)
+
+        candidates: list[str] = _dist.broadcast_object(
+            [p for _, p in reversed(list_checkpoints(load_dir, store)) if not same(p, bad)]
+        )
+        tried = []
+        for path in candidates:
+            try:
+                validated = self.validate(path, store)
+            except CkptEngineError as cand_err:
+                tried.append(f"{os.path.basename(path)}: {type(cand_err).__name__}")
+                continue
+            if _dist.rank() == 0:
+                logger.warning(
+                    "%s cannot be loaded (%s: %s); fell back to %s, the newest checkpoint that passes the "
+                    "checks (fallback_to_last_complete=True)",
+                    bad,
+                    type(err).__name__,
+                    err,
+                    path,
+                )
+            return self._load_checkpoint(objs, path, wanted, "latest", validated, fell_back_from=bad)
+        detail = f" (refused: {'; '.join(tried)})" if tried else ""
+        raise type(err)(
+            f"{err}; fallback_to_last_complete found no other complete checkpoint in {load_dir}{detail}"
+        ) from err
+
+    def _load_checkpoint(
+        self,
+        objs: TrainingObjects,
+        path: str,
+        wanted: list[str],
+        source: Any,
+        validated: _Validated,
+        *,
+        fell_back_from: str | None = None,
+    ) -> LoadResult:
+        checked = validated.checked
+        if self.config.trust_checkpoint and _dist.rank() == 0:
+            logger.warning(
+                "trust_checkpoint=True: non-tensor values of %s are unpickled without weights_only, which runs "
+                "any code the checkpoint holds; use it only for checkpoints you trust",
+                path,
+            )
+        excluded = set(self.config.keys_not_to_resume)
+        available = set(objs.available())
+        names = [n for n in wanted if n not in excluded and n in available]
+        reports: dict[str, ComponentReport] = {}
+        iteration = 0
+        for name in names:
+            if name not in checked.components:
+                if source == "latest":  # rule 1 resumes everything: a gap would restart or mix iterations
+                    raise IncompleteCheckpointError(missing_for_resume(path, name, tuple(checked.components)))
+                if name == "trainer" and objs.grad_scaler is None:
+                    continue  # nothing to restore but the iteration: 0
+                if self.config.strict:
+                    raise IncompleteCheckpointError(
+                        f"checkpoint {path} has no component {name!r} (it has: {', '.join(checked.components)}); "
+                        f"add {name!r} to keys_not_to_resume, don't pass it, or set strict=False"
+                    )
+                logger.warning("checkpoint %s has no component %r; not loaded", path, name)
+                continue
+            if name == RNG_COMPONENT:
+                check_saved_world_size(checked.components[name], path, _dist.world_size())
+            sd = component_state_dict(objs, name, 0)
+            planner = self._load_component(
+                name, validated.store.join(path, name), sd, checked.components[name], objs, validated.store
+            )
+            assert planner.report is not None
+            reports[name] = planner.report
+            apply_component(objs, name, sd, planner.untouched_roots)
+            if name == "trainer":
+                iteration = int(sd.get("iteration", 0))
+        report = LoadReport(reports)
+        if validated.lock is not None:
+            validated.lock.release()  # everything is read
+        if _dist.rank() == 0:
+            how = f"verified: {self.config.verify}" if validated.verified else f"unverified: {validated.reason}"
+            logger.info("loaded %s (iteration %d, %s)\n%s", path, iteration, how, report.summary())
+        return LoadResult(
+            iteration=iteration,
+            checkpoint_path=path,
+            report=report,
+            source=source,
+            components=tuple(reports),
+            verified=validated.verified,
+            fell_back_from=fell_back_from,
+        )
+
+    def _load_component(
+        self,
+        name: str,
+        component_dir: str,
+        sd: dict[str, Any],
+        metadata: Any,
+        objs: TrainingObjects,
+        store: Store,
+    ) -> EngineLoadPlanner:
+        planner = EngineLoadPlanner(
+            component=name,
+            checkpoint_dir=component_dir,
+            pipeline=self.pipeline,
+            strict=self.config.strict,
+            strict_unexpected=self.config.strict_unexpected,
+            trust_checkpoint=self.config.trust_checkpoint,
+            ignore_unexpected_prefixes=("grad_scaler.",)
+            if name == "trainer" and objs.grad_scaler is None
+            else other_rank_prefixes(_dist.rank(), _dist.world_size())
+            if name == RNG_COMPONENT
+            else (),
+            rank=_dist.rank(),
+            world_size=_dist.world_size(),
+        )
+        try:
+            with _dist.quiet_dcp():
+                reader: Any = (
+                    ObjectStoreReader(component_dir, store, metadata)
+                    if isinstance(store, FsspecStore)
+                    else FastFileSystemReader(component_dir, metadata)
+                )
+                dcp.load(sd, storage_reader=reader, planner=planner)
+        except (Exception, CheckpointException) as exc:
+            err, ranks = unwrap(exc)
+            if isinstance(err, CkptEngineError):
+                raise refine_unsafe(err, f"component {name!r} in {component_dir}") from None
+            where = f" (failed on rank(s) {ranks})" if _dist.world_size() > 1 else ""
+            raise CheckpointLoadError(
+                f"loading component {name!r} from {component_dir} failed{where}: {type(err).__name__}: {err}"
+            ) from err
+        return planner
+
+    def _load_pth(self, objs: TrainingObjects, path: str, store: Store) -> LoadResult:
+        if not store.exists(path) or store.isdir(path):
+            raise CheckpointNotFoundError(f"load_path {path!r} does not exist; fix load_path or unset it")
+        if not objs.modules:
+            raise InvalidArgumentError("a .pth load_path loads a model: pass model=")
+        try:
+            source: Any = io.BytesIO(store.read_bytes(path)) if store.is_object_store else path
+            loaded = torch.load(source, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise CheckpointLoadError(
+                f"cannot load {path} as a model state dict with weights_only=True: {err}"
+            ) from err
+        if isinstance(loaded, Mapping) and "model" in loaded and isinstance(loaded["model"], Mapping):
+            loaded = loaded["model"]
+        if not isinstance(loaded, Mapping):
+            raise CheckpointLoadError(f"{path} holds a {type(loaded).__name__}, not a model state dict")
+        target = component_state_dict(objs, "model")
+        converted: dict[str, Any] = {}
+        loaded_keys, skipped = [], {}
+        for key, value in loaded.items():
+            live = target.get(key)
+            if live is None:
+                continue
+            if isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor) and value.shape != live.shape:
+                skipped[key] = SkipRecord(reason=f"shape {list(value.shape)} != target {list(live.shape)}")
+                continue
+            if isinstance(live, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                value = distribute_tensor(value.to(live.dtype), live.device_mesh, live.placements)
+            converted[key] = value
+            loaded_keys.append(key)
+        for module in objs.modules:
+            set_model_state_dict(module, converted, options=StateDictOptions(strict=False))
+        report = LoadReport(
+            {
+                "model": ComponentReport(
+                    component="model",
+                    checkpoint_dir=path,
+                    loaded=tuple(loaded_keys),
+                    missing=tuple(sorted(set(target) - set(loaded))),
+                    unexpected=tuple(sorted(set(loaded) - set(target))),
+                    skipped=skipped,
+                )
+            }
+        )
+        if _dist.rank() == 0:
+            logger.info("loaded model weights from %s (non-strict)\n%s", path, report.summary())
+        return LoadResult(iteration=0, checkpoint_path=path, report=report, source="pth", components=("model",))
