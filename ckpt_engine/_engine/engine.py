@@ -474,10 +474,12 @@ class CheckpointEngine:
         return staged, key_maps
 
     def _resave_targets(self, paths: _SavePaths) -> list[tuple[str, Store]]:
-        """Where a committed checkpoint of this iteration would be: the save's own place, and
-        the two-tier local copy."""
-        local = [] if paths.local_final is None else [(paths.local_final, open_store(paths.local_final))]
-        return [(paths.final, self._store), *local]
+        """Where a committed checkpoint of this iteration would be, checked before the save: the
+        save's own place, or for two-tier saves the local copy (the object store is checked by
+        the background upload, which must not make ``save()`` wait on the network)."""
+        if paths.local_final is not None:
+            return [(paths.local_final, open_store(paths.local_final))]
+        return [(paths.final, self._store)]
 
     @staticmethod
     def _remove_own_files(partial: str, rank: int) -> None:
@@ -753,6 +755,7 @@ class CheckpointEngine:
         goes last, then ``latest``. Returns the error, if any (the local copy stays complete)."""
         assert paths.local_final is not None
         try:
+            refuse_resave(paths.iteration, [(paths.final, self._store)], self.config.allow_overwrite)
             if self._store.exists(paths.final):  # a re-save: the old marker goes first
                 remove_checkpoint(paths.final, self._store)
             rels = list_files(paths.local_final)

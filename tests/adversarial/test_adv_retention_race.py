@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import ckpt_engine._engine.engine as engine_module
+import ckpt_engine._engine.loader as engine_module
 from adversarial._adv import ckpt, save
 from ckpt_engine import CheckpointEngine, CheckpointNotFoundError
 from ckpt_engine._format.layout import remove_checkpoint
@@ -20,14 +20,14 @@ from ckpt_engine.testing import TinyTrainingState
 def test_retention_skips_a_checkpoint_that_is_being_read(save_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     save(save_dir, 1)
     reading, release = threading.Event(), threading.Event()
-    real = engine_module.CheckpointEngine._load_component
+    real = engine_module.Loader._load_component
 
     def slow(self: Any, *args: Any, **kwargs: Any) -> Any:
         reading.set()
         assert release.wait(30)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module.CheckpointEngine, "_load_component", slow)
+    monkeypatch.setattr(engine_module.Loader, "_load_component", slow)
     state = TinyTrainingState.create(seed=9, steps=0)
     outcome: dict[str, Any] = {}
 

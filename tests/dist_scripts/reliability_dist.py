@@ -33,7 +33,7 @@ import torch.distributed as dist
 from _common import ckpt_test_exit, cpu_mesh, make_model, params_full, report_ordered, shard_fsdp2
 from torch.distributed.checkpoint import FileSystemReader
 
-import ckpt_engine._engine.engine as engine_module
+import ckpt_engine._engine.loader as engine_module
 from ckpt_engine import CheckpointEngine, CkptEngineError
 from ckpt_engine.errors import CheckpointPermissionError
 
