@@ -17,17 +17,18 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .. import errors
+from .._dcpio.fast_load import load_state_dict
 from .._dcpio.fast_read import FastFileSystemReader
 from .._dcpio.fast_save import drop_plan_caches
 from .._dcpio.object_read import ObjectStoreReader
 from .._dcpio.planner import EngineLoadPlanner, EngineSavePlanner, flat_keys
+from .._dcpio.watch import phase as publish_phase
 from .._format.digests import remove_parts, written_entries
 from .._format.layout import (
     CheckedCheckpoint,
@@ -67,6 +68,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     CkptEngineError,
+    CollectiveTimeoutError,
     ConfigError,
     IncompleteCheckpointError,
     IntegrityError,
@@ -89,6 +91,7 @@ from ..types import (
     WriteResult,
 )
 from . import dist as _dist
+from .collectives import bounded, close_watch, watch_group
 from .preemption import PreemptionSaver
 from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes, with_rng
 from .state import TrainingObjects, apply_component, component_state_dict
@@ -219,6 +222,7 @@ class CheckpointEngine:
         self._lock = threading.Lock()
         self._committer: ThreadPoolExecutor | None = None
         self._closed = False
+        self._watch: Any = None  # the CollectiveWatch of collective_timeout_s (collectives.py)
         #: Names this engine's save-plan caches (``fast_save``): one per component.
         self._plan_prefix = f"engine-{os.getpid()}-{id(self):x}:"
         storage = self.config.storage
@@ -304,6 +308,7 @@ class CheckpointEngine:
 
     # -- save -------------------------------------------------------------------------------
 
+    @bounded
     def save(
         self,
         iteration: int,
@@ -350,7 +355,7 @@ class CheckpointEngine:
                 total_seconds=time.perf_counter() - t0,
             )
             self._finish(result, paths, cleanup=False)
-            if isinstance(err, SaveDirLockedError):
+            if isinstance(err, (SaveDirLockedError, CollectiveTimeoutError)):
                 raise
             detail = str(err) if isinstance(err, CkptEngineError) else f"{type(err).__name__}: {err}"
             raise CheckpointSaveError(f"saving iteration {iteration} to {final_dir} failed: {detail}") from err
@@ -375,6 +380,7 @@ class CheckpointEngine:
                     staged_copy=staged.is_copy,
                     thread_count=self.config.thread_count,
                     sync_files=self.config.sync_files,
+                    process_group=watch_group(),
                 )
                 out = self.pipeline.write(ctx, staged.components[name])
                 if isinstance(out, Future) and not staged.is_copy:
@@ -382,7 +388,10 @@ class CheckpointEngine:
                 outcomes.append(out)
         except (Exception, CheckpointException) as exc:
             cause, ranks = _unwrap(exc)
-            raise self._fail_sync(paths, components, cause, ranks, clock) from cause
+            failure = self._fail_sync(paths, components, cause, ranks, clock)
+            if isinstance(cause, CollectiveTimeoutError):
+                raise cause from None
+            raise failure from cause
 
         clock.blocked = time.perf_counter() - t0
         future: Future[SaveResult] = Future()
@@ -402,6 +411,8 @@ class CheckpointEngine:
                 return handle
             result = self._commit(paths, components, outcomes, clock, collective=True)
             future.set_result(result)
+            if isinstance(result.error, CollectiveTimeoutError):
+                raise result.error
             if not result.succeeded:
                 raise CheckpointSaveError(
                     f"saving iteration {iteration} to {final_dir} failed: {result.error}"
@@ -442,7 +453,9 @@ class CheckpointEngine:
         staged: Any = None
         key_maps: dict[str, dict[str, str]] = {}
         try:
+            publish_phase("prepare")
             state = {name: component_state_dict(objs, name, paths.iteration) for name in components}
+            publish_phase("remap_keys")
             for name, sd in state.items():
                 ctx = RemapContext(
                     component=name,
@@ -470,6 +483,7 @@ class CheckpointEngine:
             elif self._direct:
                 self._remove_own_files(paths.partial, rank)  # a node-local spool another node cannot clear
             t_stage = time.perf_counter()
+            publish_phase("stage")
             staged = self.pipeline.stage(
                 SaveContext(
                     iteration=paths.iteration,
@@ -493,7 +507,7 @@ class CheckpointEngine:
             local_err = None
         # Consensus (also the barrier after rank 0 cleared the partial folder): a failure on
         # one rank fails the save on all ranks before anyone enters DCP's collectives.
-        errors = _dist.all_gather_object(error)
+        errors = _dist.all_gather_object(error, step="prepare")
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
             r, e = failed[0]
@@ -571,6 +585,8 @@ class CheckpointEngine:
         into the object store (every rank uploads its own files; rank 0 writes the manifest, the
         completion marker, then ``latest``)."""
         phase = _Phase()
+        if collective:
+            publish_phase("commit")
         try:
             results = [self.pipeline.check_write_result(o.result() if isinstance(o, Future) else o) for o in outcomes]
             phase.nbytes = sum(r.bytes_written for r in results)
@@ -594,7 +610,11 @@ class CheckpointEngine:
                     phase.error = err
             if collective and world > 1:
                 local = None if phase.error is None else f"{type(phase.error).__name__}: {phase.error}"
-                gathered = _dist.all_gather_object((local, entries))
+                try:
+                    gathered = _dist.all_gather_object((local, entries), step="commit")
+                except CollectiveTimeoutError as err:
+                    phase.error = err
+                    return phase
                 if phase.error is None:
                     failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
                     if failed:
@@ -628,9 +648,13 @@ class CheckpointEngine:
                 phase.error = err
         if collective and world > 1:
             # Doubles as the barrier that keeps ranks from running ahead of the commit.
-            errors = _dist.all_gather_object(
-                None if phase.error is None else f"{type(phase.error).__name__}: {phase.error}"
-            )
+            try:
+                errors = _dist.all_gather_object(
+                    None if phase.error is None else f"{type(phase.error).__name__}: {phase.error}", step="committed"
+                )
+            except CollectiveTimeoutError as err:
+                phase.error = err
+                return phase
             if phase.error is None:
                 failed = [(r, e) for r, e in enumerate(errors) if e is not None]
                 if failed:
@@ -919,6 +943,7 @@ class CheckpointEngine:
         finally:
             self._closed = True
             drop_plan_caches(self._plan_prefix)
+            close_watch(self)
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None
@@ -941,6 +966,7 @@ class CheckpointEngine:
 
     # -- load -------------------------------------------------------------------------------
 
+    @bounded
     def load(
         self,
         *,
@@ -1038,7 +1064,9 @@ class CheckpointEngine:
             local = CheckpointLoadError(f"{type(err).__name__}: {err}")
             local.__cause__ = err
         if _dist.world_size() > 1:
-            gathered = _dist.all_gather_object(None if local is None else (type(local).__name__, str(local)))
+            gathered = _dist.all_gather_object(
+                None if local is None else (type(local).__name__, str(local)), step="checks"
+            )
             failed = [(r, g) for r, g in enumerate(gathered) if g is not None]
             if failed and local is None:
                 r, (name, message) = failed[0]
@@ -1091,6 +1119,7 @@ class CheckpointEngine:
         rank, world = _dist.rank(), _dist.world_size()
 
         def check() -> _Validated:
+            publish_phase("validate")
             if not store.isdir(path):
                 raise CheckpointNotFoundError(missing_hint or f"checkpoint folder {path} does not exist")
             lookup = lookup_manifest(path, store) if level != "off" or store.is_object_store else None
@@ -1255,7 +1284,7 @@ class CheckpointEngine:
                     if isinstance(store, FsspecStore)
                     else FastFileSystemReader(component_dir, metadata)
                 )
-                dcp.load(sd, storage_reader=reader, planner=planner)
+                load_state_dict(sd, storage_reader=reader, planner=planner, process_group=watch_group())
         except (Exception, CheckpointException) as exc:
             err, ranks = _unwrap(exc)
             if isinstance(err, CkptEngineError):
