@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _dist
+from ._dcpio import dist as _dist
 from ._engine.engine import CheckpointEngine, SaveHandle
 from ._engine.state import TrainingObjects, component_state_dict
 from ._format.names import iter_dirname

@@ -235,6 +235,13 @@ class EngineConfig(BaseModel):
         "loadable until the new one is committed). False: such a save is refused with CheckpointExistsError.",
     )
     thread_count: int = Field(default=1, ge=1, le=64, description="Writer threads per rank (DCP).")
+    collective_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Bound on every collective of a save or a load (several ranks): a rank that waits longer "
+        "raises `CollectiveTimeoutError` naming the ranks that did not arrive and the checkpoint phase each "
+        "last reported (docs/reliability.md).",
+    )
     sync_files: bool = Field(default=True, description="fsync checkpoint files before commit.")
     storage: StorageOptions = Field(
         default_factory=StorageOptions,

@@ -11,9 +11,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ._dcpio.dist import quiet_dcp
 from ._dcpio.fast_save import plan_cache, save_state_dict
 from ._dcpio.fast_write import FastFileSystemWriter
-from ._dist import quiet_dcp
 from ._markers import hookimpl
 from .types import SaveContext, StagedState, WriteContext, WriteResult
 

@@ -156,6 +156,20 @@ class CheckpointPermissionError(CkptEngineError, PermissionError):
     """A checkpoint file or folder cannot be read (or written) for lack of permission."""
 
 
+class CollectiveTimeoutError(CkptEngineError, TimeoutError):
+    """Ranks did not all reach a collective of a save or a load within ``collective_timeout_s``.
+
+    Raised on the ranks that waited (naming the ranks that did not arrive and the checkpoint phase
+    each last published) and on a rank that arrived after the others had given up."""
+
+    def __init__(self, message: str, *, step: str = "", missing: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        #: The collective that was not reached (``"prepare"``, ``"write"``, ``"read"``, ...).
+        self.step = step
+        #: The ranks that did not arrive (empty on a rank that arrived late).
+        self.missing = tuple(missing)
+
+
 class StorageError(CkptEngineError):
     """The storage behind a save or load directory failed (an object store unreachable after
     every retry, a request it refused); the message names the object and never a credential."""

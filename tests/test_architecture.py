@@ -57,7 +57,7 @@ def imports(path: Path, name: str) -> Iterator[tuple[str, int]]:
             else:
                 target = node.module or ""
             names = [f"{target}.{alias.name}" for alias in node.names]
-            # ``from .. import _dist`` imports the module ckpt_engine._dist, not the package's names
+            # ``from .._dcpio import dist`` imports the module ckpt_engine._dcpio.dist, not the package's names
             submodules = [n for n in names if n in KNOWN]
             if len(submodules) < len(names):
                 yield target, node.lineno

@@ -144,13 +144,15 @@ def test_verify_checksums_catches_a_flipped_byte_before_any_tensor_is_loaded(
     victim = _ckpt(save_dir, 2).joinpath(*MODEL_FILE)
     _flip(victim)
     calls: list[Any] = []
-    real_load = dcp.load
+    import ckpt_engine._engine.loader as loader_module
+
+    real_load = loader_module.load_state_dict
 
     def counting_load(*args: Any, **kwargs: Any) -> Any:
         calls.append(args)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(dcp, "load", counting_load)
+    monkeypatch.setattr(loader_module, "load_state_dict", counting_load)
     fresh = _state(999)
     before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
     with pytest.raises(IntegrityError, match="checksum") as info:

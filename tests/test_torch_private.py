@@ -335,3 +335,31 @@ def test_tensor_version_is_shared_by_views_and_bumped_by_in_place_ops_under_no_g
     seen = tensor_version(exp_avg)
     optim.step()
     assert tensor_version(exp_avg) > seen
+
+
+def test_default_store_is_the_store_of_the_default_process_group() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckpt_engine._dcpio.torch_private import default_store
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        found = default_store()
+        assert isinstance(found, dist.Store)
+        underlying = found.underlying_store if isinstance(found, dist.PrefixStore) else found
+        assert underlying is store or isinstance(found, dist.PrefixStore)
+        # Everything the bounded barriers use (ckpt_engine/_dcpio/watch.py).
+        found.set("ckpt-engine-pin", "1")
+        assert found.get("ckpt-engine-pin") == b"1" and found.check(["ckpt-engine-pin"])
+        assert found.add("ckpt-engine-n", 1) == 1
+        assert found.compare_set("ckpt-engine-cas", "", "ok") == b"ok"
+        assert found.compare_set("ckpt-engine-cas", "", "late") == b"ok"
+        with pytest.raises(dist.DistStoreError):
+            found.wait(["ckpt-engine-never"], timedelta(seconds=0.1))
+        found.delete_key("ckpt-engine-pin")
+        assert not found.check(["ckpt-engine-pin"])
+    finally:
+        dist.destroy_process_group()

@@ -5,6 +5,11 @@ gather-finish-broadcast) over ``torch.distributed`` object collectives. Each run
 on every rank, catches its error, and raises DCP's ``CheckpointException`` (every failed rank's
 error, by rank) on every rank, so that no rank walks into a collective the others left. In one
 process without a process group it calls the functions directly.
+
+Inside a save or a load of the engine (an active :class:`~ckpt_engine._dcpio.watch.CollectiveWatch`)
+every collective is preceded by the watch's bounded barrier and runs on the watch's gloo group:
+a rank that does not arrive within ``collective_timeout_s`` is named in a
+``CollectiveTimeoutError`` instead of hanging the others.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+
+from .watch import active_watch
 
 __all__ = ["Comm"]
 
@@ -54,11 +61,22 @@ class Comm:
     """The collectives of one DCP save or load over ``group`` (default: the default group)."""
 
     def __init__(self, group: Any = None) -> None:
+        watch = active_watch()
+        if watch is not None and group is not None and group is not watch.group:
+            watch = None  # a group of the caller's own: not the watch's to bound
+        self.watch = watch
+        if watch is not None:
+            group = watch.group
         self.group = group
         self._held: _Failed | None = None
         self.dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.dist else 0
         self.world = dist.get_world_size(group) if self.dist else 1
+
+    def _bound(self, name: str) -> None:
+        """The watch's bounded barrier before collective ``name`` (nothing without a watch)."""
+        if self.watch is not None:
+            self.watch.barrier(name)
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -87,6 +105,7 @@ class Comm:
         out: list[Any] = [value]
         if self.world > 1:
             out = [None] * self.world
+            self._bound(name)
             dist.all_gather_object(out, value, group=self.group)
         _raise_failures(name, out)
         return out
@@ -101,6 +120,7 @@ class Comm:
             _raise_failures(name, [result])
             return result[0]  # type: ignore[index]
         gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        self._bound(name)
         dist.gather_object(value, gathered, dst=self._global(0), group=self.group)
         scatter: list[Any] | None = None
         if self.rank == 0:
@@ -115,6 +135,7 @@ class Comm:
                 else:
                     scatter = list(result)
         box: list[Any] = [None]
+        self._bound(name + " (result)")
         dist.scatter_object_list(box, scatter, src=self._global(0), group=self.group)
         if isinstance(box[0], CheckpointException):
             raise box[0]
@@ -130,6 +151,7 @@ class Comm:
             _raise_failures(name, [out])
             return out  # type: ignore[return-value]
         gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        self._bound(name)
         dist.gather_object(value, gathered, dst=self._global(0), group=self.group)
         box: list[Any] = [None]
         if self.rank == 0:
@@ -140,6 +162,7 @@ class Comm:
             else:
                 out = _run(lambda: finish(gathered))
                 box[0] = CheckpointException(name, {0: out.err}) if isinstance(out, _Failed) else out  # type: ignore[dict-item]
+        self._bound(name + " (result)")
         dist.broadcast_object_list(box, src=self._global(0), group=self.group)
         if isinstance(box[0], CheckpointException):
             raise box[0]

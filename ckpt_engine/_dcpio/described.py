@@ -31,12 +31,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .._dist import quiet_dcp
 from ..config import EngineConfig, PluginEntry
 from ..errors import CheckpointLoadError, CkptEngineError, ConfigError, first_failure
 from ..pipeline import Pipeline
 from ..plugin_manager import build_plugin_manager, instantiate
 from ..report import ComponentReport
+from .dist import quiet_dcp
 from .planner import EngineLoadPlanner
 
 __all__ = ["PlannedLoad", "described_metadata", "plan_component"]

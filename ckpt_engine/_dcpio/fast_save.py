@@ -22,7 +22,7 @@ At 50,000 small tensors that is most of a save (docs/performance.md, "Many small
   same ``Metadata`` for ``dcp.load``; it is about half the size and pickles an order of
   magnitude faster.
 
-Collectives go through :mod:`ckpt_engine._coordination`: bounded by the engine's collective
+Collectives go through :mod:`ckpt_engine._dcpio.coordination`: bounded by the engine's collective
 timeout, failures of any rank raised on every rank as DCP's ``CheckpointException``.
 """
 
@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from . import coordination as _coordination
 from .torch_private import local_chunks
+from .watch import phase
 
 __all__ = ["SaveOutcome", "SavePlanCache", "compact_metadata", "plan_cache", "save_state_dict"]
 
@@ -193,6 +194,7 @@ def save_state_dict(
     state_dict = _to_state_dict(state_dict)
 
     def local_step() -> tuple[tuple[Any, ...], SavePlan | None]:
+        phase("plan")
         planner.set_up_planner(state_dict, storage_writer.storage_meta(), coordinator)
         storage_writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
         flat = getattr(planner, "state_dict", {})
@@ -236,12 +238,14 @@ def save_state_dict(
             cache.metadata = metadata if coordinator else None
 
     def write_step() -> list[WriteResult]:
+        phase("write")
         fut = storage_writer.write_data(final_plan, planner)
         fut.wait()
         return fut.value()
 
     def finish_step(results: list[list[WriteResult]]) -> int:
         assert metadata is not None
+        phase("metadata")
         storage_writer.finish(metadata=metadata, results=results)
         return sum(r.size_in_bytes for rs in results for r in rs)
 

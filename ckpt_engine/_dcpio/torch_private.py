@@ -14,6 +14,10 @@ loudly in CI instead of silently mis-loading checkpoints.
   and ``detach()``), bumped by every in-place op (also under ``no_grad``). ``pinned_staging``'s
   ``overlap`` mode reads it to prove a parameter was not changed before its background copy was
   taken (:func:`tensor_version`). No public API exposes it.
+* ``distributed_c10d._get_default_store()``: the key-value store the default process group was
+  created with (torchrun's rendezvous store). The engine publishes each rank's checkpoint phase
+  there and runs its bounded barriers on it (``_dcpio/watch.py``); no public function returns
+  the store of an initialised process group.
 """
 
 from __future__ import annotations
@@ -54,3 +58,10 @@ def tensor_version(tensor: torch.Tensor) -> int:
     """The in-place version counter of ``tensor`` (shared with its views and ``detach()``)."""
     version: int = tensor._version
     return version
+
+
+def default_store() -> Any:
+    """The c10d ``Store`` of the default process group (which must be initialised)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .. import _dist as dist
+from .._dcpio import dist
 from ..errors import CheckpointLoadError, CkptEngineError, first_failure
 
 __all__ = ["Agreement", "Failure", "agree", "agreed", "portable", "unwrap"]
@@ -58,19 +58,23 @@ class Agreement:
         return self.failures[0] if self.failures else None
 
 
-def agree(local_error: BaseException | None, payload: Any = None, *, fallback: type[CkptEngineError]) -> Agreement:
+def agree(
+    local_error: BaseException | None, payload: Any = None, *, fallback: type[CkptEngineError], step: str = "sync"
+) -> Agreement:
     """Exchange every rank's outcome (``local_error`` or ``None``) and ``payload`` in one
-    all-gather; every rank gets the same :class:`Agreement`. A single process gets its own."""
+    all-gather; every rank gets the same :class:`Agreement`. A single process gets its own.
+    Inside an engine's save or load the gather is bounded by ``collective_timeout_s``; ``step``
+    names it in the :class:`~ckpt_engine.errors.CollectiveTimeoutError` a missing rank causes."""
     sent = None if local_error is None else portable(local_error, fallback)
     text = "" if local_error is None else f"{type(local_error).__name__}: {local_error}"
     if dist.world_size() <= 1:
         return Agreement([payload], [] if sent is None else [Failure(dist.rank(), sent, text)])
-    gathered = dist.all_gather_object((sent, text, payload))
+    gathered = dist.all_gather_object((sent, text, payload), step=step)
     failures = [Failure(r, err, t) for r, (err, t, _) in enumerate(gathered) if err is not None]
     return Agreement([p for _, _, p in gathered], failures)
 
 
-def agreed(fn: Callable[[], _T], *, fallback: type[CkptEngineError] = CheckpointLoadError) -> _T:
+def agreed(fn: Callable[[], _T], *, fallback: type[CkptEngineError] = CheckpointLoadError, step: str = "checks") -> _T:
     """Run ``fn`` on every rank; if it raises on any rank, raise on every rank: a rank's own error
     where it failed, else the lowest failing rank's error (same type and message, ``found by rank
     r`` added). An error that is not a :class:`CkptEngineError` becomes ``fallback``."""
@@ -83,7 +87,7 @@ def agreed(fn: Callable[[], _T], *, fallback: type[CkptEngineError] = Checkpoint
     except Exception as err:
         local = fallback(f"{type(err).__name__}: {err}")
         local.__cause__ = err
-    outcome = agree(local, fallback=fallback)
+    outcome = agree(local, fallback=fallback, step=step)
     if local is not None:
         raise local
     if outcome.first is not None:

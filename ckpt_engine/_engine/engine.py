@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import _dist
+from .._dcpio import dist as _dist
 from .._dcpio.fast_save import drop_plan_caches
 from .._dcpio.planner import EngineSavePlanner, flat_keys
+from .._dcpio.watch import phase as publish_phase
 from .._format.digests import remove_parts, written_entries
 from .._format.layout import (
     SaveDirLock,
@@ -52,6 +53,7 @@ from ..errors import (
     CheckpointExistsError,
     CheckpointSaveError,
     CkptEngineError,
+    CollectiveTimeoutError,
     IncompleteCheckpointError,
     InvalidArgumentError,
     SaveDirLockedError,
@@ -68,6 +70,7 @@ from ..types import (
     WriteContext,
     WriteResult,
 )
+from .collectives import bounded, close_watch, watch_group
 from .consensus import agree, unwrap
 from .loader import Loader
 from .preemption import PreemptionSaver
@@ -191,6 +194,7 @@ class CheckpointEngine:
         self._lock = threading.Lock()
         self._committer: ThreadPoolExecutor | None = None
         self._closed = False
+        self._watch: Any = None  # the CollectiveWatch of collective_timeout_s (collectives.py)
         #: Names this engine's save-plan caches (``fast_save``): one per component.
         self._plan_prefix = f"engine-{os.getpid()}-{id(self):x}:"
         storage = self.config.storage
@@ -277,6 +281,7 @@ class CheckpointEngine:
 
     # -- save -------------------------------------------------------------------------------
 
+    @bounded
     def save(
         self,
         iteration: int,
@@ -323,7 +328,7 @@ class CheckpointEngine:
                 total_seconds=time.perf_counter() - t0,
             )
             self._finish(result, paths, cleanup=False)
-            if isinstance(err, (SaveDirLockedError, CheckpointExistsError)):
+            if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveTimeoutError)):
                 raise
             detail = str(err) if isinstance(err, CkptEngineError) else f"{type(err).__name__}: {err}"
             raise CheckpointSaveError(f"saving iteration {iteration} to {final_dir} failed: {detail}") from err
@@ -348,6 +353,7 @@ class CheckpointEngine:
                     staged_copy=staged.is_copy,
                     thread_count=self.config.thread_count,
                     sync_files=self.config.sync_files,
+                    process_group=watch_group(),
                 )
                 out = self.pipeline.write(ctx, staged.components[name])
                 if isinstance(out, Future) and not staged.is_copy:
@@ -355,7 +361,10 @@ class CheckpointEngine:
                 outcomes.append(out)
         except (Exception, CheckpointException) as exc:
             cause, ranks = unwrap(exc)
-            raise self._fail_sync(paths, components, cause, ranks, clock) from cause
+            failure = self._fail_sync(paths, components, cause, ranks, clock)
+            if isinstance(cause, CollectiveTimeoutError):
+                raise cause from None
+            raise failure from cause
 
         clock.blocked = time.perf_counter() - t0
         future: Future[SaveResult] = Future()
@@ -375,6 +384,8 @@ class CheckpointEngine:
                 return handle
             result = self._commit(paths, components, outcomes, clock, collective=True)
             future.set_result(result)
+            if isinstance(result.error, CollectiveTimeoutError):
+                raise result.error
             if not result.succeeded:
                 raise CheckpointSaveError(
                     f"saving iteration {iteration} to {final_dir} failed: {result.error}"
@@ -414,7 +425,9 @@ class CheckpointEngine:
         staged: Any = None
         key_maps: dict[str, dict[str, str]] = {}
         try:
+            publish_phase("prepare")
             state = {name: component_state_dict(objs, name, paths.iteration) for name in components}
+            publish_phase("remap_keys")
             for name, sd in state.items():
                 ctx = RemapContext(
                     component=name,
@@ -443,6 +456,7 @@ class CheckpointEngine:
             elif self._direct:
                 self._remove_own_files(paths.partial, rank)  # a node-local spool another node cannot clear
             t_stage = time.perf_counter()
+            publish_phase("stage")
             staged = self.pipeline.stage(
                 SaveContext(
                     iteration=paths.iteration,
@@ -465,7 +479,7 @@ class CheckpointEngine:
             local_err = None
         # Consensus (also the barrier after rank 0 cleared the partial folder): a failure on
         # one rank fails the save on all ranks before anyone enters DCP's collectives.
-        failed = agree(local_err, fallback=CheckpointSaveError).first
+        failed = agree(local_err, fallback=CheckpointSaveError, step="prepare").first
         if failed is not None:
             # The same message on every rank; the failing rank keeps its traceback as the cause.
             raise CheckpointSaveError(
@@ -551,6 +565,8 @@ class CheckpointEngine:
         into the object store (every rank uploads its own files; rank 0 writes the manifest, the
         completion marker, then ``latest``)."""
         phase = _Phase()
+        if collective:
+            publish_phase("commit")
         try:
             results = [self.pipeline.check_write_result(o.result() if isinstance(o, Future) else o) for o in outcomes]
             phase.nbytes = sum(r.bytes_written for r in results)
@@ -576,7 +592,11 @@ class CheckpointEngine:
                 except Exception as err:
                     phase.error = err
             if collective and world > 1:
-                wrote = agree(phase.error, entries, fallback=CheckpointSaveError)
+                try:
+                    wrote = agree(phase.error, entries, fallback=CheckpointSaveError, step="commit")
+                except CollectiveTimeoutError as err:
+                    phase.error = err
+                    return phase
                 if phase.error is None and wrote.first is not None:
                     phase.error = CheckpointSaveError(
                         f"rank {wrote.first.rank} failed to write its files: {wrote.first.text}"
@@ -608,7 +628,11 @@ class CheckpointEngine:
                 phase.error = err
         if collective and world > 1:
             # Doubles as the barrier that keeps ranks from running ahead of the commit.
-            committed = agree(phase.error, fallback=CheckpointSaveError).first
+            try:
+                committed = agree(phase.error, fallback=CheckpointSaveError, step="committed").first
+            except CollectiveTimeoutError as err:
+                phase.error = err
+                return phase
             if phase.error is None and committed is not None:
                 phase.error = CheckpointSaveError(f"rank {committed.rank} failed to commit: {committed.text}")
         return phase
@@ -901,6 +925,7 @@ class CheckpointEngine:
         finally:
             self._closed = True
             drop_plan_caches(self._plan_prefix)
+            close_watch(self)
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None
@@ -913,6 +938,7 @@ class CheckpointEngine:
 
     # -- load -------------------------------------------------------------------------------
 
+    @bounded
     def load(
         self,
         *,

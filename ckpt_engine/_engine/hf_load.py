@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import _dist
+from .._dcpio import dist as _dist
 from .._dcpio.hf_read import SafetensorsReader, is_safetensors_path, read_index
 from .._dcpio.planner import EngineLoadPlanner
 from ..errors import CheckpointLoadError, CkptEngineError, ConfigError, first_failure

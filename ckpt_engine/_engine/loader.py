@@ -19,16 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .. import _dist
+from .._dcpio import dist as _dist
+from .._dcpio.fast_load import load_state_dict
 from .._dcpio.fast_read import FastFileSystemReader
 from .._dcpio.object_read import ObjectStoreReader
 from .._dcpio.planner import EngineLoadPlanner
 from .._dcpio.unsafe import refine_unsafe
+from .._dcpio.watch import phase as publish_phase
 from .._format.layout import (
     CheckedCheckpoint,
     check_complete,
@@ -61,6 +62,7 @@ from ..types import (
     STANDARD_COMPONENTS,
     LoadResult,
 )
+from .collectives import watch_group
 from .consensus import agreed, unwrap
 from .hf_load import is_safetensors_path, load_safetensors
 from .load_guard import check_manifest_iteration, missing_for_resume, require_verifiable
@@ -203,6 +205,7 @@ class Loader:
         rank, world = _dist.rank(), _dist.world_size()
 
         def check() -> _Validated:
+            publish_phase("validate")
             lock = ReadLock.acquire(path, local=not store.is_object_store)
             try:
                 return dataclasses.replace(checks(), lock=lock)
@@ -383,7 +386,7 @@ class Loader:
                     if isinstance(store, FsspecStore)
                     else FastFileSystemReader(component_dir, metadata)
                 )
-                dcp.load(sd, storage_reader=reader, planner=planner)
+                load_state_dict(sd, storage_reader=reader, planner=planner, process_group=watch_group())
         except (Exception, CheckpointException) as exc:
             err, ranks = unwrap(exc)
             if isinstance(err, CkptEngineError):

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .. import _dist
+from .._dcpio import dist as _dist
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:

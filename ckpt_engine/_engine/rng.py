@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .. import _dist
+from .._dcpio import dist as _dist
 from ..errors import CheckpointLoadError, ConfigError
 
 __all__ = [

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from .._dcpio.dist import quiet_dcp
 from .._dcpio.planner import EngineLoadPlanner
-from .._dist import quiet_dcp
 from .._engine.loader import Loader, components_by_rule
 from .._engine.state import TrainingObjects, component_state_dict
 from .._format.layout import check_component_files

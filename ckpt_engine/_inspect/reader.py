@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from .._dcpio.dist import quiet_dcp
 from .._dcpio.object_read import ObjectStoreReader
 from .._dcpio.unsafe import blocked_global, refine_unsafe
-from .._dist import quiet_dcp
 from .._format.layout import check_component_files, component_dirs
 from .._format.metadata import SafeFileSystemReader, read_metadata
 from .._format.names import LATEST_FILE, METADATA_FILE, parse_iteration

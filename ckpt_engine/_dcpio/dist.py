@@ -9,6 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .watch import active_watch
+
 
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -27,21 +29,31 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order; ``[obj]`` without a process group."""
+def _bounded_group(step: str) -> Any:
+    """Inside an engine save or load: the watch's barrier for ``step``, then its group."""
+    watch = active_watch()
+    if watch is None:
+        return None
+    watch.barrier(step)
+    return watch.group
+
+
+def all_gather_object(obj: Any, step: str = "sync") -> list[Any]:
+    """Every rank's ``obj``, in rank order; ``[obj]`` without a process group. Inside a save or a
+    load, bounded by ``collective_timeout_s`` (``step`` names it in the error)."""
     if not initialized():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_bounded_group(step))
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from rank ``src`` on every rank."""
+def broadcast_object(obj: Any, src: int = 0, step: str = "sync") -> Any:
+    """``obj`` from rank ``src`` on every rank (bounded like :func:`all_gather_object`)."""
     if not initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_bounded_group(step))
     return box[0]
 
 

@@ -1,0 +1,210 @@
+"""Bounded collectives: every rank's checkpoint phase in the job's store, and barriers with a deadline.
+
+A :class:`CollectiveWatch` belongs to one engine on one rank of a job with several ranks. It
+
+* publishes this rank's phase (``prepare``, ``stage``, ``plan``, ``write``, ``commit``,
+  ``read``, ...) with a wall-clock timestamp under one key per rank in the default process
+  group's c10d store (:meth:`CollectiveWatch.phase`);
+* runs a barrier on that store before each collective (:meth:`CollectiveWatch.barrier`): it
+  waits at most ``timeout_s`` for every rank, and on expiry raises
+  :class:`~ckpt_engine.errors.CollectiveTimeoutError` naming the ranks that did not arrive
+  and their last phase, e.g. ``rank 1 did not reach 'write' within 10 s (last phase: stage,
+  12.3 s ago)``. Whether a barrier passed or was given up is decided once, atomically
+  (``compare_set``), so a rank that arrives late raises too instead of walking into a collective
+  nobody else will join;
+* owns a gloo process group created with the same timeout, on which the collectives themselves
+  run (object collectives: no device needed, and a rank that dies between the barrier and the
+  collective is caught by gloo's timeout).
+
+The collectives consult the watch that is active in the calling thread (:func:`activate`,
+:func:`active_watch`); without one (one process, or code outside a save or a load) they run
+unbounded, as before. Per barrier a rank makes four small store requests; the coordinator's
+store sees O(ranks) requests per barrier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import CollectiveTimeoutError
+from .torch_private import default_store
+
+__all__ = ["CollectiveWatch", "activate", "active_watch", "phase"]
+
+_ids = itertools.count()
+_local = threading.local()
+#: At most this many late ranks are described one by one in an error message.
+_SHOWN = 8
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds:.0f}" if seconds >= 10 or float(seconds).is_integer() else f"{seconds:.1f}"
+
+
+class CollectiveWatch:
+    """Phase keys, bounded barriers and a gloo group of their own, for one engine on one rank."""
+
+    def __init__(self, timeout_s: float, *, store: Any, group: Any, rank: int, world: int, namespace: str) -> None:
+        self.timeout_s = float(timeout_s)
+        self.store = store
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.ns = namespace
+        self._seq = 0
+        self._phase = "idle"
+        self._phase_t = time.time()
+
+    @classmethod
+    def create(cls, timeout_s: float) -> CollectiveWatch | None:
+        """A watch for the default process group; ``None`` without one or with one rank.
+
+        Collective (it creates a process group): every rank calls it at the same point."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # Ranks create process groups in the same order, so they count watches alike.
+        namespace = f"ckpt_engine/watch/{next(_ids)}/"
+        return cls(
+            timeout_s,
+            store=default_store(),
+            group=group,
+            rank=dist.get_rank(),
+            world=dist.get_world_size(),
+            namespace=namespace,
+        )
+
+    def close(self) -> None:
+        """Destroy the watch's process group (idempotent)."""
+        group, self.group = self.group, None
+        if group is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+
+    # -- phases -------------------------------------------------------------------------------
+
+    def _key(self, rank: int) -> str:
+        return f"{self.ns}phase/{rank}"
+
+    def phase(self, name: str) -> None:
+        """Publish that this rank is now in phase ``name``."""
+        self._phase, self._phase_t = name, time.time()
+        self._publish()
+
+    def _publish(self) -> None:
+        doc = {"phase": self._phase, "t": self._phase_t, "seq": self._seq}
+        self.store.set(self._key(self.rank), json.dumps(doc))
+
+    def _read_phase(self, rank: int) -> dict[str, Any] | None:
+        try:
+            if not self.store.check([self._key(rank)]):
+                return None
+            doc: dict[str, Any] = json.loads(self.store.get(self._key(rank)))
+            return doc
+        except Exception:
+            return None
+
+    # -- barriers -----------------------------------------------------------------------------
+
+    def barrier(self, step: str) -> None:
+        """Wait until every rank reached collective ``step``; at most ``timeout_s``."""
+        if self.group is None:
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: an earlier collective of this engine timed out; its process group is closed",
+                step=step,
+            )
+        self._seq += 1
+        seq = self._seq
+        base = f"{self.ns}b/{seq}/"
+        self._publish()  # "seq": this rank arrived at barrier seq
+        if self.store.add(base + "count", 1) == self.world:
+            self.store.set(base + "all", "1")
+        arrived = True
+        try:
+            self.store.wait([base + "all"], timedelta(seconds=self.timeout_s))
+        except Exception:  # DistStoreError: the deadline passed
+            arrived = False
+        verdict = self.store.compare_set(base + "state", "", "ok" if arrived else f"timeout:{self.rank}")
+        verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
+        if verdict != "ok":
+            self.group_failed()
+            if not arrived:
+                raise self._timeout_error(step, seq)
+            raise CollectiveTimeoutError(
+                f"rank {self.rank} reached '{step}' after the other ranks stopped waiting for it "
+                f"(collective_timeout_s={_fmt(self.timeout_s)} s; last phase: {self._phase})",
+                step=step,
+            )
+        if seq > 1 and self.rank == 0:
+            # Every rank passed barrier seq, so none still reads the keys of barrier seq - 1.
+            old = f"{self.ns}b/{seq - 1}/"
+            for name in ("count", "all", "state"):
+                with contextlib.suppress(Exception):
+                    self.store.delete_key(old + name)
+
+    def _timeout_error(self, step: str, seq: int) -> CollectiveTimeoutError:
+        now = time.time()
+        late: list[tuple[int, str]] = []
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            doc = self._read_phase(r)
+            if doc is not None and int(doc.get("seq", 0)) >= seq:
+                continue
+            if doc is None:
+                late.append((r, "last phase: none published"))
+            else:
+                ago = max(0.0, now - float(doc.get("t", now)))
+                late.append((r, f"last phase: {doc.get('phase')}, {ago:.1f} s ago"))
+        within = f"within {_fmt(self.timeout_s)} s"
+        if len(late) == 1:
+            r, what = late[0]
+            message = f"rank {r} did not reach '{step}' {within} ({what})"
+        else:
+            ranks = ", ".join(str(r) for r, _ in late[:_SHOWN]) + (" ..." if len(late) > _SHOWN else "")
+            detail = "; ".join(f"rank {r}: {what}" for r, what in late[:_SHOWN])
+            more = f"; and {len(late) - _SHOWN} more" if len(late) > _SHOWN else ""
+            message = f"{len(late)} ranks ({ranks}) did not reach '{step}' {within} ({detail}{more})"
+        message += (
+            f"; seen from rank {self.rank}. A rank is stuck or died: see its log; raise collective_timeout_s "
+            "if that phase legitimately takes longer"
+        )
+        return CollectiveTimeoutError(message, step=step, missing=[r for r, _ in late])
+
+    def group_failed(self) -> None:
+        """After a failed barrier the ranks no longer agree on where they are: stop using the group."""
+        self.close()
+
+
+@contextlib.contextmanager
+def activate(watch: CollectiveWatch | None) -> Iterator[None]:
+    """Make ``watch`` bound the collectives run by this thread inside the ``with`` block."""
+    previous = getattr(_local, "watch", None)
+    _local.watch = watch
+    try:
+        yield
+    finally:
+        _local.watch = previous
+
+
+def active_watch() -> CollectiveWatch | None:
+    """The watch active in this thread, if any."""
+    watch: CollectiveWatch | None = getattr(_local, "watch", None)
+    return watch
+
+
+def phase(name: str) -> None:
+    """Publish this rank's phase through the active watch (nothing without one)."""
+    watch = active_watch()
+    if watch is not None:
+        with contextlib.suppress(Exception):  # a report, never a reason to fail a save
+            watch.phase(name)

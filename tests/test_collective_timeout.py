@@ -1,0 +1,147 @@
+"""``collective_timeout_s``: bounded barriers that name the ranks that did not arrive.
+
+The barrier protocol runs here on a real c10d ``HashStore`` shared by threads playing the ranks;
+the torchrun test runs a real 2-rank job in which one rank sleeps inside a hook."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from _torchrun import run_torchrun
+
+from ckpt_engine import CollectiveTimeoutError, EngineConfig
+from ckpt_engine._dcpio.watch import CollectiveWatch, activate, active_watch, phase
+
+
+def _watches(world: int, timeout_s: float) -> list[CollectiveWatch]:
+    store = dist.HashStore()
+    return [
+        CollectiveWatch(timeout_s, store=store, group=object(), rank=r, world=world, namespace="test/")
+        for r in range(world)
+    ]
+
+
+def _run(fns: list[Any]) -> list[Any]:
+    out: list[Any] = [None] * len(fns)
+
+    def call(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except Exception as err:
+            out[i] = err
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_default_timeout_is_600_s() -> None:
+    assert EngineConfig(save_dir="x").collective_timeout_s == 600
+
+
+def test_barriers_pass_when_every_rank_arrives() -> None:
+    watches = _watches(3, 5.0)
+
+    def rank(w: CollectiveWatch) -> int:
+        for step in ("prepare", "plan", "write", "commit"):
+            w.phase(step)
+            w.barrier(step)
+        return w.rank
+
+    assert _run([lambda w=w: rank(w) for w in watches]) == [0, 1, 2]
+    # Rank 0 deleted the keys of the barriers everybody passed: only the last one's remain.
+    store = watches[0].store
+    assert not store.check(["test/b/1/count"]) and store.check(["test/b/4/count"])
+
+
+def test_a_rank_that_does_not_arrive_is_named_with_its_last_phase() -> None:
+    w0, w1, w2 = _watches(3, 0.5)
+    w1.phase("stage")
+    w2.phase("write")
+
+    def late() -> None:
+        time.sleep(1.5)
+        w2.barrier("write")
+
+    t0 = time.monotonic()
+    r0, r2 = _run([lambda: w0.barrier("write"), late])
+    assert time.monotonic() - t0 < 5
+    assert isinstance(r0, CollectiveTimeoutError)
+    assert r0.step == "write" and r0.missing == (1, 2)
+    assert re.search(r"rank 1: last phase: stage, \d+\.\d s ago", str(r0)), r0
+    assert "2 ranks (1, 2) did not reach 'write' within 0.5 s" in str(r0)
+    # Rank 2 came late, but rank 1 never did: rank 2 times out too, naming only rank 1.
+    assert isinstance(r2, CollectiveTimeoutError) and r2.missing == (1,), r2
+    assert w0.group is None and w2.group is None  # the group is not used again
+
+
+def test_a_rank_arriving_after_the_others_gave_up_raises_instead_of_entering_the_collective() -> None:
+    w0, w1 = _watches(2, 0.5)
+
+    def late() -> None:
+        time.sleep(1.5)
+        w1.phase("stage")
+        w1.barrier("write")
+
+    r0, r1 = _run([lambda: w0.barrier("write"), late])
+    assert isinstance(r0, CollectiveTimeoutError) and r0.missing == (1,)
+    assert isinstance(r1, CollectiveTimeoutError) and r1.missing == ()
+    assert "rank 1 reached 'write' after the other ranks stopped waiting for it" in str(r1)
+    assert "last phase: stage" in str(r1)
+
+
+def test_message_for_one_missing_rank_matches_the_documented_form() -> None:
+    w0, w1 = _watches(2, 0.3)
+    w1.phase("stage")
+    with pytest.raises(CollectiveTimeoutError) as info:
+        w0.barrier("write")
+    assert re.match(r"rank 1 did not reach 'write' within 0\.3 s \(last phase: stage, \d+\.\d s ago\)", str(info.value))
+    w0b, _w1b = _watches(2, 0.3)
+    with pytest.raises(CollectiveTimeoutError, match=r"rank 1 did not reach 'plan' .*last phase: none published"):
+        w0b.barrier("plan")
+
+
+def test_phase_reports_only_through_the_active_watch() -> None:
+    (w,) = _watches(1, 1.0)
+    phase("ignored")  # no active watch: nothing, no error
+    assert active_watch() is None
+    with activate(w):
+        assert active_watch() is w
+        phase("read")
+    assert active_watch() is None
+    assert b'"phase": "read"' in w.store.get("test/phase/0")
+
+
+@pytest.mark.dist
+def test_a_rank_sleeping_in_a_hook_is_named_by_the_other_within_the_timeout(tmp_path: Any) -> None:
+    run = run_torchrun("collective_timeout.py", str(tmp_path), nproc=2, timeout=120)
+    assert run.returncode == 0, run.describe()
+    res = run.results()
+    steps = {(rank, r["step"]): r for rank, rows in res.items() for r in rows}
+    # Save: rank 1 sleeps 6 s in remap_keys; timeout 3 s.
+    waited = steps[0, "save_remap"]
+    assert waited["raised"] == "CollectiveTimeoutError", waited
+    assert re.match(
+        r"rank 1 did not reach 'prepare' within 3 s \(last phase: remap_keys, \d+\.\d s ago\)", waited["message"]
+    )
+    assert waited["missing"] == [1] and 2.9 <= waited["seconds"] < 5.5
+    late = steps[1, "save_remap"]
+    assert late["raised"] == "CollectiveTimeoutError" and "after the other ranks stopped waiting" in late["message"]
+    # The engine is usable again afterwards.
+    assert steps[0, "save_again"]["raised"] is None and steps[1, "save_again"]["raised"] is None
+    # Load: rank 1 sleeps in pre_load_plan.
+    waited = steps[0, "load_plan"]
+    assert waited["raised"] == "CollectiveTimeoutError", waited
+    assert re.match(r"rank 1 did not reach 'plan' within 3 s \(last phase: plan, \d+\.\d s ago\)", waited["message"])
+    assert waited["missing"] == [1] and 2.9 <= waited["seconds"] < 5.5
+    assert steps[1, "load_plan"]["raised"] == "CollectiveTimeoutError"
+    for rank in (0, 1):
+        assert steps[rank, "closed"]["raised"] is None and steps[rank, "closed"]["seconds"] < 2
