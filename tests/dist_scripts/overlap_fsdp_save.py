@@ -62,12 +62,13 @@ def main() -> None:
         failure = None
     except CheckpointSaveError as err:
         failure = f"{type(err.__cause__).__name__}: {err}"
-    with_reported = False
+    # The failure was seen through its handle: the next save proceeds (it used to raise it again).
     try:
-        engine.save(5, model=model, optimizer=optim)
+        recovered = engine.save(5, model=model, optimizer=optim)
+        with_reported = False
     except CheckpointSaveError:
-        with_reported = True  # save 4's failure is reported again at the next save()
-    recovered = engine.save(5, model=model, optimizer=optim)
+        with_reported = True
+        recovered = engine.save(6, model=model, optimizer=optim)
     after = {"params": params_full(model), "exp_avg": optim_full(model, optim, "exp_avg")}
     recovered_ok = recovered.result(timeout=90).succeeded
     engine.close()
