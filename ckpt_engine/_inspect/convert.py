@@ -24,28 +24,14 @@ from typing import Any
 
 import torch
 
+from .._format.safetensors import DTYPE_CODES
 from .optim_layout import NotOptimizerStateError, nest_optimizer_state
 from .reader import DEFAULT_BUDGET, ComponentReader, KeyInfo, Unreadable
 
 __all__ = ["SAFETENSORS_DTYPES", "convert_component", "require_safetensors"]
 
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-}
+#: The safetensors dtype codes (one table, in the format's module).
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = DTYPE_CODES
 
 
 class ConvertError(Exception):

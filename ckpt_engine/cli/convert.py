@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any
 
 from ..errors import UsageError
 from ._command import Command
@@ -16,9 +17,8 @@ _SUFFIXES = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".b
 def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from .._format.layout import check_complete
     from .._inspect.convert import ConvertError, convert_component, require_safetensors
-    from .._inspect.reader import ComponentReader, human_bytes, match_keys, resolve
+    from .._inspect.reader import human_bytes
 
     fmt = args.to or _SUFFIXES.get(os.path.splitext(args.out)[1].lower())
     if fmt == "hf":
@@ -37,15 +37,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     out = args.out
     if os.path.exists(out) and not args.force:
         raise UsageError(f"{out} exists; pass --force to overwrite it")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise UsageError(f"the folder of {out} does not exist: {parent}")
-    target = resolve(args.checkpoint, [args.component])
-    check_complete(target.checkpoint)
-    reader = ComponentReader(target.components[args.component])
-    keys = match_keys(reader.keys, args.keys or ())
-    if not keys:
-        raise UsageError(f"no key of component {args.component!r} matches {', '.join(args.keys or ())}")
+    target, reader, keys = _component_keys(args)
     total = sum(reader.keys[k].nbytes for k in keys)
     bar = Progress(f"converting {args.component}", total)
     t0 = time.perf_counter()
@@ -84,10 +76,9 @@ def _convert_hf(args: argparse.Namespace) -> int:
     """``--to hf``: a Hugging Face folder (``_inspect.hf_export``)."""
     import torch
 
-    from .._format.layout import check_complete
     from .._format.safetensors import INDEX_FILE, SINGLE_FILE
     from .._inspect.hf_export import DTYPE_ALIASES, export_hf
-    from .._inspect.reader import ComponentReader, human_bytes, match_keys, resolve
+    from .._inspect.reader import human_bytes
 
     cast = None
     if args.dtype:
@@ -99,15 +90,7 @@ def _convert_hf(args: argparse.Namespace) -> int:
         raise UsageError(f"{out} exists; pass --force to replace it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"{out} is a file; --to hf writes a folder")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise UsageError(f"the folder of {out} does not exist: {parent}")
-    target = resolve(args.checkpoint, [args.component])
-    check_complete(target.checkpoint)
-    reader = ComponentReader(target.components[args.component])
-    keys = match_keys(reader.keys, args.keys or ())
-    if not keys:
-        raise UsageError(f"no key of component {args.component!r} matches {', '.join(args.keys or ())}")
+    target, reader, keys = _component_keys(args)
     bar = Progress(f"converting {args.component}", sum(reader.keys[k].nbytes for k in keys))
     t0 = time.perf_counter()
     try:
@@ -146,6 +129,24 @@ def parse_shard_size_arg(text: str) -> int:
     from .._inspect.hf_export import parse_shard_size
 
     return parse_shard_size(text)
+
+
+def _component_keys(args: argparse.Namespace) -> tuple[Any, Any, list[str]]:
+    """The checkpoint ``args`` names (checked complete), a reader of ``--component`` and the keys
+    ``--keys`` selects; a usage error when none matches."""
+    from .._format.layout import check_complete
+    from .._inspect.reader import ComponentReader, match_keys, resolve
+
+    parent = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(parent):
+        raise UsageError(f"the folder of {args.out} does not exist: {parent}")
+    target = resolve(args.checkpoint, [args.component])
+    check_complete(target.checkpoint)
+    reader = ComponentReader(target.components[args.component])
+    keys = match_keys(reader.keys, args.keys or ())
+    if not keys:
+        raise UsageError(f"no key of component {args.component!r} matches {', '.join(args.keys or ())}")
+    return target, reader, keys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
