@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Literal
 
 from ..errors import UsageError
 from ._command import Command
@@ -12,21 +11,10 @@ from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, print_json, print_lines
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .._format.layout import component_dirs
-    from .._format.manifest import verify_checkpoint
-    from .._format.names import LATEST_FILE, iter_dirname
-    from .._format.pointer import list_checkpoints, read_latest
-    from .._inspect.reader import (
-        disk_usage,
-        exists,
-        human_bytes,
-        is_component_dir,
-        isdir,
-        normalize,
-        table,
-        uncommitted_dirs,
-    )
-    from ..errors import CheckpointNotFoundError, CkptEngineError
+    from .._format.pointer import list_checkpoints
+    from .._inspect.listing import list_save_dir, listing_table
+    from .._inspect.reader import exists, is_component_dir, isdir, normalize
+    from ..errors import CheckpointNotFoundError
 
     save_dir = normalize(args.save_dir)
     if not exists(save_dir):
@@ -35,89 +23,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
         raise CheckpointNotFoundError(f"{save_dir} is a file, not a save folder")
     if is_component_dir(save_dir) or (not list_checkpoints(save_dir) and _looks_like_checkpoint(save_dir)):
         raise UsageError(f"{save_dir} is a checkpoint, not a save folder; try: ckpt-engine inspect {save_dir}")
-    warnings: list[str] = []
-    try:
-        latest = read_latest(save_dir)
-    except CkptEngineError as err:
-        latest = None
-        warnings.append(f"warning: {err}")
-    level: Literal["sizes", "checksums"] = "checksums" if args.verify else "sizes"
-    rows: list[dict[str, Any]] = []
-    for iteration, path, note in _committed(save_dir):
-        report = verify_checkpoint(path, level=level)
-        if not report.complete:
-            status = "INCOMPLETE"
-        elif report.problems:
-            status = "CORRUPT"
-        elif report.verified:
-            status = "verified"
-        else:
-            status = "complete"
-        rows.append(
-            {
-                "iteration": iteration,
-                "name": iter_dirname(iteration),
-                "path": path,
-                "components": component_dirs(path),
-                # Counted as `verify` counts them: the checkpoint's data and metadata files.
-                "bytes": report.bytes,
-                "files": report.files,
-                "status": status,
-                "verified": report.verified,
-                "problems": list(report.problems),
-                "latest": iter_dirname(iteration) == latest,
-                "note": note,
-            }
-        )
-    for iteration, path in uncommitted_dirs(save_dir):
-        size, files = disk_usage(path)
-        rows.append(
-            {
-                "iteration": iteration,
-                "name": os.path.basename(path),
-                "path": path,
-                "components": component_dirs(path),
-                "bytes": size,
-                "files": files,
-                "status": "uncommitted",
-                "verified": False,
-                "problems": [
-                    "an interrupted save: never committed, never loaded; the next save of "
-                    f"{iter_dirname(iteration)} replaces it"
-                ],
-                "latest": False,
-                "note": None,
-            }
-        )
-    rows.sort(key=lambda r: (r["iteration"], r["status"] == "uncommitted"))
-    if latest is not None and not any(r["latest"] for r in rows):
-        warnings.append(f"warning: {LATEST_FILE} names {latest!r}, which does not exist")
-    for r in rows:
-        if r["latest"] and r["status"] in ("INCOMPLETE", "CORRUPT"):
-            warnings.append(f"warning: {LATEST_FILE} names {r['name']}, which is {r['status'].lower()}")
-    problem = bool(warnings) or any(r["status"] in ("INCOMPLETE", "CORRUPT") for r in rows)
-    code = EXIT_PROBLEM if problem else EXIT_OK
+    listing = list_save_dir(save_dir, verify=args.verify)
+    rows, warnings = listing.rows, listing.warnings
+    code = EXIT_PROBLEM if listing.problem else EXIT_OK
     if args.json:
         print_json(
-            {"save_dir": save_dir, "latest": latest, "checkpoints": rows, "warnings": warnings, "ok": not problem}
+            {
+                "save_dir": save_dir,
+                "latest": listing.latest,
+                "checkpoints": rows,
+                "warnings": warnings,
+                "ok": not listing.problem,
+            }
         )
         return code
     if not rows:
         print_lines(f"no checkpoints in {save_dir}", *warnings)
         return code
-    body = [
-        [
-            str(r["iteration"]),
-            r["name"],
-            ",".join(r["components"]) or "-",
-            human_bytes(r["bytes"]),
-            str(r["files"]),
-            r["status"],
-            "<- latest" if r["latest"] else "",
-        ]
-        for r in rows
-    ]
-    print_lines(*table(body, ["iteration", "checkpoint", "components", "size", "files", "status", ""], right=(0, 3, 4)))
+    print_lines(*listing_table(listing))
     for r in rows:
         if r["note"]:
             print_lines(f"{r['name']}: {r['note']}")
@@ -131,31 +54,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     print_lines(*warnings)
     return code
-
-
-def _committed(save_dir: str) -> list[tuple[int, str, str | None]]:
-    """``(iteration, folder, note)`` of every committed checkpoint, oldest first. A checkpoint whose
-    re-save crashed between its two renames sits in its ``.replaced`` folder until the next engine
-    start moves it back: it is listed from there, with a note."""
-    from .._format.layout import find_leftovers
-    from .._format.names import parse_iteration
-    from .._format.pointer import list_checkpoints
-
-    found: list[tuple[int, str, str | None]] = [(i, p, None) for i, p in list_checkpoints(save_dir)]
-    present = {i for i, _, _ in found}
-    for lo in find_leftovers(save_dir):
-        iteration = parse_iteration(lo.checkpoint)
-        if lo.kind == "replaced" and iteration is not None and iteration not in present:
-            present.add(iteration)
-            found.append(
-                (
-                    iteration,
-                    lo.path,
-                    f"in {os.path.basename(lo.path)}: a re-save of it was interrupted between its two renames; "
-                    "the next engine started on this folder moves it back (loads see it then)",
-                )
-            )
-    return sorted(found)
 
 
 def _looks_like_checkpoint(path: str) -> bool:

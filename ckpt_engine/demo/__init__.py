@@ -742,24 +742,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _show_ls(save_dir: str) -> None:
-    """What ``ckpt-engine ls`` shows of the save folder, from the same library calls."""
-    from .._format.pointer import list_checkpoints, read_latest
-    from .._inspect.reader import disk_usage, human_bytes, table, uncommitted_dirs
-    from ..integrity import verify_checkpoint
+    """What ``ckpt-engine ls`` shows of the save folder, from the same library code."""
+    from .._inspect.listing import list_save_dir, listing_table
 
-    latest = read_latest(save_dir)
-    rows = []
-    for iteration, path in list_checkpoints(save_dir):
-        report = verify_checkpoint(path, level="sizes")
-        status = "INCOMPLETE" if not report.complete else "CORRUPT" if report.problems else "complete"
-        rows.append((iteration, path, status, os.path.basename(path) == latest))
-    rows += [(iteration, path, "uncommitted", False) for iteration, path in uncommitted_dirs(save_dir)]
-    body = []
-    for iteration, path, status, is_latest in sorted(rows, key=lambda r: (r[0], r[2] == "uncommitted")):
-        size, files = disk_usage(path)
-        body.append([str(iteration), os.path.basename(path), human_bytes(size), str(files), status])
-        body[-1].append("<- latest" if is_latest else "")
-    for line in table(body, ["iteration", "checkpoint", "size", "files", "status", ""], right=(0, 2, 3)):
+    for line in listing_table(list_save_dir(save_dir)):
         print(f"     {line}")
 
 

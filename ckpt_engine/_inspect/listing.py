@@ -1,0 +1,135 @@
+"""A save folder's checkpoints as rows (iteration, components, size, files, status, latest), and
+their text table: what ``ckpt-engine ls`` prints and the demo shows, computed once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .._format.layout import component_dirs, find_leftovers
+from .._format.manifest import verify_checkpoint
+from .._format.names import LATEST_FILE, iter_dirname, parse_iteration
+from .._format.pointer import list_checkpoints, read_latest
+from ..errors import CkptEngineError
+from .reader import disk_usage, human_bytes, table, uncommitted_dirs
+
+__all__ = ["SaveDirListing", "list_save_dir", "listing_table"]
+
+
+@dataclass
+class SaveDirListing:
+    """One row per checkpoint (committed or interrupted) of ``save_dir``, oldest first."""
+
+    save_dir: str
+    latest: str | None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def problem(self) -> bool:
+        """Something is wrong: a warning, or an incomplete or corrupt checkpoint."""
+        return bool(self.warnings) or any(r["status"] in ("INCOMPLETE", "CORRUPT") for r in self.rows)
+
+
+def list_save_dir(save_dir: str, *, verify: bool = False) -> SaveDirListing:
+    """The rows of ``save_dir``; with ``verify``, checksums are compared too (reads all data)."""
+    warnings: list[str] = []
+    try:
+        latest = read_latest(save_dir)
+    except CkptEngineError as err:
+        latest = None
+        warnings.append(f"warning: {err}")
+    level: Literal["sizes", "checksums"] = "checksums" if verify else "sizes"
+    rows: list[dict[str, Any]] = []
+    for iteration, path, note in _committed(save_dir):
+        report = verify_checkpoint(path, level=level)
+        if not report.complete:
+            status = "INCOMPLETE"
+        elif report.problems:
+            status = "CORRUPT"
+        elif report.verified:
+            status = "verified"
+        else:
+            status = "complete"
+        rows.append(
+            {
+                "iteration": iteration,
+                "name": iter_dirname(iteration),
+                "path": path,
+                "components": component_dirs(path),
+                # Counted as `verify` counts them: the checkpoint's data and metadata files.
+                "bytes": report.bytes,
+                "files": report.files,
+                "status": status,
+                "verified": report.verified,
+                "problems": list(report.problems),
+                "latest": iter_dirname(iteration) == latest,
+                "note": note,
+            }
+        )
+    for iteration, path in uncommitted_dirs(save_dir):
+        size, files = disk_usage(path)
+        rows.append(
+            {
+                "iteration": iteration,
+                "name": os.path.basename(path),
+                "path": path,
+                "components": component_dirs(path),
+                "bytes": size,
+                "files": files,
+                "status": "uncommitted",
+                "verified": False,
+                "problems": [
+                    "an interrupted save: never committed, never loaded; the next save of "
+                    f"{iter_dirname(iteration)} replaces it"
+                ],
+                "latest": False,
+                "note": None,
+            }
+        )
+    rows.sort(key=lambda r: (r["iteration"], r["status"] == "uncommitted"))
+    if latest is not None and not any(r["latest"] for r in rows):
+        warnings.append(f"warning: {LATEST_FILE} names {latest!r}, which does not exist")
+    for r in rows:
+        if r["latest"] and r["status"] in ("INCOMPLETE", "CORRUPT"):
+            warnings.append(f"warning: {LATEST_FILE} names {r['name']}, which is {r['status'].lower()}")
+    return SaveDirListing(save_dir, latest, rows, warnings)
+
+
+def listing_table(listing: SaveDirListing) -> list[str]:
+    """The rows as an aligned text table."""
+    body = [
+        [
+            str(r["iteration"]),
+            r["name"],
+            ",".join(r["components"]) or "-",
+            human_bytes(r["bytes"]),
+            str(r["files"]),
+            r["status"],
+            "<- latest" if r["latest"] else "",
+        ]
+        for r in listing.rows
+    ]
+    return table(body, ["iteration", "checkpoint", "components", "size", "files", "status", ""], right=(0, 3, 4))
+
+
+def _committed(save_dir: str) -> list[tuple[int, str, str | None]]:
+    """``(iteration, folder, note)`` of every committed checkpoint, oldest first. A checkpoint whose
+    re-save crashed between its two renames sits in its ``.replaced`` folder until the next engine
+    start moves it back: it is listed from there, with a note."""
+    found: list[tuple[int, str, str | None]] = [(i, p, None) for i, p in list_checkpoints(save_dir)]
+    present = {i for i, _, _ in found}
+    for lo in find_leftovers(save_dir):
+        iteration = parse_iteration(lo.checkpoint)
+        if lo.kind == "replaced" and iteration is not None and iteration not in present:
+            present.add(iteration)
+            found.append(
+                (
+                    iteration,
+                    lo.path,
+                    f"in {os.path.basename(lo.path)}: a re-save of it was interrupted between its two renames; "
+                    "the next engine started on this folder moves it back (loads see it then)",
+                )
+            )
+    return sorted(found)
