@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ckpt_engine import CheckpointEngine, ComponentReport, EngineConfig, LoadStrictnessError, RemapContext, hookimpl
+from ckpt_engine.strategies import DTYPES  # the dtypes plugin authors' strategies draw
 from ckpt_engine.testing import plan_load, plan_reads
 
 #: The component the real loads go through (an ``extra=`` component: any nested state dict).
@@ -43,17 +44,6 @@ COMPONENT = "state"
 
 # -- values ------------------------------------------------------------------------------------
 
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
 SEGMENTS = ["a", "b", "w", "blk", "net", "_extra_state"]
 
 shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
