@@ -42,11 +42,34 @@ def is_committed(path: str, store: Store) -> bool:
     return True
 
 
+def _never_named(path: str, iteration: int, store: Store) -> bool:
+    """Whether the committed ``path`` is newer than what its save folder's ``latest`` names (or
+    there is no ``latest``): a commit killed between its rename and the pointer update. Nothing
+    resumed from it, and a resumed run redoes and re-saves that iteration."""
+    save_dir = os.path.dirname(path.rstrip("/"))
+    try:
+        latest = read_latest(save_dir, store)
+    except CkptEngineError:
+        return False  # an unreadable pointer: refuse, the user decides
+    named = parse_iteration(latest) if latest is not None else None
+    return named is None or named < iteration
+
+
 def refuse_resave(iteration: int, targets: list[tuple[str, Store]], allow: bool) -> None:
     """Raise :class:`CheckpointExistsError` if any of ``targets`` (``(path, store)``) is a
-    committed checkpoint and ``allow`` (``allow_overwrite``) is false."""
+    committed checkpoint and ``allow`` (``allow_overwrite``) is false. A committed checkpoint
+    that ``latest`` never named (its commit was killed before the pointer moved) is replaced: the
+    run that redoes its iteration resumed from an older one."""
     for path, store in targets:
         if not is_committed(path, store):
+            continue
+        if _never_named(path, iteration, store):
+            logger.warning(
+                "iteration %d is committed at %s but latest_checkpoint.txt never named it (a commit interrupted "
+                "before the pointer moved); replacing it",
+                iteration,
+                path,
+            )
             continue
         if allow:
             logger.warning("iteration %d is committed at %s; replacing it (allow_overwrite=True)", iteration, path)

@@ -42,3 +42,17 @@ def test_latest_never_moves_to_an_older_iteration(save_dir: str) -> None:
     assert Path(save_dir, "latest_checkpoint.txt").read_text() == "iter_000000010\n"
     assert ckpt(save_dir, 5).is_dir()
     assert load(save_dir)[0].iteration == 10
+
+
+def test_a_commit_killed_before_latest_moved_does_not_block_the_resumed_run(save_dir: str) -> None:
+    """A SIGKILL between a commit's rename and the pointer update leaves ``iter_N`` complete but
+    never named by ``latest``; the run resumes from ``N-1``, redoes ``N`` and saves it again. That
+    save replaces the orphan (nothing resumed from it) instead of failing every restart."""
+    save(save_dir, 4)
+    save(save_dir, 5)
+    Path(save_dir, "latest_checkpoint.txt").write_text("iter_000000004\n")  # as the kill left it
+    redone = save(save_dir, 5)  # no allow_overwrite: the resumed run's ordinary save
+    assert Path(save_dir, "latest_checkpoint.txt").read_text() == "iter_000000005\n"
+    result, state = load(save_dir)
+    assert result.iteration == 5
+    assert all(state.model.state_dict()[k].equal(v) for k, v in redone[5].items())
