@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -81,8 +81,6 @@ from .state import TrainingObjects, component_state_dict
 __all__ = ["CheckpointEngine", "SaveHandle"]
 
 logger = logging.getLogger("ckpt_engine")
-
-_T = TypeVar("_T")
 
 
 @dataclass

@@ -128,8 +128,8 @@ def _error_text(err: BaseException) -> str:
     message = str(err).strip() or type(err).__name__
     # pydantic appends a documentation URL to every validation error: noise on a terminal.
     message = "\n".join(line for line in message.splitlines() if "For further information visit" not in line)
-    if isinstance(err, (CkptEngineError, CliError, pluggy.PluginValidationError)):
-        kind = "" if isinstance(err, CliError) else f"{type(err).__name__}: "
+    if isinstance(err, (CkptEngineError, pluggy.PluginValidationError)):  # UsageError is one
+        kind = "" if isinstance(err, UsageError) else f"{type(err).__name__}: "
         return kind + message
     if isinstance(err, OSError):
         return f"{type(err).__name__}: {message}"
