@@ -310,38 +310,40 @@ class Loader:
                 "any code the checkpoint holds; use it only for checkpoints you trust",
                 path,
             )
-        excluded = set(self.config.keys_not_to_resume)
-        available = set(objs.available())
-        names = [n for n in wanted if n not in excluded and n in available]
-        reports: dict[str, ComponentReport] = {}
-        iteration = 0
-        for name in names:
-            if name not in checked.components:
-                if source == "latest":  # rule 1 resumes everything: a gap would restart or mix iterations
-                    raise IncompleteCheckpointError(missing_for_resume(path, name, tuple(checked.components)))
-                if name == "trainer" and objs.grad_scaler is None:
-                    continue  # nothing to restore but the iteration: 0
-                if self.config.strict:
-                    raise IncompleteCheckpointError(
-                        f"checkpoint {path} has no component {name!r} (it has: {', '.join(checked.components)}); "
-                        f"add {name!r} to keys_not_to_resume, don't pass it, or set strict=False"
-                    )
-                logger.warning("checkpoint %s has no component %r; not loaded", path, name)
-                continue
-            if name == RNG_COMPONENT:
-                check_saved_world_size(checked.components[name], path, _dist.world_size())
-            sd = component_state_dict(objs, name, 0)
-            planner = self._load_component(
-                name, validated.store.join(path, name), sd, checked.components[name], objs, validated.store
-            )
-            assert planner.report is not None
-            reports[name] = planner.report
-            apply_component(objs, name, sd, planner.untouched_roots)
-            if name == "trainer":
-                iteration = int(sd.get("iteration", 0))
-        report = LoadReport(reports)
-        if validated.lock is not None:
-            validated.lock.release()  # everything is read
+        try:
+            excluded = set(self.config.keys_not_to_resume)
+            available = set(objs.available())
+            names = [n for n in wanted if n not in excluded and n in available]
+            reports: dict[str, ComponentReport] = {}
+            iteration = 0
+            for name in names:
+                if name not in checked.components:
+                    if source == "latest":  # rule 1 resumes everything: a gap would restart or mix iterations
+                        raise IncompleteCheckpointError(missing_for_resume(path, name, tuple(checked.components)))
+                    if name == "trainer" and objs.grad_scaler is None:
+                        continue  # nothing to restore but the iteration: 0
+                    if self.config.strict:
+                        raise IncompleteCheckpointError(
+                            f"checkpoint {path} has no component {name!r} (it has: {', '.join(checked.components)}); "
+                            f"add {name!r} to keys_not_to_resume, don't pass it, or set strict=False"
+                        )
+                    logger.warning("checkpoint %s has no component %r; not loaded", path, name)
+                    continue
+                if name == RNG_COMPONENT:
+                    check_saved_world_size(checked.components[name], path, _dist.world_size())
+                sd = component_state_dict(objs, name, 0)
+                planner = self._load_component(
+                    name, validated.store.join(path, name), sd, checked.components[name], objs, validated.store
+                )
+                assert planner.report is not None
+                reports[name] = planner.report
+                apply_component(objs, name, sd, planner.untouched_roots)
+                if name == "trainer":
+                    iteration = int(sd.get("iteration", 0))
+            report = LoadReport(reports)
+        finally:
+            if validated.lock is not None:
+                validated.lock.release()  # everything is read, or the load failed
         if _dist.rank() == 0:
             how = f"verified: {self.config.verify}" if validated.verified else f"unverified: {validated.reason}"
             logger.info("loaded %s (iteration %d, %s)\n%s", path, iteration, how, report.summary())
