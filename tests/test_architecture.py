@@ -219,3 +219,19 @@ def test_architecture_page_names_every_internal_module() -> None:
             if path.stem != "__init__" and not path.stem.startswith("_") and f"`{path.stem}`" not in text:
                 missing.append(f"{package}/{path.name}")
     assert not missing, "modules docs/architecture.md does not mention: " + ", ".join(missing)
+
+
+def test_the_engine_never_tests_the_storage_mode() -> None:
+    """The storage mode is chosen once (``_engine/targets.open_target``): the facade and the commit
+    protocol ask their ``SaveTarget`` instead of branching on what kind of storage they have."""
+    pattern = re.compile(r"is_object_store|\blocal_dir\b|isinstance\([^)]*Store\b|isinstance\([^)]*Target\b")
+    bad = []
+    for rel in ("_engine/engine.py", "_engine/commit.py"):
+        path = PACKAGE / rel
+        with tokenize.open(path) as f:
+            lines = f.read().splitlines()
+        for n, line in enumerate(lines, 1):
+            code = line.split("#", 1)[0]
+            if pattern.search(code) and "self._target.local_dir" not in code:
+                bad.append(f"{rel}:{n}: {line.strip()}")
+    assert not bad, "storage-mode branches outside the save targets:\n" + "\n".join(bad)

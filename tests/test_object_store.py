@@ -34,6 +34,7 @@ from ckpt_engine import (
     StorageError,
     hookimpl,
 )
+from ckpt_engine._engine.targets import LocalTarget
 from ckpt_engine._format.names import LATEST_FILE
 from ckpt_engine._format.pointer import read_latest
 from ckpt_engine._storage.store import FsspecStore, is_transient, open_store
@@ -163,7 +164,7 @@ def test_resaving_an_iteration_replaces_every_object(mem_url: str) -> None:
 def test_file_url_is_the_local_path(tmp_path: Path) -> None:
     state = TinyTrainingState.create(seed=1)
     engine = CheckpointEngine({"save_dir": f"file://{tmp_path}/ckpt"})
-    assert engine.save_dir == f"{tmp_path}/ckpt" and not engine._remote
+    assert engine.save_dir == f"{tmp_path}/ckpt" and isinstance(engine._target, LocalTarget)
     engine.save(1, **state.objects())
     engine.close()
     assert read_latest(tmp_path / "ckpt") == "iter_000000001"

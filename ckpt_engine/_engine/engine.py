@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-import hashlib
-import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,40 +20,24 @@ from .._dcpio import dist as _dist
 from .._dcpio.fast_save import drop_plan_caches
 from .._dcpio.planner import EngineSavePlanner, flat_keys
 from .._dcpio.watch import phase as publish_phase
-from .._format.digests import remove_parts, written_entries
 from .._format.layout import (
     SaveDirLock,
-    check_complete,
     cleanup_leftovers,
-    commit_rename,
     disk_full_hint,
     find_leftovers,
-    remove_checkpoint,
-    remove_tree,
 )
 from .._format.manifest import (
     DEFAULT_ALGORITHM,
-    FileEntry,
-    list_files,
-    new_manifest,
-    owner_rank,
-    referenced_files,
-    write_manifest,
 )
-from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, partial_dirname
 from .._format.retention import apply_retention
-from .._storage.paths import check_local_save_dir
-from .._storage.store import FsspecStore, Store, open_store
 from ..config import EngineConfig
 from ..errors import (
     CheckpointExistsError,
     CheckpointSaveError,
     CkptEngineError,
     CollectiveTimeoutError,
-    IncompleteCheckpointError,
     InvalidArgumentError,
     SaveDirLockedError,
-    StorageError,
 )
 from ..pipeline import Pipeline
 from ..plugin_manager import build_plugin_manager
@@ -71,12 +51,14 @@ from ..types import (
     WriteResult,
 )
 from .collectives import bounded, close_watch, watch_group
+from .commit import CommitPhase, run_commit
 from .consensus import agree, unwrap
 from .loader import Loader
 from .preemption import PreemptionSaver
-from .resave import advance_latest, refuse_resave
+from .resave import refuse_resave
 from .rng import with_rng
 from .state import TrainingObjects, component_state_dict
+from .targets import SavePaths, open_target
 
 __all__ = ["CheckpointEngine", "SaveHandle"]
 
@@ -94,31 +76,6 @@ class _Clock:
     blocked: float = 0.0
     #: A copy that continues after ``save()`` returned (``StagedState.snapshot``).
     snapshot: PendingSnapshot | None = None
-
-
-@dataclass
-class _Phase:
-    """What the commit phase of a save found (filled in as it goes)."""
-
-    error: BaseException | None = None
-    nbytes: int = 0
-    write_end: float = 0.0
-
-
-@dataclass(frozen=True)
-class _SavePaths:
-    """Where one save goes. ``final`` is the checkpoint's name for users (a local folder or a URL);
-    ``partial`` the local folder the write providers write into; ``local_final`` the local folder
-    it is renamed to (``None`` when the checkpoint lives only in an object store)."""
-
-    iteration: int
-    final: str
-    partial: str
-    local_final: str | None
-
-    @property
-    def name(self) -> str:
-        return iter_dirname(self.iteration)
 
 
 class SaveHandle:
@@ -195,27 +152,13 @@ class CheckpointEngine:
         self._watch: Any = None  # the CollectiveWatch of collective_timeout_s (collectives.py)
         #: Names this engine's save-plan caches (``fast_save``): one per component.
         self._plan_prefix = f"engine-{os.getpid()}-{id(self):x}:"
-        storage = self.config.storage
-        self._store = open_store(self.save_dir, storage)
-        self._remote = self._store.is_object_store
-        if not self._remote:
-            check_local_save_dir(self.save_dir)
-        #: Two-tier saves (``storage.local_dir``): local commit first, upload in the background.
-        self._local_dir = storage.local_dir if self._remote else None
-        #: Saves go straight into the object store: every rank uploads its own files from the spool.
-        self._direct = self._remote and self._local_dir is None
-        #: The local folder that receives uncommitted saves: ``save_dir`` itself, the two-tier
-        #: ``local_dir``, or a spool folder for this save_dir URL (same path on every rank).
-        self._staging_root = self.save_dir
-        if self._remote:
-            digest = hashlib.sha1(self.save_dir.encode()).hexdigest()[:16]
-            base = storage.spool_dir or tempfile.gettempdir()
-            self._staging_root = self._local_dir or os.path.join(base, "ckpt-engine-spool", digest)
+        #: The storage mode, chosen once: staging folder, commit, uploads, cleanup, retention.
+        self._target = open_target(self.config)
         #: Held by rank 0 from the first save until close(): a second engine saving into the
         #: same folder gets SaveDirLockedError instead of interleaving checkpoints. (An object
         #: store has no lock: the local staging folder is what is locked there.)
-        self._save_lock = SaveDirLock(self._staging_root)
-        self._loader = Loader(self.config, self.pipeline, self.save_dir, self._local_dir)
+        self._save_lock = SaveDirLock(self._target.staging_root)
+        self._loader = Loader(self.config, self.pipeline, self.save_dir, self._target.local_dir)
         self._remove_leftovers_at_start()
 
     def _remove_leftovers_at_start(self) -> None:
@@ -234,7 +177,7 @@ class CheckpointEngine:
                 rank = 0
         if rank != 0:
             return
-        leftovers = find_leftovers(self._staging_root)
+        leftovers = find_leftovers(self._target.staging_root)
         if not leftovers:
             return
         holder = self._save_lock.try_hold_briefly()
@@ -242,12 +185,12 @@ class CheckpointEngine:
             logger.info(
                 "%s holds %d leftover temporary folder(s), but another engine holds its lock (or it cannot "
                 "be locked); leaving them",
-                self._staging_root,
+                self._target.staging_root,
                 len(leftovers),
             )
             return
         try:
-            for line in cleanup_leftovers(self._staging_root, leftovers):
+            for line in cleanup_leftovers(self._target.staging_root, leftovers):
                 logger.warning("%s", line)
         finally:
             holder.release()
@@ -308,46 +251,65 @@ class CheckpointEngine:
         self._wait_pending(keep=self._saves_to_keep(iteration), raise_errors=False)
 
         clock = _Clock(time.perf_counter())
-        t0 = clock.t0
         rank, world = _dist.rank(), _dist.world_size()
-        paths = self._save_paths(iteration)
-        final_dir, partial_dir = paths.final, paths.partial
+        paths = self._target.paths(iteration)
         components = tuple(objs.available())
         try:
-            prepared = self._prepare_save(objs, paths, components, rank, world, clock)
+            staged, key_maps = self._prepare_save(objs, paths, components, rank, world, clock)
         except Exception as err:
-            result = SaveResult(
-                iteration=iteration,
-                path=final_dir,
-                succeeded=False,
-                error=err,
-                components=components,
-                blocked_seconds=time.perf_counter() - t0,
-                total_seconds=time.perf_counter() - t0,
-            )
-            self._finish(result, paths, cleanup=False)
-            if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveTimeoutError)):
+            failure = self._failed_before_write(paths, components, err, clock)
+            if failure is err:
                 raise
-            detail = str(err) if isinstance(err, CkptEngineError) else f"{type(err).__name__}: {err}"
-            raise CheckpointSaveError(f"saving iteration {iteration} to {final_dir} failed: {detail}") from err
-
-        staged, key_maps = prepared
+            raise failure from err
         clock.snapshot = staged.snapshot
+        outcomes = self._write(paths, components, staged, key_maps, clock)
+        clock.blocked = time.perf_counter() - clock.t0
+        return self._hand_off(paths, components, outcomes, clock)
+
+    def _failed_before_write(
+        self, paths: SavePaths, components: tuple[str, ...], err: Exception, clock: _Clock
+    ) -> Exception:
+        """Report a save that failed before any write, and return the error ``save()`` raises:
+        refusals and timeouts as they are, anything else as a :class:`CheckpointSaveError`."""
+        elapsed = time.perf_counter() - clock.t0
+        result = SaveResult(
+            iteration=paths.iteration,
+            path=paths.final,
+            succeeded=False,
+            error=err,
+            components=components,
+            blocked_seconds=elapsed,
+            total_seconds=elapsed,
+        )
+        self._finish(result, paths, cleanup=False)
+        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveTimeoutError)):
+            return err
+        detail = str(err) if isinstance(err, CkptEngineError) else f"{type(err).__name__}: {err}"
+        return CheckpointSaveError(f"saving iteration {paths.iteration} to {paths.final} failed: {detail}")
+
+    def _write(
+        self,
+        paths: SavePaths,
+        components: tuple[str, ...],
+        staged: Any,
+        key_maps: dict[str, dict[str, str]],
+        clock: _Clock,
+    ) -> list[WriteResult | Future[WriteResult]]:
+        """Hand each component to the ``write`` provider; the live state (no staged copy) is
+        written before this returns. A failure is reported and raised on every rank."""
         clock.write_start = time.perf_counter()
+        rank, world = _dist.rank(), _dist.world_size()
+        checksum = DEFAULT_ALGORITHM if self.config.save_checksums else None
         outcomes: list[WriteResult | Future[WriteResult]] = []
         try:
             for name in components:
                 ctx = WriteContext(
                     component=name,
-                    iteration=iteration,
-                    path=os.path.join(partial_dir, name),
+                    iteration=paths.iteration,
+                    path=os.path.join(paths.partial, name),
                     rank=rank,
                     world_size=world,
-                    planner=EngineSavePlanner(
-                        key_maps[name],
-                        cache_key=self._plan_prefix + name,
-                        checksum=DEFAULT_ALGORITHM if self.config.save_checksums else None,
-                    ),
+                    planner=EngineSavePlanner(key_maps[name], cache_key=self._plan_prefix + name, checksum=checksum),
                     staged_copy=staged.is_copy,
                     thread_count=self.config.thread_count,
                     sync_files=self.config.sync_files,
@@ -363,36 +325,40 @@ class CheckpointEngine:
             if isinstance(cause, CollectiveTimeoutError):
                 raise cause from None
             raise failure from cause
+        return outcomes
 
-        clock.blocked = time.perf_counter() - t0
+    def _hand_off(
+        self,
+        paths: SavePaths,
+        components: tuple[str, ...],
+        outcomes: list[WriteResult | Future[WriteResult]],
+        clock: _Clock,
+    ) -> SaveHandle:
+        """Commit now where every write is done (synchronous providers), else from the commit
+        thread; a two-tier upload always continues in the background."""
         future: Future[SaveResult] = Future()
-        handle = SaveHandle(iteration, final_dir, future, staged.snapshot)
-        if all(isinstance(o, WriteResult) for o in outcomes):
-            if self._local_dir is not None:
-                # Two-tier: commit the local copy now, upload it in the background.
-                phase = self._commit_phase(paths, components, outcomes, collective=True)
-                if phase.error is not None:
-                    result = self._result(paths, components, phase, clock, collective=True)
-                    self._finish(result, paths, cleanup=True)
-                    future.set_result(result)
-                    raise CheckpointSaveError(
-                        f"saving iteration {iteration} to {final_dir} failed: {result.error}"
-                    ) from result.error
-                self._submit(handle, self._upload_background, future, paths, components, phase, clock)
-                return handle
-            result = self._commit(paths, components, outcomes, clock, collective=True)
-            future.set_result(result)
-            if isinstance(result.error, CollectiveTimeoutError):
-                raise result.error
-            if not result.succeeded:
-                raise CheckpointSaveError(
-                    f"saving iteration {iteration} to {final_dir} failed: {result.error}"
-                ) from result.error
+        handle = SaveHandle(paths.iteration, paths.final, future, clock.snapshot)
+        if not all(isinstance(o, WriteResult) for o in outcomes):
+            # Background writes: commit from the engine's commit thread (no collectives there;
+            # the last DCP write of every component already synchronised all ranks).
+            self._submit(handle, self._commit_background, future, paths, components, outcomes, clock)
             return handle
-
-        # Background writes: commit from the engine's commit thread (no collectives there; the
-        # last DCP write of every component already synchronised all ranks).
-        self._submit(handle, self._commit_background, future, paths, components, outcomes, clock)
+        if self._target.after_commit_in_background:
+            phase = self._run_commit(paths, components, outcomes, collective=True)
+            if phase.error is None:
+                self._submit(handle, self._after_commit_background, future, paths, components, phase, clock)
+                return handle
+            result = self._result(paths, components, phase, clock, collective=True)
+            self._finish(result, paths, cleanup=True)
+        else:
+            result = self._commit(paths, components, outcomes, clock, collective=True)
+        future.set_result(result)
+        if isinstance(result.error, CollectiveTimeoutError):
+            raise result.error
+        if not result.succeeded:
+            raise CheckpointSaveError(
+                f"saving iteration {paths.iteration} to {paths.final} failed: {result.error}"
+            ) from result.error
         return handle
 
     def _submit(self, handle: SaveHandle, fn: Callable[..., None], *args: Any) -> None:
@@ -402,18 +368,10 @@ class CheckpointEngine:
             self._pending.append(handle)
         self._committer.submit(fn, *args)
 
-    def _save_paths(self, iteration: int) -> _SavePaths:
-        name = iter_dirname(iteration)
-        partial = os.path.join(self._staging_root, partial_dirname(iteration))
-        if not self._remote:
-            return _SavePaths(iteration, os.path.join(self.save_dir, name), partial, os.path.join(self.save_dir, name))
-        local_final = os.path.join(self._local_dir, name) if self._local_dir is not None else None
-        return _SavePaths(iteration, self._store.join(self.save_dir, name), partial, local_final)
-
     def _prepare_save(
         self,
         objs: TrainingObjects,
-        paths: _SavePaths,
+        paths: SavePaths,
         components: tuple[str, ...],
         rank: int,
         world: int,
@@ -437,22 +395,14 @@ class CheckpointEngine:
                 )
                 key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
             if rank == 0:
-                refuse_resave(paths.iteration, self._resave_targets(paths), self.config.allow_overwrite)
-                os.makedirs(self._staging_root, exist_ok=True)
+                refuse_resave(paths.iteration, self._target.resave_targets(paths), self.config.allow_overwrite)
+                os.makedirs(self._target.staging_root, exist_ok=True)
                 if self._save_lock.acquire():  # first save: also clear what a crash left behind
-                    for line in cleanup_leftovers(self._staging_root):
+                    for line in cleanup_leftovers(self._target.staging_root):
                         logger.warning("%s", line)
-                if os.path.exists(paths.partial):
-                    remove_tree(paths.partial)  # left behind by a crashed save of this iteration
-                if self._direct and self._store.exists(paths.final):
-                    # A re-save of this iteration (or what a killed save uploaded): the old marker
-                    # goes first, so that no reader ever takes the mix for a checkpoint.
-                    logger.warning(
-                        "%s exists; deleting it before saving iteration %d again", paths.final, paths.iteration
-                    )
-                    remove_checkpoint(paths.final, self._store)
-            elif self._direct:
-                self._remove_own_files(paths.partial, rank)  # a node-local spool another node cannot clear
+                self._target.clear_for_save(paths)
+            else:
+                self._target.clear_own_files(paths, rank, world)
             t_stage = time.perf_counter()
             publish_phase("stage")
             staged = self.pipeline.stage(
@@ -485,29 +435,9 @@ class CheckpointEngine:
             ) from local_err
         return staged, key_maps
 
-    def _resave_targets(self, paths: _SavePaths) -> list[tuple[str, Store]]:
-        """Where a committed checkpoint of this iteration would be, checked before the save: the
-        save's own place, or for two-tier saves the local copy (the object store is checked by
-        the background upload, which must not make ``save()`` wait on the network)."""
-        if paths.local_final is not None:
-            return [(paths.local_final, open_store(paths.local_final))]
-        return [(paths.final, self._store)]
-
-    @staticmethod
-    def _remove_own_files(partial: str, rank: int) -> None:
-        """Remove this rank's data files from an earlier attempt of a save in ``partial``."""
-        if not os.path.isdir(partial):
-            return
-        for rel in list_files(partial):
-            if os.path.basename(rel).startswith(f"__{rank}_"):
-                try:
-                    os.remove(os.path.join(partial, rel))
-                except FileNotFoundError:
-                    continue
-
     def _fail_sync(
         self,
-        paths: _SavePaths,
+        paths: SavePaths,
         components: tuple[str, ...],
         err: BaseException,
         ranks: list[int],
@@ -526,7 +456,7 @@ class CheckpointEngine:
             write_seconds=now - clock.write_start,
             total_seconds=now - clock.t0,
         )
-        hint = disk_full_hint(self._staging_root, err)  # before the partial folder frees its space
+        hint = disk_full_hint(self._target.staging_root, err)  # before the partial folder frees its space
         self._finish(result, paths, cleanup=True)
         where = f" on rank(s) {ranks}" if _dist.world_size() > 1 else ""
         return CheckpointSaveError(
@@ -536,110 +466,34 @@ class CheckpointEngine:
 
     def _commit(
         self,
-        paths: _SavePaths,
+        paths: SavePaths,
         components: tuple[str, ...],
         outcomes: Sequence[Any],
         clock: _Clock,
         *,
         collective: bool,
     ) -> SaveResult:
-        """The commit protocol (docs/reliability.md, docs/storage.md), then ``_finish``.
-
-        ``collective``: every rank calls this at the same point (synchronous saves); each rank
-        checksums the files it wrote and the ranks agree before rank 0 commits. Otherwise (the
-        commit thread of background writes) no collective is used.
-        """
-        phase = self._commit_phase(paths, components, outcomes, collective=collective)
-        if phase.error is None and self._local_dir is not None and _dist.rank() == 0:
-            phase.error = self._upload_local_copy(paths)
+        """The commit (:func:`.commit.run_commit`) and what follows it, then ``_finish``."""
+        phase = self._run_commit(paths, components, outcomes, collective=collective)
+        if phase.error is None and _dist.rank() == 0:
+            phase.error = self._target.after_commit(paths)
         result = self._result(paths, components, phase, clock, collective=collective)
         self._finish(result, paths, cleanup=phase.error is not None)
         return result
 
-    def _commit_phase(
-        self, paths: _SavePaths, components: tuple[str, ...], outcomes: Sequence[Any], *, collective: bool
-    ) -> _Phase:
-        """Wait for the writes, then commit: locally (manifest, rename, ``latest``), or straight
-        into the object store (every rank uploads its own files; rank 0 writes the manifest, the
-        completion marker, then ``latest``)."""
-        phase = _Phase()
-        if collective:
-            publish_phase("commit")
-        try:
-            results = [self.pipeline.check_write_result(o.result() if isinstance(o, Future) else o) for o in outcomes]
-            phase.nbytes = sum(r.bytes_written for r in results)
-        except (Exception, CheckpointException) as exc:
-            phase.error = unwrap(exc)[0]
-            # The other components' writes may still be running: let them end before the failed
-            # save's folder is removed (bounded by the write provider's own timeout).
-            concurrent.futures.wait([o for o in outcomes if isinstance(o, Future)])
-        phase.write_end = time.perf_counter()
-        rank, world = _dist.rank(), _dist.world_size()
+    def _run_commit(
+        self, paths: SavePaths, components: tuple[str, ...], outcomes: Sequence[Any], *, collective: bool
+    ) -> CommitPhase:
         algorithm = DEFAULT_ALGORITHM if self.config.save_checksums else None
-        entries: dict[str, FileEntry] = {}
-        direct = self._direct
-        if direct or (collective and world > 1):
-            # Each rank sizes and checksums the files it wrote (still in its page cache) and, for an
-            # object store, uploads them; then the ranks agree that every write succeeded.
-            if phase.error is None:
-                try:
-                    mine = [rel for rel in list_files(paths.partial) if owner_rank(rel, world) == rank]
-                    entries = written_entries(paths.partial, mine, algorithm)
-                    if direct:
-                        self._upload_files(paths.partial, paths.final, mine)
-                except Exception as err:
-                    phase.error = err
-            if collective and world > 1:
-                try:
-                    wrote = agree(phase.error, entries, fallback=CheckpointSaveError, step="commit")
-                except CollectiveTimeoutError as err:
-                    phase.error = err
-                    return phase
-                if phase.error is None and wrote.first is not None:
-                    phase.error = CheckpointSaveError(
-                        f"rank {wrote.first.rank} failed to write its files: {wrote.first.text}"
-                    )
-                entries = {rel: entry for part in wrote.payloads for rel, entry in part.items()}
-            elif direct and world > 1:
-                try:
-                    entries = self._exchange_parts(paths, entries, phase.error)
-                except Exception as err:
-                    phase.error = phase.error or err
-        if phase.error is None and rank == 0:
-            try:
-                t_manifest = time.perf_counter()
-                if direct:
-                    covered = self._write_manifest(paths, components, algorithm, entries, world, uploaded=True)
-                    advance_latest(self.save_dir, paths.name, self._store)
-                else:
-                    covered = self._write_manifest(paths, components, algorithm, entries, world)
-                    assert paths.local_final is not None
-                    commit_rename(paths.partial, paths.local_final)
-                    advance_latest(os.path.dirname(paths.local_final), paths.name)
-                logger.debug(
-                    "manifest of iteration %d: %.1f MB covered in %.3fs",
-                    paths.iteration,
-                    covered / 1e6,
-                    time.perf_counter() - t_manifest,
-                )
-            except Exception as err:
-                phase.error = err
-        if collective and world > 1:
-            # Doubles as the barrier that keeps ranks from running ahead of the commit.
-            try:
-                committed = agree(phase.error, fallback=CheckpointSaveError, step="committed").first
-            except CollectiveTimeoutError as err:
-                phase.error = err
-                return phase
-            if phase.error is None and committed is not None:
-                phase.error = CheckpointSaveError(f"rank {committed.rank} failed to commit: {committed.text}")
-        return phase
+        return run_commit(
+            self._target, self.pipeline, paths, components, outcomes, collective=collective, algorithm=algorithm
+        )
 
     def _result(
         self,
-        paths: _SavePaths,
+        paths: SavePaths,
         components: tuple[str, ...],
-        phase: _Phase,
+        phase: CommitPhase,
         clock: _Clock,
         *,
         collective: bool,
@@ -661,150 +515,17 @@ class CheckpointEngine:
             background_copy_seconds=clock.snapshot.copy_seconds if clock.snapshot is not None else 0.0,
         )
 
-    def _write_manifest(
-        self,
-        paths: _SavePaths,
-        components: tuple[str, ...],
-        algorithm: str | None,
-        entries: dict[str, FileEntry],
-        world: int,
-        *,
-        uploaded: bool = False,
-    ) -> int:
-        """Rank 0: check the checkpoint is complete, then write its manifest; returns the bytes
-        the manifest covers.
-
-        Locally (``uploaded`` false) into the uncommitted folder, checksumming what no rank did.
-        On an object store (``uploaded``), after every rank uploaded: the DCP metadata is checked
-        against one listing of the prefix, every file must have been reported by a rank, and the
-        manifest written is the completion marker."""
-        root, store = (paths.final, self._store) if uploaded else (paths.partial, None)
-        checked = check_complete(root, store)
-        missing = [c for c in components if c not in checked.components]
-        if missing:
-            raise IncompleteCheckpointError(
-                f"{root}: components {missing} were not {'uploaded' if uploaded else 'written'}"
-            )
-        entries = dict(entries)
-        if uploaded:
-            unreported = referenced_files(checked) - set(entries)
-            if unreported:
-                raise IncompleteCheckpointError(
-                    f"{root}: {sorted(unreported)[:5]} are referenced by DCP metadata but no rank reported "
-                    "uploading them"
-                )
-        else:
-            expected = set(list_files(root)) | referenced_files(checked)
-            entries.update(written_entries(root, expected - set(entries), algorithm))
-            remove_parts(root)
-        manifest = new_manifest(paths.iteration, world, components, algorithm, entries)
-        write_manifest(root, manifest, store)
-        return manifest.total_bytes
-
-    # -- object stores ------------------------------------------------------------------------
-
-    def _upload_files(self, local_root: str, remote_root: str, rels: Sequence[str]) -> None:
-        """Upload ``rels`` (relative to ``local_root``) under ``remote_root``, in parallel."""
-        store = self._store
-        assert isinstance(store, FsspecStore)
-        pairs = [(os.path.join(local_root, *rel.split("/")), store.join(remote_root, rel)) for rel in rels]
-        t = time.perf_counter()
-        nbytes = store.upload_many(pairs)
-        logger.debug(
-            "uploaded %d file(s), %.1f MB, to %s in %.3fs",
-            len(pairs),
-            nbytes / 1e6,
-            remote_root,
-            time.perf_counter() - t,
-        )
-
-    def _exchange_parts(
-        self, paths: _SavePaths, entries: dict[str, FileEntry], error: BaseException | None
-    ) -> dict[str, FileEntry]:
-        """Background saves to an object store, several ranks, no collectives: every rank reports
-        its upload in a small object next to the checkpoint; rank 0 waits for all of them
-        (``storage.commit_timeout_s``) and returns the merged entries, or raises the first
-        rank's failure."""
-        rank, world = _dist.rank(), _dist.world_size()
-        store = self._store
-        part = {
-            "rank": rank,
-            "error": None if error is None else f"{type(error).__name__}: {error}",
-            "files": {rel: {"size": e.size, "checksum": e.checksum} for rel, e in entries.items()},
-        }
-        store.write_bytes(store.join(paths.final, f"{RANK_PART_PREFIX}{rank:05d}.json"), json.dumps(part).encode())
-        if error is not None:
-            raise error
-        if rank != 0:
-            return entries
-        merged = dict(entries)
-        deadline = time.monotonic() + self.config.storage.commit_timeout_s
-        waiting = set(range(1, world))
-        delay = 0.05
-        while waiting:
-            for r in sorted(waiting):
-                path = store.join(paths.final, f"{RANK_PART_PREFIX}{r:05d}.json")
-                try:
-                    doc = json.loads(store.read_bytes(path))
-                except FileNotFoundError:
-                    continue
-                if doc.get("error"):
-                    raise CheckpointSaveError(f"rank {r} failed to upload its files: {doc['error']}")
-                for rel, e in doc.get("files", {}).items():
-                    merged[rel] = FileEntry(size=int(e["size"]), checksum=e.get("checksum"))
-                waiting.discard(r)
-            if waiting:
-                if time.monotonic() > deadline:
-                    raise CheckpointSaveError(
-                        f"rank(s) {sorted(waiting)} did not report their uploads to {paths.final} within "
-                        f"{self.config.storage.commit_timeout_s}s (storage.commit_timeout_s); did they crash?"
-                    )
-                time.sleep(delay)
-                delay = min(1.0, delay * 2)
-        return merged
-
-    def _remove_parts(self, paths: _SavePaths) -> None:
-        store = self._store
-        parts = [store.join(paths.final, f"{RANK_PART_PREFIX}{r:05d}.json") for r in range(_dist.world_size())]
-        try:
-            if isinstance(store, FsspecStore):
-                store.remove_files(parts)
-        except (OSError, CkptEngineError):  # bookkeeping only: loaders and listings ignore them
-            logger.debug("could not remove the upload reports of %s", paths.final, exc_info=True)
-
-    def _upload_local_copy(self, paths: _SavePaths) -> BaseException | None:
-        """Two-tier, rank 0: upload the committed local copy; the manifest (the completion marker)
-        goes last, then ``latest``. Returns the error, if any (the local copy stays complete)."""
-        assert paths.local_final is not None
-        try:
-            refuse_resave(paths.iteration, [(paths.final, self._store)], self.config.allow_overwrite)
-            if self._store.exists(paths.final):  # a re-save: the old marker goes first
-                remove_checkpoint(paths.final, self._store)
-            rels = list_files(paths.local_final)
-            self._upload_files(paths.local_final, paths.final, rels)
-            marker = os.path.join(paths.local_final, MANIFEST_FILE)
-            with open(marker, "rb") as f:
-                self._store.write_bytes(self._store.join(paths.final, MANIFEST_FILE), f.read())
-            advance_latest(self.save_dir, paths.name, self._store)
-        except StorageError as err:
-            wrapped = StorageError(f"{err}; the local copy {paths.local_final} is complete and is resumed from")
-            wrapped.__cause__ = err
-            return wrapped
-        except Exception as err:
-            return err
-        return None
-
-    def _upload_background(
+    def _after_commit_background(
         self,
         future: Future[SaveResult],
-        paths: _SavePaths,
+        paths: SavePaths,
         components: tuple[str, ...],
-        phase: _Phase,
+        phase: CommitPhase,
         clock: _Clock,
     ) -> None:
         try:
             if _dist.rank() == 0:
-                phase.error = self._upload_local_copy(paths)
+                phase.error = self._target.after_commit(paths)
             result = self._result(paths, components, phase, clock, collective=False)
             self._finish(result, paths, cleanup=False)
             future.set_result(result)
@@ -817,20 +538,10 @@ class CheckpointEngine:
         except BaseException as exc:  # an observer raised: surface it through the handle
             future.set_exception(exc)
 
-    def _finish(self, result: SaveResult, paths: _SavePaths, *, cleanup: bool) -> None:
-        partial_dir = paths.partial
-        direct = self._direct
-        if (cleanup or direct) and _dist.rank() == 0 and os.path.exists(partial_dir):
-            try:
-                remove_tree(partial_dir)
-            except OSError:
-                logger.warning("could not remove uncommitted folder %s", partial_dir, exc_info=True)
-        elif direct:
-            self._remove_own_files(partial_dir, _dist.rank())
+    def _finish(self, result: SaveResult, paths: SavePaths, *, cleanup: bool) -> None:
+        self._target.finish(paths, _dist.rank(), _dist.world_size(), cleanup=cleanup, succeeded=result.succeeded)
         if result.succeeded:
             if _dist.rank() == 0:
-                if direct and _dist.world_size() > 1:
-                    self._remove_parts(paths)
                 logger.info(
                     "saved iteration %d to %s (%.1f MB, blocked %.3fs, total %.3fs)",
                     result.iteration,
@@ -845,19 +556,14 @@ class CheckpointEngine:
         self.pipeline.on_save_done(result)
 
     def _apply_retention(self) -> None:
-        """Rank 0, after a commit: ``keep_last`` / ``keep_every`` (and, two-tier, the local
-        folder's ``local_keep_last``). A best-effort side job: a failure is logged and retried
-        after the next commit, never raised into training."""
-        jobs: list[tuple[str, int, int | None, Store | None]] = []
-        if self.config.keep_last is not None:
-            jobs.append((self.save_dir, self.config.keep_last, self.config.keep_every, self._store))
-        if self._local_dir is not None:
-            jobs.append((self._local_dir, self.config.storage.local_keep_last, None, None))
-        for folder, keep_last, keep_every, store in jobs:
+        """Rank 0, after a commit: the target's retention jobs (``keep_last`` / ``keep_every``,
+        and two-tier ``local_keep_last``). A best-effort side job: a failure is logged and
+        retried after the next commit, never raised into training."""
+        for job in self._target.retention_jobs():
             try:
-                apply_retention(folder, keep_last, keep_every, store)
+                apply_retention(job.folder, job.keep_last, job.keep_every, job.store)
             except Exception:
-                logger.warning("retention in %s failed; retrying after the next commit", folder, exc_info=True)
+                logger.warning("retention in %s failed; retrying after the next commit", job.folder, exc_info=True)
 
     def _saves_to_keep(self, iteration: int) -> int:
         """How many earlier saves may stay pending while a new one stages: the stage provider's

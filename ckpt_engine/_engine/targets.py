@@ -1,0 +1,451 @@
+"""Where a save goes and how it becomes committed: one :class:`SaveTarget` per storage mode.
+
+The engine chooses its target once, at construction (:func:`open_target`), and from then on asks
+it instead of testing the storage mode:
+
+* :class:`LocalTarget`: ``save_dir`` is a local folder. Ranks write into a hidden
+  ``.iter_X.partial`` folder there; rank 0 writes the manifest into it and renames it into place
+  (the rename is the commit), then moves ``latest_checkpoint.txt``.
+* :class:`ObjectStoreTarget`: ``save_dir`` is an object-store URL. Ranks write into a local spool
+  folder and each uploads its own files; rank 0 checks the upload against the DCP metadata and
+  writes the manifest last: the manifest is the completion marker (an object store has no rename).
+* :class:`TwoTierTarget`: an object-store URL with ``storage.local_dir``. The save commits in the
+  local folder as :class:`LocalTarget` does, then rank 0 uploads the committed copy (marker last);
+  synchronous saves upload in the background, and loads prefer the local copy.
+
+A target owns the staging folder, the per-rank file publication, the commit, what follows it,
+the cleanup of an uncommitted save and the folders retention runs in. The commit *protocol*
+(waiting for the writes, the ranks' agreement) is :mod:`ckpt_engine._engine.commit`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .._dcpio import dist as _dist
+from .._format.digests import remove_parts, written_entries
+from .._format.layout import check_complete, commit_rename, remove_checkpoint, remove_tree
+from .._format.manifest import FileEntry, list_files, new_manifest, owner_rank, referenced_files, write_manifest
+from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, partial_dirname
+from .._storage.paths import check_local_save_dir
+from .._storage.store import FsspecStore, LocalStore, Store, open_store
+from ..config import EngineConfig
+from ..errors import CheckpointSaveError, CkptEngineError, IncompleteCheckpointError, StorageError
+from .resave import advance_latest, refuse_resave
+
+__all__ = [
+    "LocalTarget",
+    "ObjectStoreTarget",
+    "RetentionJob",
+    "SavePaths",
+    "SaveTarget",
+    "TwoTierTarget",
+    "open_target",
+]
+
+logger = logging.getLogger("ckpt_engine")
+
+
+@dataclass(frozen=True)
+class SavePaths:
+    """Where one save goes. ``final`` is the checkpoint's name for users (a local folder or a URL);
+    ``partial`` the local folder the write providers write into; ``local_final`` the local folder
+    it is renamed to (``None`` when the checkpoint lives only in an object store)."""
+
+    iteration: int
+    final: str
+    partial: str
+    local_final: str | None
+
+    @property
+    def name(self) -> str:
+        return iter_dirname(self.iteration)
+
+
+@dataclass(frozen=True)
+class RetentionJob:
+    """One folder retention runs in after a commit, with its limits (``store`` ``None``: local)."""
+
+    folder: str
+    keep_last: int
+    keep_every: int | None
+    store: Store | None
+
+
+class SaveTarget(ABC):
+    """One storage mode's side of a save: staging, publication, commit, cleanup, retention."""
+
+    #: Every rank reports (and publishes) the files it wrote before the commit, also where the
+    #: ranks run no collective (the commit thread of background writes): the object store, where
+    #: rank 0 cannot see another rank's spool.
+    ranks_publish_files = False
+    #: :meth:`after_commit` waits on the network: a synchronous save runs it in the background.
+    after_commit_in_background = False
+
+    def __init__(self, config: EngineConfig, store: Store, staging_root: str) -> None:
+        self.config = config
+        self.save_dir = config.save_dir
+        self.store = store
+        #: The local folder that receives uncommitted saves (the same path on every rank).
+        self.staging_root = staging_root
+
+    @property
+    def local_dir(self) -> str | None:
+        """The local folder of committed copies that loads look in first (two tier only)."""
+        return None
+
+    @abstractmethod
+    def paths(self, iteration: int) -> SavePaths:
+        """Where the save of ``iteration`` is staged and where it ends up."""
+
+    def resave_targets(self, paths: SavePaths) -> list[tuple[str, Store]]:
+        """Where a committed checkpoint of this iteration would be, checked before the save."""
+        return [(paths.final, self.store)]
+
+    def clear_for_save(self, paths: SavePaths) -> None:
+        """Rank 0, holding the save_dir lock: remove what a crashed save of this iteration left."""
+        if os.path.exists(paths.partial):
+            remove_tree(paths.partial)
+
+    def clear_own_files(self, paths: SavePaths, rank: int, world: int) -> None:
+        """Every other rank, before the save: remove what only this rank can see (nothing, where
+        the staging folder is shared and rank 0 clears it)."""
+        return None
+
+    def publish_files(self, paths: SavePaths, rels: Sequence[str]) -> None:
+        """Make this rank's written files (``rels``, relative to ``paths.partial``) part of the
+        checkpoint before the commit (nothing where rank 0 commits the staging folder itself)."""
+        return None
+
+    def exchange_reports(
+        self, paths: SavePaths, entries: dict[str, FileEntry], error: BaseException | None
+    ) -> dict[str, FileEntry]:
+        """Without collectives (background writes), several ranks: bring every rank's reported
+        files to rank 0. Where rank 0 reads the staging folder itself, nothing to exchange."""
+        if error is not None:
+            raise error
+        return entries
+
+    @abstractmethod
+    def commit(
+        self,
+        paths: SavePaths,
+        components: tuple[str, ...],
+        algorithm: str | None,
+        entries: dict[str, FileEntry],
+        world: int,
+    ) -> int:
+        """Rank 0, every rank's write succeeded: write the manifest, make the checkpoint visible
+        and move ``latest``. Returns the bytes the manifest covers."""
+
+    def after_commit(self, paths: SavePaths) -> BaseException | None:
+        """Rank 0, after a successful commit: the work that follows it (two tier: the upload).
+        Returns the error instead of raising: the committed checkpoint stays committed."""
+        return None
+
+    def finish(self, paths: SavePaths, rank: int, world: int, *, cleanup: bool, succeeded: bool) -> None:
+        """After the save (committed or failed): remove its uncommitted files where ``cleanup``
+        (a failed save), and the bookkeeping a committed one leaves."""
+        if cleanup and rank == 0 and os.path.exists(paths.partial):
+            _remove_quietly(paths.partial)
+
+    def retention_jobs(self) -> list[RetentionJob]:
+        """Where retention runs after a commit: ``keep_last`` / ``keep_every`` in ``save_dir``."""
+        if self.config.keep_last is None:
+            return []
+        return [RetentionJob(self.save_dir, self.config.keep_last, self.config.keep_every, self.store)]
+
+
+class LocalTarget(SaveTarget):
+    """``save_dir`` is a local folder: write a hidden folder there, rename it into place."""
+
+    def __init__(self, config: EngineConfig, store: Store) -> None:
+        check_local_save_dir(config.save_dir)
+        super().__init__(config, store, config.save_dir)
+
+    def paths(self, iteration: int) -> SavePaths:
+        final = os.path.join(self.save_dir, iter_dirname(iteration))
+        return SavePaths(iteration, final, os.path.join(self.staging_root, partial_dirname(iteration)), final)
+
+    def commit(
+        self,
+        paths: SavePaths,
+        components: tuple[str, ...],
+        algorithm: str | None,
+        entries: dict[str, FileEntry],
+        world: int,
+    ) -> int:
+        assert paths.local_final is not None
+        covered = write_checked_manifest(paths.partial, None, paths.iteration, components, algorithm, entries, world)
+        commit_rename(paths.partial, paths.local_final)
+        advance_latest(os.path.dirname(paths.local_final), paths.name)
+        return covered
+
+
+class ObjectStoreTarget(SaveTarget):
+    """``save_dir`` is an object store: every rank uploads its files, the manifest goes last."""
+
+    ranks_publish_files = True
+
+    def __init__(self, config: EngineConfig, store: FsspecStore) -> None:
+        super().__init__(config, store, _spool_root(config))
+        self.object_store = store
+
+    def paths(self, iteration: int) -> SavePaths:
+        final = self.store.join(self.save_dir, iter_dirname(iteration))
+        return SavePaths(iteration, final, os.path.join(self.staging_root, partial_dirname(iteration)), None)
+
+    def clear_for_save(self, paths: SavePaths) -> None:
+        super().clear_for_save(paths)
+        if self.store.exists(paths.final):
+            # A re-save of this iteration (or what a killed save uploaded): the old marker goes
+            # first, so that no reader ever takes the mix for a checkpoint.
+            logger.warning("%s exists; deleting it before saving iteration %d again", paths.final, paths.iteration)
+            remove_checkpoint(paths.final, self.store)
+
+    def clear_own_files(self, paths: SavePaths, rank: int, world: int) -> None:
+        _remove_own_files(paths.partial, rank, world)  # a node-local spool another node cannot clear
+
+    def publish_files(self, paths: SavePaths, rels: Sequence[str]) -> None:
+        upload_files(self.object_store, paths.partial, paths.final, rels)
+
+    def exchange_reports(
+        self, paths: SavePaths, entries: dict[str, FileEntry], error: BaseException | None
+    ) -> dict[str, FileEntry]:
+        """Every rank reports its upload in a small object next to the checkpoint; rank 0 waits
+        for all of them (``storage.commit_timeout_s``) and returns the merged entries, or raises
+        the first rank's failure."""
+        rank, world = _dist.rank(), _dist.world_size()
+        store = self.store
+        part = {
+            "rank": rank,
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "files": {rel: {"size": e.size, "checksum": e.checksum} for rel, e in entries.items()},
+        }
+        store.write_bytes(self._report_path(paths, rank), json.dumps(part).encode())
+        if error is not None:
+            raise error
+        if rank != 0:
+            return entries
+        return self._collect_reports(paths, dict(entries), set(range(1, world)))
+
+    def _collect_reports(
+        self, paths: SavePaths, merged: dict[str, FileEntry], waiting: set[int]
+    ) -> dict[str, FileEntry]:
+        timeout = self.config.storage.commit_timeout_s
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while waiting:
+            for r in sorted(waiting):
+                try:
+                    doc = json.loads(self.store.read_bytes(self._report_path(paths, r)))
+                except FileNotFoundError:
+                    continue
+                if doc.get("error"):
+                    raise CheckpointSaveError(f"rank {r} failed to upload its files: {doc['error']}")
+                for rel, e in doc.get("files", {}).items():
+                    merged[rel] = FileEntry(size=int(e["size"]), checksum=e.get("checksum"))
+                waiting.discard(r)
+            if waiting:
+                if time.monotonic() > deadline:
+                    raise CheckpointSaveError(
+                        f"rank(s) {sorted(waiting)} did not report their uploads to {paths.final} within "
+                        f"{timeout}s (storage.commit_timeout_s); did they crash?"
+                    )
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+        return merged
+
+    def _report_path(self, paths: SavePaths, rank: int) -> str:
+        return self.store.join(paths.final, f"{RANK_PART_PREFIX}{rank:05d}.json")
+
+    def commit(
+        self,
+        paths: SavePaths,
+        components: tuple[str, ...],
+        algorithm: str | None,
+        entries: dict[str, FileEntry],
+        world: int,
+    ) -> int:
+        covered = write_checked_manifest(
+            paths.final, self.store, paths.iteration, components, algorithm, entries, world
+        )
+        advance_latest(self.save_dir, paths.name, self.store)
+        return covered
+
+    def finish(self, paths: SavePaths, rank: int, world: int, *, cleanup: bool, succeeded: bool) -> None:
+        # The spool copy is never needed again, committed or not.
+        if rank == 0:
+            if os.path.exists(paths.partial):
+                _remove_quietly(paths.partial)
+        else:
+            _remove_own_files(paths.partial, rank, world)
+        if succeeded and rank == 0 and world > 1:
+            self._remove_reports(paths, world)
+
+    def _remove_reports(self, paths: SavePaths, world: int) -> None:
+        try:
+            self.object_store.remove_files([self._report_path(paths, r) for r in range(world)])
+        except (OSError, CkptEngineError):  # bookkeeping only: loaders and listings ignore them
+            logger.debug("could not remove the upload reports of %s", paths.final, exc_info=True)
+
+
+class TwoTierTarget(SaveTarget):
+    """An object store with ``storage.local_dir``: commit locally, then upload the local copy."""
+
+    after_commit_in_background = True
+
+    def __init__(self, config: EngineConfig, store: FsspecStore, local_dir: str) -> None:
+        super().__init__(config, store, local_dir)
+        self.object_store = store
+        self._local = local_dir
+
+    @property
+    def local_dir(self) -> str:
+        return self._local
+
+    def paths(self, iteration: int) -> SavePaths:
+        name = iter_dirname(iteration)
+        return SavePaths(
+            iteration,
+            self.store.join(self.save_dir, name),
+            os.path.join(self.staging_root, partial_dirname(iteration)),
+            os.path.join(self._local, name),
+        )
+
+    def resave_targets(self, paths: SavePaths) -> list[tuple[str, Store]]:
+        # The local copy only: the object store is checked by the upload, which must not make
+        # save() wait on the network.
+        assert paths.local_final is not None
+        return [(paths.local_final, open_store(paths.local_final))]
+
+    def commit(
+        self,
+        paths: SavePaths,
+        components: tuple[str, ...],
+        algorithm: str | None,
+        entries: dict[str, FileEntry],
+        world: int,
+    ) -> int:
+        assert paths.local_final is not None
+        covered = write_checked_manifest(paths.partial, None, paths.iteration, components, algorithm, entries, world)
+        commit_rename(paths.partial, paths.local_final)
+        advance_latest(self._local, paths.name)
+        return covered
+
+    def after_commit(self, paths: SavePaths) -> BaseException | None:
+        """Upload the committed local copy; the manifest (the completion marker) goes last, then
+        ``latest``. Returns the error, if any (the local copy stays complete)."""
+        assert paths.local_final is not None
+        store = self.object_store
+        try:
+            refuse_resave(paths.iteration, [(paths.final, store)], self.config.allow_overwrite)
+            if store.exists(paths.final):  # a re-save: the old marker goes first
+                remove_checkpoint(paths.final, store)
+            upload_files(store, paths.local_final, paths.final, list_files(paths.local_final))
+            with open(os.path.join(paths.local_final, MANIFEST_FILE), "rb") as f:
+                store.write_bytes(store.join(paths.final, MANIFEST_FILE), f.read())
+            advance_latest(self.save_dir, paths.name, store)
+        except StorageError as err:
+            wrapped = StorageError(f"{err}; the local copy {paths.local_final} is complete and is resumed from")
+            wrapped.__cause__ = err
+            return wrapped
+        except Exception as err:
+            return err
+        return None
+
+    def retention_jobs(self) -> list[RetentionJob]:
+        local = RetentionJob(self._local, self.config.storage.local_keep_last, None, None)
+        return [*super().retention_jobs(), local]
+
+
+def open_target(config: EngineConfig) -> SaveTarget:
+    """The save target for ``config.save_dir`` and ``config.storage``, chosen once."""
+    store = open_store(config.save_dir, config.storage)
+    if isinstance(store, LocalStore) or not store.is_object_store:
+        return LocalTarget(config, store)
+    assert isinstance(store, FsspecStore)
+    if config.storage.local_dir is not None:
+        return TwoTierTarget(config, store, config.storage.local_dir)
+    return ObjectStoreTarget(config, store)
+
+
+def write_checked_manifest(
+    root: str,
+    store: Store | None,
+    iteration: int,
+    components: tuple[str, ...],
+    algorithm: str | None,
+    entries: dict[str, FileEntry],
+    world: int,
+) -> int:
+    """Rank 0: check the checkpoint under ``root`` is complete, then write its manifest; returns
+    the bytes the manifest covers.
+
+    Locally (``store`` ``None``) into the uncommitted folder, checksumming what no rank did. On an
+    object store, after every rank uploaded: the DCP metadata is checked against one listing of
+    the prefix, every file must have been reported by a rank, and the manifest written is the
+    completion marker."""
+    uploaded = store is not None
+    checked = check_complete(root, store)
+    missing = [c for c in components if c not in checked.components]
+    if missing:
+        done = "uploaded" if uploaded else "written"
+        raise IncompleteCheckpointError(f"{root}: components {missing} were not {done}")
+    entries = dict(entries)
+    if uploaded:
+        unreported = referenced_files(checked) - set(entries)
+        if unreported:
+            raise IncompleteCheckpointError(
+                f"{root}: {sorted(unreported)[:5]} are referenced by DCP metadata but no rank reported uploading them"
+            )
+    else:
+        expected = set(list_files(root)) | referenced_files(checked)
+        entries.update(written_entries(root, expected - set(entries), algorithm))
+        remove_parts(root)
+    manifest = new_manifest(iteration, world, components, algorithm, entries)
+    write_manifest(root, manifest, store)
+    return manifest.total_bytes
+
+
+def upload_files(store: FsspecStore, local_root: str, remote_root: str, rels: Sequence[str]) -> None:
+    """Upload ``rels`` (relative to ``local_root``) under ``remote_root``, in parallel."""
+    pairs = [(os.path.join(local_root, *rel.split("/")), store.join(remote_root, rel)) for rel in rels]
+    t = time.perf_counter()
+    nbytes = store.upload_many(pairs)
+    logger.debug(
+        "uploaded %d file(s), %.1f MB, to %s in %.3fs", len(pairs), nbytes / 1e6, remote_root, time.perf_counter() - t
+    )
+
+
+def _spool_root(config: EngineConfig) -> str:
+    """The local spool of saves to this object-store URL: the same path on every rank."""
+    digest = hashlib.sha1(config.save_dir.encode()).hexdigest()[:16]
+    return os.path.join(config.storage.spool_dir or tempfile.gettempdir(), "ckpt-engine-spool", digest)
+
+
+def _remove_own_files(partial: str, rank: int, world: int) -> None:
+    """Rank ``rank`` (not 0): remove the data files it wrote into ``partial``."""
+    if rank == 0 or not os.path.isdir(partial):
+        return
+    for rel in list_files(partial):
+        if owner_rank(rel, world) == rank:
+            try:
+                os.remove(os.path.join(partial, rel))
+            except FileNotFoundError:
+                continue
+
+
+def _remove_quietly(folder: str) -> None:
+    try:
+        remove_tree(folder)
+    except OSError:
+        logger.warning("could not remove uncommitted folder %s", folder, exc_info=True)
