@@ -2,6 +2,6 @@
 
 import sys
 
-from . import worker_main
+from .worker import worker_main
 
 sys.exit(worker_main(sys.argv[1:]))
