@@ -33,9 +33,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import event, given
 from hypothesis import strategies as st
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ckpt_engine import CheckpointEngine, ComponentReport, EngineConfig, LoadStrictnessError, RemapContext, hookimpl
+from ckpt_engine._dcpio.planner import flat_keys
 from ckpt_engine.strategies import DTYPES  # the dtypes plugin authors' strategies draw
 from ckpt_engine.testing import plan_load, plan_reads
 
@@ -668,3 +670,25 @@ def test_many_to_one_reads_each_storage_key_once_and_fills_every_destination(
         readers = [d for d, t in mapping.items() if t == s]
         if isinstance(value, list) and len(readers) > 1:
             assert all(dest[a] is not dest[b] for a in readers for b in readers if a != b)
+
+
+_LEAVES = st.one_of(
+    st.integers(-3, 3),
+    st.none(),
+    st.text(max_size=3),
+    st.builds(torch.zeros, st.integers(0, 3)),
+    st.tuples(st.integers(), st.builds(torch.ones, st.just(1))),
+)
+_VALUES = st.recursive(
+    _LEAVES,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(sd=st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 5)), _VALUES, max_size=6))
+def test_flat_keys_are_the_keys_dcp_saves_under(sd: dict[Any, Any]) -> None:
+    """``flat_keys`` skips DCP's walk for flat state dicts: the keys must be exactly DCP's."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(sd, None, False)
+    assert flat_keys(sd) == list(planner.state_dict)
