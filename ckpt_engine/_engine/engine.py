@@ -394,28 +394,18 @@ class CheckpointEngine:
                     world_size=world,
                 )
                 key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
-            if rank == 0:
-                refuse_resave(paths.iteration, self._target.resave_targets(paths), self.config.allow_overwrite)
-                os.makedirs(self._target.staging_root, exist_ok=True)
-                if self._save_lock.acquire():  # first save: also clear what a crash left behind
-                    for line in cleanup_leftovers(self._target.staging_root):
-                        logger.warning("%s", line)
-                self._target.clear_for_save(paths)
-            else:
-                self._target.clear_own_files(paths, rank, world)
+            self._clear_for_save(paths, rank, world)
             t_stage = time.perf_counter()
             publish_phase("stage")
-            staged = self.pipeline.stage(
-                SaveContext(
-                    iteration=paths.iteration,
-                    checkpoint_path=paths.final,
-                    components=components,
-                    rank=rank,
-                    world_size=world,
-                    optimizers=tuple(objs.optimizers),
-                ),
-                state,
+            ctx_stage = SaveContext(
+                iteration=paths.iteration,
+                checkpoint_path=paths.final,
+                components=components,
+                rank=rank,
+                world_size=world,
+                optimizers=tuple(objs.optimizers),
             )
+            staged = self.pipeline.stage(ctx_stage, state)
             if staged.completion is not None:
                 staged.completion.result()
             clock.staging = time.perf_counter() - t_stage
@@ -434,6 +424,20 @@ class CheckpointEngine:
                 f"rank {failed.rank} failed while preparing the save: {failed.text}"
             ) from local_err
         return staged, key_maps
+
+    def _clear_for_save(self, paths: SavePaths, rank: int, world: int) -> None:
+        """Before staging: rank 0 refuses a committed iteration (``allow_overwrite``), takes the
+        save_dir lock (the first save also clears what a crash left) and lets the target clear
+        this iteration's leftovers; the other ranks clear what only they can see."""
+        if rank != 0:
+            self._target.clear_own_files(paths, rank, world)
+            return
+        refuse_resave(paths.iteration, self._target.resave_targets(paths), self.config.allow_overwrite)
+        os.makedirs(self._target.staging_root, exist_ok=True)
+        if self._save_lock.acquire():
+            for line in cleanup_leftovers(self._target.staging_root):
+                logger.warning("%s", line)
+        self._target.clear_for_save(paths)
 
     def _fail_sync(
         self,
