@@ -26,7 +26,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_engine import CheckpointSaveError, WriteResult
+from ckpt_engine import CheckpointSaveError, CkptEngineError, WriteResult
 
 from ._pinned_ipc import (
     Done,
@@ -35,6 +35,7 @@ from ._pinned_ipc import (
     Mapped,
     PipeClosed,
     Ready,
+    Save,
     Shutdown,
     StartFailed,
     encode,
@@ -212,6 +213,22 @@ class WriterProcess:
                 frame = frame[written:]
             self._backlog += 1
             self._outbox.put(frame)
+
+    def submit(self, message: Save, future: Future[WriteResult]) -> None:
+        """Send a save request that ``future`` awaits; a request that cannot be sent fails it too
+        (never leaving a buffer set marked busy)."""
+        try:
+            self.send(message, (message.req_id, Pending(future, message.iteration, message.component)))
+        except PinnedWriterError as err:
+            future.set_exception(err)
+            raise
+        except Exception as err:
+            future.set_exception(err)
+            raise CkptEngineError(
+                f"pinned_staging cannot send the save request of component {message.component!r} to the writer "
+                f"process (the planner {type(message.planner).__qualname__} must be picklable): "
+                f"{type(err).__name__}: {err}"
+            ) from err
 
     def _send_loop(self) -> None:
         try:
