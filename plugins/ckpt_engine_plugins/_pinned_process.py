@@ -11,6 +11,7 @@ in flight. Nothing here waits on the child without a timeout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -229,6 +230,25 @@ class WriterProcess:
                 f"process (the planner {type(message.planner).__qualname__} must be picklable): "
                 f"{type(err).__name__}: {err}"
             ) from err
+
+    def hand_over(
+        self, message: Save, future: Future[WriteResult], error: BaseException | None, world_size: int
+    ) -> None:
+        """Submit a settled ``overlap`` save, or (``error``: its snapshot failed) fail ``future``
+        with it and tell this rank's writer to fail the save on every rank; never raises."""
+        try:
+            if error is None:
+                self.submit(message, future)
+                return
+            if world_size > 1:  # the other ranks' writers must fail this save too, not wait for ours
+                aborted: Future[WriteResult] = Future()
+                abort = dataclasses.replace(message, abort=f"rank {self.rank}: {error}")
+                with contextlib.suppress(Exception):
+                    self.send(abort, (message.req_id, Pending(aborted, message.iteration, message.component)))
+            future.set_exception(error)
+        except Exception as err:
+            if not future.done():
+                future.set_exception(err)
 
     def _send_loop(self) -> None:
         try:

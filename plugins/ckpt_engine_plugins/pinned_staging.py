@@ -62,7 +62,6 @@ cannot hang either.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -81,7 +80,7 @@ from ._pinned_collect import Collector, Staged, collect, staged_components
 from ._pinned_copy import Snapshot, SnapshotChangedError, StreamPool, stage_copy
 from ._pinned_ipc import Save
 from ._pinned_pool import BufferPool, BufferSet, BufferSetInfo
-from ._pinned_process import Pending, PinnedWriterError, WriterProcess
+from ._pinned_process import PinnedWriterError, WriterProcess
 from ._pinned_supervise import WriterSettings, WriterSupervisor, register, unregister
 from ._pinned_windows import WindowPump
 
@@ -337,7 +336,7 @@ class PinnedStagingPlugin:
         elif staged.snapshot is None:
             writer.submit(message, future)
         else:  # hand over only a complete, confirmed snapshot
-            staged.snapshot.when_settled(lambda error: self._hand_over(writer, message, future, error))
+            staged.snapshot.when_settled(lambda error: writer.hand_over(message, future, error, self._world))
         return future
 
     def _write_windowed(
@@ -351,24 +350,6 @@ class PinnedStagingPlugin:
             pump.finish(self.options.write_timeout_s + 60.0)
         finally:
             self._pool.set_pump(staged.buffers, None, if_current=pump)
-
-    def _hand_over(
-        self, writer: WriterProcess, message: Save, future: Future[WriteResult], error: BaseException | None
-    ) -> None:
-        """Send a settled overlap save to the writer; its failure goes into ``future``, never up."""
-        try:
-            if error is None:
-                writer.submit(message, future)
-                return
-            if self._world > 1:  # the other ranks' writers must fail this save too, not wait for ours
-                aborted: Future[WriteResult] = Future()
-                abort = dataclasses.replace(message, abort=f"rank {self._rank}: {error}")
-                with contextlib.suppress(Exception):
-                    writer.send(abort, (message.req_id, Pending(aborted, message.iteration, message.component)))
-            future.set_exception(error)
-        except Exception as err:
-            if not future.done():
-                future.set_exception(err)
 
     # -- shutdown -------------------------------------------------------------------------
 
