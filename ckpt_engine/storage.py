@@ -4,6 +4,15 @@ A background ``write`` provider (such as ``pinned_staging``) should write with
 :class:`EngineFileSystemWriter` so an async save produces the same files, as fast, as the
 engine's synchronous one. Both classes read and write DCP's own on-disk format: every checkpoint
 stays loadable by plain ``torch.distributed.checkpoint.load``.
+
+A provider whose own processes form a process group (one writer process per rank) bounds their
+collectives as the engine bounds its own (``collective_timeout_s``, given as
+``WriteContext.collective_timeout_s``): ``CollectiveWatch.create(timeout, who="writer rank")``
+on every process of that group at the same point (it creates a gloo group with that timeout),
+then ``with activate_watch(watch): engine_save(...)``. Each process publishes its phase in its
+group's store; a process that does not reach a collective in time makes the others raise
+:class:`~ckpt_engine.errors.CollectiveTimeoutError` naming it and its last phase. Run a
+collective of the provider's own with ``watch.barrier(step)`` first and on ``watch.group``.
 """
 
 from __future__ import annotations
@@ -16,8 +25,10 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from ._dcpio.fast_read import FastFileSystemReader as EngineFileSystemReader
 from ._dcpio.fast_save import plan_cache, save_state_dict
 from ._dcpio.fast_write import FastFileSystemWriter as EngineFileSystemWriter
+from ._dcpio.watch import CollectiveWatch
+from ._dcpio.watch import activate as activate_watch
 
-__all__ = ["EngineFileSystemReader", "EngineFileSystemWriter", "engine_save"]
+__all__ = ["CollectiveWatch", "EngineFileSystemReader", "EngineFileSystemWriter", "activate_watch", "engine_save"]
 
 
 def engine_save(

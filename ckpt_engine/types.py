@@ -238,6 +238,9 @@ class WriteContext:
     thread_count: int = 1
     sync_files: bool = True
     process_group: Any = None
+    #: The engine's ``collective_timeout_s``: a provider whose own processes run collectives
+    #: bounds them by it (:class:`ckpt_engine.storage.CollectiveWatch`).
+    collective_timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

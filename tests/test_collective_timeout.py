@@ -145,3 +145,24 @@ def test_a_rank_sleeping_in_a_hook_is_named_by_the_other_within_the_timeout(tmp_
     assert steps[1, "load_plan"]["raised"] == "CollectiveTimeoutError"
     for rank in (0, 1):
         assert steps[rank, "closed"]["raised"] is None and steps[rank, "closed"]["seconds"] < 2
+
+
+@pytest.mark.dist
+def test_a_stopped_writer_process_is_named_by_the_other_writer_within_the_timeout(tmp_path: Any) -> None:
+    """``pinned_staging``'s writer processes bound their collectives by ``collective_timeout_s``
+    too, and say which writer did not arrive and what it last did."""
+    run = run_torchrun("collective_timeout_writer.py", str(tmp_path), nproc=2, timeout=180)
+    assert run.returncode == 0, run.describe()
+    steps = {(rank, r["step"]): r for rank, rows in run.results().items() for r in rows}
+    waited = steps[0, "save_stopped"]
+    assert waited["raised"] == "CheckpointSaveError", waited
+    assert re.search(
+        r"writer rank 1 did not reach 'agree' within 3 s \(last phase: [\w:]+, \d+\.\d s ago\)", waited["message"]
+    ), waited
+    assert waited["seconds"] < 20, waited
+    late = steps[1, "save_stopped"]
+    assert late["raised"] == "CheckpointSaveError", late
+    assert "writer rank 1 reached 'agree' after the other ranks stopped waiting" in late["message"], late
+    for rank in (0, 1):
+        assert steps[rank, "save_again"]["raised"] is None, steps[rank, "save_again"]
+        assert steps[rank, "closed"]["raised"] is None and steps[rank, "closed"]["seconds"] < 10

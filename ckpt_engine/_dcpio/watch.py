@@ -53,8 +53,25 @@ def _fmt(seconds: float) -> str:
 class CollectiveWatch:
     """Phase keys, bounded barriers and a gloo group of their own, for one engine on one rank."""
 
-    def __init__(self, timeout_s: float, *, store: Any, group: Any, rank: int, world: int, namespace: str) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        store: Any,
+        group: Any,
+        rank: int,
+        world: int,
+        namespace: str,
+        who: str = "rank",
+        monitored: bool = False,
+    ) -> None:
         self.timeout_s = float(timeout_s)
+        #: How messages name a process: ``rank``, or ``writer rank`` for a write provider's processes.
+        self.who = who
+        #: Wait at gloo's ``monitored_barrier`` instead of in the store: a peer process that died
+        #: fails the barrier at once (its connections close) instead of after ``timeout_s``.
+        #: For a provider's processes, whose supervisor replaces a dead one and retries.
+        self.monitored = monitored
         self.store = store
         self.group = group
         self.rank = rank
@@ -65,7 +82,7 @@ class CollectiveWatch:
         self._phase_t = time.time()
 
     @classmethod
-    def create(cls, timeout_s: float) -> CollectiveWatch | None:
+    def create(cls, timeout_s: float, *, who: str = "rank", monitored: bool = False) -> CollectiveWatch | None:
         """A watch for the default process group; ``None`` without one or with one rank.
 
         Collective (it creates a process group): every rank calls it at the same point."""
@@ -81,6 +98,8 @@ class CollectiveWatch:
             rank=dist.get_rank(),
             world=dist.get_world_size(),
             namespace=namespace,
+            who=who,
+            monitored=monitored,
         )
 
     def close(self) -> None:
@@ -119,28 +138,31 @@ class CollectiveWatch:
         """Wait until every rank reached collective ``step``; at most ``timeout_s``."""
         if self.group is None:
             raise CollectiveTimeoutError(
-                f"rank {self.rank}: an earlier collective of this engine timed out; its process group is closed",
+                f"{self.who} {self.rank}: an earlier collective of this engine timed out; its process group is closed",
                 step=step,
             )
         self._seq += 1
         seq = self._seq
         base = f"{self.ns}b/{seq}/"
         self._publish()  # "seq": this rank arrived at barrier seq
-        if self.store.add(base + "count", 1) == self.world:
-            self.store.set(base + "all", "1")
-        arrived = True
-        try:
-            self.store.wait([base + "all"], timedelta(seconds=self.timeout_s))
-        except Exception:  # DistStoreError: the deadline passed
-            arrived = False
-        verdict = self.store.compare_set(base + "state", "", "ok" if arrived else f"timeout:{self.rank}")
+        t0 = time.monotonic()
+        failure = self._wait_monitored() if self.monitored else self._wait_in_store(base)
+        mine = "ok" if failure is None else f"timeout:{self.rank}"
+        verdict = self.store.compare_set(base + "state", "", mine)
         verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
         if verdict != "ok":
             self.group_failed()
-            if not arrived:
+            # A rank that waited in vain names who is missing. With ``monitored``, a rank whose
+            # barrier failed because another had already given up is the late one instead.
+            if failure is not None and (verdict == mine or not self.monitored):
+                if self.monitored and time.monotonic() - t0 < 0.9 * self.timeout_s:
+                    # Not a timeout: a peer's connection closed (it died before the barrier).
+                    raise RuntimeError(
+                        f"{self.who} {self.rank}: the collective '{step}' failed: {failure}"
+                    ) from failure
                 raise self._timeout_error(step, seq)
             raise CollectiveTimeoutError(
-                f"rank {self.rank} reached '{step}' after the other ranks stopped waiting for it "
+                f"{self.who} {self.rank} reached '{step}' after the other ranks stopped waiting for it "
                 f"(collective_timeout_s={_fmt(self.timeout_s)} s; last phase: {self._phase})",
                 step=step,
             )
@@ -150,6 +172,22 @@ class CollectiveWatch:
             for name in ("count", "all", "state"):
                 with contextlib.suppress(Exception):
                     self.store.delete_key(old + name)
+
+    def _wait_in_store(self, base: str) -> BaseException | None:
+        if self.store.add(base + "count", 1) == self.world:
+            self.store.set(base + "all", "1")
+        try:
+            self.store.wait([base + "all"], timedelta(seconds=self.timeout_s))
+        except Exception as err:  # DistStoreError: the deadline passed
+            return err
+        return None
+
+    def _wait_monitored(self) -> BaseException | None:
+        try:
+            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+        except Exception as err:  # a rank did not answer in time, or its connection closed
+            return err
+        return None
 
     def _timeout_error(self, step: str, seq: int) -> CollectiveTimeoutError:
         now = time.time()
@@ -168,14 +206,14 @@ class CollectiveWatch:
         within = f"within {_fmt(self.timeout_s)} s"
         if len(late) == 1:
             r, what = late[0]
-            message = f"rank {r} did not reach '{step}' {within} ({what})"
+            message = f"{self.who} {r} did not reach '{step}' {within} ({what})"
         else:
             ranks = ", ".join(str(r) for r, _ in late[:_SHOWN]) + (" ..." if len(late) > _SHOWN else "")
-            detail = "; ".join(f"rank {r}: {what}" for r, what in late[:_SHOWN])
+            detail = "; ".join(f"{self.who} {r}: {what}" for r, what in late[:_SHOWN])
             more = f"; and {len(late) - _SHOWN} more" if len(late) > _SHOWN else ""
-            message = f"{len(late)} ranks ({ranks}) did not reach '{step}' {within} ({detail}{more})"
+            message = f"{len(late)} {self.who}s ({ranks}) did not reach '{step}' {within} ({detail}{more})"
         message += (
-            f"; seen from rank {self.rank}. A rank is stuck or died: see its log; raise collective_timeout_s "
+            f"; seen from {self.who} {self.rank}. A rank is stuck or died: see its log; raise collective_timeout_s "
             "if that phase legitimately takes longer"
         )
         return CollectiveTimeoutError(message, step=step, missing=[r for r, _ in late])

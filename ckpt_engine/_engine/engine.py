@@ -263,6 +263,7 @@ class CheckpointEngine:
                     thread_count=self.config.thread_count,
                     sync_files=self.config.sync_files,
                     process_group=watch_group(),
+                    collective_timeout_s=self.config.collective_timeout_s,
                 )
                 out = self.pipeline.write(ctx, staged.components[name])
                 if isinstance(out, Future) and not staged.is_copy:

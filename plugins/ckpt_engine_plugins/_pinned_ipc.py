@@ -125,6 +125,8 @@ class Save:
     abort: str | None = None
     #: The buffer set's save epoch when it is staged in windows (``max_host_bytes``).
     epoch: int | None = None
+    #: The engine's ``collective_timeout_s``: bounds the writers' collectives for this save.
+    collective_timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

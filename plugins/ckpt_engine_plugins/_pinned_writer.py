@@ -95,6 +95,8 @@ class _Writer:
         self.cursors: dict[int, Any] = {}
         self.board: Any = None
         self.send: Any = None
+        #: Bounds the writer group's collectives (``collective_timeout_s``); see :meth:`_watch_for`.
+        self.watch: Any = None
         if self.world > 1:
             if init.store_host is None or init.store_port is None:
                 raise RuntimeError("no rendezvous store address for a multi-rank writer group")
@@ -157,6 +159,30 @@ class _Writer:
         return mesh
 
     def save(self, msg: Save) -> Done:
+        """One component's save; with several writer ranks, every collective of it is bounded
+        by the engine's ``collective_timeout_s`` and each writer publishes its phase."""
+        from ckpt_engine.storage import activate_watch
+
+        watch = self._watch_for(msg)
+        with activate_watch(watch):
+            return self._save(msg, watch)
+
+    def _watch_for(self, msg: Save) -> Any:
+        """The writers' :class:`~ckpt_engine.storage.CollectiveWatch` for ``msg``'s timeout,
+        created at the first save that has one (every writer rank gets the same saves in the
+        same order, so they create it together), and again after a timeout closed it."""
+        if self.world == 1 or msg.collective_timeout_s is None:
+            return None
+        from ckpt_engine.storage import CollectiveWatch
+
+        watch = self.watch
+        if watch is None or watch.group is None or watch.timeout_s != msg.collective_timeout_s:
+            if watch is not None:
+                watch.close()
+            watch = self.watch = CollectiveWatch.create(msg.collective_timeout_s, who="writer rank", monitored=True)
+        return watch
+
+    def _save(self, msg: Save, watch: Any) -> Done:
         import torch
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
@@ -179,7 +205,12 @@ class _Writer:
             needed: list[MeshSpec] = list(msg.meshes)
             if self.world > 1:
                 gathered: list[Any] = [None] * self.world
-                dist.all_gather_object(gathered, (local_error, msg.meshes, msg.abort is not None))
+                group = None
+                if watch is not None:
+                    watch.phase("agree")
+                    watch.barrier("agree")
+                    group = watch.group
+                dist.all_gather_object(gathered, (local_error, msg.meshes, msg.abort is not None), group=group)
                 failed = [(r, e, aborted) for r, (e, _, aborted) in enumerate(gathered) if e is not None]
                 if failed:
                     r, e, _ = failed[0]
@@ -250,6 +281,10 @@ class _Writer:
 
     def close(self) -> None:
         import torch.distributed as dist
+
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
 
         for slab in self.slabs.values():
             slab.release()

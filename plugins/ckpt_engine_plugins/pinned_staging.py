@@ -329,6 +329,7 @@ class PinnedStagingPlugin:
             thread_count=self.options.thread_count or ctx.thread_count,
             sync_files=ctx.sync_files,
             epoch=staged.epoch,
+            collective_timeout_s=ctx.collective_timeout_s,
         )
         self._pool.hold(staged.buffers, future)  # busy until the writer has read it
         if staged.pump is not None:
