@@ -85,3 +85,27 @@ def test_scale_bench_smoke() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "200 tensors" in out.stdout
+
+
+@pytest.mark.dist
+def test_coordination_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/coord_bench.py at 1 and 2 ranks (tiny, untimed): every op reports its phases,
+    the 2-rank run spends time in collectives and gathers bytes to rank 0, loads are bit-exact."""
+    out = tmp_path / "coord.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "coord_bench.py"), "--smoke", "--workdir", str(tmp_path)]
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| phase | 1 rank | 2 ranks |" in proc.stdout  # the tables were printed
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"1", "2"}
+    for world in res.values():
+        assert world["bit_exact"]
+        assert {"prepare", "stage", "plan", "write", "metadata", "commit"} <= set(world["save_cold"]["phases"])
+        assert {"validate", "plan", "read"} <= set(world["load"]["phases"])
+    two = res["2"]
+    assert two["save_cold"]["phases"]["plan"]["rank0_transfer_s"] > 0
+    # the cold save gathers the plans; the warm one only digests (16 bytes per rank and component)
+    cold, warm = (two[op]["bytes"]["plan"]["to_rank0"] for op in ("save_cold", "save_warm"))
+    assert cold > 0 and warm == 0
+    assert two["load"]["bytes"]["plan"]["to_rank0"] > 0
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("coord-bench-")]  # cleaned up

@@ -15,8 +15,10 @@ At 50,000 small tensors that is most of a save (docs/performance.md, "Many small
   of the flattened state dict: every key, every tensor's type, dtype, shape, ``requires_grad``,
   pinning and local chunks (DTensor), the key mapping (``remap_keys``, so plugins), the rank,
   the world size and the writer's class and options. A save whose signature equals the cached
-  one on every rank skips planning and sends nothing but a digest of it; any change of keys,
-  shapes, dtypes, sharding or plugins plans again.
+  one on every rank skips planning and sends nothing but a digest of it (16 bytes per rank, all
+  gathered; the ranks' digests differ, as the rank is in the signature, so the cache keeps every
+  rank's digest of the save it planned); any change of keys, shapes, dtypes, sharding or plugins
+  plans again.
 * **shares equal metadata objects** (:func:`compact_metadata`): entries with the same
   properties, size and chunks point at one object, so the pickle memoizes them. The file is the
   same ``Metadata`` for ``dcp.load``; it is about half the size and pickles an order of
@@ -68,14 +70,15 @@ class SavePlanCache:
     """What the last save of one component planned (per process, per cache key)."""
 
     signature: tuple[Any, ...] | None = None
-    digest: bytes = b""
+    #: Every rank's signature digest when this plan was made, in rank order.
+    digests: tuple[bytes, ...] = ()
     final_plan: SavePlan | None = None
     metadata: Metadata | None = None
     hits: int = 0
     misses: int = 0
 
     def clear(self) -> None:
-        self.signature, self.digest, self.final_plan, self.metadata = None, b"", None, None
+        self.signature, self.digests, self.final_plan, self.metadata = None, (), None, None
 
 
 _CACHES: OrderedDict[str, SavePlanCache] = OrderedDict()
@@ -210,9 +213,11 @@ def save_state_dict(
     stepped = comm.step("plan", local_step)
     sig, local_plan = stepped if stepped is not None else ((), SavePlan([]))
     digest = hashlib.blake2b(pickle.dumps(sig, protocol=pickle.HIGHEST_PROTOCOL), digest_size=16).digest()
-    # Every rank must hit, with signatures the coordinator planned for: one small all-gather.
-    hits = comm.all_gather("plan_check", (local_plan is None, digest if local_plan is None else b""))
-    cached = cache is not None and all(hit and d == cache.digest for hit, d in hits)
+    # Every rank must hit, with the signatures all ranks had when this plan was made: one small
+    # all-gather, whose result (hence the verdict) is the same on every rank.
+    hits = comm.all_gather("plan_check", (local_plan is None, digest))
+    digests = tuple(d for _, d in hits)
+    cached = cache is not None and all(hit for hit, _ in hits) and digests == cache.digests
     if cache is not None and cached:
         assert cache.final_plan is not None
         final_plan = planner.finish_plan(cache.final_plan)
@@ -234,7 +239,7 @@ def save_state_dict(
             compact_metadata(metadata)
         if cache is not None:
             cache.misses += 1
-            cache.signature, cache.digest, cache.final_plan = sig, digest, final_plan
+            cache.signature, cache.digests, cache.final_plan = sig, digests, final_plan
             cache.metadata = metadata if coordinator else None
 
     def write_step() -> list[WriteResult]:

@@ -20,6 +20,10 @@ The collectives consult the watch that is active in the calling thread (:func:`a
 :func:`active_watch`); without one (one process, or code outside a save or a load) they run
 unbounded, as before. Per barrier a rank makes four small store requests; the coordinator's
 store sees O(ranks) requests per barrier.
+
+Every :func:`phase` call is also noted, with or without a watch, in this process's
+:data:`PHASE_LOG` (name, ``time.perf_counter()``, thread id; the last 1,024): one append per
+phase, which is what ``benchmarks/coord_bench.py`` reads to time the phases of a save or a load.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import itertools
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -38,12 +43,14 @@ import torch.distributed as dist
 from ..errors import CollectiveTimeoutError
 from .torch_private import default_store
 
-__all__ = ["CollectiveWatch", "activate", "active_watch", "phase"]
+__all__ = ["PHASE_LOG", "CollectiveWatch", "activate", "active_watch", "phase"]
 
 _ids = itertools.count()
 _local = threading.local()
 #: At most this many late ranks are described one by one in an error message.
 _SHOWN = 8
+#: This process's recent phases, oldest first: ``(name, time.perf_counter(), threading.get_ident())``.
+PHASE_LOG: deque[tuple[str, float, int]] = deque(maxlen=1024)
 
 
 def _fmt(seconds: float) -> str:
@@ -241,7 +248,8 @@ def active_watch() -> CollectiveWatch | None:
 
 
 def phase(name: str) -> None:
-    """Publish this rank's phase through the active watch (nothing without one)."""
+    """Note this rank's phase in :data:`PHASE_LOG` and publish it through the active watch."""
+    PHASE_LOG.append((name, time.perf_counter(), threading.get_ident()))
     watch = active_watch()
     if watch is not None:
         with contextlib.suppress(Exception):  # a report, never a reason to fail a save
