@@ -31,7 +31,7 @@ from torch.futures import Future
 from .._format.metadata import SafeFileSystemReader
 from .torch_save_archive import SavedTensorLayout, parse_torch_save_tensor_at
 
-__all__ = ["FastFileSystemReader", "contiguous_region"]
+__all__ = ["FastFileSystemReader", "LayoutCache", "contiguous_region"]
 
 #: Bytes read ahead from each end of an item: the archive's local headers and ``data.pkl`` sit
 #: at its start, the central directory at its end. Items up to twice this size are read whole.
@@ -75,6 +75,80 @@ class _Item:
         if offset >= self.tail_start:
             return self.tail[offset - self.tail_start : end - self.tail_start]
         return self.read(offset, max(0, end - offset))
+
+
+class LayoutCache:
+    """Archive layouts by the bytes their parse read.
+
+    The parse (:func:`parse_torch_save_tensor_at`) is a function of the archive's length and of
+    the bytes it reads, and which bytes it reads next depends only on those it has read. So an
+    archive of the same length whose bytes at the ranges one parse read equal that parse's
+    bytes takes the same path and has the same layout. The parse reads the zip records and
+    headers, not the tensor data nor the per-archive serialisation id, so every tensor of one
+    dtype and shape the engine's writer wrote matches one template: a file of many small
+    tensors parses once per shape instead of once per tensor. The cache holds bytes, not
+    assumptions about files: every archive is compared byte for byte, so nothing is stale when
+    a file changes or another checkpoint is read, and an archive that differs anywhere the
+    parse looked (another shape, a CRC ``torch.save`` wrote, a crafted header) is parsed in full.
+    """
+
+    #: Templates kept per archive length (the newest first).
+    PER_LENGTH = 4
+
+    def __init__(self) -> None:
+        self._by_length: dict[int, list[_Template]] = {}
+        #: How many archives were parsed in full and how many matched a template (for tests).
+        self.parsed = 0
+        self.reused = 0
+
+    def layout(self, item: _Item) -> SavedTensorLayout | None:
+        templates = self._by_length.setdefault(item.length, [])
+        for t in templates:
+            if t.seen(item) == t.bytes:
+                self.reused += 1
+                return t.layout
+        read: list[tuple[int, int]] = []
+
+        def pread(offset: int, n: int) -> bytes:
+            data = item.pread(offset, n)
+            read.append((offset, offset + len(data)))
+            return data
+
+        self.parsed += 1
+        unused: list[int] = []
+        layout = parse_torch_save_tensor_at(pread, item.length, unused=unused)
+        template = _Template(tuple(read), unused, layout)
+        template.bytes = template.seen(item)
+        templates.insert(0, template)
+        del templates[self.PER_LENGTH :]
+        return layout
+
+
+class _Template:
+    """One parse of :class:`LayoutCache`: the ranges it read, their bytes with the CRC fields
+    the answer does not depend on zeroed, and the answer."""
+
+    __slots__ = ("bytes", "layout", "masks", "ranges")
+
+    def __init__(
+        self, ranges: tuple[tuple[int, int], ...], unused: list[int], layout: SavedTensorLayout | None
+    ) -> None:
+        self.ranges, self.layout, self.bytes = ranges, layout, b""
+        # positions of the unused CRC fields in the joined bytes of ``ranges``
+        masks, base = [], 0
+        for a, b in ranges:
+            masks += [base + at - a for at in unused if a <= at and at + 4 <= b]
+            base += b - a
+        self.masks = masks
+
+    def seen(self, item: _Item) -> bytes:
+        data = b"".join([item.pread(a, b - a) for a, b in self.ranges])
+        if not self.masks:
+            return data
+        out = bytearray(data)
+        for at in self.masks:
+            out[at : at + 4] = b"\0\0\0\0"
+        return bytes(out)
 
 
 def contiguous_region(size: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
@@ -192,6 +266,8 @@ class FastFileSystemReader(SafeFileSystemReader):
         #: Threads for large reads (``CKPT_ENGINE_READ_THREADS``; default: up to 4, one per CPU).
         self.threads = int(os.environ.get("CKPT_ENGINE_READ_THREADS", "0")) or min(4, os.cpu_count() or 1)
         self.stats = FastReadStats()
+        #: Archive layouts seen by this reader (see :class:`LayoutCache`).
+        self.layouts = LayoutCache()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         with _gc_paused():
@@ -270,7 +346,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         cached = layouts.get(info.offset)
         if cached is None:
             item = _Item.from_fd(fd, info.offset, info.length)
-            cached = layouts[info.offset] = (item, parse_torch_save_tensor_at(item.pread, item.length))
+            cached = layouts[info.offset] = (item, self.layouts.layout(item))
         item, layout = cached
         if layout is None or layout.dtype != target.dtype:
             return False

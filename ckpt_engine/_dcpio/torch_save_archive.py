@@ -212,11 +212,12 @@ _LOCAL_MAGIC = b"PK\x03\x04"
 _MAX_ENTRIES = 64  # a one-tensor archive has about 7
 
 
-def _central_directory(pread: PRead, length: int) -> dict[bytes, _Entry] | None:
+def _central_directory(pread: PRead, length: int, crc_at: dict[bytes, int] | None = None) -> dict[bytes, _Entry] | None:
     """The archive's records by name, read with ``struct`` (the common case: fast).
 
     ``None`` for anything but a plain archive without a comment whose entries need no zip64
-    extra field; :func:`_central_directory_zipfile` handles those (huge items).
+    extra field; :func:`_central_directory_zipfile` handles those (huge items). ``crc_at``, if
+    given, receives the archive offset of each entry's CRC field.
     """
     if length < _EOCD.size:
         return None
@@ -257,6 +258,8 @@ def _central_directory(pread: PRead, length: int) -> dict[bytes, _Entry] | None:
         pos = start + name_len + extra_len + comment_len
         if method == zipfile.ZIP_STORED and not flags & 0x1 and csize == usize:
             entries[cd[start : start + name_len]] = (crc, usize, header_offset)
+            if crc_at is not None:
+                crc_at[cd[start : start + name_len]] = cd_offset + start - _CENTRAL.size + 16
     return entries if pos == cd_size else None
 
 
@@ -345,7 +348,9 @@ def parse_torch_save_tensor(f: BinaryIO, *, use_zipfile: bool = False) -> SavedT
     return parse_torch_save_tensor_at(pread, length, use_zipfile=use_zipfile)
 
 
-def parse_torch_save_tensor_at(pread: PRead, length: int, *, use_zipfile: bool = False) -> SavedTensorLayout | None:
+def parse_torch_save_tensor_at(
+    pread: PRead, length: int, *, use_zipfile: bool = False, unused: list[int] | None = None
+) -> SavedTensorLayout | None:
     """The layout of the one tensor a ``torch.save`` archive of ``length`` bytes holds.
 
     Returns a layout only for an archive holding one dense, contiguous, zero-offset,
@@ -353,10 +358,17 @@ def parse_torch_save_tensor_at(pread: PRead, length: int, *, use_zipfile: bool =
     ``numel * element_size`` bytes. Anything else, including any parse error, gives ``None``.
     The central directory is read with ``struct``, or with the stdlib ``zipfile`` where that
     cannot (zip64 entries) or when ``use_zipfile`` is set; both give the same answer.
+
+    ``unused``, if given, receives the offsets of the 4-byte CRC fields the answer does not
+    depend on (those of records other than ``byteorder`` and ``data.pkl``, whose CRC is never
+    checked here): the per-archive serialisation id and the tensor data differ from archive to
+    archive, and their CRCs with them (see ``fast_read.LayoutCache``).
     """
     try:
-        entries = None if use_zipfile else _central_directory(pread, length)
+        crc_at: dict[bytes, int] | None = None if unused is None else {}
+        entries = None if use_zipfile else _central_directory(pread, length, crc_at)
         if entries is None:
+            crc_at = None
             entries = _central_directory_zipfile(pread, length)
         if entries is None:
             return None
@@ -381,6 +393,9 @@ def parse_torch_save_tensor_at(pread: PRead, length: int, *, use_zipfile: bool =
         start = _record_offset(pread, data_name, data_entry, length)
         if start is None:
             return None
+        if unused is not None and crc_at:  # the struct path: the zipfile path reports none
+            checked = (prefix + b"byteorder", pkl_name)
+            unused += [at for name, at in crc_at.items() if name not in checked]
         return SavedTensorLayout(dtype=tensor.dtype, size=tensor.size, data_offset=start, nbytes=nbytes)
     except (zipfile.BadZipFile, struct.error, EOFError, ValueError, OSError, UnicodeError, KeyError):
         return None

@@ -1,0 +1,139 @@
+"""The per-tensor shortcuts of the load path give what the general path gives.
+
+* ``fast_read.LayoutCache``: an archive's layout is reused only when every byte its parse
+  depended on is equal, so a changed archive (another checkpoint, a rewritten or crafted file)
+  is parsed in full.
+* ``planner._whole_tensor_read``: the read item of a plain tensor stored whole is DCP's own.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ckpt_engine import CheckpointEngine
+from ckpt_engine._dcpio.fast_read import FastFileSystemReader, LayoutCache, _Item
+from ckpt_engine._dcpio.planner import _whole_tensor_read
+from ckpt_engine._dcpio.torch_save_archive import parse_torch_save_tensor_at
+
+
+def _archive(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def _item(data: bytes) -> _Item:
+    return _Item(data, data, len(data), lambda off, n: data[off : off + n])
+
+
+def _replace(data: bytes, old: bytes, new: bytes) -> bytes:
+    assert data.count(old) == 1 and len(old) == len(new)
+    return data.replace(old, new)
+
+
+def test_same_shape_archives_parse_once_and_agree_with_the_full_parse() -> None:
+    cache = LayoutCache()
+    # torch.save gives each archive its own serialisation id and data CRC: both are ignored
+    archives = [_archive(torch.full((16,), float(i))) for i in range(5)]
+    assert len({a for a in archives}) == 5 and len({len(a) for a in archives}) == 1
+    layouts = [cache.layout(_item(a)) for a in archives]
+    assert (cache.parsed, cache.reused) == (1, 4)
+    assert layouts == [parse_torch_save_tensor_at(_item(a).pread, len(a)) for a in archives]
+    assert layouts[0] is not None and layouts[0].size == (16,)
+
+
+def test_an_archive_that_differs_where_the_parse_looked_is_parsed_in_full() -> None:
+    cache = LayoutCache()
+    good = _archive(torch.zeros(16))
+    assert cache.layout(_item(good)) is not None
+    # same length, a foreign byte order: must not reuse the template (the parse refuses it)
+    flipped = _replace(good, b"little", b"bittle")
+    assert cache.layout(_item(flipped)) is None
+    # same length, another dtype of the same size in data.pkl: another layout
+    as_int = _replace(good, b"FloatStorage", b"IntStorage\x00\x00")
+    assert cache.layout(_item(as_int)) == parse_torch_save_tensor_at(_item(as_int).pread, len(as_int))
+    assert cache.parsed == 3 and cache.reused == 0
+    # the templates stay: the good archive and a crafted one still get their own answers
+    assert cache.layout(_item(good)) is not None and cache.layout(_item(flipped)) is None
+    assert cache.reused == 2
+
+
+def test_a_checkpoint_rewritten_between_loads_reads_the_new_bytes(tmp_path: str) -> None:
+    """One reader's cache across two reads of a file that changed between them."""
+
+    class M(nn.Module):
+        def __init__(self, fill: float, shape: tuple[int, ...]) -> None:
+            super().__init__()
+            for i in range(20):
+                self.register_buffer(f"b{i}", torch.full(shape, fill + i))
+
+    engine = CheckpointEngine({"save_dir": str(tmp_path), "keep_last": 5})
+    engine.save(1, model=M(1.0, (16,)))
+    folder = os.path.join(str(tmp_path), "iter_000000001", "model")
+    reader = FastFileSystemReader(folder)
+    dst = M(0.0, (16,))
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(dst.state_dict(), storage_reader=reader)
+    assert torch.equal(dst.b3, torch.full((16,), 4.0))
+    assert reader.layouts.reused > 0 and reader.stats.direct == 20
+    # the same folder now holds another checkpoint with other values and another shape
+    engine.save(2, model=M(100.0, (4, 4)))
+    engine.close()
+    for name in os.listdir(folder):
+        os.remove(os.path.join(folder, name))
+    new = os.path.join(str(tmp_path), "iter_000000002", "model")
+    for name in os.listdir(new):
+        os.link(os.path.join(new, name), os.path.join(folder, name))
+    dst2 = M(0.0, (4, 4))
+    reader2 = FastFileSystemReader(folder)
+    reader2.layouts = reader.layouts  # the old templates, kept
+    dcp.load(dst2.state_dict(), storage_reader=reader2)
+    assert torch.equal(dst2.b3, torch.full((4, 4), 103.0)) and reader2.stats.direct == 20
+
+
+def _md(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> TensorStorageMetadata:
+    return TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size(size),
+        [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
+    )
+
+
+@pytest.mark.parametrize("shape", [(16,), (3, 4), (1,), (2, 1, 5)])
+def test_whole_tensor_read_item_is_dcps(shape: tuple[int, ...]) -> None:
+    md = _md(shape, [((0,) * len(shape), shape)])
+    value = torch.zeros(shape)
+    (dcp_item,) = create_default_local_load_plan({"k": value}, Metadata({"k": md}), strict=True).items
+    ours = _whole_tensor_read("k", "k", value, md)
+    assert ours == dcp_item
+    renamed = _whole_tensor_read("k", "dest", value, md)
+    assert renamed is not None and renamed.dest_index.fqn == "dest" and renamed.storage_index.fqn == "k"
+
+
+@pytest.mark.parametrize(
+    ("shape", "stored", "chunks"),
+    [
+        ((), (), [((), ())]),  # 0-d: DCP plans it
+        ((0,), (0,), [((0,), (0,))]),  # empty: DCP makes no read item
+        ((8,), (8,), [((0,), (4,)), ((4,), (4,))]),  # several chunks: resharding
+        ((8,), (4,), [((0,), (4,))]),  # another shape
+    ],
+)
+def test_whole_tensor_read_leaves_the_rest_to_dcp(
+    shape: tuple[int, ...], stored: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> None:
+    assert _whole_tensor_read("k", "k", torch.zeros(shape), _md(stored, chunks)) is None
+    assert _whole_tensor_read("k", "k", 3, _md(stored, chunks)) is None
