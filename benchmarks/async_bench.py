@@ -286,6 +286,7 @@ def bench_overlap(
     state_mib: float, steps: int, save_every: int, rounds: int, root: Path, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """(e): no saves / sync / async overlap false / async overlap true, rounds alternating."""
+    root = root / f"overlap_{state_mib:g}"  # each size its own save folders and iterations
     torch.manual_seed(0)
     model = _overlap_model(state_mib)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -301,14 +302,18 @@ def bench_overlap(
         t for st in optim.state.values() for t in st.values() if t.dim() > 0
     ]
     targets = [torch.empty_like(t) for t in tensors]
-    floors = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for d, t in zip(targets, tensors, strict=True):
-            d.copy_(t)
-        floors.append(time.perf_counter() - t0)
-    floor = statistics.median(floors)
-    del targets
+
+    def copy_floor() -> float:
+        """One copy of the state into the preallocated host tensors (the best of three)."""
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for d, t in zip(targets, tensors, strict=True):
+                d.copy_(t)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    copy_floor()  # touch the targets
     modes: dict[str, Any] = {
         "sync": lambda: CheckpointEngine({"save_dir": str(root / "ov_sync")}),
         "async": lambda: CheckpointEngine(
@@ -321,6 +326,7 @@ def bench_overlap(
     }
     engines = {name: make() for name, make in modes.items()}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in ("none", *modes)}
+    floors: list[float] = []
     try:
         for plugin in [p for e in engines.values() for p in (e._plugins.pm.get_plugin("pinned_staging"),) if p]:
             plugin.wait_ready()
@@ -328,6 +334,7 @@ def bench_overlap(
             engine.save(0, model=model, optimizer=optim).result(timeout=600)
         it = 1
         for r in range(rounds):
+            floors.append(copy_floor())  # each round's ratios use the floor measured in that round
             for name in runs:
                 engine = engines.get(name)
                 handles = []
@@ -358,7 +365,8 @@ def bench_overlap(
     base = med([x["loop_s"] for x in runs["none"]])
     out: dict[str, Any] = {
         "state_mib": sum(t.nbytes for t in tensors) / MIB,
-        "floor_copy_s": floor,
+        "floor_copy_s": med(floors),
+        "floor_copy_s_runs": floors,
         "step_s": base / steps,
         "steps": steps,
         "save_every": save_every,
@@ -367,14 +375,24 @@ def bench_overlap(
     for name in modes:
         rs = runs[name]
         saves = rs[0]["saves"]
-        blocked, wait = med([x["blocked_s"] for x in rs]), med([x["step_wait_s"] for x in rs])
-        slowdown = (med([x["loop_s"] for x in rs]) - base) / saves
+        # Ratios per round (over that round's floor and that round's loop without saves), then
+        # the median: a machine whose load drifts between rounds skews one round, not all.
+        per_round = [
+            {
+                "blocked": x["blocked_s"] / f,
+                "wait": x["step_wait_s"] / f,
+                "loop_wait": (x["blocked_s"] + x["step_wait_s"]) / f,
+                "slowdown": (x["loop_s"] - none["loop_s"]) / saves / f,
+                "copy": x["copy_s"] / f,
+            }
+            for x, none, f in zip(rs, runs["none"], floors, strict=True)
+        ]
         out[name] = {
-            "blocked_over_floor": blocked / floor,
-            "step_wait_over_floor": wait / floor,
-            "loop_wait_over_floor": (blocked + wait) / floor,
-            "slowdown_per_save_over_floor": slowdown / floor,
-            "background_copy_over_floor": med([x["copy_s"] for x in rs]) / floor,
+            "blocked_over_floor": med([p["blocked"] for p in per_round]),
+            "step_wait_over_floor": med([p["wait"] for p in per_round]),
+            "loop_wait_over_floor": med([p["loop_wait"] for p in per_round]),
+            "slowdown_per_save_over_floor": med([p["slowdown"] for p in per_round]),
+            "background_copy_over_floor": med([p["copy"] for p in per_round]),
         }
     return out
 

@@ -175,16 +175,15 @@ def test_a_writer_killed_between_windows_fails_the_save_and_the_next_one_works(t
     engine = CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}, plugins=[plugin])
     try:
         engine.save(1, **state.objects(), extra={"extra": extra}).result(TIMEOUT)
-        original = plugin._on_drained
+        original = plugin._pool.on_drained  # the buffer pool hears of drained windows
 
         def kill_on_first_drain(msg: Any) -> None:
-            plugin._on_drained = original  # type: ignore[method-assign]
             writer = plugin._writer
             assert writer is not None
+            writer._on_drained = original
             writer.kill("the test killed it between windows")
             original(msg)
 
-        plugin._on_drained = kill_on_first_drain  # type: ignore[method-assign]
         writer = plugin._writer
         assert writer is not None
         writer._on_drained = kill_on_first_drain

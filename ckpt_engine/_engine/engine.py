@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -54,6 +53,7 @@ from .collectives import bounded, close_watch, watch_group
 from .commit import CommitPhase, run_commit
 from .consensus import agree, unwrap
 from .loader import Loader
+from .pending import SaveHandle, SaveQueue
 from .preemption import PreemptionSaver
 from .resave import refuse_resave
 from .rng import with_rng
@@ -78,53 +78,6 @@ class _Clock:
     snapshot: PendingSnapshot | None = None
 
 
-class SaveHandle:
-    """The outcome of one ``save()``; completes when the checkpoint is committed or has failed."""
-
-    def __init__(
-        self, iteration: int, path: str, future: Future[SaveResult], snapshot: PendingSnapshot | None = None
-    ) -> None:
-        self.iteration = iteration
-        self.path = path
-        self._future = future
-        self._snapshot = snapshot
-        #: Whether :meth:`result` raised this save's failure to a caller of its own.
-        self.reported = False
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the save's point-in-time copy is complete; raise if it failed.
-
-        Returns at once where ``save()`` made the copy itself (everything but ``pinned_staging``
-        with ``overlap``). Call it before changing weights outside the optimizer.
-        """
-        if self._snapshot is not None:
-            self._snapshot.wait(timeout)
-
-    def result(self, timeout: float | None = None) -> SaveResult:
-        """The save's :class:`SaveResult`; raises :class:`CheckpointSaveError` if it failed."""
-        if self._snapshot is not None:
-            try:
-                self._snapshot.wait(timeout)  # a background copy hands over only once confirmed
-            except TimeoutError:
-                raise
-            except Exception:
-                pass  # a failed copy fails the save: the result below carries its error
-        result = self._future.result(timeout)
-        if not result.succeeded:
-            self.reported = True
-            raise CheckpointSaveError(
-                f"saving iteration {self.iteration} to {self.path} failed: {result.error}"
-            ) from result.error
-        return result
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"SaveHandle(iteration={self.iteration}, path={self.path!r}, {state})"
-
-
 class CheckpointEngine:
     """Saves and restores model, optimizer, scheduler, grad scaler, iteration and extra state.
 
@@ -142,12 +95,8 @@ class CheckpointEngine:
         self.config = EngineConfig.coerce(config)
         self._plugins = build_plugin_manager(self.config, plugins)
         self.pipeline = Pipeline(self._plugins)
-        self._pending: list[SaveHandle] = []
-        #: Failures of saves whose handle nobody asked, noticed by a later save() (which proceeds):
-        #: raised by the next wait() / close().
-        self._failed: list[CheckpointSaveError] = []
-        self._lock = threading.Lock()
-        self._committer: ThreadPoolExecutor | None = None
+        #: The saves in flight: their handles, the commit thread, failures nobody asked about.
+        self._queue = SaveQueue()
         self._closed = False
         self._watch: Any = None  # the CollectiveWatch of collective_timeout_s (collectives.py)
         #: Names this engine's save-plan caches (``fast_save``): one per component.
@@ -248,7 +197,7 @@ class CheckpointEngine:
             raise InvalidArgumentError("save() needs model=: a module or a list of modules")
         # One save in flight (more only where the stage provider says so): never re-stage while
         # a write may still read the buffers.
-        self._wait_pending(keep=self._saves_to_keep(iteration), raise_errors=False)
+        self._queue.wait(keep=self._queue.may_keep(iteration, self.pipeline.max_saves_in_flight()), raise_errors=False)
 
         clock = _Clock(time.perf_counter())
         rank, world = _dist.rank(), _dist.world_size()
@@ -341,12 +290,12 @@ class CheckpointEngine:
         if not all(isinstance(o, WriteResult) for o in outcomes):
             # Background writes: commit from the engine's commit thread (no collectives there;
             # the last DCP write of every component already synchronised all ranks).
-            self._submit(handle, self._commit_background, future, paths, components, outcomes, clock)
+            self._queue.submit(handle, self._commit_background, future, paths, components, outcomes, clock)
             return handle
         if self._target.after_commit_in_background:
             phase = self._run_commit(paths, components, outcomes, collective=True)
             if phase.error is None:
-                self._submit(handle, self._after_commit_background, future, paths, components, phase, clock)
+                self._queue.submit(handle, self._after_commit_background, future, paths, components, phase, clock)
                 return handle
             result = self._result(paths, components, phase, clock, collective=True)
             self._finish(result, paths, cleanup=True)
@@ -360,13 +309,6 @@ class CheckpointEngine:
                 f"saving iteration {paths.iteration} to {paths.final} failed: {result.error}"
             ) from result.error
         return handle
-
-    def _submit(self, handle: SaveHandle, fn: Callable[..., None], *args: Any) -> None:
-        with self._lock:
-            if self._committer is None:
-                self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-engine-commit")
-            self._pending.append(handle)
-        self._committer.submit(fn, *args)
 
     def _prepare_save(
         self,
@@ -394,28 +336,18 @@ class CheckpointEngine:
                     world_size=world,
                 )
                 key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
-            if rank == 0:
-                refuse_resave(paths.iteration, self._target.resave_targets(paths), self.config.allow_overwrite)
-                os.makedirs(self._target.staging_root, exist_ok=True)
-                if self._save_lock.acquire():  # first save: also clear what a crash left behind
-                    for line in cleanup_leftovers(self._target.staging_root):
-                        logger.warning("%s", line)
-                self._target.clear_for_save(paths)
-            else:
-                self._target.clear_own_files(paths, rank, world)
+            self._clear_for_save(paths, rank, world)
             t_stage = time.perf_counter()
             publish_phase("stage")
-            staged = self.pipeline.stage(
-                SaveContext(
-                    iteration=paths.iteration,
-                    checkpoint_path=paths.final,
-                    components=components,
-                    rank=rank,
-                    world_size=world,
-                    optimizers=tuple(objs.optimizers),
-                ),
-                state,
+            ctx_stage = SaveContext(
+                iteration=paths.iteration,
+                checkpoint_path=paths.final,
+                components=components,
+                rank=rank,
+                world_size=world,
+                optimizers=tuple(objs.optimizers),
             )
+            staged = self.pipeline.stage(ctx_stage, state)
             if staged.completion is not None:
                 staged.completion.result()
             clock.staging = time.perf_counter() - t_stage
@@ -434,6 +366,20 @@ class CheckpointEngine:
                 f"rank {failed.rank} failed while preparing the save: {failed.text}"
             ) from local_err
         return staged, key_maps
+
+    def _clear_for_save(self, paths: SavePaths, rank: int, world: int) -> None:
+        """Before staging: rank 0 refuses a committed iteration (``allow_overwrite``), takes the
+        save_dir lock (the first save also clears what a crash left) and lets the target clear
+        this iteration's leftovers; the other ranks clear what only they can see."""
+        if rank != 0:
+            self._target.clear_own_files(paths, rank, world)
+            return
+        refuse_resave(paths.iteration, self._target.resave_targets(paths), self.config.allow_overwrite)
+        os.makedirs(self._target.staging_root, exist_ok=True)
+        if self._save_lock.acquire():
+            for line in cleanup_leftovers(self._target.staging_root):
+                logger.warning("%s", line)
+        self._target.clear_for_save(paths)
 
     def _fail_sync(
         self,
@@ -565,40 +511,6 @@ class CheckpointEngine:
             except Exception:
                 logger.warning("retention in %s failed; retrying after the next commit", job.folder, exc_info=True)
 
-    def _saves_to_keep(self, iteration: int) -> int:
-        """How many earlier saves may stay pending while a new one stages: the stage provider's
-        ``max_saves_in_flight`` (default 1) minus one; none when one of them is this iteration."""
-        limit = self.pipeline.max_saves_in_flight()
-        with self._lock:
-            if any(h.iteration == iteration for h in self._pending):
-                return 0
-        return limit - 1
-
-    def _wait_pending(self, keep: int = 0, *, raise_errors: bool = True) -> list[SaveResult]:
-        """Wait for pending saves, oldest first, until at most ``keep`` remain. A failure is
-        raised, or with ``raise_errors`` false (a new save: it proceeds) logged and kept for the
-        next :meth:`wait` / :meth:`close`, unless the caller already saw it through its handle."""
-        with self._lock:
-            cut = max(0, len(self._pending) - keep)
-            pending, self._pending = self._pending[:cut], self._pending[cut:]
-        results = []
-        first_error: CheckpointSaveError | None = None
-        for handle in pending:
-            seen = handle.reported
-            try:
-                results.append(handle.result())
-            except CheckpointSaveError as err:
-                if raise_errors:
-                    first_error = first_error or err
-                elif not seen:
-                    logger.warning("%s; the new save proceeds", err)
-                    self._failed.append(err)
-        if raise_errors:
-            kept, self._failed = self._failed, []
-            if kept or first_error is not None:
-                raise kept[0] if kept else first_error  # type: ignore[misc]
-        return results
-
     def save_on_preemption(self, *, every: int | None = None, exit_code: int = 0) -> PreemptionSaver:
         """A context manager turning SIGTERM into a save at the next ``step_done()`` and a clean
         exit; also saves every ``every`` steps (see :mod:`ckpt_engine.preemption`)."""
@@ -612,7 +524,7 @@ class CheckpointEngine:
 
     def wait(self) -> None:
         """Block until every pending save is committed; raise if one failed."""
-        self._wait_pending()
+        self._queue.wait()
 
     def close(self) -> None:
         """Wait for pending saves, then release workers and plugin resources. Idempotent.
@@ -625,14 +537,12 @@ class CheckpointEngine:
             return
         self.pipeline.begin_close()  # lets a plugin bound the wait below (pinned_staging: close_timeout_s)
         try:
-            self._wait_pending()
+            self._queue.wait()
         finally:
             self._closed = True
             drop_plan_caches(self._plan_prefix)
             close_watch(self)
-            if self._committer is not None:
-                self._committer.shutdown(wait=True)
-                self._committer = None
+            self._queue.shutdown()
             self._save_lock.release()
             self.pipeline.close()
 

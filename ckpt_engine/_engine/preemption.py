@@ -29,7 +29,8 @@ from .._dcpio import dist as _dist
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from .engine import CheckpointEngine, SaveHandle
+    from .engine import CheckpointEngine
+    from .pending import SaveHandle
 
 __all__ = ["PreemptionSaver"]
 

@@ -39,7 +39,15 @@ from ckpt_engine import CkptEngineError
 # (tests/test_torch_private.py pins it).
 from ckpt_engine.staging import tensor_version
 
-__all__ = ["Snapshot", "SnapshotChangedError", "StreamPool", "copy_now", "optimizer_owned", "tensor_names"]
+__all__ = [
+    "Snapshot",
+    "SnapshotChangedError",
+    "StreamPool",
+    "copy_now",
+    "optimizer_owned",
+    "stage_copy",
+    "tensor_names",
+]
 
 #: Identifies the memory of a tensor: (data pointer, shape, stride, dtype, device).
 TensorKey = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
@@ -159,6 +167,39 @@ def copy_now(views: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], str
                 v.copy_(s)
         for stream in used:
             stream.synchronize()
+
+
+def stage_copy(
+    views: Sequence[torch.Tensor],
+    sources: Sequence[torch.Tensor],
+    objects: Sequence[torch.Tensor],
+    state: Mapping[str, Any],
+    optimizers: Sequence[torch.optim.Optimizer],
+    streams: StreamPool,
+    *,
+    overlap: bool,
+) -> Snapshot | None:
+    """Copy ``sources`` into ``views``: everything now, or (``overlap``) now only what can change
+    outside the optimizer and the rest in a background :class:`Snapshot`, which is returned.
+
+    ``objects`` are the tensors met for each source (a DTensor, where ``sources`` holds its
+    shard) and name the snapshot's tensors by their keys in ``state``."""
+    owned = optimizer_owned(optimizers) if overlap else {}
+    later = [i for i, s in enumerate(sources) if owned and is_owned(s, owned)]
+    deferred = set(later)
+    now = [i for i in range(len(sources)) if i not in deferred]
+    copy_now([views[i] for i in now], [sources[i] for i in now], streams)
+    if not later:
+        return None
+    names = tensor_names(state)
+    return Snapshot(
+        [views[i] for i in later],
+        [sources[i] for i in later],
+        [names.get(id(objects[i]), f"tensor {i}") for i in later],
+        [owners_of(sources[i], owned) for i in later],
+        optimizers,
+        streams,
+    )
 
 
 class Snapshot:

@@ -11,6 +11,7 @@ in flight. Nothing here waits on the child without a timeout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -26,7 +27,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_engine import CheckpointSaveError, WriteResult
+from ckpt_engine import CheckpointSaveError, CkptEngineError, WriteResult
 
 from ._pinned_ipc import (
     Done,
@@ -35,6 +36,7 @@ from ._pinned_ipc import (
     Mapped,
     PipeClosed,
     Ready,
+    Save,
     Shutdown,
     StartFailed,
     encode,
@@ -212,6 +214,41 @@ class WriterProcess:
                 frame = frame[written:]
             self._backlog += 1
             self._outbox.put(frame)
+
+    def submit(self, message: Save, future: Future[WriteResult]) -> None:
+        """Send a save request that ``future`` awaits; a request that cannot be sent fails it too
+        (never leaving a buffer set marked busy)."""
+        try:
+            self.send(message, (message.req_id, Pending(future, message.iteration, message.component)))
+        except PinnedWriterError as err:
+            future.set_exception(err)
+            raise
+        except Exception as err:
+            future.set_exception(err)
+            raise CkptEngineError(
+                f"pinned_staging cannot send the save request of component {message.component!r} to the writer "
+                f"process (the planner {type(message.planner).__qualname__} must be picklable): "
+                f"{type(err).__name__}: {err}"
+            ) from err
+
+    def hand_over(
+        self, message: Save, future: Future[WriteResult], error: BaseException | None, world_size: int
+    ) -> None:
+        """Submit a settled ``overlap`` save, or (``error``: its snapshot failed) fail ``future``
+        with it and tell this rank's writer to fail the save on every rank; never raises."""
+        try:
+            if error is None:
+                self.submit(message, future)
+                return
+            if world_size > 1:  # the other ranks' writers must fail this save too, not wait for ours
+                aborted: Future[WriteResult] = Future()
+                abort = dataclasses.replace(message, abort=f"rank {self.rank}: {error}")
+                with contextlib.suppress(Exception):
+                    self.send(abort, (message.req_id, Pending(aborted, message.iteration, message.component)))
+            future.set_exception(error)
+        except Exception as err:
+            if not future.done():
+                future.set_exception(err)
 
     def _send_loop(self) -> None:
         try:

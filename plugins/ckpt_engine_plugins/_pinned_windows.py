@@ -24,6 +24,7 @@ The hand-over, per save (an *epoch* of the buffer set):
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import threading
@@ -34,9 +35,11 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
+from ckpt_engine import CkptEngineError
 from ckpt_engine.storage import EngineFileSystemWriter
 
-from ._pinned_ipc import SlotSpec
+from ._pinned_copy import StreamPool, copy_now
+from ._pinned_ipc import SlotSpec, Window
 
 __all__ = ["WindowBoard", "WindowPump", "WindowedStorageWriter", "plan_windows"]
 
@@ -214,9 +217,75 @@ class WindowPump:
         self.staged = -1
         self.ran = False
 
+    @classmethod
+    def over(
+        cls,
+        views: Sequence[torch.Tensor],
+        sources: Sequence[torch.Tensor],
+        windows: Sequence[int],
+        *,
+        set_id: int,
+        epoch: int,
+        streams: StreamPool,
+        send: Callable[[object], None],
+        timeout: float,
+    ) -> WindowPump:
+        """The pump that copies ``sources`` into ``views`` window by window (``windows``: each
+        slot's window) and announces each window to the writer with ``send``."""
+        by_window: dict[int, list[int]] = {}
+        for i, w in enumerate(windows):
+            by_window.setdefault(w, []).append(i)
+
+        def copy_window(index: int) -> None:
+            slots = by_window.get(index, [])
+            copy_now([views[i] for i in slots], [sources[i] for i in slots], streams)
+
+        def announce(index: int, error: str | None) -> None:
+            send(Window(set_id, epoch, index, error))
+
+        return cls(set_id, epoch, windows, copy_window, announce, timeout)
+
     @property
     def futures(self) -> list[Future[Any]]:
         return list(self._futures)
+
+    def send_component(
+        self, component: str, order: Sequence[str], future: Future[Any], send: Callable[[], None]
+    ) -> bool:
+        """Send the save request of ``component`` (with ``send``), which must come next in the
+        staged ``order``; ``True`` once it was the last one (then :meth:`finish` stages the rest)."""
+        done = len(self.components)
+        expected = order[done] if done < len(order) else None
+        if component != expected:
+            self.fail(f"component {component!r} written out of order")
+            future.set_exception(CkptEngineError("pinned_staging: windowed save written out of order"))
+            raise CkptEngineError(
+                f"pinned_staging (max_host_bytes): component {component!r} was written out of the order it was "
+                f"staged in ({', '.join(order)}); a save staged in windows must be written in that order"
+            )
+        self.components.append(component)
+        self.watch(future)
+        try:
+            send()
+        except BaseException:
+            self.fail("the save request could not be sent")
+            raise
+        return component == order[-1]
+
+    def finish(self, wait_s: float) -> None:
+        """:meth:`run`; on a failure, wait (at most ``wait_s``) until nothing still writes the
+        folder, then raise it as a :class:`CkptEngineError`."""
+        try:
+            self.run()
+        except BaseException as err:
+            # The writer stops reading at once; wait (bounded) so nothing still writes the folder.
+            concurrent.futures.wait(self.futures, timeout=wait_s)
+            if isinstance(err, CkptEngineError):
+                raise
+            raise CkptEngineError(
+                f"pinned_staging (max_host_bytes): staging window {self.staged + 1} of {self.count} failed: "
+                f"{type(err).__name__}: {err}"
+            ) from err
 
     def fail(self, reason: str) -> None:
         """Tell the writer this save's windows will never all be staged (its save fails)."""

@@ -61,186 +61,34 @@ cannot hang either.
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures
 import contextlib
-import dataclasses
-import io
 import itertools
 import logging
-import math
 import os
-import pickle
 import threading
-import time
-import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from torch.distributed.tensor import DTensor
 
 from ckpt_engine import CkptEngineError, SaveContext, StagedState, WriteContext, WriteResult, hookimpl
 
-from ._pinned_buffers import HostSlab, default_shm_dir, sweep_stale_files
-from ._pinned_copy import (
-    Snapshot,
-    SnapshotChangedError,
-    StreamPool,
-    copy_now,
-    is_owned,
-    optimizer_owned,
-    owners_of,
-    tensor_names,
-)
-from ._pinned_ipc import Alloc, Drained, Free, Init, MeshSpec, Save, SkeletonUnpickler, Window
-from ._pinned_process import Pending, PinnedWriterError, WriterProcess
-from ._pinned_windows import WindowPump, plan_windows
+from ._pinned_buffers import default_shm_dir, sweep_stale_files
+from ._pinned_collect import Collector, Staged, collect, staged_components
+from ._pinned_copy import Snapshot, SnapshotChangedError, StreamPool, stage_copy
+from ._pinned_ipc import Save
+from ._pinned_pool import BufferPool, BufferSet, BufferSetInfo
+from ._pinned_process import PinnedWriterError, WriterProcess
+from ._pinned_supervise import WriterSettings, WriterSupervisor, register, unregister
+from ._pinned_windows import WindowPump
 
 __all__ = ["BufferSetInfo", "PinnedStagingPlugin", "PinnedWriterError", "SnapshotChangedError"]
 
 logger = logging.getLogger("ckpt_engine.pinned_staging")
 
 _INSTANCES = itertools.count()
-_LIVE: set[PinnedStagingPlugin] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True, slots=True)
-class BufferSetInfo:
-    """One buffer set, as :meth:`PinnedStagingPlugin.buffer_sets` reports it."""
-
-    set_id: int
-    nbytes: int
-    tensors: int
-    data_ptr: int
-    pinned: bool
-    busy: bool
-    #: Windows a save is staged in (``max_host_bytes``); 1: the whole state at once.
-    windows: int = 1
-
-
-@dataclass(eq=False)
-class _BufferSet:
-    slab: HostSlab
-    signature: tuple[tuple[tuple[int, ...], torch.dtype], ...]
-    generation: int
-    #: Each slot's window (``max_host_bytes``); all 0: the whole state at once.
-    windows: tuple[int, ...] = ()
-    #: Saves staged into this set so far (a windowed save's epoch).
-    epoch: int = 0
-    #: The windowed save now being handed over, if any.
-    pump: WindowPump | None = None
-    #: Writes that read the set, and an ``overlap`` copy still writing into it.
-    futures: list[Future[Any]] = field(default_factory=list)
-    last_used: float = 0.0
-
-    @property
-    def windowed(self) -> bool:
-        return bool(self.windows) and max(self.windows) > 0
-
-    @property
-    def busy(self) -> bool:
-        self.futures = [f for f in self.futures if not f.done()]
-        return bool(self.futures)
-
-
-@dataclass(frozen=True, eq=False)
-class _Staged:
-    buffers: _BufferSet
-    skeleton: bytes
-    meshes: tuple[MeshSpec, ...]
-    tree: dict[str, Any]
-    snapshot: Snapshot | None = None
-    #: ``max_host_bytes``: the window hand-over, its epoch and the components in write order.
-    pump: WindowPump | None = None
-    epoch: int | None = None
-    order: tuple[str, ...] = ()
-
-
-class _Collector:
-    """Assigns staging slots to the tensors met while pickling a skeleton."""
-
-    def __init__(self, *, share_across_components: bool = True) -> None:
-        self.share_across_components = share_across_components
-        self.sources: list[torch.Tensor] = []
-        self.meshes: list[MeshSpec] = []
-        self._slots: dict[int, int] = {}
-        self._keep: list[torch.Tensor] = []  # keeps ids unique while the skeletons are pickled
-        self._mesh_index: dict[MeshSpec, int] = {}
-
-    def _slot(self, obj: torch.Tensor, local: torch.Tensor) -> int:
-        slot = self._slots.get(id(obj))
-        if slot is None:
-            if local.layout != torch.strided or local.device.type == "meta":
-                raise CkptEngineError(
-                    f"pinned_staging cannot stage a {local.layout} tensor on {local.device} "
-                    f"(shape {list(local.shape)}); only dense tensors with data can be saved asynchronously"
-                )
-            slot = len(self.sources)
-            self._slots[id(obj)] = slot
-            self.sources.append(local)
-            self._keep.append(obj)
-        return slot
-
-    def next_component(self) -> None:
-        """A windowed save writes components one after another: a tensor two components share
-        gets a slot in each, so neither reads a window the other's writes have moved past."""
-        if not self.share_across_components:
-            self._slots = {}
-
-    @property
-    def objects(self) -> list[torch.Tensor]:
-        """The tensor met for each slot (a DTensor itself, where ``sources`` holds its shard)."""
-        return self._keep
-
-    def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor):
-            return None
-        if isinstance(obj, DTensor):
-            mesh = obj.device_mesh
-            spec = MeshSpec(
-                shape=tuple(mesh.mesh.shape),
-                ranks=tuple(int(r) for r in mesh.mesh.flatten().tolist()),
-                dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-            )
-            index = self._mesh_index.setdefault(spec, len(self.meshes))
-            if index == len(self.meshes):
-                self.meshes.append(spec)
-            slot = self._slot(obj, obj.to_local())
-            return ("dt", slot, index, tuple(obj.placements), tuple(obj.shape), tuple(obj.stride()))
-        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
-            raise CkptEngineError(
-                f"pinned_staging cannot stage a tensor of type {type(obj).__qualname__}; plain tensors, "
-                "parameters and DTensors are supported"
-            )
-        return ("t", self._slot(obj, obj))
-
-    def signature(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
-        return tuple((tuple(t.shape), t.dtype) for t in self.sources)
-
-
-class _SkeletonPickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, collector: _Collector) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._collector = collector
-
-    def persistent_id(self, obj: Any) -> Any:
-        return self._collector.persistent_id(obj)
-
-
-def _job_rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    try:
-        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 0, 1
 
 
 class PinnedStagingPlugin:
@@ -248,7 +96,9 @@ class PinnedStagingPlugin:
 
     Provides the ``stage`` and ``write`` hooks; enable it with ``plugins: [pinned_staging]`` (or
     pass an instance in ``CheckpointEngine(..., plugins=[...])``). See the module docstring for
-    the design and ``docs/performance.md`` for measurements.
+    the design and ``docs/performance.md`` for measurements. Its parts: the buffer sets
+    (``_pinned_pool``), the skeletons (``_pinned_collect``), the copies (``_pinned_copy``), the
+    windows (``_pinned_windows``) and the writer process's supervision (``_pinned_supervise``).
     """
 
     name = "pinned_staging"
@@ -307,44 +157,38 @@ class PinnedStagingPlugin:
             return self
 
     def __init__(self, options: Options | None = None) -> None:
-        self.options = options if options is not None else self.Options()
+        self.options = opts = options if options is not None else self.Options()
         self._lock = threading.RLock()
-        self._closed = False
-        self._owner_pid = os.getpid()
-        self._instance = next(_INSTANCES)
-        self._rank, self._world = _job_rank_world()
-        self._store_host: str | None = None
-        self._store_port: int | None = None
-        if self._world > 1:
-            host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            if not host or not port or not port.isdigit():
-                raise CkptEngineError(
-                    f"pinned_staging with {self._world} ranks needs the job's rendezvous store in MASTER_ADDR and "
-                    "MASTER_PORT (torchrun sets both); launch with torchrun or set them as for init_method='env://'"
-                )
-            self._store_host, self._store_port = host, int(port)
-        self._shm_dir = self.options.shm_dir or default_shm_dir()
-        if not os.path.isdir(self._shm_dir):
-            raise CkptEngineError(f"pinned_staging: shm_dir {self._shm_dir!r} is not a directory")
-        sweep_stale_files(self._shm_dir)
-        self._pin = self.options.pin_memory if self.options.pin_memory is not None else torch.cuda.is_available()
-        self._generation = itertools.count()
-        self._set_ids = itertools.count()
+        settings = WriterSettings.for_job(
+            next(_INSTANCES),
+            start_timeout_s=opts.writer_start_timeout_s,
+            write_timeout_s=opts.write_timeout_s,
+            close_timeout_s=opts.close_timeout_s,
+        )
+        self._rank, self._world = settings.rank, settings.world
+        shm_dir = opts.shm_dir or default_shm_dir()
+        if not os.path.isdir(shm_dir):
+            raise CkptEngineError(f"pinned_staging: shm_dir {shm_dir!r} is not a directory")
+        sweep_stale_files(shm_dir)
+        self._pool = BufferPool(
+            shm_dir=shm_dir,
+            pin=opts.pin_memory if opts.pin_memory is not None else torch.cuda.is_available(),
+            buffers=opts.buffers,
+            max_host_bytes=opts.max_host_bytes,
+            write_timeout_s=opts.write_timeout_s,
+            rank=self._rank,
+        )
         self._req_ids = itertools.count()
-        self._sets: list[_BufferSet] = []
-        self._staged: dict[str, _Staged] = {}
+        self._staged: dict[str, Staged] = {}
         self._streams = StreamPool()
         self._snapshots: list[Snapshot] = []
-        self._close_deadline: float | None = None
-        self._writer: WriterProcess | None = None
-        self._writer = self._spawn_writer()
-        self._stop = threading.Event()
-        self._supervisor = threading.Thread(
-            target=_supervise, args=(weakref.ref(self), self._stop), name="pinned-staging-watchdog", daemon=True
+        self._writers = WriterSupervisor(
+            settings,
+            on_mapped=self._pool.on_mapped,
+            on_drained=self._pool.on_drained,
+            at_exit_round=self._confirm_snapshots_at_exit,
         )
-        self._supervisor.start()
-        with _LIVE_LOCK:
-            _LIVE.add(self)
+        register(self, self._writers)
 
     def __repr__(self) -> str:
         return f"PinnedStagingPlugin(rank={self._rank}, world={self._world}, writer={self._writer!r})"
@@ -361,101 +205,22 @@ class PinnedStagingPlugin:
         writer = self._writer
         return writer.pid if writer is not None and writer.alive else None
 
+    @property
+    def _writer(self) -> WriterProcess | None:
+        """The current writer process (``None`` only while the first one is being started)."""
+        return self._writers.writer
+
     def wait_ready(self, timeout: float | None = None) -> float:
         """Block until the writer process is ready; returns its start-up seconds.
 
         Never needed for correctness (requests queue until the writer is ready); useful to
         keep start-up out of a measurement. Raises :class:`PinnedWriterError` if it failed.
         """
-        writer = self._live_writer()
+        writer = self._writers.live()
         return writer.wait_ready(self.options.writer_start_timeout_s if timeout is None else timeout)
 
     def buffer_sets(self) -> tuple[BufferSetInfo, ...]:
-        with self._lock:
-            return tuple(
-                BufferSetInfo(
-                    set_id=s.slab.set_id,
-                    nbytes=s.slab.nbytes,
-                    tensors=len(s.slab.slots),
-                    data_ptr=s.slab.data_ptr,
-                    pinned=s.slab.pinned,
-                    busy=s.busy,
-                    windows=(max(s.windows) + 1) if s.windows else 1,
-                )
-                for s in self._sets
-            )
-
-    # -- writer lifecycle -----------------------------------------------------------------
-
-    def _spawn_writer(self) -> WriterProcess:
-        generation = next(self._generation)
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        init = Init(
-            rank=self._rank,
-            world_size=self._world,
-            store_host=self._store_host,
-            store_port=self._store_port,
-            store_prefix=f"ckpt_engine/pinned_staging/{run}/{restart}/{self._instance}/{generation}/",
-            start_timeout_s=self.options.writer_start_timeout_s,
-            write_timeout_s=self.options.write_timeout_s,
-        )
-        writer = WriterProcess(
-            init,
-            generation,
-            on_lost=self._on_writer_lost,
-            on_mapped=self._on_mapped,
-            on_failed_write=self._on_failed_write,
-            on_drained=self._on_drained,
-        )
-        logger.debug(
-            "rank %d: started pinned_staging writer pid %d (generation %d)", self._rank, writer.pid, generation
-        )
-        return writer
-
-    def _live_writer(self) -> WriterProcess:
-        """The current writer; a new one if the last one is gone."""
-        with self._lock:
-            self._check_open()
-            writer = self._writer
-            if writer is None or not writer.alive:
-                previous = writer.error if writer is not None else None
-                writer = self._writer = self._spawn_writer()
-                if previous is not None:
-                    logger.warning("rank %d: started writer pid %d after: %s", self._rank, writer.pid, previous)
-            return writer
-
-    def _on_writer_lost(self, writer: WriterProcess, error: PinnedWriterError) -> None:
-        logger.error("rank %d: %s", self._rank, error)
-        with self._lock:
-            if writer is not self._writer or self._closed or os.getpid() != self._owner_pid:
-                return
-            if writer.ready:  # a writer that never started is retried by the next save, not in a loop
-                try:
-                    self._writer = self._spawn_writer()
-                except Exception:
-                    logger.exception("rank %d: could not start a replacement writer process", self._rank)
-
-    def _on_failed_write(self, writer: WriterProcess) -> None:
-        if self._world > 1:
-            # The writers' process group may be left mid-collective: replace the writer on every
-            # rank (every rank sees the failure: DCP and the pre-save agreement fail all ranks).
-            writer.kill("a write failed and the writer group may be inconsistent; it is replaced")
-
-    def _on_mapped(self, set_id: int, error: str | None) -> None:
-        with self._lock:
-            for s in self._sets:
-                if s.slab.set_id == set_id:
-                    s.slab.unlink()  # both processes have it mapped: /dev/shm holds no name for it
-        if error is not None:
-            logger.error("rank %d: %s", self._rank, error)
-
-    def _on_drained(self, msg: Drained) -> None:
-        with self._lock:
-            pumps = [s.pump for s in self._sets if s.slab.set_id == msg.set_id and s.pump is not None]
-        for pump in pumps:
-            if pump.epoch == msg.epoch:
-                pump.drained(msg.index)
+        return self._pool.infos()
 
     # -- stage ----------------------------------------------------------------------------
 
@@ -466,101 +231,53 @@ class PinnedStagingPlugin:
                 f"pinned_staging was created for rank {self._rank} of {self._world}, but the save runs on rank "
                 f"{ctx.rank} of {ctx.world_size}; create the engine after init_process_group"
             )
-        writer = self._live_writer()
-        collector = _Collector(share_across_components=self.options.max_host_bytes is None)
-        skeletons: dict[str, bytes] = {}
-        for name, sd in state.items():
-            collector.next_component()
-            buf = io.BytesIO()
-            try:
-                _SkeletonPickler(buf, collector).dump(sd)
-            except CkptEngineError:
-                raise
-            except Exception as err:
-                raise CkptEngineError(
-                    f"pinned_staging cannot copy the non-tensor values of component {name!r}: "
-                    f"{type(err).__name__}: {err}; values must be picklable"
-                ) from err
-            skeletons[name] = buf.getvalue()
+        writer = self._writers.live()
+        collector, skeletons = collect(state, share_across_components=self.options.max_host_bytes is None)
         self._settle_snapshots()  # an earlier overlap copy: complete and confirmed before its buffers are reused
-        self._abandon_pumps()  # a windowed save whose writes were never all requested
-        buffers = self._acquire(collector.signature(), writer)
-        views = buffers.slab.views
+        self._pool.abandon_pumps()  # a windowed save whose writes were never all requested
+        buffers = self._pool.acquire(collector.signature(), writer)
         pump: WindowPump | None = None
         snapshot: Snapshot | None = None
         if buffers.windowed:
             pump = self._stage_windowed(collector, buffers, writer)
         else:
             snapshot = self._copy(ctx, state, collector, buffers)
-        trees: dict[str, dict[str, Any]] = {}
-        meshes = tuple(collector.meshes)
-        staged: dict[str, _Staged] = {}
-        order = tuple(skeletons)
-        for name, skeleton in skeletons.items():
-            # With windows, the views show whichever window the set holds now: only the writer reads them.
-            tree = SkeletonUnpickler(skeleton, lambda pid: views[pid[1]]).load()
-            trees[name] = tree
-            epoch = buffers.epoch if pump is not None else None
-            staged[name] = _Staged(buffers, skeleton, meshes, tree, snapshot, pump, epoch, order)
+        staged = staged_components(skeletons, buffers, tuple(collector.meshes), snapshot, pump)
         with self._lock:
             self._staged = staged
+        trees = {name: s.tree for name, s in staged.items()}
         return StagedState(components=trees, is_copy=True, snapshot=snapshot)
 
     def _copy(
-        self, ctx: SaveContext, state: Mapping[str, dict[str, Any]], collector: _Collector, buffers: _BufferSet
+        self, ctx: SaveContext, state: Mapping[str, dict[str, Any]], collector: Collector, buffers: BufferSet
     ) -> Snapshot | None:
-        """Copy into ``buffers``: everything now, or (``overlap``) now only what can change outside
-        the optimizer and the rest in a background :class:`Snapshot`."""
+        """Copy into ``buffers``: everything now, or (``overlap``) the rest in a background snapshot."""
         views, sources = buffers.slab.views, collector.sources
-        owned = optimizer_owned(ctx.optimizers) if self.options.overlap else {}
-        later = [i for i, s in enumerate(sources) if owned and is_owned(s, owned)]
-        deferred = set(later)
-        now = [i for i in range(len(sources)) if i not in deferred]
-        copy_now([views[i] for i in now], [sources[i] for i in now], self._streams)
-        if not later:
-            return None
-        names = tensor_names(state)
-        snapshot = Snapshot(
-            [views[i] for i in later],
-            [sources[i] for i in later],
-            [names.get(id(collector.objects[i]), f"tensor {i}") for i in later],
-            [owners_of(sources[i], owned) for i in later],
-            ctx.optimizers,
-            self._streams,
+        snapshot = stage_copy(
+            views, sources, collector.objects, state, ctx.optimizers, self._streams, overlap=self.options.overlap
         )
-        with self._lock:
-            buffers.futures.append(snapshot.settled)
-            self._snapshots.append(snapshot)
+        if snapshot is not None:
+            self._pool.hold(buffers, snapshot.settled)
+            with self._lock:
+                self._snapshots.append(snapshot)
         return snapshot
 
-    def _stage_windowed(self, collector: _Collector, buffers: _BufferSet, writer: WriterProcess) -> WindowPump:
+    def _stage_windowed(self, collector: Collector, buffers: BufferSet, writer: WriterProcess) -> WindowPump:
         """Copy window 0 now; the last ``write`` stages the rest as the writer drains them."""
-        views, sources, windows = buffers.slab.views, collector.sources, buffers.windows
-        by_window: dict[int, list[int]] = {}
-        for i, w in enumerate(windows):
-            by_window.setdefault(w, []).append(i)
-        set_id = buffers.slab.set_id
         buffers.epoch += 1
-        epoch = buffers.epoch
-
-        def copy_window(index: int) -> None:
-            slots = by_window.get(index, [])
-            copy_now([views[i] for i in slots], [sources[i] for i in slots], self._streams)
-
-        def announce(index: int, error: str | None) -> None:
-            writer.send(Window(set_id, epoch, index, error))
-
-        pump = WindowPump(set_id, epoch, windows, copy_window, announce, self.options.write_timeout_s + 60.0)
-        with self._lock:
-            buffers.pump = pump
+        pump = WindowPump.over(
+            buffers.slab.views,
+            collector.sources,
+            buffers.windows,
+            set_id=buffers.slab.set_id,
+            epoch=buffers.epoch,
+            streams=self._streams,
+            send=writer.send,
+            timeout=self.options.write_timeout_s + 60.0,
+        )
+        self._pool.set_pump(buffers, pump)
         pump.stage_first()
         return pump
-
-    def _abandon_pumps(self) -> None:
-        with self._lock:
-            pumps = [s.pump for s in self._sets if s.pump is not None and not s.pump.ran]
-        for pump in pumps:
-            pump.fail("the save was abandoned before all of its components were written")
 
     def _settle_snapshots(self, timeout: float | None = None) -> None:
         """Complete and confirm earlier overlap copies (on the training thread); their saves
@@ -572,93 +289,19 @@ class PinnedStagingPlugin:
                 snapshot.wait(timeout)
             snapshot.remove_hooks()
 
-    def _acquire(self, signature: tuple[tuple[tuple[int, ...], torch.dtype], ...], writer: WriterProcess) -> _BufferSet:
-        """A buffer set for ``signature`` that no pending write reads."""
+    def _confirm_snapshots_at_exit(self) -> None:
+        """The main thread has ended: nobody steps an optimizer any more (the watchdog calls this)."""
         with self._lock:
-            stale = [s for s in self._sets if s.generation != writer.generation]
-            self._sets = [s for s in self._sets if s.generation == writer.generation]
-        for s in stale:
-            s.slab.release()  # its writer is gone; nobody reads it
-        while True:
-            with self._lock:
-                matching = [s for s in self._sets if s.signature == signature and not s.busy]
-                if matching:
-                    chosen = min(matching, key=lambda s: s.last_used)
-                    chosen.last_used = time.monotonic()
-                    return chosen
-                if len(self._sets) < self.options.buffers:
-                    return self._allocate(signature, writer)
-                victim = min(self._sets, key=lambda s: s.last_used)
-                if not victim.busy:
-                    self._release(victim, writer)
-                    return self._allocate(signature, writer)
-                waiting = list(victim.futures)
-            # Never re-stage a set a pending write reads: wait for it (bounded: the watchdog kills
-            # a write older than write_timeout_s, which fails its future).
-            _, not_done = concurrent.futures.wait(waiting, timeout=self.options.write_timeout_s + 60.0)
-            if not_done:
-                raise PinnedWriterError(
-                    f"pinned_staging: the previous save still holds the staging buffers after "
-                    f"{self.options.write_timeout_s + 60.0:g}s; cannot stage without overwriting it"
-                )
-
-    def _window_capacity(self, signature: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> int | None:
-        """Bytes one buffer set may hold (``max_host_bytes / buffers``); ``None``: no limit."""
-        budget = self.options.max_host_bytes
-        if budget is None:
-            return None
-        capacity = budget // self.options.buffers
-        largest = max((math.prod(shape) * dtype.itemsize for shape, dtype in signature), default=0)
-        if largest > capacity:
-            logger.warning(
-                "rank %d: a tensor of %.1f MiB is larger than the staging budget of %.1f MiB per buffer set "
-                "(max_host_bytes=%d, buffers=%d); it is staged in a window of its own and the buffer set grows "
-                "to hold it",
-                self._rank,
-                largest / 2**20,
-                capacity / 2**20,
-                budget,
-                self.options.buffers,
-            )
-        return capacity
-
-    def _allocate(
-        self, signature: tuple[tuple[tuple[int, ...], torch.dtype], ...], writer: WriterProcess
-    ) -> _BufferSet:
-        slots, nbytes, windows = plan_windows(signature, self._window_capacity(signature))
-        set_id = next(self._set_ids)
-        slab = HostSlab(set_id, self._shm_dir, slots, nbytes, self._pin)
-        buffers = _BufferSet(slab, signature, writer.generation, windows=windows, last_used=time.monotonic())
-        self._sets.append(buffers)
-        try:
-            writer.send(Alloc(set_id=set_id, path=slab.path or "", nbytes=nbytes, slots=slots, windows=windows))
-        except PinnedWriterError:
-            self._sets.remove(buffers)
-            slab.release()
-            raise
-        logger.info(
-            "rank %d: allocated staging buffer set %d: %d tensors, %.1f MiB%s",
-            self._rank,
-            set_id,
-            len(slots),
-            nbytes / 2**20,
-            " (pinned)" if slab.pinned else "",
-        )
-        return buffers
-
-    def _release(self, buffers: _BufferSet, writer: WriterProcess | None) -> None:
-        self._sets.remove(buffers)
-        buffers.slab.release()
-        if writer is not None and writer.alive and writer.generation == buffers.generation:
-            with contextlib.suppress(PinnedWriterError):
-                writer.send(Free(buffers.slab.set_id))
+            snapshots = list(self._snapshots)
+        for snapshot in snapshots:
+            snapshot.confirm_at_exit()
 
     # -- write ----------------------------------------------------------------------------
 
     @hookimpl
     def write(self, ctx: WriteContext, state_dict: dict[str, Any]) -> Future[WriteResult]:
         with self._lock:
-            self._check_open()
+            self._writers.check_open()
             staged = self._staged.get(ctx.component)
             writer = self._writer
         if staged is None or staged.tree is not state_dict:
@@ -674,9 +317,8 @@ class PinnedStagingPlugin:
                 + "; save again"
             )
         future: Future[WriteResult] = Future()
-        req_id = next(self._req_ids)
         message = Save(
-            req_id=req_id,
+            req_id=next(self._req_ids),
             set_id=staged.buffers.slab.set_id,
             iteration=ctx.iteration,
             component=ctx.component,
@@ -688,100 +330,32 @@ class PinnedStagingPlugin:
             sync_files=ctx.sync_files,
             epoch=staged.epoch,
         )
-        with self._lock:
-            staged.buffers.futures.append(future)  # busy until the writer has read it
+        self._pool.hold(staged.buffers, future)  # busy until the writer has read it
         if staged.pump is not None:
-            self._write_windowed(ctx, staged, writer, message, future)
+            self._write_windowed(staged, staged.pump, writer, message, future)
         elif staged.snapshot is None:
-            self._send(writer, message, future)
+            writer.submit(message, future)
         else:  # hand over only a complete, confirmed snapshot
-            staged.snapshot.when_settled(lambda error: self._hand_over(writer, message, future, error))
+            staged.snapshot.when_settled(lambda error: writer.hand_over(message, future, error, self._world))
         return future
 
     def _write_windowed(
-        self, ctx: WriteContext, staged: _Staged, writer: WriterProcess, message: Save, future: Future[WriteResult]
+        self, staged: Staged, pump: WindowPump, writer: WriterProcess, message: Save, future: Future[WriteResult]
     ) -> None:
         """Send one component of a windowed save; after the last one, stage the remaining
         windows as the writer drains them (``save()`` returns once the last is staged)."""
-        pump = staged.pump
-        assert pump is not None
-        done = len(pump.components)
-        expected = staged.order[done] if done < len(staged.order) else None
-        if ctx.component != expected:
-            pump.fail(f"component {ctx.component!r} written out of order")
-            future.set_exception(CkptEngineError("pinned_staging: windowed save written out of order"))
-            raise CkptEngineError(
-                f"pinned_staging (max_host_bytes): component {ctx.component!r} was written out of the order it was "
-                f"staged in ({', '.join(staged.order)}); a save staged in windows must be written in that order"
-            )
-        pump.components.append(ctx.component)
-        pump.watch(future)
-        try:
-            self._send(writer, message, future)
-        except BaseException:
-            pump.fail("the save request could not be sent")
-            raise
-        if ctx.component != staged.order[-1]:
+        if not pump.send_component(message.component, staged.order, future, lambda: writer.submit(message, future)):
             return
         try:
-            pump.run()
-        except BaseException as err:
-            # The writer stops reading at once; wait (bounded) so nothing still writes the folder.
-            concurrent.futures.wait(pump.futures, timeout=self.options.write_timeout_s + 60.0)
-            if isinstance(err, CkptEngineError):
-                raise
-            raise CkptEngineError(
-                f"pinned_staging (max_host_bytes): staging window {pump.staged + 1} of {pump.count} failed: "
-                f"{type(err).__name__}: {err}"
-            ) from err
+            pump.finish(self.options.write_timeout_s + 60.0)
         finally:
-            with self._lock:
-                if staged.buffers.pump is pump:
-                    staged.buffers.pump = None
-
-    def _send(self, writer: WriterProcess, message: Save, future: Future[WriteResult]) -> None:
-        try:
-            writer.send(message, (message.req_id, Pending(future, message.iteration, message.component)))
-        except PinnedWriterError as err:
-            future.set_exception(err)  # never leave the buffer set marked busy
-            raise
-        except Exception as err:
-            future.set_exception(err)
-            raise CkptEngineError(
-                f"pinned_staging cannot send the save request of component {message.component!r} to the writer "
-                f"process (the planner {type(message.planner).__qualname__} must be picklable): "
-                f"{type(err).__name__}: {err}"
-            ) from err
-
-    def _hand_over(
-        self, writer: WriterProcess, message: Save, future: Future[WriteResult], error: BaseException | None
-    ) -> None:
-        """Send a settled overlap save to the writer; its failure goes into ``future``, never up."""
-        try:
-            if error is None:
-                self._send(writer, message, future)
-                return
-            if self._world > 1:  # the other ranks' writers must fail this save too, not wait for ours
-                aborted: Future[WriteResult] = Future()
-                abort = dataclasses.replace(message, abort=f"rank {self._rank}: {error}")
-                with contextlib.suppress(Exception):
-                    writer.send(abort, (message.req_id, Pending(aborted, message.iteration, message.component)))
-            future.set_exception(error)
-        except Exception as err:
-            if not future.done():
-                future.set_exception(err)
+            self._pool.set_pump(staged.buffers, None, if_current=pump)
 
     # -- shutdown -------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CkptEngineError("pinned_staging is closed (its engine was closed); create a new engine")
-
     def begin_close(self) -> None:
         """Start the ``close_timeout_s`` clock (the engine calls this before it waits for saves)."""
-        with self._lock:
-            if self._close_deadline is None:
-                self._close_deadline = time.monotonic() + self.options.close_timeout_s
+        self._writers.begin_close()
 
     def close(self) -> None:
         """Wait up to ``close_timeout_s`` for in-flight writes, stop the writer, free the buffers.
@@ -789,115 +363,17 @@ class PinnedStagingPlugin:
         Idempotent. Raises :class:`PinnedWriterError` if an in-flight write had to be abandoned.
         """
         self.begin_close()
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            writer = self._writer
-            deadline = self._close_deadline
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
-        if os.getpid() != self._owner_pid:
-            self._stop.set()
+        if not self._writers.mark_closed():
             return
-        self._settle_snapshots(max(0.0, (deadline or time.monotonic()) - time.monotonic()))
-        error: PinnedWriterError | None = None
-        if writer is not None and writer.alive:
-            pending = writer.pending_futures()
-            remaining = max(0.0, (deadline or time.monotonic()) - time.monotonic())
-            _, not_done = concurrent.futures.wait(pending, timeout=remaining)
-            if not_done:
-                writer.kill(self._close_reason())
-                error = writer.error
-            else:
-                writer.shutdown(timeout=min(30.0, self.options.close_timeout_s))
-        self._stop.set()
+        unregister(self)
+        if os.getpid() != self._writers.owner_pid:
+            self._writers.stop_watchdog()
+            return
+        self._settle_snapshots(self._writers.remaining())
+        error = self._writers.stop()
+        self._pool.release_all()
         with self._lock:
-            sets, self._sets = self._sets, []
             self._staged = {}
-        for s in sets:
-            s.slab.release()
-        self._supervisor.join(2.0)
+        self._writers.join(2.0)
         if error is not None:
             raise error
-
-    def _close_reason(self) -> str:
-        return (
-            "the engine was closed and the in-flight save did not finish within "
-            f"close_timeout_s={self.options.close_timeout_s:g}s"
-        )
-
-    def _after_fork_in_child(self) -> None:
-        """A forked child (e.g. a DataLoader worker) must never drive the parent's writer."""
-        self._closed = True
-        writer = self._writer
-        if writer is not None:
-            writer.close_fds_after_fork()
-
-    def _watch(self, exit_deadline: float | None) -> float | None:
-        """One watchdog round; returns the interpreter-exit deadline (see the module docstring)."""
-        if not threading.main_thread().is_alive():  # nobody steps an optimizer any more
-            with self._lock:
-                snapshots = list(self._snapshots)
-            for snapshot in snapshots:
-                snapshot.confirm_at_exit()
-        writer = self._writer
-        if writer is None or not writer.alive:
-            return exit_deadline
-        now = time.monotonic()
-        if not writer.ready and now - writer.started > self.options.writer_start_timeout_s:
-            writer.kill(
-                f"it did not become ready within writer_start_timeout_s={self.options.writer_start_timeout_s:g}s"
-            )
-            return exit_deadline
-        age = writer.oldest_pending_age()
-        if age is not None and age > self.options.write_timeout_s:
-            writer.kill(f"a write was still pending after write_timeout_s={self.options.write_timeout_s:g}s")
-        elif age is not None and self._close_deadline is not None and now > self._close_deadline:
-            writer.kill(self._close_reason())
-        elif age is not None and not threading.main_thread().is_alive():
-            # Interpreter exit: the engine's commit thread is being joined and waits on the writer.
-            if exit_deadline is None:
-                return now + self.options.close_timeout_s
-            if now > exit_deadline:
-                writer.kill(
-                    f"the interpreter is exiting and the in-flight save did not finish within "
-                    f"close_timeout_s={self.options.close_timeout_s:g}s"
-                )
-        return exit_deadline
-
-
-def _supervise(plugin_ref: weakref.ref[PinnedStagingPlugin], stop: threading.Event) -> None:
-    exit_deadline: float | None = None
-    while not stop.wait(0.2):
-        plugin = plugin_ref()
-        if plugin is None:
-            return
-        try:
-            exit_deadline = plugin._watch(exit_deadline)
-        except Exception:  # the watchdog must keep watching; log and carry on
-            logger.exception("pinned_staging watchdog error")
-        del plugin
-
-
-def _close_all_at_exit() -> None:
-    with _LIVE_LOCK:
-        plugins = list(_LIVE)
-    for plugin in plugins:
-        try:
-            plugin.close()
-        except Exception as err:
-            logger.error("pinned_staging: closing at interpreter exit: %s", err)
-
-
-def _after_fork_in_child() -> None:
-    with _LIVE_LOCK:
-        plugins = list(_LIVE)
-        _LIVE.clear()
-    for plugin in plugins:
-        plugin._after_fork_in_child()
-
-
-atexit.register(_close_all_at_exit)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
