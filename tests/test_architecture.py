@@ -245,7 +245,6 @@ LONG_FUNCTIONS_ALLOWED = {
     "check, global plan, write, finish); its step closures share the planner's and writer's state",
     "ckpt_engine/_inspect/plan.py::plan_load": "TODO(split)",
     "plugins/ckpt_engine_plugins/_pinned_writer.py::_Writer.save": "TODO(split)",
-    "ckpt_engine/_engine/engine.py::CheckpointEngine._prepare_save": "TODO(split)",
     "ckpt_engine/_engine/loader.py::Loader._load_checkpoint": "TODO(split)",
 }
 MAX_FUNCTION_LINES = 60
