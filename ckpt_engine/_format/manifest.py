@@ -241,16 +241,9 @@ def lookup_manifest(checkpoint_dir: str | os.PathLike[str], store: Store | None 
     :class:`CorruptCheckpointError` naming the file. Parsing is plain JSON: nothing executes."""
     store = store_for(checkpoint_dir, store)
     path = store.join(os.fspath(checkpoint_dir), MANIFEST_FILE)
-    try:
-        raw = store.read_bytes(path, MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
+    raw = _read_manifest_bytes(store, path)
+    if raw is None:
         return ManifestLookup(None, f"no {MANIFEST_FILE} (written by plain DCP or the original checkpointer)")
-    except PermissionError as err:
-        raise CheckpointPermissionError(f"cannot read {path}: {denied(err)}") from err
-    except OSError as err:
-        raise CorruptCheckpointError(f"cannot read {path}: {err.strerror or err}") from err
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes; not a manifest")
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -265,38 +258,60 @@ def lookup_manifest(checkpoint_dir: str | os.PathLike[str], store: Store | None 
             None, f"{path} has manifest version {version}, newer than this engine reads ({MANIFEST_VERSION})"
         )
     try:
-        files_doc = doc["files"]
-        if not isinstance(files_doc, dict):
-            raise TypeError("'files' is not a mapping")
-        files: dict[str, FileEntry] = {}
-        for rel, entry in files_doc.items():
-            if not _safe_rel(rel):
-                raise ValueError(f"file name {rel!r} is not a plain relative path inside the checkpoint")
-            size, checksum = entry["size"], entry.get("checksum")
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ValueError(f"size of {rel!r} is {size!r}")
-            if checksum is not None and not (isinstance(checksum, str) and re.fullmatch(r"[0-9a-f]{1,128}", checksum)):
-                raise ValueError(f"checksum of {rel!r} is {checksum!r}")
-            files[rel] = FileEntry(size=size, checksum=checksum)
-        algorithm = doc.get("checksum_algorithm")
-        if algorithm is not None and not isinstance(algorithm, str):
-            raise ValueError(f"checksum_algorithm is {algorithm!r}")
-        components = doc.get("components", [])
-        if not isinstance(components, list) or not all(isinstance(c, str) for c in components):
-            raise ValueError(f"components is {components!r}")
-        manifest = Manifest(
-            iteration=int(doc.get("iteration", -1)),
-            world_size=int(doc.get("world_size", 0)),
-            components=tuple(components),
-            algorithm=algorithm,
-            files=files,
-            engine_version=str(doc.get("engine_version", "")),
-            torch_version=str(doc.get("torch_version", "")),
-            created_unix=float(doc.get("created_unix", 0.0)),
-        )
+        return ManifestLookup(_manifest_from_doc(doc))
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CorruptCheckpointError(f"{path} is malformed: {err}") from err
-    return ManifestLookup(manifest)
+
+
+def _read_manifest_bytes(store: Store, path: str) -> bytes | None:
+    """The manifest's bytes, or None when there is none; a file that cannot be read raises."""
+    try:
+        raw = store.read_bytes(path, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        return None
+    except PermissionError as err:
+        raise CheckpointPermissionError(f"cannot read {path}: {denied(err)}") from err
+    except OSError as err:
+        raise CorruptCheckpointError(f"cannot read {path}: {err.strerror or err}") from err
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes; not a manifest")
+    return raw
+
+
+def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
+    """The manifest a parsed document of a known version describes; a malformed field raises
+    ``KeyError``, ``TypeError``, ``ValueError`` or ``AttributeError`` naming it."""
+    files_doc = doc["files"]
+    if not isinstance(files_doc, dict):
+        raise TypeError("'files' is not a mapping")
+    files = {rel: _file_entry(rel, entry) for rel, entry in files_doc.items()}
+    algorithm = doc.get("checksum_algorithm")
+    if algorithm is not None and not isinstance(algorithm, str):
+        raise ValueError(f"checksum_algorithm is {algorithm!r}")
+    components = doc.get("components", [])
+    if not isinstance(components, list) or not all(isinstance(c, str) for c in components):
+        raise ValueError(f"components is {components!r}")
+    return Manifest(
+        iteration=int(doc.get("iteration", -1)),
+        world_size=int(doc.get("world_size", 0)),
+        components=tuple(components),
+        algorithm=algorithm,
+        files=files,
+        engine_version=str(doc.get("engine_version", "")),
+        torch_version=str(doc.get("torch_version", "")),
+        created_unix=float(doc.get("created_unix", 0.0)),
+    )
+
+
+def _file_entry(rel: Any, entry: Any) -> FileEntry:
+    if not _safe_rel(rel):
+        raise ValueError(f"file name {rel!r} is not a plain relative path inside the checkpoint")
+    size, checksum = entry["size"], entry.get("checksum")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ValueError(f"size of {rel!r} is {size!r}")
+    if checksum is not None and not (isinstance(checksum, str) and re.fullmatch(r"[0-9a-f]{1,128}", checksum)):
+        raise ValueError(f"checksum of {rel!r} is {checksum!r}")
+    return FileEntry(size=size, checksum=checksum)
 
 
 def metadata_checker(
@@ -377,48 +392,79 @@ def check_against_manifest(
     the prefix: ``listing`` (e.g. :attr:`CheckedCheckpoint.listing`), else a new one."""
     root = os.fspath(checkpoint_dir)
     store = store_for(root, store)
-    problems: list[str] = []
-    for rel in sorted(set(referenced) - set(manifest.files)):
-        problems.append(f"{store.join(root, rel)} is needed by DCP metadata but not listed in {MANIFEST_FILE}")
-    sized_ok: list[str] = []
+    problems = [
+        f"{store.join(root, rel)} is needed by DCP metadata but not listed in {MANIFEST_FILE}"
+        for rel in sorted(set(referenced) - set(manifest.files))
+    ]
     # One listing instead of a request per object on an object store (``listing``: one just taken).
     listed = (listing if listing is not None else store.list_files(root)) if store.is_object_store else None
-    for rel, entry in sorted(manifest.files.items()):
-        path = store.join(root, *rel.split("/"))
-        try:
-            if listed is None:
-                st = os.stat(path)
-                regular, size = stat.S_ISREG(st.st_mode), st.st_size
-            elif rel in listed:
-                regular, size = True, listed[rel]
-            else:
-                raise FileNotFoundError(path)
-        except FileNotFoundError:
-            problems.append(f"{path} is missing ({MANIFEST_FILE} lists it with {entry.size} bytes)")
-            continue
-        except PermissionError as err:
-            raise CheckpointPermissionError(f"cannot stat {path}: {denied(err)}") from err
-        if not regular:
-            problems.append(f"{path} is not a regular file")
-        elif size != entry.size:
-            problems.append(f"{path} has {size} bytes, {MANIFEST_FILE} says {entry.size}: truncated or overwritten")
-        else:
-            sized_ok.append(rel)
-    total = manifest.total_bytes
+    sized_ok = [
+        rel for rel in sorted(manifest.files) if _size_ok(store, root, rel, manifest.files[rel], listed, problems)
+    ]
+    nfiles, total = len(manifest.files), manifest.total_bytes
     if level == "sizes":
         if progress is not None:
             progress(total, total)
-        return ManifestCheck(problems, True, files=len(manifest.files), bytes=total)
-
-    nfiles = len(manifest.files)
-    if manifest.algorithm is None or any(manifest.files[r].checksum is None for r in sized_ok):
-        reason = "the manifest holds sizes only (saved with save_checksums=False)"
-        return ManifestCheck(problems, False, reason, nfiles, total)
-    if new_hasher(manifest.algorithm) is None:
-        hint = " (pip install xxhash)" if manifest.algorithm.startswith("xxh") else ""
-        reason = f"checksum algorithm {manifest.algorithm!r} is not available here{hint}"
+        return ManifestCheck(problems, True, files=nfiles, bytes=total)
+    reason = _checksums_unavailable(manifest, sized_ok)
+    if reason is not None or manifest.algorithm is None:
         return ManifestCheck(problems, False, reason, nfiles, total)
     todo = [r for r in sized_ok if checksum_only is None or r in checksum_only]
+    problems += _checksum_problems(store, root, manifest, manifest.algorithm, todo, progress)
+    if progress is not None and not todo:
+        progress(0, 0)
+    return ManifestCheck(problems, True, files=nfiles, bytes=total)
+
+
+def _size_ok(
+    store: Store, root: str, rel: str, entry: FileEntry, listed: Mapping[str, int] | None, problems: list[str]
+) -> bool:
+    """Whether ``rel`` is a regular file of the size the manifest records (else why not goes to
+    ``problems``); sizes come from ``listed`` on an object store, else from ``os.stat``."""
+    path = store.join(root, *rel.split("/"))
+    try:
+        if listed is None:
+            st = os.stat(path)
+            regular, size = stat.S_ISREG(st.st_mode), st.st_size
+        elif rel in listed:
+            regular, size = True, listed[rel]
+        else:
+            raise FileNotFoundError(path)
+    except FileNotFoundError:
+        problems.append(f"{path} is missing ({MANIFEST_FILE} lists it with {entry.size} bytes)")
+        return False
+    except PermissionError as err:
+        raise CheckpointPermissionError(f"cannot stat {path}: {denied(err)}") from err
+    if not regular:
+        problems.append(f"{path} is not a regular file")
+    elif size != entry.size:
+        problems.append(f"{path} has {size} bytes, {MANIFEST_FILE} says {entry.size}: truncated or overwritten")
+    else:
+        return True
+    return False
+
+
+def _checksums_unavailable(manifest: Manifest, sized_ok: list[str]) -> str | None:
+    """Why the checksums of ``sized_ok`` cannot be compared here, or None."""
+    if manifest.algorithm is None or any(manifest.files[r].checksum is None for r in sized_ok):
+        return "the manifest holds sizes only (saved with save_checksums=False)"
+    if new_hasher(manifest.algorithm) is None:
+        hint = " (pip install xxhash)" if manifest.algorithm.startswith("xxh") else ""
+        return f"checksum algorithm {manifest.algorithm!r} is not available here{hint}"
+    return None
+
+
+def _checksum_problems(
+    store: Store,
+    root: str,
+    manifest: Manifest,
+    algorithm: str,
+    todo: list[str],
+    progress: Callable[[int, int], None] | None,
+) -> list[str]:
+    """Hash every file of ``todo`` with ``algorithm`` (the manifest's) and compare with the
+    manifest: one problem line per damaged file."""
+    problems: list[str] = []
     todo_bytes = sum(manifest.files[r].size for r in todo)
     done = 0
 
@@ -431,7 +477,7 @@ def check_against_manifest(
     for rel in todo:  # one file at a time: progress stays monotonic, and reads stay sequential
         path = store.join(root, *rel.split("/"))
         try:
-            got = hash_file(path, manifest.algorithm, tick, store)
+            got = hash_file(path, algorithm, tick, store)
         except CheckpointPermissionError:
             raise  # not a mismatch: the caller cannot read the checkpoint at all
         except CkptEngineError as err:
@@ -445,12 +491,10 @@ def check_against_manifest(
             problems.append(f"{path} changed size while being checked ({got.size} != {want.size} bytes)")
         elif got.checksum != want.checksum:
             problems.append(
-                f"{path}: {manifest.algorithm} checksum {got.checksum} != {want.checksum} in {MANIFEST_FILE}: "
+                f"{path}: {algorithm} checksum {got.checksum} != {want.checksum} in {MANIFEST_FILE}: "
                 "the file is corrupt"
             )
-    if progress is not None and not todo:
-        progress(0, 0)
-    return ManifestCheck(problems, True, files=len(manifest.files), bytes=total)
+    return problems
 
 
 # -- public verification -----------------------------------------------------------------------
@@ -499,17 +543,7 @@ def verify_checkpoint(
         raise ValueError(f"level must be 'sizes' or 'checksums', got {level!r}")
     store = store_for(path, store)
     problems: list[str] = []
-    checked: CheckedCheckpoint | None = None
-    try:
-        lookup = lookup_manifest(path, store)
-    except CkptEngineError as err:
-        lookup = None
-        problems.append(str(err))
-    try:
-        checker = metadata_checker(path, lookup.manifest, store) if lookup and lookup.manifest else None
-        checked = check_complete(path, store, checker)
-    except CkptEngineError as err:
-        problems.append(str(err))
+    lookup, checked = _lookup_and_check_complete(path, store, problems)
     if lookup is None:
         return VerifyReport(path, checked is not None, False, "the manifest is unreadable", problems, level=level)
     if lookup.manifest is None and store.is_object_store:
@@ -522,10 +556,42 @@ def verify_checkpoint(
         nbytes = _metadata_bytes(checked)
         files = len(referenced_files(checked)) if checked is not None else 0
         return VerifyReport(path, checked is not None, False, lookup.reason, problems, files, nbytes, level)
+    return _verify_against_manifest(path, lookup.manifest, checked, problems, level, progress, store)
+
+
+def _lookup_and_check_complete(
+    path: str, store: Store, problems: list[str]
+) -> tuple[ManifestLookup | None, CheckedCheckpoint | None]:
+    """The manifest lookup (None: unreadable) and the completeness check (None: incomplete), the
+    ``.metadata`` files checked against the manifest before they are parsed; what failed goes
+    to ``problems``."""
+    lookup: ManifestLookup | None = None
+    checked: CheckedCheckpoint | None = None
+    try:
+        lookup = lookup_manifest(path, store)
+    except CkptEngineError as err:
+        problems.append(str(err))
+    try:
+        checker = metadata_checker(path, lookup.manifest, store) if lookup and lookup.manifest else None
+        checked = check_complete(path, store, checker)
+    except CkptEngineError as err:
+        problems.append(str(err))
+    return lookup, checked
+
+
+def _verify_against_manifest(
+    path: str,
+    manifest: Manifest,
+    checked: CheckedCheckpoint | None,
+    problems: list[str],
+    level: VerifyLevel,
+    progress: Callable[[int, int], None] | None,
+    store: Store,
+) -> VerifyReport:
     try:
         result = check_against_manifest(
             path,
-            lookup.manifest,
+            manifest,
             level,
             referenced=referenced_files(checked) if checked is not None else (),
             progress=progress,
@@ -536,7 +602,7 @@ def verify_checkpoint(
         problems.append(str(err))
         return VerifyReport(path, checked is not None, False, "a file could not be read", problems, level=level)
     problems += result.problems
-    mismatch = iteration_problem(path, lookup.manifest)
+    mismatch = iteration_problem(path, manifest)
     if mismatch is not None:
         problems.append(mismatch)
     reason = result.reason

@@ -41,53 +41,8 @@ def list_save_dir(save_dir: str, *, verify: bool = False) -> SaveDirListing:
         latest = None
         warnings.append(f"warning: {err}")
     level: Literal["sizes", "checksums"] = "checksums" if verify else "sizes"
-    rows: list[dict[str, Any]] = []
-    for iteration, path, note in _committed(save_dir):
-        report = verify_checkpoint(path, level=level)
-        if not report.complete:
-            status = "INCOMPLETE"
-        elif report.problems:
-            status = "CORRUPT"
-        elif report.verified:
-            status = "verified"
-        else:
-            status = "complete"
-        rows.append(
-            {
-                "iteration": iteration,
-                "name": iter_dirname(iteration),
-                "path": path,
-                "components": component_dirs(path),
-                # Counted as `verify` counts them: the checkpoint's data and metadata files.
-                "bytes": report.bytes,
-                "files": report.files,
-                "status": status,
-                "verified": report.verified,
-                "problems": list(report.problems),
-                "latest": iter_dirname(iteration) == latest,
-                "note": note,
-            }
-        )
-    for iteration, path in uncommitted_dirs(save_dir):
-        size, files = disk_usage(path)
-        rows.append(
-            {
-                "iteration": iteration,
-                "name": os.path.basename(path),
-                "path": path,
-                "components": component_dirs(path),
-                "bytes": size,
-                "files": files,
-                "status": "uncommitted",
-                "verified": False,
-                "problems": [
-                    "an interrupted save: never committed, never loaded; the next save of "
-                    f"{iter_dirname(iteration)} replaces it"
-                ],
-                "latest": False,
-                "note": None,
-            }
-        )
+    rows = [_committed_row(iteration, path, note, level, latest) for iteration, path, note in _committed(save_dir)]
+    rows += [_uncommitted_row(iteration, path) for iteration, path in uncommitted_dirs(save_dir)]
     rows.sort(key=lambda r: (r["iteration"], r["status"] == "uncommitted"))
     if latest is not None and not any(r["latest"] for r in rows):
         warnings.append(f"warning: {LATEST_FILE} names {latest!r}, which does not exist")
@@ -95,6 +50,54 @@ def list_save_dir(save_dir: str, *, verify: bool = False) -> SaveDirListing:
         if r["latest"] and r["status"] in ("INCOMPLETE", "CORRUPT"):
             warnings.append(f"warning: {LATEST_FILE} names {r['name']}, which is {r['status'].lower()}")
     return SaveDirListing(save_dir, latest, rows, warnings)
+
+
+def _committed_row(
+    iteration: int, path: str, note: str | None, level: Literal["sizes", "checksums"], latest: str | None
+) -> dict[str, Any]:
+    report = verify_checkpoint(path, level=level)
+    if not report.complete:
+        status = "INCOMPLETE"
+    elif report.problems:
+        status = "CORRUPT"
+    elif report.verified:
+        status = "verified"
+    else:
+        status = "complete"
+    return {
+        "iteration": iteration,
+        "name": iter_dirname(iteration),
+        "path": path,
+        "components": component_dirs(path),
+        # Counted as `verify` counts them: the checkpoint's data and metadata files.
+        "bytes": report.bytes,
+        "files": report.files,
+        "status": status,
+        "verified": report.verified,
+        "problems": list(report.problems),
+        "latest": iter_dirname(iteration) == latest,
+        "note": note,
+    }
+
+
+def _uncommitted_row(iteration: int, path: str) -> dict[str, Any]:
+    size, files = disk_usage(path)
+    return {
+        "iteration": iteration,
+        "name": os.path.basename(path),
+        "path": path,
+        "components": component_dirs(path),
+        "bytes": size,
+        "files": files,
+        "status": "uncommitted",
+        "verified": False,
+        "problems": [
+            "an interrupted save: never committed, never loaded; the next save of "
+            f"{iter_dirname(iteration)} replaces it"
+        ],
+        "latest": False,
+        "note": None,
+    }
 
 
 def listing_table(listing: SaveDirListing) -> list[str]:

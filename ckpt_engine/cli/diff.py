@@ -3,141 +3,59 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ..errors import UsageError
 from ._command import Command
 from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, TRUST_HELP, Progress, parse_size, print_json, print_lines
 
-
-def _max_abs_diff(a: Any, b: Any) -> float:
-    import torch
-
-    if torch.equal(a, b):
-        return 0.0
-    if a.dtype == torch.bool or b.dtype == torch.bool:
-        return float((a.to(torch.int8) != b.to(torch.int8)).any())
-    wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
-    x, y = a.to(wide), b.to(wide)
-    d = (x - y).abs()
-    if d.is_complex():
-        d = d.real
-    both_nan = torch.isnan(x) & torch.isnan(y) if not x.is_complex() else torch.zeros_like(d, dtype=torch.bool)
-    d = torch.where(both_nan, torch.zeros_like(d), d)
-    d = torch.nan_to_num(d, nan=float("inf"))
-    return float(d.max()) if d.numel() else 0.0
+if TYPE_CHECKING:
+    from .._inspect.compare import ComponentDiff
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from .._inspect.reader import ComponentReader, batches, match_keys, resolve, summarize_value
+    from .._inspect.compare import compare_checkpoints
+    from .._inspect.reader import resolve
 
     a, b = resolve(args.a), resolve(args.b)
-    wanted = args.component or sorted(set(a.components) | set(b.components))
-    result: dict[str, Any] = {"a": a.checkpoint, "b": b.checkpoint, "components": {}}
-    lines = [f"a: {a.describe()}", f"b: {b.describe()}"]
-    differs = False
-    for name in wanted:
-        if name not in a.components or name not in b.components:
-            side = "a" if name in a.components else "b" if name in b.components else None
-            if side is None:
-                raise UsageError(f"neither checkpoint has component {name!r}")
-            lines += ["", f"{name}: only in {side}"]
-            result["components"][name] = {"only_in": side}
-            differs = True
-            continue
-        ra, rb = ComponentReader(a.components[name], args.trust), ComponentReader(b.components[name], args.trust)
-        keys_a = match_keys(ra.keys, args.keys or ())
-        keys_b = match_keys(rb.keys, args.keys or ())
-        only_a = [k for k in keys_a if k not in rb.keys]
-        only_b = [k for k in keys_b if k not in ra.keys]
-        common = [k for k in keys_a if k in rb.keys]
-        changed_spec: list[tuple[str, str, str]] = []
-        comparable: list[str] = []
-        for k in common:
-            ia, ib = ra.keys[k], rb.keys[k]
-            if ia.is_tensor != ib.is_tensor or ia.shape != ib.shape:
-                changed_spec.append((k, ia.spec(), ib.spec()))
-            else:
-                if ia.dtype != ib.dtype:
-                    changed_spec.append((k, ia.spec(), ib.spec()))
-                comparable.append(k)
-        diffs: dict[str, float] = {}
-        value_changes: dict[str, tuple[str, str]] = {}
-        total = sum(ra.keys[k].nbytes for k in comparable)
-        bar = Progress(f"comparing {name}", total)
-        try:
-            # Streamed: one batch of a, then the same keys of b; never both checkpoints at once.
-            merged = {k: ra.keys[k] if ra.keys[k].nbytes >= rb.keys[k].nbytes else rb.keys[k] for k in comparable}
-            for batch in batches(comparable, merged, args.budget):
-                va = ra.read(batch)
-                vb = rb.read(batch)
-                for k in batch:
-                    x, y = va.pop(k), vb.pop(k)
-                    if ra.keys[k].is_tensor:
-                        d = _max_abs_diff(x, y)
-                        if d > args.atol:
-                            diffs[k] = d
-                        bar.advance(ra.keys[k].nbytes)
-                    elif not _same_value(x, y, ra.stored.get(k), rb.stored.get(k)):
-                        value_changes[k] = (summarize_value(x), summarize_value(y))
-        finally:
-            bar.close()
-        equal = len(comparable) - len(diffs) - len(value_changes)
-        comp_differs = bool(only_a or only_b or changed_spec or diffs or value_changes)
-        differs |= comp_differs
-        result["components"][name] = {
-            "only_in_a": only_a,
-            "only_in_b": only_b,
-            "changed": [{"key": k, "a": x, "b": y} for k, x, y in changed_spec],
-            "max_abs_diff": diffs,
-            "values_changed": {k: {"a": x, "b": y} for k, (x, y) in value_changes.items()},
-            "equal": equal,
-        }
-        counts = [
-            (len(only_a), "only in a"),
-            (len(only_b), "only in b"),
-            (len(changed_spec), "shape/dtype changed"),
-            (len(diffs) + len(value_changes), "keys differ" if len(diffs) + len(value_changes) > 1 else "key differs"),
-        ]
-        found = ", ".join(f"{n} {what}" for n, what in counts if n)
-        head = f"{name}: {found or 'identical'} ({equal} of {len(common)} common keys equal)"
-        lines += ["", head]
-        limit = args.limit
-        lines += _limited([f"  only in a: {k}" for k in only_a], limit)
-        lines += _limited([f"  only in b: {k}" for k in only_b], limit)
-        lines += _limited([f"  changed: {k}: {x} -> {y}" for k, x, y in changed_spec], limit)
-        ranked = sorted(diffs.items(), key=lambda kv: (-kv[1], kv[0]))
-        lines += _limited([f"  differs: {k}: max |a-b| = {d:.6g}" for k, d in ranked], limit)
-        lines += _limited([f"  differs: {k}: {x} -> {y}" for k, (x, y) in value_changes.items()], limit)
-    result["identical"] = not differs
+    result = compare_checkpoints(
+        a,
+        b,
+        args.component or (),
+        args.keys or (),
+        atol=args.atol,
+        budget=args.budget,
+        trust=args.trust,
+        meter=lambda name, total: Progress(f"comparing {name}", total),
+    )
     if args.json:
-        print_json(result)
+        print_json(result.to_json())
     else:
-        print_lines(*lines, "", "the checkpoints differ" if differs else "the checkpoints are identical")
-    return EXIT_PROBLEM if differs else EXIT_OK
+        lines = [f"a: {a.describe()}", f"b: {b.describe()}"]
+        for comp in result.components:
+            lines += ["", *_component_text(comp, args.limit)]
+        print_lines(*lines, "", "the checkpoints are identical" if result.identical else "the checkpoints differ")
+    return EXIT_OK if result.identical else EXIT_PROBLEM
 
 
-def _same_value(x: Any, y: Any, stored_x: bytes | None, stored_y: bytes | None) -> bool:
-    """Equal stored bytes are equal values, read or not (a value ``weights_only`` refuses, such
-    as the original checkpointer's ``_extra_state``, compares by them); else the read values."""
-    from .._inspect.reader import Unreadable
-
-    if stored_x is not None and stored_x == stored_y:
-        return True
-    if isinstance(x, Unreadable) or isinstance(y, Unreadable):
-        return False
-    return _values_equal(x, y)
-
-
-def _values_equal(x: Any, y: Any) -> bool:
-    import torch
-
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
-    try:
-        return bool(x == y)
-    except Exception:
-        return False
+def _component_text(comp: ComponentDiff, limit: int) -> list[str]:
+    if comp.only_in is not None:
+        return [f"{comp.name}: only in {comp.only_in}"]
+    ndiff = len(comp.diffs) + len(comp.value_changes)
+    counts = [
+        (len(comp.only_a), "only in a"),
+        (len(comp.only_b), "only in b"),
+        (len(comp.changed), "shape/dtype changed"),
+        (ndiff, "keys differ" if ndiff > 1 else "key differs"),
+    ]
+    found = ", ".join(f"{n} {what}" for n, what in counts if n)
+    lines = [f"{comp.name}: {found or 'identical'} ({comp.equal} of {comp.common} common keys equal)"]
+    lines += _limited([f"  only in a: {k}" for k in comp.only_a], limit)
+    lines += _limited([f"  only in b: {k}" for k in comp.only_b], limit)
+    lines += _limited([f"  changed: {k}: {x} -> {y}" for k, x, y in comp.changed], limit)
+    ranked = sorted(comp.diffs.items(), key=lambda kv: (-kv[1], kv[0]))
+    lines += _limited([f"  differs: {k}: max |a-b| = {d:.6g}" for k, d in ranked], limit)
+    lines += _limited([f"  differs: {k}: {x} -> {y}" for k, (x, y) in comp.value_changes.items()], limit)
+    return lines
 
 
 def _limited(lines: list[str], limit: int) -> list[str]:

@@ -4,92 +4,75 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING, Any
 
-from ..errors import UsageError
+from .._inspect.reader import human_bytes
 from ._command import Command
 from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, Progress, print_json, print_lines
 
+if TYPE_CHECKING:
+    from .._inspect.verification import PathVerification
+
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .._engine.load_guard import fail_unverified
-    from .._format.layout import component_dirs
-    from .._format.manifest import verify_checkpoint
-    from .._format.names import LATEST_FILE
-    from .._format.pointer import list_checkpoints, read_latest
-    from .._inspect.reader import exists, human_bytes, is_component_dir, is_save_dir, isdir, normalize
-    from .._storage.store import open_store
-    from ..errors import CheckpointNotFoundError
+    from .._inspect.reader import normalize
+    from .._inspect.verification import verify_path
 
     path = normalize(args.checkpoint)
-    if not exists(path):
-        raise CheckpointNotFoundError(f"{path} does not exist")
-    if not isdir(path):
-        raise CheckpointNotFoundError(f"{path} is a file, not a checkpoint folder")
-    if is_component_dir(path):
-        raise UsageError(f"{path} is one component; verify its checkpoint: ckpt-engine verify {os.path.dirname(path)}")
-    extra_problems: list[str] = []
-    if is_save_dir(path):
-        paths = [p for _, p in list_checkpoints(path)]
-        latest = read_latest(path)
-        if latest is not None and not isdir(os.path.join(path, latest)):
-            extra_problems.append(f"{os.path.join(path, LATEST_FILE)} names {latest!r}, which does not exist")
-    else:
-        if not open_store(path).list_dir(path):
-            raise CheckpointNotFoundError(f"{path} is empty: not a checkpoint")
-        if not component_dirs(path):
-            raise CheckpointNotFoundError(
-                f"{path} is not a checkpoint: it has no component folders (model/, optim/, ...) "
-                "and no iter_* checkpoints"
-            )
-        paths = [path]
-    results = []
-    for p in paths:
-        bar = Progress(f"verifying {os.path.basename(p)}", 0)
-        try:
-            results.append(verify_checkpoint(p, level=args.level, progress=bar.update))
-        finally:
-            bar.close()
-    results = [fail_unverified(r, args.allow_unverified) for r in results]  # checksums fail closed
-    ok = all(r.ok for r in results) and not extra_problems
+    result = verify_path(
+        path,
+        args.level,
+        allow_unverified=args.allow_unverified,
+        meter=lambda p: Progress(f"verifying {os.path.basename(p)}", 0),
+    )
     if args.json:
-        print_json(
+        print_json(_json(result))
+    else:
+        print_lines(*_text(result, args.level))
+    return EXIT_OK if result.ok else EXIT_PROBLEM
+
+
+def _json(result: PathVerification) -> dict[str, Any]:
+    return {
+        "ok": result.ok,
+        "checkpoints": [
             {
-                "ok": ok,
-                "checkpoints": [
-                    {
-                        "path": r.path,
-                        "ok": r.ok,
-                        "complete": r.complete,
-                        "verified": r.verified,
-                        "unverified_reason": r.unverified_reason,
-                        "problems": r.problems,
-                        "files": r.files,
-                        "bytes": r.bytes,
-                    }
-                    for r in results
-                ],
-                "problems": extra_problems,
+                "path": r.path,
+                "ok": r.ok,
+                "complete": r.complete,
+                "verified": r.verified,
+                "unverified_reason": r.unverified_reason,
+                "problems": r.problems,
+                "files": r.files,
+                "bytes": r.bytes,
             }
-        )
-        return EXIT_OK if ok else EXIT_PROBLEM
-    for r in results:
+            for r in result.reports
+        ],
+        "problems": result.problems,
+    }
+
+
+def _text(result: PathVerification, level: str) -> list[str]:
+    lines: list[str] = []
+    for r in result.reports:
         if not r.ok:
-            print_lines(f"FAILED  {r.path}", *(f"  {p}" for p in r.problems or [r.unverified_reason or "incomplete"]))
+            lines += [f"FAILED  {r.path}", *(f"  {p}" for p in r.problems or [r.unverified_reason or "incomplete"])]
         elif r.verified:
-            what = "checksums" if args.level == "checksums" else "sizes"
-            print_lines(
+            what = "checksums" if level == "checksums" else "sizes"
+            lines.append(
                 f"ok      {r.path}: complete, {what} match the manifest ({r.files} files, {human_bytes(r.bytes)})"
             )
         else:
             why = r.unverified_reason or "no manifest"
-            print_lines(f"ok      {r.path}: complete (not verified against a manifest: {why})")
-    print_lines(*(f"FAILED  {p}" for p in extra_problems))
-    if not results:
-        print_lines(f"no checkpoints in {path}")
-    elif len(results) > 1:
-        bad = sum(not r.ok for r in results)
-        print_lines(f"{len(results) - bad} of {len(results)} checkpoints ok" + (f", {bad} failed" if bad else ""))
-    return EXIT_OK if ok else EXIT_PROBLEM
+            lines.append(f"ok      {r.path}: complete (not verified against a manifest: {why})")
+    lines += [f"FAILED  {p}" for p in result.problems]
+    reports = result.reports
+    if not reports:
+        lines.append(f"no checkpoints in {result.path}")
+    elif len(reports) > 1:
+        bad = sum(not r.ok for r in reports)
+        lines.append(f"{len(reports) - bad} of {len(reports)} checkpoints ok" + (f", {bad} failed" if bad else ""))
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

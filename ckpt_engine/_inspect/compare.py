@@ -1,0 +1,215 @@
+"""Two checkpoints compared component by component and key by key, streamed (one batch of A,
+then the same keys of B): what ``ckpt-engine diff`` prints, computed as data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import UsageError
+from .reader import DEFAULT_BUDGET, ComponentReader, Target, Unreadable, batches, match_keys, summarize_value
+
+__all__ = ["CheckpointDiff", "ComponentDiff", "compare_checkpoints"]
+
+
+class Meter(Protocol):
+    """Where the bytes compared so far go (the command line's progress bar)."""
+
+    def advance(self, n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: ``(component, total_bytes) -> Meter``, one per compared component.
+MeterFactory = Callable[[str, int], Meter]
+
+
+class _NoMeter:
+    def advance(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class ComponentDiff:
+    """One component of two checkpoints compared. ``only_in`` is ``"a"`` or ``"b"`` for a
+    component one side lacks (then nothing else is filled in)."""
+
+    name: str
+    only_in: str | None = None
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    #: ``(key, spec in a, spec in b)`` of keys whose kind, shape or dtype changed.
+    changed: list[tuple[str, str, str]] = field(default_factory=list)
+    #: Tensor key -> its largest absolute difference (only those above ``atol``).
+    diffs: dict[str, float] = field(default_factory=dict)
+    #: Non-tensor key -> its two values, summarized.
+    value_changes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: Keys in both (after the key filter), and how many of those compared equal.
+    common: int = 0
+    equal: int = 0
+
+    @property
+    def differs(self) -> bool:
+        return bool(self.only_in or self.only_a or self.only_b or self.changed or self.diffs or self.value_changes)
+
+    def to_json(self) -> dict[str, Any]:
+        if self.only_in is not None:
+            return {"only_in": self.only_in}
+        return {
+            "only_in_a": self.only_a,
+            "only_in_b": self.only_b,
+            "changed": [{"key": k, "a": x, "b": y} for k, x, y in self.changed],
+            "max_abs_diff": self.diffs,
+            "values_changed": {k: {"a": x, "b": y} for k, (x, y) in self.value_changes.items()},
+            "equal": self.equal,
+        }
+
+
+@dataclass
+class CheckpointDiff:
+    a: Target
+    b: Target
+    components: list[ComponentDiff] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not any(c.differs for c in self.components)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "a": self.a.checkpoint,
+            "b": self.b.checkpoint,
+            "components": {c.name: c.to_json() for c in self.components},
+            "identical": self.identical,
+        }
+
+
+def compare_checkpoints(
+    a: Target,
+    b: Target,
+    components: Sequence[str] = (),
+    keys: Sequence[str] = (),
+    *,
+    atol: float = 0.0,
+    budget: int = DEFAULT_BUDGET,
+    trust: bool = False,
+    meter: MeterFactory | None = None,
+) -> CheckpointDiff:
+    """Compare ``components`` (default: every component of either) of ``a`` and ``b``, keys
+    matching the globs ``keys``; tensors differing by at most ``atol`` count as equal. Memory is
+    bounded by ``budget`` bytes of tensors per side (or the largest tensor). Raises
+    :class:`UsageError` for a component neither checkpoint has."""
+    result = CheckpointDiff(a, b)
+    new_meter: MeterFactory = meter or (lambda _name, _total: _NoMeter())
+    for name in components or sorted(set(a.components) | set(b.components)):
+        if name not in a.components or name not in b.components:
+            side = "a" if name in a.components else "b" if name in b.components else None
+            if side is None:
+                raise UsageError(f"neither checkpoint has component {name!r}")
+            result.components.append(ComponentDiff(name, only_in=side))
+            continue
+        ra, rb = ComponentReader(a.components[name], trust), ComponentReader(b.components[name], trust)
+        result.components.append(_compare_component(name, ra, rb, keys, atol, budget, new_meter))
+    return result
+
+
+def _compare_component(
+    name: str,
+    ra: ComponentReader,
+    rb: ComponentReader,
+    patterns: Sequence[str],
+    atol: float,
+    budget: int,
+    meter: MeterFactory,
+) -> ComponentDiff:
+    keys_a = match_keys(ra.keys, patterns)
+    keys_b = match_keys(rb.keys, patterns)
+    common = [k for k in keys_a if k in rb.keys]
+    out = ComponentDiff(
+        name, only_a=[k for k in keys_a if k not in rb.keys], only_b=[k for k in keys_b if k not in ra.keys]
+    )
+    out.common = len(common)
+    comparable: list[str] = []
+    for k in common:
+        ia, ib = ra.keys[k], rb.keys[k]
+        if ia.is_tensor != ib.is_tensor or ia.shape != ib.shape:
+            out.changed.append((k, ia.spec(), ib.spec()))
+        else:
+            if ia.dtype != ib.dtype:
+                out.changed.append((k, ia.spec(), ib.spec()))
+            comparable.append(k)
+    bar = meter(name, sum(ra.keys[k].nbytes for k in comparable))
+    try:
+        _compare_values(ra, rb, comparable, atol, budget, bar, out)
+    finally:
+        bar.close()
+    out.equal = len(comparable) - len(out.diffs) - len(out.value_changes)
+    return out
+
+
+def _compare_values(
+    ra: ComponentReader,
+    rb: ComponentReader,
+    comparable: list[str],
+    atol: float,
+    budget: int,
+    bar: Meter,
+    out: ComponentDiff,
+) -> None:
+    # Streamed: one batch of a, then the same keys of b; never both checkpoints at once.
+    merged = {k: ra.keys[k] if ra.keys[k].nbytes >= rb.keys[k].nbytes else rb.keys[k] for k in comparable}
+    for batch in batches(comparable, merged, budget):
+        va = ra.read(batch)
+        vb = rb.read(batch)
+        for k in batch:
+            x, y = va.pop(k), vb.pop(k)
+            if ra.keys[k].is_tensor:
+                d = max_abs_diff(x, y)
+                if d > atol:
+                    out.diffs[k] = d
+                bar.advance(ra.keys[k].nbytes)
+            elif not same_value(x, y, ra.stored.get(k), rb.stored.get(k)):
+                out.value_changes[k] = (summarize_value(x), summarize_value(y))
+
+
+def max_abs_diff(a: Any, b: Any) -> float:
+    """The largest ``|a - b|`` of two same-shape tensors (NaN where both are NaN counts as equal,
+    NaN on one side as infinitely far; booleans differ by 1)."""
+    if torch.equal(a, b):
+        return 0.0
+    if a.dtype == torch.bool or b.dtype == torch.bool:
+        return float((a.to(torch.int8) != b.to(torch.int8)).any())
+    wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
+    x, y = a.to(wide), b.to(wide)
+    d = (x - y).abs()
+    if d.is_complex():
+        d = d.real
+    both_nan = torch.isnan(x) & torch.isnan(y) if not x.is_complex() else torch.zeros_like(d, dtype=torch.bool)
+    d = torch.where(both_nan, torch.zeros_like(d), d)
+    d = torch.nan_to_num(d, nan=float("inf"))
+    return float(d.max()) if d.numel() else 0.0
+
+
+def same_value(x: Any, y: Any, stored_x: bytes | None, stored_y: bytes | None) -> bool:
+    """Equal stored bytes are equal values, read or not (a value ``weights_only`` refuses, such
+    as the original checkpointer's ``_extra_state``, compares by them); else the read values."""
+    if stored_x is not None and stored_x == stored_y:
+        return True
+    if isinstance(x, Unreadable) or isinstance(y, Unreadable):
+        return False
+    return _values_equal(x, y)
+
+
+def _values_equal(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+    try:
+        return bool(x == y)
+    except Exception:
+        return False

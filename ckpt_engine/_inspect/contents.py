@@ -1,0 +1,132 @@
+"""What a checkpoint holds, key by key (dtype, shape, shards, bytes, small values) with totals per
+component and per top-level prefix: what ``ckpt-engine inspect`` prints, computed as data."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._format.manifest import verify_checkpoint
+from .reader import ComponentReader, KeyInfo, Target, Unreadable, match_keys, prefix_of, summarize_value
+
+__all__ = ["CheckpointContents", "ComponentContents", "PrefixTotals", "read_contents"]
+
+#: Non-tensor values up to this many stored bytes are read and shown.
+SMALL_VALUE_BYTES = 65536
+
+
+@dataclass
+class PrefixTotals:
+    """Keys, tensor elements and stored bytes under one top-level prefix."""
+
+    keys: int = 0
+    numel: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class ComponentContents:
+    """The keys of one component that matched, in metadata order, and the small values read."""
+
+    name: str
+    path: str
+    infos: list[KeyInfo]
+    #: key -> value (or :class:`Unreadable`) of the small non-tensor values read.
+    values: dict[str, Any]
+
+    @property
+    def tensors(self) -> list[KeyInfo]:
+        return [i for i in self.infos if i.is_tensor]
+
+    @property
+    def numel(self) -> int:
+        return sum(i.numel for i in self.tensors)
+
+    @property
+    def bytes(self) -> int:
+        return sum(i.stored_bytes for i in self.infos)
+
+    @property
+    def prefixes(self) -> dict[str, PrefixTotals]:
+        """Totals per top-level prefix, in order of first appearance."""
+        out: dict[str, PrefixTotals] = {}
+        for i in self.infos:
+            agg = out.setdefault(prefix_of(i.key), PrefixTotals())
+            agg.keys += 1
+            agg.numel += i.numel if i.is_tensor else 0
+            agg.bytes += i.stored_bytes
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        tensors = self.tensors
+        return {
+            "path": self.path,
+            "keys": [self._key_json(i) for i in self.infos],
+            "tensors": len(tensors),
+            "values": len(self.infos) - len(tensors),
+            "numel": self.numel,
+            "bytes": self.bytes,
+            "prefixes": {p: {"keys": a.keys, "numel": a.numel, "bytes": a.bytes} for p, a in self.prefixes.items()},
+        }
+
+    def _key_json(self, i: KeyInfo) -> dict[str, Any]:
+        return {
+            "key": i.key,
+            "kind": "tensor" if i.is_tensor else "value",
+            "dtype": i.dtype_name if i.is_tensor else None,
+            "shape": list(i.shape) if i.is_tensor else None,
+            "shards": i.shards,
+            "bytes": i.stored_bytes,
+            **({"value": summarize_value(self.values[i.key], 200)} if i.key in self.values else {}),
+        }
+
+
+@dataclass
+class CheckpointContents:
+    """Every component of a resolved checkpoint, and what a sizes check of it found."""
+
+    target: Target
+    complete: bool
+    problems: list[str] = field(default_factory=list)
+    components: list[ComponentContents] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.target.checkpoint,
+            "complete": self.complete,
+            "components": {c.name: c.to_json() for c in self.components},
+        }
+
+
+def read_contents(
+    target: Target, keys: Sequence[str] = (), *, read_values: bool = True, trust: bool = False
+) -> CheckpointContents:
+    """The keys of ``target`` matching the globs ``keys`` (all when empty); with ``read_values``
+    the small non-tensor values too (a damaged data file makes them :class:`Unreadable`, the
+    metadata is still shown). Checks sizes against the manifest, never checksums."""
+    report = verify_checkpoint(target.checkpoint, level="sizes")
+    contents = CheckpointContents(target, report.complete, list(report.problems))
+    for name, cdir in target.components.items():
+        contents.components.append(_component_contents(name, cdir, keys, read_values, trust))
+    return contents
+
+
+def _component_contents(
+    name: str, cdir: str, patterns: Sequence[str], read_values: bool, trust: bool
+) -> ComponentContents:
+    reader = ComponentReader(cdir, trust)
+    keys = match_keys(reader.keys, patterns)
+    values: dict[str, Any] = {}
+    small = [k for k in keys if not reader.keys[k].is_tensor and reader.keys[k].stored_bytes <= SMALL_VALUE_BYTES]
+    if small and read_values:
+        try:
+            values = reader.read(small)
+        except Exception as err:  # a damaged data file: still show the metadata
+            values = dict.fromkeys(small, Unreadable(_first_line(err), needs_trust=False))
+    return ComponentContents(name, cdir, [reader.keys[k] for k in keys], values)
+
+
+def _first_line(err: BaseException) -> str:
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    return text if len(text) <= 120 else text[:117] + "..."
