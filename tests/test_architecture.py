@@ -238,14 +238,11 @@ def test_the_engine_never_tests_the_storage_mode() -> None:
 
 
 #: Functions longer than ``MAX_FUNCTION_LINES`` may stay long only with a reason here.
-#: ``"path::qualified name"`` -> why it is one function. ``TODO(split)``: no reason yet, to be split.
+#: ``"path::qualified name"`` -> why it is one function.
 LONG_FUNCTIONS_ALLOWED = {
     "ckpt_engine/_format/metadata_parser.py::_interpret": "an opcode interpreter: one dispatch loop on purpose",
     "ckpt_engine/_dcpio/fast_save.py::save_state_dict": "DCP's save protocol step by step (plan, plan-cache "
     "check, global plan, write, finish); its step closures share the planner's and writer's state",
-    "ckpt_engine/_inspect/plan.py::plan_load": "TODO(split)",
-    "plugins/ckpt_engine_plugins/_pinned_writer.py::_Writer.save": "TODO(split)",
-    "ckpt_engine/_engine/loader.py::Loader._load_checkpoint": "TODO(split)",
 }
 MAX_FUNCTION_LINES = 60
 

@@ -325,16 +325,7 @@ class Loader:
             iteration = 0
             for name in names:
                 if name not in checked.components:
-                    if source == "latest":  # rule 1 resumes everything: a gap would restart or mix iterations
-                        raise IncompleteCheckpointError(missing_for_resume(path, name, tuple(checked.components)))
-                    if name == "trainer" and objs.grad_scaler is None:
-                        continue  # nothing to restore but the iteration: 0
-                    if self.config.strict:
-                        raise IncompleteCheckpointError(
-                            f"checkpoint {path} has no component {name!r} (it has: {', '.join(checked.components)}); "
-                            f"add {name!r} to keys_not_to_resume, don't pass it, or set strict=False"
-                        )
-                    logger.warning("checkpoint %s has no component %r; not loaded", path, name)
+                    self._absent_component(objs, path, name, tuple(checked.components), source)
                     continue
                 if name == RNG_COMPONENT:
                     check_saved_world_size(checked.components[name], path, _dist.world_size())
@@ -363,6 +354,22 @@ class Loader:
             verified=validated.verified,
             fell_back_from=fell_back_from,
         )
+
+    def _absent_component(
+        self, objs: TrainingObjects, path: str, name: str, present: tuple[str, ...], source: Any
+    ) -> None:
+        """A component the caller passed that the checkpoint lacks: refused where the rules say
+        so (a resume from ``latest`` restores everything; ``strict``), else skipped with a warning."""
+        if source == "latest":  # rule 1 resumes everything: a gap would restart or mix iterations
+            raise IncompleteCheckpointError(missing_for_resume(path, name, present))
+        if name == "trainer" and objs.grad_scaler is None:
+            return  # nothing to restore but the iteration: 0
+        if self.config.strict:
+            raise IncompleteCheckpointError(
+                f"checkpoint {path} has no component {name!r} (it has: {', '.join(present)}); "
+                f"add {name!r} to keys_not_to_resume, don't pass it, or set strict=False"
+            )
+        logger.warning("checkpoint %s has no component %r; not loaded", path, name)
 
     def _load_component(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -112,7 +113,20 @@ def load_rule(config: EngineConfig, checkpoint: str) -> str:
     return "load_path" if same else "latest"
 
 
+@dataclasses.dataclass
+class _DryRun:
+    """What a dry-run load of one checkpoint found, component by component."""
+
+    lines: list[str]
+    reports: dict[str, ComponentReport] = dataclasses.field(default_factory=dict)
+    failures: list[str] = dataclasses.field(default_factory=list)
+    absent: list[str] = dataclasses.field(default_factory=list)
+    items: int = 0
+
+
 def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
+    """``ckpt-engine plan``: what ``load()`` of ``args.checkpoint`` into ``objs`` would do;
+    prints it (text or ``--json``) and returns the exit code (1: the load would fail)."""
     target = resolve(args.checkpoint)
     if args.config:
         config = EngineConfig.from_file(args.config)
@@ -120,41 +134,62 @@ def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
         config = EngineConfig(save_dir=os.path.dirname(target.checkpoint) or ".")
     rule = load_rule(config, target.checkpoint)
     by_rule = components_by_rule(config, objs.extra, rule)
-    wanted = [n for n in objs.available() if n in by_rule and n not in config.keys_not_to_resume]
-    if args.component:
-        unknown = [c for c in args.component if c not in objs.available()]
-        if unknown:
-            raise UsageError(
-                f"--component {', '.join(unknown)}: the factory gives nothing to load it into "
-                f"(it gives: {', '.join(objs.available())})"
-            )
-        wanted = [n for n in wanted if n in args.component]
-    lines = [f"plan: load {target.describe()}", f"into: {args.model}"]
-    reports: dict[str, ComponentReport] = {}
-    failures: list[str] = []
-    absent: list[str] = []
-    items = 0
+    wanted = _wanted(args, objs, [n for n in objs.available() if n in by_rule and n not in config.keys_not_to_resume])
+    run = _DryRun([f"plan: load {target.describe()}", f"into: {args.model}"])
     if rule == "load_path":
-        lines.append(f"rule: load_path, {', '.join(by_rule)} only (load_training_state loads every component)")
+        run.lines.append(f"rule: load_path, {', '.join(by_rule)} only (load_training_state loads every component)")
+    _dry_run(config, target, objs, wanted, run)
+    ok = not run.failures
+    if args.json:
+        import json
+
+        doc = {
+            "checkpoint": target.checkpoint,
+            "ok": ok,
+            "report": LoadReport(run.reports).to_dict(),
+            "absent": run.absent,
+            "errors": run.failures,
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        print("\n".join(run.lines + _text(run, show_all=args.all)))
+    return 0 if ok else 1
+
+
+def _wanted(args: argparse.Namespace, objs: TrainingObjects, wanted: list[str]) -> list[str]:
+    """``wanted`` narrowed to ``--component``, each of which the factory must provide."""
+    if not args.component:
+        return wanted
+    unknown = [c for c in args.component if c not in objs.available()]
+    if unknown:
+        raise UsageError(
+            f"--component {', '.join(unknown)}: the factory gives nothing to load it into "
+            f"(it gives: {', '.join(objs.available())})"
+        )
+    return [n for n in wanted if n in args.component]
+
+
+def _dry_run(config: EngineConfig, target: Any, objs: TrainingObjects, wanted: list[str], run: _DryRun) -> None:
+    """The engine's own checks and per-component plans, with a reader that reads nothing."""
     loaded = build_plugin_manager(config)
     pipeline = Pipeline(loaded)
     engine = Loader(config, pipeline, config.save_dir, None)  # the engine's own resume logic
     try:
         plugins = ", ".join(loaded.order) or "(none)"
-        lines.append(f"plugins (fold order): {plugins}; strict={config.strict}")
+        run.lines.append(f"plugins (fold order): {plugins}; strict={config.strict}")
         try:  # the checks load() runs before it reads anything
             engine.validate(target.checkpoint, open_store(target.checkpoint, config.storage))
         except CkptEngineError as err:
-            failures.append(str(err))
+            run.failures.append(str(err))
             wanted = []
         for name in wanted:
             cdir = target.components.get(name)
             if cdir is None:
                 if name == "trainer" and objs.grad_scaler is None:
                     continue
-                absent.append(name)
+                run.absent.append(name)
                 if config.strict:
-                    failures.append(
+                    run.failures.append(
                         f"the checkpoint has no component {name!r} (it has: {', '.join(target.components)})"
                     )
                 continue
@@ -163,51 +198,35 @@ def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
                     engine, objs, name, cdir, strict=config.strict, strict_unexpected=config.strict_unexpected
                 )
             except LoadStrictnessError as err:
-                failures.append(str(err))  # plan again, leniently, for the full report
+                run.failures.append(str(err))  # plan again, leniently, for the full report
                 report, n = dry_run_component(engine, objs, name, cdir, strict=False, strict_unexpected=False)
-            reports[name] = report
-            items += n
+            run.reports[name] = report
+            run.items += n
     finally:
         pipeline.close()
-    load_report = LoadReport(reports)
-    ok = not failures
-    if args.json:
-        import json
 
-        print(
-            json.dumps(
-                {
-                    "checkpoint": target.checkpoint,
-                    "ok": ok,
-                    "report": load_report.to_dict(),
-                    "absent": absent,
-                    "errors": failures,
-                },
-                indent=2,
-            )
-        )
-        return 0 if ok else 1
-    threshold = 10**9 if args.all else 8
-    lines.append("")
-    for rep in reports.values():
+
+def _text(run: _DryRun, *, show_all: bool) -> list[str]:
+    """The plain-text report after the header lines."""
+    lines = [""]
+    threshold = 10**9 if show_all else 8
+    for rep in run.reports.values():
         rep, unresolved = _split_unresolved(rep)
         head, *rest = rep.summary_lines(threshold)
         lines.append(head + (f", {len(unresolved)} MISMATCHED" if unresolved else ""))
         lines += rest
         lines += [f"  MISMATCH: {k}: {why}" for k, why in sorted(unresolved.items())]
-        if args.all:
+        if show_all:
             lines += [f"  loaded: {k}" + (f" <- {rep.renamed[k]}" if k in rep.renamed else "") for k in rep.loaded]
-    for name in absent:
-        lines.append(f"{name}: not in the checkpoint")
+    lines += [f"{name}: not in the checkpoint" for name in run.absent]
     lines.append("")
-    if ok:
-        lines.append(f"ok: the load would succeed ({items} reads planned; nothing was read or written)")
-    else:
-        lines.append("FAILED: the load would fail:")
-        for failure in failures:
-            # The keys are listed above; keep the error's headline and its fix.
-            err_lines = failure.splitlines()
-            lines.append(f"  {err_lines[0]}")
-            lines += [f"  {line}" for line in err_lines[1:] if line.startswith("fix:")]
-    print("\n".join(lines))
-    return 0 if ok else 1
+    if not run.failures:
+        lines.append(f"ok: the load would succeed ({run.items} reads planned; nothing was read or written)")
+        return lines
+    lines.append("FAILED: the load would fail:")
+    for failure in run.failures:
+        # The keys are listed above; keep the error's headline and its fix.
+        err_lines = failure.splitlines()
+        lines.append(f"  {err_lines[0]}")
+        lines += [f"  {line}" for line in err_lines[1:] if line.startswith("fix:")]
+    return lines

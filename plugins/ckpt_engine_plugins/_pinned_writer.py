@@ -183,12 +183,6 @@ class _Writer:
         return watch
 
     def _save(self, msg: Save, watch: Any) -> Done:
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
-
-        from ckpt_engine.storage import EngineFileSystemWriter
-
         t0 = time.perf_counter()
         local_error: str | None = None
         slab: Any = None
@@ -202,62 +196,79 @@ class _Writer:
         except Exception as err:
             local_error = _describe(err)
         try:
-            needed: list[MeshSpec] = list(msg.meshes)
-            if self.world > 1:
-                gathered: list[Any] = [None] * self.world
-                group = None
-                if watch is not None:
-                    watch.phase("agree")
-                    watch.barrier("agree")
-                    group = watch.group
-                dist.all_gather_object(gathered, (local_error, msg.meshes, msg.abort is not None), group=group)
-                failed = [(r, e, aborted) for r, (e, _, aborted) in enumerate(gathered) if e is not None]
-                if failed:
-                    r, e, _ = failed[0]
-                    where = "" if r == self.rank else f"writer rank {r}: "
-                    intact = all(aborted for _, _, aborted in failed)
-                    return Done(msg.req_id, False, 0, time.perf_counter() - t0, where + e, intact)
-                needed = sorted({m for _, specs, _ in gathered for m in specs}, key=_mesh_key)
-            elif local_error is not None:
-                return Done(msg.req_id, False, 0, time.perf_counter() - t0, local_error)
-            for spec in needed:  # same meshes, same order, on every rank (group creation is collective)
+            agreed = self._agree(msg, local_error, watch)
+            if isinstance(agreed, tuple):
+                error, intact = agreed
+                return Done(msg.req_id, False, 0, time.perf_counter() - t0, error, intact)
+            for spec in agreed:  # same meshes, same order, on every rank (group creation is collective)
                 self._mesh(spec)
-            tensors = slab.tensors
-            window_of: dict[int, int] = {}
-            slot_windows = self.windows.get(msg.set_id) if msg.epoch is not None else None
-
-            def resolve(pid: Any) -> Any:
-                obj = _resolve(pid)
-                if slot_windows is not None:
-                    window_of[id(obj)] = slot_windows[pid[1]]
-                return obj
-
-            def _resolve(pid: Any) -> Any:
-                if pid[0] == "t":
-                    return tensors[pid[1]]
-                _, slot, mesh_index, placements, shape, stride = pid
-                return DTensor.from_local(
-                    tensors[slot],
-                    self.meshes[msg.meshes[mesh_index]],
-                    placements,
-                    run_check=False,
-                    shape=torch.Size(shape),
-                    stride=stride,
-                )
-
-            state_dict = SkeletonUnpickler(msg.skeleton, resolve, forbid_main=True).load()
-            if slot_windows is not None and msg.epoch is not None:
-                writer: Any = self._windowed_writer(msg, window_of)
-            else:
-                writer = EngineFileSystemWriter(
-                    msg.path, thread_count=msg.thread_count, sync_files=msg.sync_files, overwrite=True
-                )
-            nbytes = _save(state_dict, writer, msg.planner)
+            nbytes = self._write_state(msg, slab.tensors)
             return Done(msg.req_id, True, nbytes, time.perf_counter() - t0, None)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
             return Done(msg.req_id, False, 0, time.perf_counter() - t0, _describe(err))
+
+    def _agree(self, msg: Save, local_error: str | None, watch: Any) -> list[MeshSpec] | tuple[str, bool]:
+        """Every writer rank's readiness for this save, in one collective: the device meshes
+        all of them need, or ``(error, intact)`` for the first rank that cannot save (``intact``:
+        every failure was an abort, so the buffers were never touched)."""
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return (local_error, False) if local_error is not None else list(msg.meshes)
+        gathered: list[Any] = [None] * self.world
+        group = None
+        if watch is not None:
+            watch.phase("agree")
+            watch.barrier("agree")
+            group = watch.group
+        dist.all_gather_object(gathered, (local_error, msg.meshes, msg.abort is not None), group=group)
+        failed = [(r, e, aborted) for r, (e, _, aborted) in enumerate(gathered) if e is not None]
+        if failed:
+            r, e, _ = failed[0]
+            where = "" if r == self.rank else f"writer rank {r}: "
+            return where + e, all(aborted for _, _, aborted in failed)
+        return sorted({m for _, specs, _ in gathered for m in specs}, key=_mesh_key)
+
+    def _write_state(self, msg: Save, tensors: Any) -> int:
+        """Rebuild the state dict from its skeleton over the shared buffers and save it with the
+        engine's DCP save; returns the bytes written."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from ckpt_engine.storage import EngineFileSystemWriter
+
+        window_of: dict[int, int] = {}
+        slot_windows = self.windows.get(msg.set_id) if msg.epoch is not None else None
+
+        def resolve(pid: Any) -> Any:
+            obj = _resolve(pid)
+            if slot_windows is not None:
+                window_of[id(obj)] = slot_windows[pid[1]]
+            return obj
+
+        def _resolve(pid: Any) -> Any:
+            if pid[0] == "t":
+                return tensors[pid[1]]
+            _, slot, mesh_index, placements, shape, stride = pid
+            return DTensor.from_local(
+                tensors[slot],
+                self.meshes[msg.meshes[mesh_index]],
+                placements,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=stride,
+            )
+
+        state_dict = SkeletonUnpickler(msg.skeleton, resolve, forbid_main=True).load()
+        if slot_windows is not None and msg.epoch is not None:
+            writer: Any = self._windowed_writer(msg, window_of)
+        else:
+            writer = EngineFileSystemWriter(
+                msg.path, thread_count=msg.thread_count, sync_files=msg.sync_files, overwrite=True
+            )
+        return _save(state_dict, writer, msg.planner)
 
     def _windowed_writer(self, msg: Save, window_of: dict[int, int]) -> Any:
         """The storage writer of a save staged in windows (``_pinned_windows``)."""
