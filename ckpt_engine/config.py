@@ -203,8 +203,8 @@ class EngineConfig(BaseModel):
     )
     save_checksums: bool = Field(
         default=True,
-        description="Checksum every file into the manifest at commit (re-reads what was just written, "
-        "usually from the page cache). False: the manifest records sizes only.",
+        description="Checksum every file into the manifest: each rank hashes the bytes as it writes them "
+        "(nothing is read back at the commit). False: the manifest records sizes only.",
     )
     fallback_to_last_complete: bool = Field(
         default=False,
