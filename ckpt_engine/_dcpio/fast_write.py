@@ -37,7 +37,7 @@ from torch.futures import Future
 from .._format.digests import write_part
 from .._format.hashing import new_hasher
 from .._format.metadata import remember_metadata
-from .fast_read import _gc_paused
+from .fast_read import gc_paused
 from .torch_private import storage_info
 from .torch_save_archive import tensor_archive
 
@@ -109,7 +109,7 @@ class FastFileSystemWriter(FileSystemWriter):
         if getattr(self.transforms, "extensions", ()) or self.serialization_format != SerializationFormat.TORCH_SAVE:
             return super().write_data(plan, planner)  # stream transforms, safetensors: DCP's own path
         self._checksum = getattr(planner, "checksum", None)  # for finish(): the same algorithm
-        with _gc_paused():
+        with gc_paused():
             return self._write_all(plan, planner)
 
     def _write_all(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

@@ -34,7 +34,7 @@ from .._format.metadata import _read_error, read_metadata
 from .._format.names import METADATA_FILE
 from .._storage.store import FsspecStore
 from ..errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
-from .fast_read import _PREFETCH, _byte_view, _gc_paused, _Item, contiguous_region
+from .fast_read import _PREFETCH, _byte_view, _Item, contiguous_region, gc_paused
 from .torch_save_archive import SavedTensorLayout, parse_torch_save_tensor_at
 
 __all__ = ["ObjectStoreReader"]
@@ -111,7 +111,7 @@ class ObjectStoreReader(StorageReader):
     # -- reading ------------------------------------------------------------------------------
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with _gc_paused():
+        with gc_paused():
             self.bytes_fetched = 0
             by_item: dict[tuple[str, int, int], list[ReadItem]] = {}
             for req in plan.items:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcpio import dist as _dist
+from .._dcpio.fast_read import gc_paused
 from .._dcpio.fast_save import drop_plan_caches
 from .._dcpio.planner import EngineSavePlanner, flat_keys
 from .._dcpio.watch import phase as publish_phase
@@ -172,6 +173,7 @@ class CheckpointEngine:
     # -- save -------------------------------------------------------------------------------
 
     @bounded
+    @gc_paused()
     def save(
         self,
         iteration: int,

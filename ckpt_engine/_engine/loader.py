@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._dcpio import dist as _dist
 from .._dcpio.fast_load import load_state_dict
-from .._dcpio.fast_read import FastFileSystemReader, _gc_paused
+from .._dcpio.fast_read import FastFileSystemReader, gc_paused
 from .._dcpio.object_read import ObjectStoreReader
 from .._dcpio.planner import EngineLoadPlanner
 from .._dcpio.unsafe import refine_unsafe
@@ -113,7 +113,7 @@ class Loader:
         # No cyclic GC while loading: a load allocates millions of small objects (metadata,
         # plan entries, read items) and few cycles, and each full collection walks them all:
         # with 50 000 tensors that made the load grow faster than linearly (9 s against 25 s).
-        with _gc_paused():
+        with gc_paused():
             return self._load(objs)
 
     def _load(self, objs: TrainingObjects) -> LoadResult:
