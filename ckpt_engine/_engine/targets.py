@@ -36,7 +36,7 @@ from .._format.layout import check_complete, commit_rename, remove_checkpoint, r
 from .._format.manifest import FileEntry, list_files, new_manifest, owner_rank, referenced_files, write_manifest
 from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, partial_dirname
 from .._storage.paths import check_local_save_dir
-from .._storage.store import FsspecStore, LocalStore, Store, open_store
+from .._storage.store import FsspecStore, Store, open_store
 from ..config import EngineConfig
 from ..errors import CheckpointSaveError, CkptEngineError, IncompleteCheckpointError, StorageError
 from .resave import advance_latest, refuse_resave
@@ -48,6 +48,7 @@ __all__ = [
     "SavePaths",
     "SaveTarget",
     "TwoTierTarget",
+    "commit_locally",
     "open_target",
 ]
 
@@ -183,11 +184,7 @@ class LocalTarget(SaveTarget):
         entries: dict[str, FileEntry],
         world: int,
     ) -> int:
-        assert paths.local_final is not None
-        covered = write_checked_manifest(paths.partial, None, paths.iteration, components, algorithm, entries, world)
-        commit_rename(paths.partial, paths.local_final)
-        advance_latest(os.path.dirname(paths.local_final), paths.name)
-        return covered
+        return commit_locally(paths, components, algorithm, entries, world)
 
 
 class ObjectStoreTarget(SaveTarget):
@@ -335,11 +332,7 @@ class TwoTierTarget(SaveTarget):
         entries: dict[str, FileEntry],
         world: int,
     ) -> int:
-        assert paths.local_final is not None
-        covered = write_checked_manifest(paths.partial, None, paths.iteration, components, algorithm, entries, world)
-        commit_rename(paths.partial, paths.local_final)
-        advance_latest(self._local, paths.name)
-        return covered
+        return commit_locally(paths, components, algorithm, entries, world)
 
     def after_commit(self, paths: SavePaths) -> BaseException | None:
         """Upload the committed local copy; the manifest (the completion marker) goes last, then
@@ -370,7 +363,7 @@ class TwoTierTarget(SaveTarget):
 def open_target(config: EngineConfig) -> SaveTarget:
     """The save target for ``config.save_dir`` and ``config.storage``, chosen once."""
     store = open_store(config.save_dir, config.storage)
-    if isinstance(store, LocalStore) or not store.is_object_store:
+    if not store.is_object_store:
         return LocalTarget(config, store)
     assert isinstance(store, FsspecStore)
     if config.storage.local_dir is not None:
@@ -414,6 +407,18 @@ def write_checked_manifest(
     manifest = new_manifest(iteration, world, components, algorithm, entries)
     write_manifest(root, manifest, store)
     return manifest.total_bytes
+
+
+def commit_locally(
+    paths: SavePaths, components: tuple[str, ...], algorithm: str | None, entries: dict[str, FileEntry], world: int
+) -> int:
+    """Rank 0: the manifest into the hidden folder, the rename into place, then ``latest`` in
+    that folder's save directory; returns the bytes the manifest covers."""
+    assert paths.local_final is not None
+    covered = write_checked_manifest(paths.partial, None, paths.iteration, components, algorithm, entries, world)
+    commit_rename(paths.partial, paths.local_final)
+    advance_latest(os.path.dirname(paths.local_final), paths.name)
+    return covered
 
 
 def upload_files(store: FsspecStore, local_root: str, remote_root: str, rels: Sequence[str]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -126,4 +128,25 @@ def optim_full(model: torch.nn.Module, optim: torch.optim.Optimizer, field: str)
     for n, p in model.named_parameters():
         value = optim.state[p][field]
         out[n] = full(value).tolist()
+    return out
+
+
+def attempt(fn: Callable[[], Any], *, keep_value: bool = False) -> dict[str, Any]:
+    """Run ``fn`` and describe the outcome for a JSON report: ``raised`` (the engine error's
+    class name, ``NOT-ENGINE:module.Class`` for anything else, which a test treats as a
+    failure), ``message``, ``missing`` (the late ranks of an engine error that names them),
+    ``value`` (``fn``'s result, with ``keep_value``) and ``seconds``."""
+    from ckpt_engine import CkptEngineError
+
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"raised": None, "message": ""}
+    try:
+        value = fn()
+        if keep_value:
+            out["value"] = value
+    except CkptEngineError as err:
+        out = {"raised": type(err).__name__, "message": str(err), "missing": list(getattr(err, "missing", ()))}
+    except BaseException as err:  # a non-engine error (e.g. DCP's CheckpointException) is a failure
+        out = {"raised": f"NOT-ENGINE:{type(err).__module__}.{type(err).__name__}", "message": str(err)}
+    out["seconds"] = round(time.monotonic() - t0, 2)
     return out

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import ckpt_test_exit, cpu_mesh, make_model, report_ordered, shard_fsdp2
+from _common import attempt, ckpt_test_exit, cpu_mesh, make_model, report_ordered, shard_fsdp2
 
-from ckpt_engine import CheckpointEngine, CkptEngineError, hookimpl
+from ckpt_engine import CheckpointEngine, hookimpl
 from ckpt_engine.types import LoadContext, PlanEntry, RemapContext
 
 TIMEOUT_S = 3.0
@@ -53,19 +53,6 @@ class Sleeper:
         if ctx.component == "model":
             self._maybe_sleep("pre_load_plan", ctx.rank)
         return None
-
-
-def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    t0 = time.monotonic()
-    out: dict[str, Any] = {"raised": None, "message": ""}
-    try:
-        fn()
-    except CkptEngineError as err:
-        out = {"raised": type(err).__name__, "message": str(err), "missing": list(getattr(err, "missing", ()))}
-    except BaseException as err:
-        out = {"raised": f"NOT-ENGINE:{type(err).__name__}", "message": str(err)}
-    out["seconds"] = round(time.monotonic() - t0, 2)
-    return out
 
 
 def main() -> None:

@@ -15,31 +15,15 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import ckpt_test_exit, cpu_mesh, make_model, report_ordered, shard_fsdp2
+from _common import attempt, ckpt_test_exit, cpu_mesh, make_model, report_ordered, shard_fsdp2
 from ckpt_engine_plugins.pinned_staging import PinnedStagingPlugin
 
-from ckpt_engine import CheckpointEngine, CkptEngineError
+from ckpt_engine import CheckpointEngine
 
 TIMEOUT_S = 3.0
-
-
-def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    t0 = time.monotonic()
-    out: dict[str, Any] = {"raised": None, "message": ""}
-    try:
-        fn()
-    except CkptEngineError as err:
-        out = {"raised": type(err).__name__, "message": str(err)}
-    except BaseException as err:
-        out = {"raised": f"NOT-ENGINE:{type(err).__name__}", "message": str(err)}
-    out["seconds"] = round(time.monotonic() - t0, 2)
-    return out
 
 
 def main() -> None:

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import ckpt_test_exit, cpu_mesh, init, make_model, params_full, report_ordered, shard_fsdp2
+from _common import attempt, ckpt_test_exit, cpu_mesh, init, make_model, params_full, report_ordered, shard_fsdp2
 
-from ckpt_engine import CheckpointEngine, CkptEngineError, hookimpl
+from ckpt_engine import CheckpointEngine, hookimpl
 
 FAILING_RANK = 1
 
@@ -41,19 +39,6 @@ class FailSaveRemapOnRank:
     def remap_keys(self, ctx: Any, key_map: Any) -> None:
         if ctx.direction == "save" and ctx.rank == FAILING_RANK:
             raise RuntimeError(f"planned remap_keys failure on rank {ctx.rank} ({ctx.component})")
-
-
-def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    t0 = time.monotonic()
-    out: dict[str, Any] = {"raised": None, "message": ""}
-    try:
-        fn()
-    except CkptEngineError as err:
-        out = {"raised": type(err).__name__, "message": str(err)}
-    except BaseException as err:  # a non-engine error (e.g. DCP's CheckpointException) is a failure
-        out = {"raised": f"NOT-ENGINE:{type(err).__module__}.{type(err).__name__}", "message": str(err)}
-    out["seconds"] = time.monotonic() - t0
-    return out
 
 
 def main() -> None:

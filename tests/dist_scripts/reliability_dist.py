@@ -23,35 +23,19 @@ import errno
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import ckpt_test_exit, cpu_mesh, make_model, params_full, report_ordered, shard_fsdp2
+from _common import attempt, ckpt_test_exit, cpu_mesh, make_model, params_full, report_ordered, shard_fsdp2
 from torch.distributed.checkpoint import FileSystemReader
 
 import ckpt_engine._engine.loader as engine_module
-from ckpt_engine import CheckpointEngine, CkptEngineError
+from ckpt_engine import CheckpointEngine
 from ckpt_engine.errors import CheckpointPermissionError
 
 FAILING_RANK = 1
-
-
-def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    t0 = time.monotonic()
-    out: dict[str, Any] = {"raised": None, "message": ""}
-    try:
-        value = fn()
-        out["value"] = value
-    except CkptEngineError as err:
-        out = {"raised": type(err).__name__, "message": str(err)}
-    except BaseException as err:
-        out = {"raised": f"NOT-ENGINE:{type(err).__module__}.{type(err).__name__}", "message": str(err)}
-    out["seconds"] = round(time.monotonic() - t0, 2)
-    return out
 
 
 def trained(seed: int, mesh: Any, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -102,7 +86,7 @@ def main() -> None:
             "equal_to": [it for it, p in saved.items() if p == params_full(model)],
         }
 
-    out["verified"] = attempt(lambda: load(verify="checksums"))
+    out["verified"] = attempt(lambda: load(verify="checksums"), keep_value=True)
 
     # -- flipped byte in the file rank 1 wrote -------------------------------------------------
     victim = os.path.join(save_dir, "iter_000000003", "model", "__1_0.distcp")
@@ -120,9 +104,9 @@ def main() -> None:
         with CheckpointEngine({"save_dir": save_dir, "verify": "checksums"}) as eng:
             eng.load(model=untouched)
 
-    out["flip"] = attempt(load_into_untouched)
+    out["flip"] = attempt(load_into_untouched, keep_value=True)
     out["flip"]["untouched"] = params_full(untouched) == before
-    out["fallback"] = attempt(lambda: load(verify="checksums", fallback_to_last_complete=True))
+    out["fallback"] = attempt(lambda: load(verify="checksums", fallback_to_last_complete=True), keep_value=True)
 
     # -- a read error on one rank only ---------------------------------------------------------
     empty, iter2 = save_dir + "-empty", os.path.join(save_dir, "iter_000000002")  # rule 2: load_path
@@ -139,7 +123,7 @@ def main() -> None:
     if rank == FAILING_RANK:
         reader_cls.__init__ = slow_init  # type: ignore[method-assign]
         FileSystemReader.read_data = failing_read  # type: ignore[method-assign]
-    out["read_error"] = attempt(lambda: load(save_dir=empty, load_path=iter2))
+    out["read_error"] = attempt(lambda: load(save_dir=empty, load_path=iter2), keep_value=True)
     reader_cls.__init__ = original_init  # type: ignore[method-assign]
     FileSystemReader.read_data = original_read  # type: ignore[method-assign]
 
@@ -151,7 +135,7 @@ def main() -> None:
 
     if rank == FAILING_RANK:
         engine_module.check_complete = denied
-    out["check_error"] = attempt(lambda: load(save_dir=empty, load_path=iter2))
+    out["check_error"] = attempt(lambda: load(save_dir=empty, load_path=iter2), keep_value=True)
     engine_module.check_complete = original_check
 
     # -- the lock --------------------------------------------------------------------------------
@@ -160,9 +144,11 @@ def main() -> None:
     a = CheckpointEngine({"save_dir": lock_dir})
     a.save(1, model=model, optimizer=optim)
     b = CheckpointEngine({"save_dir": lock_dir})
-    out["lock"] = attempt(lambda: b.save(2, model=model, optimizer=optim))
+    out["lock"] = attempt(lambda: b.save(2, model=model, optimizer=optim), keep_value=True)
     a.close()
-    out["lock_after_close"] = attempt(lambda: b.save(2, model=model, optimizer=optim).result().succeeded)
+    out["lock_after_close"] = attempt(
+        lambda: b.save(2, model=model, optimizer=optim).result().succeeded, keep_value=True
+    )
     b.close()
     dist.barrier()
     with open(os.path.join(lock_dir, "latest_checkpoint.txt")) as f:
