@@ -198,3 +198,13 @@ def first_failure(exc: BaseException) -> tuple[BaseException, list[int]]:
             err = exc.failures[ranks[0]]
             return (err[0] if isinstance(err, tuple) else err), ranks
     return exc, []
+
+
+#: Most characters of a name read from a checkpoint (a key, a file name) that a message shows.
+SHOWN_CHARS = 80
+
+
+def clip(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` (read from a file: a key, a path) as a message may show it: sliced *before* it is
+    repr'd, so a hostile megabyte-long name costs a fixed size."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")

@@ -19,6 +19,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
@@ -32,6 +33,7 @@ from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
+    clip,
     denied,
 )
 from .metadata_parser import PickleMalformed, PickleRefused, parse_metadata
@@ -40,10 +42,13 @@ from .names import METADATA_FILE
 #: Largest ``.metadata`` the engine parses. DCP writes tens of bytes per tensor and chunk, so this
 #: allows tens of millions of tensors while bounding the memory a crafted file can claim.
 MAX_METADATA_BYTES = 4 << 30
-#: Bound on the pairwise chunk comparisons of :func:`validate_metadata` (a crafted file could ask
-#: for a quadratic number); real shardings need a few per chunk.
-_MAX_CHUNK_COMPARISONS = 50_000_000
+#: Bound on the coordinate comparisons of :func:`validate_metadata`'s sweep for irregular chunk
+#: layouts (a crafted file could ask for a quadratic number): this many per stored chunk
+#: coordinate, and at least :data:`_MIN_COMPARISONS`, so validation stays linear in the file.
+_COMPARISONS_PER_COORD = 64
+_MIN_COMPARISONS = 4_000_000
 _MAX_DIMS = 64
+Box = tuple[tuple[int, ...], tuple[int, ...]]
 _MAX_OFFSET = 1 << 62
 
 
@@ -127,17 +132,24 @@ def validate_metadata(md: Metadata, path: str) -> None:
     for index, info in storage.items():
         rel = info.relative_path
         if not rel or "\0" in rel or "/" in rel or "\\" in rel or rel.startswith("."):
-            raise CorruptCheckpointError(f"{path} names data file {rel!r} for {index.fqn!r}, outside its folder")
+            raise CorruptCheckpointError(
+                f"{path} names data file {clip(rel)} for {clip(index.fqn)}, outside its folder"
+            )
         if not 0 <= info.offset < _MAX_OFFSET or not 0 <= info.length < _MAX_OFFSET:
             raise CorruptCheckpointError(
-                f"{path}: the storage entry of {index.fqn!r} has offset {info.offset} and length {info.length}"
+                f"{path}: the storage entry of {clip(index.fqn)} has offset {info.offset} and length {info.length}"
             )
         stored[(index.fqn, None if index.offset is None else tuple(index.offset))] = info
-    budget = [_MAX_CHUNK_COMPARISONS]
+    coords = sum(
+        len(item.chunks) * len(item.size)
+        for item in md.state_dict_metadata.values()
+        if isinstance(item, TensorStorageMetadata)
+    )
+    budget = [max(_MIN_COMPARISONS, _COMPARISONS_PER_COORD * coords)]
     for key, item in md.state_dict_metadata.items():
         if isinstance(item, BytesStorageMetadata):
             if (key, None) not in stored:
-                raise CorruptCheckpointError(f"{path}: the value of {key!r} has no storage entry")
+                raise CorruptCheckpointError(f"{path}: the value of {clip(key)} has no storage entry")
             continue
         _check_chunks(key, item, path, budget)
         itemsize = item.properties.dtype.itemsize
@@ -145,12 +157,12 @@ def validate_metadata(md: Metadata, path: str) -> None:
             info = stored.get((key, tuple(chunk.offsets)))
             if info is None:
                 raise CorruptCheckpointError(
-                    f"{path}: the chunk of {key!r} at offset {list(chunk.offsets)} has no storage entry"
+                    f"{path}: the chunk of {clip(key)} at offset {list(chunk.offsets)} has no storage entry"
                 )
             needed = math.prod(chunk.sizes) * itemsize
             if not info.transform_descriptors and info.length < needed:  # a compressed item may be smaller
                 raise CorruptCheckpointError(
-                    f"{path}: the chunk of {key!r} at offset {list(chunk.offsets)} needs {needed} bytes of "
+                    f"{path}: the chunk of {clip(key)} at offset {list(chunk.offsets)} needs {needed} bytes of "
                     f"{item.properties.dtype}, but its storage entry holds {info.length}"
                 )
 
@@ -158,10 +170,10 @@ def validate_metadata(md: Metadata, path: str) -> None:
 def _check_chunks(key: str, item: TensorStorageMetadata, path: str, budget: list[int]) -> None:
     """The chunks of ``item`` tile its shape exactly: inside it, disjoint, covering every element."""
     shape = tuple(item.size)
-    where = f"{path}: tensor {key!r} of shape {list(shape)}"
     if len(shape) > _MAX_DIMS or any(d < 0 or d >= _MAX_OFFSET for d in shape):
-        raise CorruptCheckpointError(f"{where} has an impossible shape")
-    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        raise CorruptCheckpointError(f"{path}: tensor {clip(key)} has an impossible shape ({len(shape)} dimensions)")
+    where = f"{path}: tensor {clip(key)} of shape {list(shape)}"
+    boxes: list[Box] = []
     covered = 0
     for chunk in item.chunks:
         off, sz = tuple(chunk.offsets), tuple(chunk.sizes)
@@ -174,25 +186,67 @@ def _check_chunks(key: str, item: TensorStorageMetadata, path: str, budget: list
             covered += volume
             boxes.append((off, sz))
     total = math.prod(shape)
-    if covered != total or (len(boxes) > 1 and _any_overlap(boxes, budget)):
+    if covered != total or (len(boxes) > 1 and _any_overlap(boxes, shape, budget, where)):
         raise CorruptCheckpointError(
             f"{where}: its stored chunks {'overlap' if covered >= total else 'do not cover it'} "
             f"({covered} of {total} elements stored); the metadata is damaged or crafted"
         )
 
 
-def _any_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], budget: list[int]) -> bool:
-    """Whether two boxes intersect: a sweep along the dimension with the most distinct offsets."""
-    ndim = len(boxes[0][0])
+#: Most grid cells :func:`_any_overlap` marks in an array (one byte each) for an irregular layout.
+_MAX_GRID_CELLS = 1 << 24
+
+
+def _any_overlap(boxes: list[Box], shape: tuple[int, ...], budget: list[int], where: str) -> bool:
+    """Whether two of ``boxes`` (non-empty, inside ``shape``) intersect, in time linear in their
+    coordinates for every layout a sharding produces.
+
+    The lines where some box starts or ends cut ``shape`` into a grid. In every regular layout
+    (row or column shards, 2-D and N-D meshes, uneven last shards, unit chunks) each box is one
+    cell of that grid, so two boxes intersect exactly when they start at the same cell: a set
+    of start cells decides it. A box spanning several cells (an irregular layout) marks its cells
+    in an array when the grid is small enough; otherwise a sweep compares boxes, charging each
+    comparison its width to ``budget``.
+    """
+    ndim = len(shape)
     if ndim == 0:
         return len(boxes) > 1
-    dim = max(range(ndim), key=lambda d: len({b[0][d] for b in boxes}))
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    lines = [sorted({0, shape[d], *(b[0][d] for b in boxes), *(b[0][d] + b[1][d] for b in boxes)}) for d in range(ndim)]
+    index = [{v: i for i, v in enumerate(ln)} for ln in lines]
+    starts: list[tuple[int, ...]] = []
+    ends: list[tuple[int, ...]] = []
+    one_cell = True
+    for off, sz in boxes:
+        lo = tuple(ix[o] for ix, o in zip(index, off, strict=True))
+        hi = tuple(ix[o + s] for ix, o, s in zip(index, off, sz, strict=True))
+        one_cell = one_cell and all(h == low + 1 for low, h in zip(lo, hi, strict=True))
+        starts.append(lo)
+        ends.append(hi)
+    if one_cell:
+        return len(set(starts)) != len(starts)
+    cells = math.prod(len(ln) - 1 for ln in lines)
+    if cells <= _MAX_GRID_CELLS:
+        grid = numpy.zeros([len(ln) - 1 for ln in lines], dtype=numpy.bool_)
+        for lo, hi in zip(starts, ends, strict=True):
+            region = grid[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
+            if region.any():
+                return True
+            region[...] = True
+        return False
+    return _sweep_overlap(boxes, max(range(ndim), key=lambda d: len(lines[d])), budget, where)
+
+
+def _sweep_overlap(boxes: list[Box], dim: int, budget: list[int], where: str) -> bool:
+    """Whether two boxes intersect: a sweep along ``dim``, each comparison charged its width."""
+    width = len(boxes[0][0])
+    active: list[Box] = []
     for off, sz in sorted(boxes, key=lambda b: b[0][dim]):
         active = [a for a in active if a[0][dim] + a[1][dim] > off[dim]]
-        budget[0] -= len(active) + 1
+        budget[0] -= (len(active) + 1) * width
         if budget[0] < 0:
-            raise CorruptCheckpointError("the metadata's chunk layout is too large to validate (crafted?)")
+            raise CorruptCheckpointError(
+                f"{where}: its chunk layout is too irregular to validate in time linear in the file (crafted?)"
+            )
         for a_off, a_sz in active:
             if all(ao < o + s and o < ao + asz for ao, asz, o, s in zip(a_off, a_sz, off, sz, strict=True)):
                 return True

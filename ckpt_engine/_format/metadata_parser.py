@@ -14,8 +14,22 @@ creates a fresh record that only this parse can see; ``BUILD`` may only fill suc
 with the fields its type declares; ``SETITEMS``/``APPENDS``/``ADDITEMS`` may only fill containers
 the parse created. Only when the whole file has been read are the records turned into real DCP
 objects, through their constructors, checked field by field. Reading a checkpoint therefore cannot
-change the process, and the memory it takes is bounded by a small multiple of the file's size
-(every opcode adds at most one reference; the memo is a dict).
+change the process.
+
+Time and memory are linear in the file's size, whatever the file says:
+
+* every opcode adds at most one reference (the memo is a dict), and the containers built from the
+  stack (``TUPLE``, ``LIST``, ``DICT``, ``SETITEMS``, ...) take items other opcodes pushed;
+* values may be shared (``DUP``, ``GET``), so a few bytes can describe a tuple whose expansion is
+  exponential. Nothing walks a value's expansion: dict keys and set elements must be of the flat
+  types DCP uses (strings, numbers, ``None``, records), so hashing costs what the key's own bytes
+  cost; every copy a constructor makes (``torch.Size``, ``set``, ``OrderedDict``, a path, the
+  builder's chunk lists and plain values) is charged to one :class:`_Budget` of
+  ``4 * len(file) + 64 Ki`` items, so copying one memoised tuple many times is refused;
+* integers are at most 255 bytes (``LONG1``'s limit; DCP writes 64-bit values), so hashing or
+  comparing one is constant time;
+* no error message formats a value the file built: messages name types, lengths and at most
+  the first :data:`_SHOWN` characters of a string (:func:`_describe`, :func:`_clip`).
 
 Errors: :class:`PickleRefused` for anything DCP never writes (a forbidden global, a mutating opcode
 on an object the parse did not create, an unknown attribute); :class:`PickleMalformed` for a file
@@ -44,6 +58,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._dcpio.torch_private import storage_info
+from ..errors import SHOWN_CHARS
+from ..errors import clip as _clip
 
 __all__ = ["PickleMalformed", "PickleRefused", "parse_metadata"]
 
@@ -107,12 +123,15 @@ class _Token:
     kind: str
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, repr=False)
 class _Record:
     """A DCP record under construction; only this parse holds a reference to it."""
 
     kind: str
     state: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:  # never the state: it may be shared structure of any size
+        return f"<{self.kind} record>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +140,49 @@ class _MemFormat:
 
 
 _MARK = object()
+
+#: The types a dict key or a set element may have: hashing them costs their own bytes (strings
+#: and bytes cache their hash), never a walk of shared structure.
+_FLAT_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
+_KEY_TYPES = _FLAT_TYPES | {_Record}
+_SHOWN = SHOWN_CHARS
+#: Largest integer a file may hold, in bytes: LONG1's limit (DCP's ints fit in 8).
+_MAX_INT_BYTES = 255
+
+
+class _Budget:
+    """The items the parse may still copy: a small multiple of the file's size (module docstring)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, data_len: int) -> None:
+        self.left = 4 * data_len + 65_536
+
+    def charge(self, items: int, what: str) -> None:
+        self.left -= items
+        if self.left < 0:
+            raise PickleRefused(
+                f"builds more than a DCP metadata file of its size can describe ({what}: copies of shared "
+                "values; a crafted file)"
+            )
+
+
+def _describe(value: Any) -> str:
+    """A value the file built, named by type and length only: never its repr (it may be huge)."""
+    if type(value) is str:
+        return f"the string {_clip(value)}"
+    if isinstance(value, (tuple, list, dict, set, frozenset)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+def _check_flat(values: Any, what: str) -> None:
+    """Every element of ``values`` is of a flat type (dict keys, set elements)."""
+    for v in values:
+        if type(v) not in _KEY_TYPES:
+            raise PickleRefused(
+                f"{what} of type {type(v).__name__}; DCP metadata uses only strings, numbers and records"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,39 +193,52 @@ def _refuse(what: str) -> PickleRefused:
     return PickleRefused(f"asks for {what}, which DCP metadata never contains")
 
 
-def _call(token: Any, args: Any) -> Any:
-    """``REDUCE``: the few constructors DCP metadata uses, each with checked arguments."""
-    if not isinstance(token, _Token) or not isinstance(args, tuple):
+def _call(token: Any, args: Any, budget: _Budget) -> Any:
+    """``REDUCE``: the few constructors DCP metadata uses, each with checked arguments; every
+    copy a constructor makes is charged to ``budget`` (a memoised tuple may be passed many times)."""
+    if not isinstance(token, _Token) or type(args) is not tuple:
         raise _refuse(f"REDUCE of {type(token).__name__} (only the DCP metadata constructors may be called)")
     kind = token.kind
     if kind == "Size":
         if len(args) != 1 or type(args[0]) is not tuple:
             raise PickleMalformed("torch.Size takes one tuple of ints")
-        try:  # torch.Size itself refuses anything but ints
+        budget.charge(len(args[0]), "torch.Size")
+        if not all(type(d) is int for d in args[0]):
+            bad = next(d for d in args[0] if type(d) is not int)
+            raise PickleMalformed(f"torch.Size of a tuple holding {_describe(bad)}; it takes ints")
+        try:
             return torch.Size(args[0])
         except (TypeError, OverflowError, RuntimeError) as err:
-            raise PickleMalformed(f"torch.Size of {args[0]!r:.80}: {err}") from err
+            raise PickleMalformed(f"torch.Size of {len(args[0])} ints: {str(err)[:_SHOWN]}") from err
     if kind == "get_layout":
-        if len(args) != 1 or args[0] not in _LAYOUTS:
-            raise PickleMalformed(f"unknown tensor layout {args[0] if args else None!r}")
+        if len(args) != 1 or type(args[0]) is not str or args[0] not in _LAYOUTS:
+            raise PickleMalformed(f"unknown tensor layout: {_describe(args[0]) if len(args) == 1 else 'no name'}")
         return _LAYOUTS[args[0]]
     if kind == "mem_format":
         if len(args) != 1 or not _is_int(args[0]) or args[0] not in _MEMORY_FORMATS:
-            raise PickleMalformed(f"unknown memory-format encoding {args!r}")
+            shown = str(args[0]) if len(args) == 1 and _is_int(args[0]) else _describe(args)
+            raise PickleMalformed(f"unknown memory-format encoding {shown[:_SHOWN]}")
         return _MemFormat(args[0])
     if kind == "OrderedDict":
         if args == ():
             return OrderedDict()
-        if len(args) == 1 and isinstance(args[0], list) and all(isinstance(p, (list, tuple)) for p in args[0]):
-            return OrderedDict(args[0])
+        if len(args) == 1 and type(args[0]) is list:
+            budget.charge(len(args[0]), "OrderedDict")
+            if all(type(p) in (list, tuple) and len(p) == 2 for p in args[0]):
+                _check_flat((p[0] for p in args[0]), "an OrderedDict key")
+                return OrderedDict(args[0])
         raise PickleMalformed("OrderedDict takes no arguments or one list of pairs")
     if kind in ("set", "frozenset"):
-        if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        if len(args) == 1 and type(args[0]) in (list, tuple):
+            budget.charge(len(args[0]), kind)
+            _check_flat(args[0], f"a {kind} element")
             return set(args[0]) if kind == "set" else frozenset(args[0])
         raise PickleMalformed(f"{kind} takes one list")
     if kind == "path":
-        if not all(isinstance(a, str) and "\0" not in a for a in args):
+        budget.charge(len(args), "a path")
+        if not all(type(a) is str and "\0" not in a for a in args):
             raise PickleMalformed("a path takes strings")
+        budget.charge(sum(map(len, args)), "a path")
         return pathlib.PurePosixPath(*args)
     raise _refuse(f"REDUCE of {kind} (DCP creates it with NEWOBJ)")
 
@@ -186,9 +261,10 @@ def _build(target: Any, state: Any) -> None:
         raise _refuse(f"a second BUILD on one {target.kind}")
     if type(state) is not dict:
         state = _state_dict(target.kind, state)
+    _check_flat(state.keys(), f"a {target.kind} field name")
     if not state.keys() <= _FIELD_SETS[target.kind]:
-        unknown = sorted(map(str, state.keys() - _FIELD_SETS[target.kind]))
-        raise _refuse(f"BUILD sets {unknown[0]!r}, which {target.kind} does not have")
+        unknown = min(map(str, state.keys() - _FIELD_SETS[target.kind]))
+        raise _refuse(f"BUILD sets {_clip(unknown)}, which {target.kind} does not have")
     target.state = state
 
 
@@ -223,8 +299,8 @@ def _text_line(data: bytes, pos: int) -> tuple[str, int]:
         raise PickleMalformed("non-ASCII text argument") from err
 
 
-def _interpret(data: bytes) -> Any:
-    """Run the opcodes of ``data`` and return the value STOP leaves.
+def _interpret(data: bytes, budget: _Budget) -> Any:
+    """Run the opcodes of ``data`` and return the value STOP leaves (copies charged to ``budget``).
 
     Kept as one loop with the opcodes ordered by how often DCP metadata uses them: this is the hot
     path of every load (tens of bytes per tensor, millions of opcodes for large models).
@@ -236,6 +312,7 @@ def _interpret(data: bytes) -> Any:
     n = len(data)
     pos = 0
     append = stack.append
+    key_types = _KEY_TYPES
     while True:
         if pos >= n:
             raise PickleMalformed("truncated: no STOP opcode")
@@ -275,7 +352,10 @@ def _interpret(data: bytes) -> Any:
             if len(items) % 2:
                 raise PickleMalformed("SETITEMS with an odd number of items")
             for i in range(0, len(items), 2):
-                target[items[i]] = items[i + 1]
+                k = items[i]
+                if type(k) not in key_types:
+                    _check_flat((k,), "a dict key")
+                target[k] = items[i + 1]
         elif op == 0x81:  # NEWOBJ
             args = stack.pop()
             stack[-1] = _new(stack[-1], args)
@@ -309,7 +389,7 @@ def _interpret(data: bytes) -> Any:
             append(tuple(items))
         elif op == 0x52:  # REDUCE
             args = stack.pop()
-            stack[-1] = _call(stack[-1], args)
+            stack[-1] = _call(stack[-1], args, budget)
         elif op == 0x4E:  # NONE
             append(None)
         elif op == 0x88:  # NEWTRUE
@@ -391,6 +471,8 @@ def _interpret(data: bytes) -> Any:
             pos += 1 + size
         elif op == 0x8B:  # LONG4
             (size,) = unpack_from("<i", data, pos)
+            if size > _MAX_INT_BYTES:
+                raise _refuse(f"an integer of {size} bytes (DCP writes 64-bit integers)")
             if size < 0 or pos + 4 + size > n:
                 raise PickleMalformed("truncated long")
             append(int.from_bytes(data[pos + 4 : pos + 4 + size], "little", signed=True))
@@ -428,12 +510,14 @@ def _interpret(data: bytes) -> Any:
             append = stack.append
             if len(items) % 2:
                 raise PickleMalformed("DICT with an odd number of items")
+            _check_flat(items[::2], "a dict key")
             append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
         elif op == 0x73:  # SETITEM
             v = stack.pop()
             k = stack.pop()
             if type(stack[-1]) is not dict and type(stack[-1]) is not OrderedDict:
                 raise _refuse(f"SETITEM into a {type(stack[-1]).__name__}")
+            _check_flat((k,), "a dict key")
             stack[-1][k] = v
         elif op == 0x8F:  # EMPTY_SET
             append(set())
@@ -443,11 +527,13 @@ def _interpret(data: bytes) -> Any:
             append = stack.append
             if type(stack[-1]) is not set:
                 raise _refuse(f"ADDITEMS to a {type(stack[-1]).__name__}")
+            _check_flat(items, "a set element")
             stack[-1].update(items)
         elif op == 0x91:  # FROZENSET
             items = stack
             stack = metastack.pop()
             append = stack.append
+            _check_flat(items, "a frozenset element")
             append(frozenset(items))
         elif op == 0x92:  # NEWOBJ_EX
             kwargs = stack.pop()
@@ -479,6 +565,8 @@ _REFUSED_OPS = {
 
 
 def _parse_int(text: str) -> int:
+    if len(text) > 2 * _MAX_INT_BYTES:  # 255 bytes are at most 615 decimal digits
+        raise PickleMalformed(f"an integer of {len(text)} digits (DCP writes 64-bit integers)")
     try:
         return int(text)
     except ValueError as err:  # also Python's limit on the digits of a decimal int
@@ -490,7 +578,7 @@ def _resolve(module: str, name: str) -> Any:
         return _TORCH_VALUES[name]
     kind = _GLOBALS.get((module, name))
     if kind is None:
-        raise PickleRefused(f"references {module}.{name}, a global DCP metadata never contains")
+        raise PickleRefused(f"references {module[:_SHOWN]}.{name[:_SHOWN]}, a global DCP metadata never contains")
     return _Token(kind)
 
 
@@ -502,8 +590,10 @@ def _resolve(module: str, name: str) -> Any:
 class _Builder:
     """Turns the parse's records into DCP objects; shared records are converted once."""
 
-    budget: int
+    budget: _Budget
     done: dict[int, Any] = field(default_factory=dict)
+    #: The chunk lists already given to a tensor: DCP never shares one, a crafted file may.
+    chunk_lists: set[int] = field(default_factory=set)
 
     def record(self, value: Any, kind: str, where: str) -> _Record:
         if not isinstance(value, _Record) or value.kind != kind:
@@ -521,9 +611,9 @@ class _Builder:
 
     def plain(self, value: Any, where: str, depth: int = 0) -> Any:
         """A value of the plain vocabulary (for ``planner_data`` and ids), bounded in depth and size."""
-        self.budget -= 1
-        if self.budget < 0 or depth > 32:
-            raise PickleMalformed(f"{where} is nested too deeply or too large")
+        self.budget.charge(1, where)
+        if depth > 32:
+            raise PickleMalformed(f"{where} is nested too deeply")
         if value is None or type(value) in (bool, int, float, str, bytes, torch.Size, torch.dtype, torch.layout):
             return value
         if isinstance(value, pathlib.PurePath):
@@ -552,9 +642,7 @@ class _Builder:
         return Metadata(
             state_dict_metadata={_key(k): self.item(v, _key(k)) for k, v in sdm.items()},
             planner_data=self.plain(st.get("planner_data"), "planner_data"),
-            storage_data=None
-            if storage is None
-            else {self.index(k): self.info(v, repr(k)) for k, v in storage.items()},
+            storage_data=None if storage is None else {self.index(k): self.info(v, k) for k, v in storage.items()},
             storage_meta=None if meta is None else self.storage_meta(meta),
             version=version,
         )
@@ -562,33 +650,37 @@ class _Builder:
     def item(self, value: Any, key: str) -> TensorStorageMetadata | BytesStorageMetadata:
         if isinstance(value, _Record) and value.kind == "BytesStorageMetadata":
             return self.cached(value, lambda st: BytesStorageMetadata())  # type: ignore[no-any-return]
-        rec = self.record(value, "TensorStorageMetadata", f"the entry of {key!r}")
+        rec = self.record(value, "TensorStorageMetadata", f"the entry of {_clip(key)}")
 
         def make(st: dict[str, Any]) -> TensorStorageMetadata:
             chunks = st.get("chunks")
             if type(chunks) is not list:
-                raise PickleMalformed(f"the chunks of {key!r} are not a list")
+                raise PickleMalformed(f"the chunks of {_clip(key)} are not a list")
+            if id(chunks) in self.chunk_lists:
+                raise _refuse(f"one chunk list shared by several tensors ({_clip(key)} and another)")
+            self.chunk_lists.add(id(chunks))
+            self.budget.charge(len(chunks), f"the chunks of {_clip(key)}")
             return TensorStorageMetadata(
                 properties=self.properties(st.get("properties"), key),
-                size=_size(st.get("size"), f"the size of {key!r}"),
+                size=_size(st.get("size"), f"the size of {_clip(key)}"),
                 chunks=[self.chunk(c, key) for c in chunks],
             )
 
         return self.cached(rec, make)  # type: ignore[no-any-return]
 
     def properties(self, value: Any, key: str) -> TensorProperties:
-        rec = self.record(value, "TensorProperties", f"the properties of {key!r}")
+        rec = self.record(value, "TensorProperties", f"the properties of {_clip(key)}")
 
         def make(st: dict[str, Any]) -> TensorProperties:
             dtype, layout, mem = st.get("dtype"), st.get("layout", torch.strided), st.get("memory_format")
             if not isinstance(dtype, torch.dtype) or not isinstance(layout, torch.layout):
-                raise PickleMalformed(f"the dtype or layout of {key!r} is not one torch knows")
+                raise PickleMalformed(f"the dtype or layout of {_clip(key)} is not one torch knows")
             flags = [st.get("requires_grad", False), st.get("pin_memory", False)]
             if not all(type(f) is bool for f in flags):
-                raise PickleMalformed(f"the flags of {key!r} are not bools")
+                raise PickleMalformed(f"the flags of {_clip(key)} are not bools")
             fmt = _MEMORY_FORMATS[mem.value] if isinstance(mem, _MemFormat) else torch.contiguous_format
             if mem is not None and not isinstance(mem, _MemFormat):
-                raise PickleMalformed(f"the memory format of {key!r} is not DCP's encoding")
+                raise PickleMalformed(f"the memory format of {_clip(key)} is not DCP's encoding")
             return TensorProperties(
                 dtype=dtype, layout=layout, requires_grad=flags[0], memory_format=fmt, pin_memory=flags[1]
             )
@@ -596,12 +688,12 @@ class _Builder:
         return self.cached(rec, make)  # type: ignore[no-any-return]
 
     def chunk(self, value: Any, key: str) -> ChunkStorageMetadata:
-        rec = self.record(value, "ChunkStorageMetadata", f"a chunk of {key!r}")
+        rec = self.record(value, "ChunkStorageMetadata", f"a chunk of {_clip(key)}")
         return self.cached(  # type: ignore[no-any-return]
             rec,
             lambda st: ChunkStorageMetadata(
-                offsets=_size(st.get("offsets"), f"a chunk offset of {key!r}"),
-                sizes=_size(st.get("sizes"), f"a chunk size of {key!r}"),
+                offsets=_size(st.get("offsets"), f"a chunk offset of {_clip(key)}"),
+                sizes=_size(st.get("sizes"), f"a chunk size of {_clip(key)}"),
             ),
         )
 
@@ -613,14 +705,18 @@ class _Builder:
             if not isinstance(fqn, str):
                 raise PickleMalformed("a storage_data key has no string fqn")
             if index is not None and not _is_int(index):
-                raise PickleMalformed(f"the storage index of {fqn!r} is not an int")
+                raise PickleMalformed(f"the storage index of {_clip(fqn)} is not an int")
             return MetadataIndex(
-                fqn=fqn, offset=None if offset is None else _size(offset, f"a storage offset of {fqn!r}"), index=index
+                fqn=fqn,
+                offset=None if offset is None else _size(offset, f"a storage offset of {_clip(fqn)}"),
+                index=index,
             )
 
         return self.cached(rec, make)  # type: ignore[no-any-return]
 
-    def info(self, value: Any, where: str) -> Any:
+    def info(self, value: Any, index: _Record) -> Any:
+        fqn = (index.state or {}).get("fqn")
+        where = _clip(fqn) if type(fqn) is str else "a storage_data key"
         rec = self.record(value, "_StorageInfo", f"the storage entry of {where}")
 
         def make(st: dict[str, Any]) -> Any:
@@ -673,17 +769,18 @@ def parse_metadata(data: bytes) -> Metadata:
     as building needs (types of every field); see :func:`ckpt_engine._format.metadata.validate_metadata`
     for the rules between fields.
     """
+    budget = _Budget(len(data))
     try:
-        root = _interpret(data)
+        root = _interpret(data, budget)
     except (PickleRefused, PickleMalformed):
         raise
     except (IndexError, KeyError) as err:  # a GET of an unset memo slot, a pop from an empty stack
-        raise PickleMalformed(f"inconsistent pickle stack or memo ({type(err).__name__}: {err})") from err
+        raise PickleMalformed(f"inconsistent pickle stack or memo ({type(err).__name__}: {str(err)[:_SHOWN]})") from err
     except (struct.error, UnicodeDecodeError, TypeError, ValueError, OverflowError, RecursionError) as err:
-        raise PickleMalformed(f"{type(err).__name__}: {err}") from err
+        raise PickleMalformed(f"{type(err).__name__}: {str(err)[:_SHOWN]}") from err
     try:
-        return _Builder(budget=max(1024, 4 * len(data))).metadata(root)
+        return _Builder(budget=budget).metadata(root)
     except (PickleRefused, PickleMalformed):
         raise
     except (TypeError, ValueError, OverflowError, RecursionError) as err:
-        raise PickleMalformed(f"{type(err).__name__}: {err}") from err
+        raise PickleMalformed(f"{type(err).__name__}: {str(err)[:_SHOWN]}") from err
