@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,11 +139,42 @@ def model_state_dict(modules: Sequence[nn.Module]) -> dict[str, Any]:
     return _merge((get_model_state_dict(m) for m in modules), "model state dict")
 
 
+#: Optimizers shown to keep no state (plain SGD): DCP's state initialisation left them empty.
+_STATELESS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
 def optim_state_dict(modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
-    return _merge(
-        (get_optimizer_state_dict(m, o, options=_OPTIM_OPTIONS) for m, o in zip(modules, optimizers, strict=True)),
-        "optimizer state dict",
-    )
+    pairs = zip(modules, optimizers, strict=True)
+    return _merge((_optimizer_state_dict(m, o) for m, o in pairs), "optimizer state dict")
+
+
+def _optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``get_optimizer_state_dict``, without DCP's state initialisation where it is known to do nothing.
+
+    For an optimizer with no state and no gradients, DCP allocates a zero gradient for every
+    parameter and runs ``optimizer.step()`` with ``lr=0`` to create the state (its
+    ``_init_optim_state``). For a stateless optimizer (plain SGD) that creates nothing, yet costs
+    about two copies of the parameters in every save, bumps every parameter's version counter and
+    runs the step hooks. The first call proves an optimizer stateless (its state is still empty
+    afterwards); later calls give one small parameter a zero gradient for the duration, which is
+    the condition under which DCP skips the initialisation, and take it away again.
+    """
+    if optimizer.state or optimizer not in _STATELESS:
+        sd: dict[str, Any] = get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS)
+        if not optimizer.state:
+            _STATELESS.add(optimizer)
+        return sd
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if not params or any(p.grad is not None for p in params):
+        sd = get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS)
+        return sd
+    smallest = min(params, key=lambda p: p.numel())
+    smallest.grad = torch.zeros_like(smallest)
+    try:
+        sd = get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS)
+    finally:
+        smallest.grad = None
+    return sd
 
 
 def trainer_state_dict(grad_scaler: Any, iteration: int) -> dict[str, Any]:

@@ -6,6 +6,15 @@ optimizer state that continues after ``save()`` returned:
 
 * **CPU**: a worker thread copies tensor by tensor and checks each source's version counter
   right after its copy (an in-place edit that completed before the copy ended is caught).
+* **Edits the counter cannot see.** ``param.data.add_()``, a write through a numpy view or
+  through ``untyped_storage()`` change the bytes without moving the version counter. So
+  ``save()`` also takes a *sample* of each tensor it defers: :data:`SAMPLES` elements at a fixed
+  stride (the whole tensor when it is that small), on the current stream for CUDA tensors. Each
+  copy is compared with its sample, bit for bit, once it is complete: an edit made before the
+  copy that changes a sampled element fails the save. Every whole-tensor edit (``mul_``,
+  ``add_``, ``copy_``, ``clamp_`` of every element, ``zero_``) is caught; an edit of a few
+  elements through such an alias is caught only when it touches a sampled one
+  (docs/plugins.md's table says which edits are caught how).
 * **CUDA**: the copies are queued on a side stream that first waits for the current stream,
   an event is recorded after them, and a thread waits for that event (never the training thread).
 * **The guard**: every optimizer passed to ``save()`` gets a step pre-hook. On CPU it waits for
@@ -51,6 +60,28 @@ __all__ = [
 
 #: Identifies the memory of a tensor: (data pointer, shape, stride, dtype, device).
 TensorKey = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+
+#: Elements sampled from each tensor an ``overlap`` save copies in the background (module docstring).
+SAMPLES = 64
+
+
+def _sample_step(numel: int) -> int:
+    return max(1, (numel - 1) // (SAMPLES - 1))
+
+
+def _sample(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of every ``_sample_step``-th element of a contiguous ``tensor`` and of its last one
+    (a kernel on the current stream for a CUDA tensor: no host sync). With the first and the last
+    element sampled, an edit of the whole tensor that overtakes the copy is caught too: the copy
+    then reads edited bytes up to the end."""
+    flat = tensor.reshape(-1)
+    return torch.cat((flat[:: _sample_step(flat.numel())], flat[-1:]))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two 1-D tensors of one dtype (NaNs included)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 class SnapshotChangedError(CkptEngineError):
@@ -185,7 +216,8 @@ def stage_copy(
     ``objects`` are the tensors met for each source (a DTensor, where ``sources`` holds its
     shard) and name the snapshot's tensors by their keys in ``state``."""
     owned = optimizer_owned(optimizers) if overlap else {}
-    later = [i for i, s in enumerate(sources) if owned and is_owned(s, owned)]
+    # A non-contiguous source is copied now: its sample would cost a copy of its own.
+    later = [i for i, s in enumerate(sources) if owned and is_owned(s, owned) and s.is_contiguous()]
     deferred = set(later)
     now = [i for i in range(len(sources)) if i not in deferred]
     copy_now([views[i] for i in now], [sources[i] for i in now], streams)
@@ -223,6 +255,8 @@ class Snapshot:
         #: Per source: it and the tensors whose in-place changes change it (their counters).
         self._watched = [[s, *w] for s, w in zip(self._sources, watched, strict=True)]
         self._versions = [self._version(i) for i in range(len(self._sources))]
+        with torch.no_grad():  # before the copies are queued: CUDA samples are taken on the current stream
+            self._samples = [_sample(src) if src.numel() else src for src in self._sources]
         self._lock = threading.Lock()
         self._cpu_copied = threading.Event()
         self._copied = threading.Event()
@@ -278,6 +312,7 @@ class Snapshot:
                     if s.device.type != "cuda":
                         v.copy_(s)
                         self._check(i)
+                        self._check_sample(i)
                 self._cpu_copied.set()
                 for event in self._events.values():
                     event.synchronize()
@@ -286,6 +321,9 @@ class Snapshot:
                         for i, s in enumerate(self._sources):
                             if s.device.type == "cuda":
                                 self._check(i)
+                for i, s in enumerate(self._sources):  # the copies against save()'s samples, whenever
+                    if s.device.type == "cuda":
+                        self._check_sample(i)
         except BaseException as err:  # every failure fails this save, never the training loop
             error = (
                 err
@@ -306,6 +344,18 @@ class Snapshot:
     def _check(self, i: int) -> None:
         if self._version(i) != self._versions[i]:
             raise self._changed(i)
+
+    def _check_sample(self, i: int) -> None:
+        """The copy of source ``i`` holds the bits its sample took in ``save()``."""
+        view, sample = self._views[i], self._samples[i]
+        if view.numel() and not _same_bits(_sample(view), sample.cpu()):
+            raise SnapshotChangedError(
+                f"pinned_staging (overlap): {self._names[i]} was changed after save() and before its "
+                "snapshot copy, through an alias whose edits its version counter does not count (param.data, "
+                "a numpy view, untyped_storage()), so this checkpoint would not hold the state at save(); "
+                "the save failed. Call handle.wait_staged() before editing weights or optimizer state "
+                "outside optimizer.step(), or move the edit before save()"
+            )
 
     def _changed(self, i: int) -> SnapshotChangedError:
         return SnapshotChangedError(

@@ -66,6 +66,7 @@ import itertools
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Literal
@@ -182,6 +183,7 @@ class PinnedStagingPlugin:
         self._staged: dict[str, Staged] = {}
         self._streams = StreamPool()
         self._snapshots: list[Snapshot] = []
+        self._warned_no_optimizer = False
         self._writers = WriterSupervisor(
             settings,
             on_mapped=self._pool.on_mapped,
@@ -253,6 +255,15 @@ class PinnedStagingPlugin:
     ) -> Snapshot | None:
         """Copy into ``buffers``: everything now, or (``overlap``) the rest in a background snapshot."""
         views, sources = buffers.slab.views, collector.sources
+        if self.options.overlap and not ctx.optimizers and not self._warned_no_optimizer:
+            self._warned_no_optimizer = True
+            warnings.warn(
+                "pinned_staging: overlap is on, but save() got no optimizer, so nothing guards the next step "
+                "and every tensor is copied inside save() (no overlap). Pass optimizer= to save() to overlap "
+                "the copy of parameters and optimizer state with the next forward and backward pass",
+                UserWarning,
+                stacklevel=2,
+            )
         snapshot = stage_copy(
             views, sources, collector.objects, state, ctx.optimizers, self._streams, overlap=self.options.overlap
         )

@@ -1,0 +1,211 @@
+"""``overlap``: every kind of edit made between ``save()`` and the background copy, and what each
+does (the table in docs/async.md). No edit may commit a torn checkpoint: it is either caught (the
+save fails with ``SnapshotChangedError``) or it never reaches the copy.
+
+The copy thread is held at a gate until the edit is done, so "the edit came before the copy" is
+the schedule every run, not a race the test hopes to win; the gate only delays the plugin's real
+copy thread.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ckpt_engine_plugins import _pinned_copy
+from ckpt_engine_plugins.pinned_staging import PinnedStagingPlugin, SnapshotChangedError
+from torch import nn
+
+from ckpt_engine import CheckpointEngine, CheckpointSaveError
+from ckpt_engine.testing import assert_state_dicts_equal
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_overlap import Trainer, loaded
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[CheckpointEngine]:
+    plugin = PinnedStagingPlugin(PinnedStagingPlugin.Options(overlap=True, close_timeout_s=60))
+    with CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}, plugins=[plugin]) as eng:
+        yield eng
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Holds every overlap copy thread until the test sets the event."""
+    event = threading.Event()
+    run = _pinned_copy.Snapshot._run
+
+    def held(self: _pinned_copy.Snapshot) -> None:
+        assert event.wait(60), "the test never opened the gate"
+        run(self)
+
+    monkeypatch.setattr(_pinned_copy.Snapshot, "_run", held)
+    return event
+
+
+def weight(t: Trainer) -> torch.Tensor:
+    w: torch.Tensor = t.model[0].weight
+    return w
+
+
+def exp_avg(t: Trainer) -> torch.Tensor:
+    state: torch.Tensor = t.optim.state[weight(t)]["exp_avg"]
+    return state
+
+
+#: edit -> (the edit, the key the error names). Each changes the state after save() and before
+#: the copy; the first two move the version counter, the others go through an alias that does not.
+CAUGHT: dict[str, tuple[Callable[[Trainer], Any], str]] = {
+    "in-place op under no_grad": (lambda t: weight(t).mul_(2.0), "model: 0.weight was changed in place"),
+    "copy_ into the parameter": (lambda t: weight(t).copy_(torch.zeros_like(weight(t))), "model: 0.weight"),
+    "param.data.add_()": (lambda t: weight(t).data.add_(1.0), "model: 0.weight was changed after save()"),
+    "optimizer state .data.add_()": (lambda t: exp_avg(t).data.add_(1.0), "optim: state.0.weight.exp_avg"),
+    "numpy view write": (lambda t: weight(t).detach().numpy().__iadd__(1.0), "model: 0.weight"),
+    "untyped_storage().copy_()": (
+        lambda t: weight(t).untyped_storage().copy_(torch.full_like(weight(t), 3.0).untyped_storage()),
+        "model: 0.weight",
+    ),
+    "clamp_ through .data": (lambda t: weight(t).data.clamp_(-1e-3, 1e-3), "model: 0.weight"),
+    "one sampled element through .data": (
+        lambda t: weight(t).data.view(-1)[0].add_(1.0),
+        "model: 0.weight",
+    ),
+    "last element through .data": (lambda t: weight(t).data.view(-1)[-1].add_(1.0), "model: 0.weight"),
+}
+
+
+@pytest.mark.parametrize("name", list(CAUGHT))
+def test_an_edit_before_the_copy_fails_the_save_never_tears_it(
+    engine: CheckpointEngine, gate: threading.Event, tmp_path: Path, name: str
+) -> None:
+    edit, named = CAUGHT[name]
+    trainer = Trainer(width=128)
+    trainer.step()
+    gate.set()
+    engine.save(1, **trainer.objects()).result(timeout=60)
+    gate.clear()
+    handle = engine.save(2, **trainer.objects())
+    with torch.no_grad():
+        edit(trainer)
+    gate.set()
+    with pytest.raises(CheckpointSaveError) as info:
+        handle.result(timeout=60)
+    assert isinstance(info.value.__cause__, SnapshotChangedError), info.value
+    assert named in str(info.value)
+    assert (tmp_path / "ckpt" / "latest_checkpoint.txt").read_text() == "iter_000000001\n"
+    assert not (tmp_path / "ckpt" / "iter_000000002").exists()
+    with pytest.raises(CheckpointSaveError):
+        engine.wait()
+    trainer.step()  # training goes on; the next save is exact
+    want = trainer.snapshot()
+    engine.save(3, **trainer.objects()).result(timeout=60)
+    assert_state_dicts_equal(loaded(tmp_path / "ckpt" / "iter_000000003", tmp_path, 128), want)
+
+
+#: edits that cannot tear the checkpoint: they never touch the memory being copied.
+HARMLESS: dict[str, Callable[[Trainer], Any]] = {
+    # a new tensor for the parameter: the copy still reads the memory save() saw
+    "param.data = new tensor": lambda t: setattr(weight(t), "data", torch.full_like(weight(t), 5.0)),
+    "a new optimizer state tensor": lambda t: t.optim.state[weight(t)].__setitem__("exp_avg", torch.ones(1)),
+}
+
+
+@pytest.mark.parametrize("name", list(HARMLESS))
+def test_an_edit_that_replaces_the_tensor_leaves_the_checkpoint_exact(
+    engine: CheckpointEngine, gate: threading.Event, tmp_path: Path, name: str
+) -> None:
+    trainer = Trainer(width=128)
+    trainer.step()
+    want = trainer.snapshot()
+    handle = engine.save(1, **trainer.objects())
+    with torch.no_grad():
+        HARMLESS[name](trainer)
+    gate.set()
+    assert handle.result(timeout=60).succeeded
+    assert_state_dicts_equal(loaded(tmp_path / "ckpt" / "iter_000000001", tmp_path, 128), want)
+
+
+def test_the_sample_takes_the_first_and_last_element_and_every_step_between() -> None:
+    t = torch.arange(1000, dtype=torch.float32)
+    sample = _pinned_copy._sample(t)
+    step = _pinned_copy._sample_step(1000)
+    assert sample[0] == 0 and sample[-1] == 999
+    assert torch.equal(sample[:-1], t[::step])
+    assert len(sample) <= 2 * _pinned_copy.SAMPLES + 1
+    small = torch.arange(10.0)
+    assert torch.equal(_pinned_copy._sample(small)[:-1], small)  # a small tensor: all of it
+    nan = torch.tensor([float("nan")] * 3)
+    assert _pinned_copy._same_bits(_pinned_copy._sample(nan), _pinned_copy._sample(nan.clone()))
+
+
+# -- optimizers without state, and no optimizer -----------------------------------------------
+
+
+class SgdTrainer:
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        self.optim = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.steps_run = 0
+        self.optim.register_step_pre_hook(lambda *a: setattr(self, "steps_run", self.steps_run + 1))
+
+    def step(self) -> None:
+        self.model(torch.randn(8, 64)).square().mean().backward()
+        self.optim.step()
+        self.optim.zero_grad()
+
+
+def test_a_stateless_optimizer_is_not_stepped_by_later_saves_and_overlap_defers_its_parameters(
+    engine: CheckpointEngine, tmp_path: Path
+) -> None:
+    """DCP's state initialisation ran a fake ``step()`` of plain SGD in every save: zero grads for
+    every parameter, the step hooks, every version counter bumped, and (with overlap) a save()
+    that blocked longer than one without it."""
+    trainer = SgdTrainer()
+    trainer.step()
+    engine.save(1, model=trainer.model, optimizer=trainer.optim).result(timeout=60)  # proves SGD stateless
+    for i in range(2, 5):
+        trainer.step()
+        steps, versions = trainer.steps_run, [p._version for p in trainer.model.parameters()]
+        want = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        result = engine.save(i, model=trainer.model, optimizer=trainer.optim).result(timeout=60)
+        assert trainer.steps_run == steps, "save() stepped the optimizer"
+        assert [p._version for p in trainer.model.parameters()] == versions
+        assert all(p.grad is None for p in trainer.model.parameters())
+        assert result.background_copy_seconds > 0, "the parameters were not copied in the background"
+        fresh = SgdTrainer()
+        with CheckpointEngine({"save_dir": str(tmp_path / "x"), "load_path": str(tmp_path / "ckpt")}) as eng:
+            eng.load(model=fresh.model, optimizer=fresh.optim)
+        assert_state_dicts_equal(fresh.model.state_dict(), want)
+        assert fresh.optim.state_dict()["param_groups"] == trainer.optim.state_dict()["param_groups"]
+
+
+def test_a_stateful_optimizer_that_never_stepped_still_saves_its_full_state(tmp_path: Path) -> None:
+    """The fake step is skipped only for optimizers it proved stateless: a fresh AdamW still gets
+    its exp_avg and exp_avg_sq in the checkpoint, as DCP writes them."""
+    model = nn.Linear(8, 8)
+    optim = torch.optim.AdamW(model.parameters())
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.save(1, model=model, optimizer=optim)
+    from ckpt_engine._format.metadata import read_metadata
+
+    keys = set(read_metadata(tmp_path / "iter_000000001" / "optim").state_dict_metadata)
+    assert "state.weight.exp_avg" in keys and "state.bias.exp_avg_sq" in keys
+
+
+def test_overlap_without_an_optimizer_warns_once_and_copies_in_save(engine: CheckpointEngine) -> None:
+    model = nn.Linear(32, 32)
+    with pytest.warns(UserWarning, match="got no optimizer"):
+        result = engine.save(1, model=model).result(timeout=60)
+    assert result.background_copy_seconds == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.save(2, model=model).result(timeout=60)
