@@ -88,6 +88,10 @@ class CheckpointLoadError(CkptEngineError):
     """Loading a component failed."""
 
 
+class CheckpointLockedError(CheckpointLoadError, TimeoutError):
+    """A checkpoint folder stayed under another process's exclusive lock longer than a load waits."""
+
+
 class LoadStrictnessError(CheckpointLoadError):
     """Strict loading found unresolved problems; the message lists every one of them."""
 
