@@ -274,9 +274,12 @@ class EngineConfig(BaseModel):
     @field_validator("keep_last", "keep_every", "thread_count", mode="before")
     @classmethod
     def _no_bool_counts(cls, v: Any) -> Any:
-        # pydantic takes true as 1: `keep_last: true` would silently keep one checkpoint.
+        # pydantic takes true as 1 and "2" as 2: `keep_last: true` would silently keep one
+        # checkpoint, and a quoted number in a config file is a mistake worth naming.
         if isinstance(v, bool):
             raise ValueError(f"expected a whole number, got {str(v).lower()}")
+        if isinstance(v, str):
+            raise ValueError(f"expected a whole number, got the string {v[:20]!r}; write it without quotes")
         return v
 
     @field_validator("plugins", mode="before")

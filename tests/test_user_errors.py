@@ -239,3 +239,23 @@ def test_load_summary_of_a_te_model(tmp_path: Path, caplog: pytest.LogCaptureFix
         "  skipped by te_extra_state: *._extra_state (6 keys); e.g. 0._extra_state: "
         "Transformer-Engine extra state is not restored (te_extra_state)"
     ]
+
+
+def test_a_load_dir_that_does_not_exist_is_an_error_not_a_fresh_start(tmp_path: Path) -> None:
+    from ckpt_engine import CheckpointNotFoundError
+    from ckpt_engine.testing import TinyTrainingState
+
+    state = TinyTrainingState.create()
+    config = {"save_dir": str(tmp_path / "run"), "load_dir": str(tmp_path / "typo")}
+    with pytest.raises(CheckpointNotFoundError, match=r"load_dir '.*typo' does not exist.*fix load_dir"):
+        CheckpointEngine(config).load(**state.objects())
+    # load_dir naming the (not yet created) save_dir is a fresh run, as without load_dir
+    same = {"save_dir": str(tmp_path / "run"), "load_dir": str(tmp_path / "run") + "/"}
+    assert CheckpointEngine(same).load(**state.objects()).source == "scratch"
+
+
+@pytest.mark.parametrize("field", ["keep_last", "keep_every", "thread_count"])
+def test_a_count_given_as_a_string_is_refused(tmp_path: Path, field: str) -> None:
+    extra = {"keep_last": 3} if field == "keep_every" else {}
+    with pytest.raises(ConfigError, match=rf"{field}.*the string '2'.*without quotes"):
+        EngineConfig(save_dir=str(tmp_path), **{**extra, field: "2"})

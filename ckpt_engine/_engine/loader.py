@@ -162,6 +162,11 @@ class Loader:
             lp = agreed(lambda: resolve_save_folder(cfg.load_path or "", lp_store)) or lp  # its latest
             wanted = components_by_rule(cfg, objs.extra, "load_path")
             return self._load_checkpoint(objs, lp, wanted, "load_path", self.validate(lp, lp_store))
+        if cfg.load_dir and not _same_dir(cfg.load_dir, cfg.save_dir) and not agreed(lambda: store.isdir(load_dir)):
+            raise CheckpointNotFoundError(
+                f"load_dir {load_dir!r} does not exist, so there is nothing to resume from; fix load_dir, or "
+                "unset it to resume from save_dir (a missing checkpoint is never a silent fresh start)"
+            )
         if _dist.rank() == 0:
             logger.info("no checkpoint in %s and no load_path: starting from scratch", load_dir)
         return LoadResult(iteration=0, checkpoint_path=None, report=LoadReport(), source="scratch")
@@ -460,3 +465,8 @@ class Loader:
         if _dist.rank() == 0:
             logger.info("loaded model weights from %s (non-strict)\n%s", path, report.summary())
         return LoadResult(iteration=0, checkpoint_path=path, report=report, source="pth", components=("model",))
+
+
+def _same_dir(a: str, b: str) -> bool:
+    """Whether two configured folders are one (a fresh run's ``load_dir`` may be its ``save_dir``)."""
+    return a.rstrip("/") == b.rstrip("/") or ("://" not in a and os.path.abspath(a) == os.path.abspath(b))
