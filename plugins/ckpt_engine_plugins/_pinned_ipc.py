@@ -90,6 +90,8 @@ class Init:
     store_prefix: str
     start_timeout_s: float
     write_timeout_s: float
+    #: Seconds between the writer's heartbeats (:class:`Beat`).
+    heartbeat_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,14 @@ class Shutdown:
 class Ready:
     pid: int
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """The writer is running: sent every ``Init.heartbeat_s`` by a thread of its own, with the
+    bytes the process has written so far (``/proc/self/io``'s ``wchar``; -1 where unknown)."""
+
+    bytes_written: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from typing import Any
 from ckpt_engine import CheckpointSaveError, CkptEngineError, WriteResult
 
 from ._pinned_ipc import (
+    Beat,
     Done,
     Drained,
     Init,
@@ -125,6 +126,10 @@ class WriterProcess:
         self.ready = False
         self.ready_seconds: float | None = None
         self.started = time.monotonic()
+        #: When the writer was last heard from (any message; it beats every ``Init.heartbeat_s``).
+        self.last_heard = self.started
+        #: Its last reported bytes written (``Beat``), for the stall message.
+        self.bytes_written = -1
         self.error: PinnedWriterError | None = None
         self._start_error: str | None = None
         self._kill_reason: str | None = None
@@ -277,7 +282,10 @@ class WriterProcess:
             except (OSError, pickle.UnpicklingError, EOFError) as err:
                 reason = f"its messages could not be read ({err})"
                 break
-            if isinstance(msg, Done):
+            self.last_heard = time.monotonic()
+            if isinstance(msg, Beat):
+                self.bytes_written = msg.bytes_written
+            elif isinstance(msg, Done):
                 self._resolve(msg)
             elif isinstance(msg, Drained):
                 if self._on_drained is not None:

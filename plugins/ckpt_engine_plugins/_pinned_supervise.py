@@ -47,10 +47,23 @@ class WriterSettings:
     start_timeout_s: float
     write_timeout_s: float
     close_timeout_s: float
+    #: A writer silent this long while a write is pending is stopped or frozen (see ``watch``).
+    heartbeat_timeout_s: float = 30.0
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How often the writer beats: ten beats per timeout, at most one a second."""
+        return min(1.0, self.heartbeat_timeout_s / 10)
 
     @classmethod
     def for_job(
-        cls, instance: int, *, start_timeout_s: float, write_timeout_s: float, close_timeout_s: float
+        cls,
+        instance: int,
+        *,
+        start_timeout_s: float,
+        write_timeout_s: float,
+        close_timeout_s: float,
+        heartbeat_timeout_s: float = 30.0,
     ) -> WriterSettings:
         """This process's rank in the job, and the job's rendezvous store (torchrun's) with several ranks."""
         rank, world = _job_rank_world()
@@ -72,6 +85,7 @@ class WriterSettings:
             start_timeout_s=start_timeout_s,
             write_timeout_s=write_timeout_s,
             close_timeout_s=close_timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
         )
 
 
@@ -185,6 +199,7 @@ class WriterSupervisor:
             store_prefix=f"ckpt_engine/pinned_staging/{run}/{restart}/{s.instance}/{generation}/",
             start_timeout_s=s.start_timeout_s,
             write_timeout_s=s.write_timeout_s,
+            heartbeat_s=s.heartbeat_s,
         )
         writer = WriterProcess(
             init,
@@ -241,8 +256,16 @@ class WriterSupervisor:
             writer.kill(f"it did not become ready within writer_start_timeout_s={s.start_timeout_s:g}s")
             return exit_deadline
         age = writer.oldest_pending_age()
+        silent = now - writer.last_heard
         if age is not None and age > s.write_timeout_s:
             writer.kill(f"a write was still pending after write_timeout_s={s.write_timeout_s:g}s")
+        elif age is not None and writer.ready and min(age, silent) > s.heartbeat_timeout_s:
+            written = f" (it had written {writer.bytes_written} bytes)" if writer.bytes_written >= 0 else ""
+            writer.kill(
+                f"it sent no heartbeat for {silent:.0f}s while a write was pending, more than "
+                f"heartbeat_timeout_s={s.heartbeat_timeout_s:g}s: the process is stopped (SIGSTOP, a debugger) "
+                f"or frozen{written}"
+            )
         elif age is not None and self.close_deadline is not None and now > self.close_deadline:
             writer.kill(self.close_reason())
         elif age is not None and not threading.main_thread().is_alive():

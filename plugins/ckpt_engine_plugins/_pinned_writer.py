@@ -35,6 +35,7 @@ from typing import Any
 
 from ._pinned_ipc import (
     Alloc,
+    Beat,
     Done,
     Drained,
     Free,
@@ -341,6 +342,27 @@ def _pump(fd_in: int, inbox: queue.Queue[Any], board: Any) -> None:
             return
 
 
+def _beat(send: Any, interval: float) -> None:
+    """Tell the training process this writer runs (a stopped or frozen one falls silent)."""
+    while True:
+        time.sleep(interval)
+        try:
+            send(Beat(_bytes_written()))
+        except OSError:
+            return  # the training process is gone; the main loop exits
+
+
+def _bytes_written() -> int:
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f.read(4096).splitlines():
+                if line.startswith(b"wchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return -1
+
+
 def main(argv: list[str]) -> None:
     fd_in, fd_out = int(argv[1]), int(argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -374,6 +396,7 @@ def main(argv: list[str]) -> None:
     writer.board, writer.send = board, send
     try:
         send(Ready(os.getpid(), time.perf_counter() - t0))
+        threading.Thread(target=_beat, args=(send, init.heartbeat_s), name="pinned-writer-beat", daemon=True).start()
         while True:
             msg = inbox.get()
             if isinstance(msg, Shutdown):

@@ -125,6 +125,13 @@ class PinnedStagingPlugin:
             "fails with an error naming its pid and the writes in flight. Also the writer group's collective "
             "timeout. Raise it for states that take longer to write.",
         )
+        heartbeat_timeout_s: float = Field(
+            default=30.0,
+            gt=0,
+            description="The writer process beats from a thread of its own; one silent this long while a write "
+            "is pending is stopped or frozen, and is killed so the save fails with an error saying so (a slow "
+            "writer keeps beating and is bounded by write_timeout_s instead).",
+        )
         thread_count: int | None = Field(
             default=None, ge=1, le=64, description="DCP writer threads; default: the engine's thread_count."
         )
@@ -165,6 +172,7 @@ class PinnedStagingPlugin:
             start_timeout_s=opts.writer_start_timeout_s,
             write_timeout_s=opts.write_timeout_s,
             close_timeout_s=opts.close_timeout_s,
+            heartbeat_timeout_s=opts.heartbeat_timeout_s,
         )
         self._rank, self._world = settings.rank, settings.world
         shm_dir = opts.shm_dir or default_shm_dir()
