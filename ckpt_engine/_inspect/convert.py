@@ -11,6 +11,9 @@ Memory stays bounded by the largest tensor (plus a read batch), never the whole 
   through the page cache instead of held in memory.
 
 Both write to a temporary name and rename into place, so a failed conversion leaves no file.
+
+:func:`check_output` refuses, before anything is written, an output that would overwrite or
+(with ``--force``) remove what is being converted, or any checkpoint or save folder.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ from typing import Any
 
 import torch
 
+from .._format.names import LATEST_FILE, LEFTOVER_RE, MANIFEST_FILE, METADATA_FILE
 from .._format.safetensors import DTYPE_CODES
+from .._storage.urls import is_url, local_path
+from ..errors import UsageError
 from .optim_layout import NotOptimizerStateError, nest_optimizer_state
-from .reader import DEFAULT_BUDGET, ComponentReader, KeyInfo, Unreadable
+from .reader import DEFAULT_BUDGET, ComponentReader, KeyInfo, Target, Unreadable, is_save_dir
 
-__all__ = ["SAFETENSORS_DTYPES", "convert_component", "require_safetensors"]
+__all__ = ["SAFETENSORS_DTYPES", "check_output", "convert_component", "require_safetensors"]
 
 #: The safetensors dtype codes (one table, in the format's module).
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = DTYPE_CODES
@@ -47,6 +53,99 @@ def require_safetensors() -> Any:
             "(or pip install 'ckpt-engine[safetensors]')"
         ) from err
     return safetensors
+
+
+def check_output(out: str, target: Target) -> None:
+    """Refuse ``out`` (a :class:`~ckpt_engine.errors.UsageError` naming the path and the fix)
+    when writing it, or replacing it with ``--force``, could destroy a checkpoint:
+
+    * ``out`` is, is inside, or contains the input: the folder given, the checkpoint it resolves
+      to, its component folders, and the save folder that checkpoint is in (``iter_*`` folders
+      and ``latest_checkpoint.txt``), compared by resolved real path (symbolic links followed)
+      and by device and inode (bind mounts, case-insensitive filesystems);
+    * ``out`` is a save folder, a checkpoint folder or a component folder (of any run).
+
+    Called before anything is written; nothing is changed when it raises.
+    """
+    out_real = os.path.realpath(local_path(out))
+    inputs = _input_folders(target)
+    for folder in inputs:
+        if _is_within(out_real, folder):
+            what = "is" if _same(out_real, folder) else "is inside"
+            raise UsageError(
+                f"OUT {out} {what} {folder}, which is being converted (a checkpoint or its save folder); "
+                "writing there would overwrite the checkpoints and --force would remove them. Write the "
+                f"export outside it, e.g. {os.path.join(os.path.dirname(inputs[0]), 'hf_model')}"
+            )
+        if _is_within(folder, out_real):
+            raise UsageError(
+                f"OUT {out} contains {folder}, which is being converted; --force would remove the "
+                f"checkpoints with it. Name a new folder for the export, e.g. {os.path.join(out, 'hf_model')}"
+            )
+    holds = _holds_checkpoints(out_real)
+    if holds is not None:
+        raise UsageError(
+            f"OUT {out} is {holds}; convert never replaces checkpoints, not even with --force. Name another "
+            "OUT (remove the folder yourself first if its checkpoints are really no longer needed)"
+        )
+
+
+def _input_folders(target: Target) -> list[str]:
+    """The real paths of the folders ``target`` reads, outermost first: the save folder the
+    checkpoint is in (when it is in one), the checkpoint, its component folders, the path given."""
+    if is_url(target.given):
+        return []  # an object store: nothing local to overlap with
+    given, checkpoint = local_path(target.given), local_path(target.checkpoint)
+    read = [checkpoint, *map(local_path, target.components.values()), given]
+    found = [os.path.realpath(p) for p in read]
+    for parent in (os.path.dirname(os.path.abspath(checkpoint)), os.path.dirname(os.path.realpath(checkpoint))):
+        if is_save_dir(parent):  # an iter_ folder of a run: the run is protected too
+            found.append(os.path.realpath(parent))
+    return sorted(dict.fromkeys(found), key=lambda p: (p.count(os.sep), p))
+
+
+def _ancestry(path: str) -> list[str]:
+    """``path`` and every folder above it."""
+    chain = [path]
+    while os.path.dirname(chain[-1]) != chain[-1]:
+        chain.append(os.path.dirname(chain[-1]))
+    return chain
+
+
+def _same(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def _is_within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or anywhere inside it (both real paths)."""
+    return any(_same(p, folder) for p in _ancestry(path))
+
+
+def _holds_checkpoints(path: str) -> str | None:
+    """What ``path`` is when it is a save folder, a checkpoint or a component folder; else None."""
+    try:
+        with os.scandir(path) as it:
+            entries = [(e.name, e.is_dir()) for e in it]
+    except OSError:  # not there, not a folder: nothing to protect
+        return None
+    names = {name for name, _ in entries}
+    if LATEST_FILE in names:
+        return f"a save folder (it holds {LATEST_FILE})"
+    runs = sorted(n for n, is_dir in entries if is_dir and (n.startswith("iter_") or LEFTOVER_RE.match(n)))
+    if runs:
+        return f"a save folder (it holds {runs[0]}{', ...' if len(runs) > 1 else ''})"
+    if METADATA_FILE in names:
+        return f"a checkpoint component folder (it holds {METADATA_FILE})"
+    if MANIFEST_FILE in names or any(
+        is_dir and os.path.isfile(os.path.join(path, n, METADATA_FILE)) for n, is_dir in entries
+    ):
+        return "a checkpoint folder (it holds component folders)"
+    return None
 
 
 def _out_dtype(info: KeyInfo, cast: torch.dtype | None) -> torch.dtype:

@@ -11,6 +11,9 @@ with ``transformers``, and back into a model through ``load_path``.
   read a batch at a time (``--budget``, default 64 MiB, or one tensor if larger) and appended.
 * **Nothing half-written:** the folder is built under a temporary name next to ``OUT_DIR`` and
   renamed into place; every file is fsynced first. Each header is read back and checked.
+* **Replacing** (``replace=True``): the previous folder is moved aside, the new one renamed in,
+  the old one removed; if the rename fails the previous folder is put back. ``OUT_DIR`` a symbolic
+  link to a folder: the folder it points to is replaced and the link kept (see :func:`_destination`).
 * Non-tensor values (safetensors holds tensors only) are skipped and listed.
 """
 
@@ -97,7 +100,10 @@ def export_hf(
     shards = _shards(sizes, max_shard_size)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    tmp = f"{out_dir.rstrip('/')}.tmp.{os.getpid()}"
+    dest = _destination(out_dir)
+    if os.path.lexists(dest) and not replace:
+        raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
+    tmp = f"{dest}.tmp.{os.getpid()}"
     os.makedirs(tmp)
     try:
         for name, shard in zip(names, shards, strict=True):
@@ -109,7 +115,7 @@ def export_hf(
             }
             _write_file(os.path.join(tmp, INDEX_FILE), json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
         _fsync_dir(tmp)
-        _move_into_place(tmp, out_dir, replace)
+        _move_into_place(tmp, dest, replace)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return HFExport(out_dir, tuple(names), sum(s for _, s in sizes), len(tensors), left_out)
@@ -154,14 +160,48 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _move_into_place(tmp: str, out_dir: str, replace: bool) -> None:
+def _destination(out_dir: str) -> str:
+    """The folder to build: ``out_dir``, or the folder it points to when it is a symbolic link.
+
+    A link to a folder is kept and its target replaced: a link named as the output usually puts a
+    large export on another disk, and a careful user expects ``--force`` to refresh the export
+    where the link points, not to swap the link for a folder on the link's own disk (nor to fail
+    after writing, as ``rmtree`` on a link does). The new folder is built next to the target, on
+    its filesystem, so the final rename stays atomic. A link that points nowhere, or to a file,
+    is refused: what it should become is not for the export to guess.
+    """
+    path = os.path.normpath(out_dir)
+    if not os.path.islink(path):
+        return path
+    real = os.path.realpath(path)
+    if not os.path.isdir(real):
+        raise ValueError(
+            f"{out_dir} is a symbolic link to {real}, which is not a folder; point the link at a folder "
+            "(or remove the link) and convert again"
+        )
+    return real
+
+
+def _move_into_place(tmp: str, dest: str, replace: bool) -> None:
     old = None
-    if os.path.exists(out_dir):
+    if os.path.lexists(dest):
         if not replace:
-            raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
-        old = f"{out_dir.rstrip('/')}.old.{os.getpid()}"
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    _fsync_dir(os.path.dirname(os.path.abspath(out_dir)))
+            raise FileExistsError(f"{dest} exists; pass --force to replace it")
+        if os.path.islink(dest) or not os.path.isdir(dest):
+            raise ValueError(f"{dest} is not a folder; --to hf replaces only a folder")
+        old = f"{dest}.old.{os.getpid()}"
+        os.rename(dest, old)
+    try:
+        os.rename(tmp, dest)
+    except BaseException:
+        if old is not None:
+            os.rename(old, dest)  # the previous export back where it was
+        raise
+    _fsync_dir(os.path.dirname(os.path.abspath(dest)))
     if old is not None:
-        shutil.rmtree(old)
+        try:
+            shutil.rmtree(old)
+        except OSError as err:
+            raise ValueError(
+                f"wrote {dest}, but could not remove the previous export, moved to {old}: {err}; remove it by hand"
+            ) from err

@@ -17,7 +17,7 @@ _SUFFIXES = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".b
 def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from .._inspect.convert import ConvertError, convert_component, require_safetensors
+    from .._inspect.convert import ConvertError, check_output, convert_component, require_safetensors
     from .._inspect.reader import human_bytes
 
     fmt = args.to or _SUFFIXES.get(os.path.splitext(args.out)[1].lower())
@@ -35,9 +35,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if not isinstance(cast, torch.dtype) or not cast.is_floating_point:
             raise UsageError(f"--dtype {args.dtype!r} is not a floating-point torch dtype (e.g. bfloat16, float16)")
     out = args.out
-    if os.path.exists(out) and not args.force:
-        raise UsageError(f"{out} exists; pass --force to overwrite it")
     target, reader, keys = _component_keys(args)
+    check_output(out, target)  # before "exists": --force must not be suggested for the input itself
+    if os.path.isdir(out):
+        name = "model.safetensors" if fmt == "safetensors" else "model.pt"
+        raise UsageError(f"{out} is a folder; --to {fmt} writes one file: name a file, e.g. {os.path.join(out, name)}")
+    if os.path.lexists(out) and not args.force:
+        raise UsageError(f"{out} exists; pass --force to overwrite it")
     total = sum(reader.keys[k].nbytes for k in keys)
     bar = Progress(f"converting {args.component}", total)
     t0 = time.perf_counter()
@@ -77,6 +81,7 @@ def _convert_hf(args: argparse.Namespace) -> int:
     import torch
 
     from .._format.safetensors import INDEX_FILE, SINGLE_FILE
+    from .._inspect.convert import check_output
     from .._inspect.hf_export import DTYPE_ALIASES, export_hf
     from .._inspect.reader import human_bytes
 
@@ -86,11 +91,17 @@ def _convert_hf(args: argparse.Namespace) -> int:
         if not isinstance(cast, torch.dtype) or not cast.is_floating_point:
             raise UsageError(f"--dtype {args.dtype!r} is not a floating-point dtype (e.g. bf16, bfloat16, float16)")
     out = args.out
-    if os.path.exists(out) and not args.force:
+    target, reader, keys = _component_keys(args)
+    check_output(out, target)  # before "exists": --force must not be suggested for the input itself
+    if os.path.islink(os.path.normpath(out)) and not os.path.isdir(out):
+        raise UsageError(
+            f"{out} is a symbolic link to {os.path.realpath(out)}, which is not a folder; point the link "
+            "at a folder (or remove the link) and convert again"
+        )
+    if os.path.lexists(out) and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"{out} is a file; --to hf writes a folder")
-    target, reader, keys = _component_keys(args)
     bar = Progress(f"converting {args.component}", sum(reader.keys[k].nbytes for k in keys))
     t0 = time.perf_counter()
     try:
@@ -104,7 +115,7 @@ def _convert_hf(args: argparse.Namespace) -> int:
             budget=args.budget,
             replace=args.force,
         )
-    except ValueError as err:
+    except (ValueError, FileExistsError) as err:
         raise UsageError(str(err)) from err
     finally:
         bar.close()
