@@ -160,11 +160,13 @@ class CheckpointPermissionError(CkptEngineError, PermissionError):
     """A checkpoint file or folder cannot be read (or written) for lack of permission."""
 
 
-class CollectiveTimeoutError(CkptEngineError, TimeoutError):
-    """Ranks did not all reach a collective of a save or a load within ``collective_timeout_s``.
+class CollectiveError(CkptEngineError):
+    """A collective of a save or a load did not complete on every rank.
 
-    Raised on the ranks that waited (naming the ranks that did not arrive and the checkpoint phase
-    each last published) and on a rank that arrived after the others had given up."""
+    ``committed`` says what became of the save's checkpoint where the error ends a save: ``True``
+    when rank 0 had committed it before the collective failed (``latest_checkpoint.txt`` names
+    it), ``False`` when it was not committed, ``None`` where this rank cannot know (ask rank 0's
+    log, or look at ``latest_checkpoint.txt``)."""
 
     def __init__(self, message: str, *, step: str = "", missing: Sequence[int] = ()) -> None:
         super().__init__(message)
@@ -172,6 +174,22 @@ class CollectiveTimeoutError(CkptEngineError, TimeoutError):
         self.step = step
         #: The ranks that did not arrive (empty on a rank that arrived late).
         self.missing = tuple(missing)
+        self.committed: bool | None = None
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """Ranks did not all reach a collective of a save or a load within ``collective_timeout_s``.
+
+    Raised on the ranks that waited (naming the ranks that did not arrive and the checkpoint phase
+    each last published) and on a rank that arrived after the others had given up."""
+
+
+class ProcessGroupError(CollectiveError):
+    """A collective of a save or a load failed inside ``torch.distributed``: a peer rank's
+    connection closed (it died) or it stopped answering within gloo's timeout (it was stopped),
+    or the engine could not create its process group because a rank is gone. The message names
+    this rank, the collective and the checkpoint phase; the job's process group is broken, so the
+    job must restart (torchrun's ``--max-restarts`` does that)."""
 
 
 class StorageError(CkptEngineError):

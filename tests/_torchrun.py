@@ -8,6 +8,7 @@ SIGABRT at interpreter teardown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -71,3 +72,50 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 120.0
     finally:
         shutil.rmtree(results_dir, ignore_errors=True)
     return TorchrunResult(proc.returncode, proc.stdout, proc.stderr, lines)
+
+
+def run_ranks(script: str, *args: str, nproc: int = 2, timeout: float = 120.0) -> TorchrunResult:
+    """Run ``tests/dist_scripts/<script>`` as ``nproc`` plain processes (``env://`` rendezvous on a
+    free loopback port), without torchrun's agent: a rank that dies or stops is not followed by
+    the agent killing the others, so a test can see what the survivors do. Ranks still running
+    at ``timeout`` are killed (SIGKILL, after SIGCONT) and the test fails."""
+    import signal
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results_dir = tempfile.mkdtemp(prefix="ckpt-ranks-results-")
+    base = dict(os.environ)
+    base.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+    base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)})
+    base["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), base.get("PYTHONPATH", "")])
+    base["CKPT_TEST_RESULTS_DIR"] = results_dir
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / script), *args],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(nproc)
+    ]
+    try:
+        outputs = []
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                out = ""
+            outputs.append(out or "")
+        lines = "".join(Path(results_dir, name).read_text(encoding="utf-8") for name in sorted(os.listdir(results_dir)))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGCONT)
+                    proc.kill()
+                proc.wait()
+        shutil.rmtree(results_dir, ignore_errors=True)
+    return TorchrunResult(procs[0].returncode, "\n".join(outputs), "", lines)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .watch import active_watch
+from .watch import active_watch, c10d_failure
 
 
 def initialized() -> bool:
@@ -38,13 +38,28 @@ def _bounded_group(step: str) -> Any:
     return watch.group
 
 
+@contextlib.contextmanager
+def _typed(step: str) -> Iterator[None]:
+    """Inside an engine save or load, a collective that fails in torch.distributed (a peer died
+    or was stopped) raises :class:`~ckpt_engine.errors.ProcessGroupError` naming ``step``."""
+    try:
+        yield
+    except Exception as err:
+        watch = active_watch()
+        if watch is None or not c10d_failure(err):
+            raise
+        raise watch.broken(step, err) from err
+
+
 def all_gather_object(obj: Any, step: str = "sync") -> list[Any]:
     """Every rank's ``obj``, in rank order; ``[obj]`` without a process group. Inside a save or a
     load, bounded by ``collective_timeout_s`` (``step`` names it in the error)."""
     if not initialized():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=_bounded_group(step))
+    group = _bounded_group(step)
+    with _typed(step):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -53,7 +68,9 @@ def broadcast_object(obj: Any, src: int = 0, step: str = "sync") -> Any:
     if not initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_bounded_group(step))
+    group = _bounded_group(step)
+    with _typed(step):
+        dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

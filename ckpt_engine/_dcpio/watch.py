@@ -40,10 +40,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveError, CollectiveTimeoutError, ProcessGroupError, clip
 from .torch_private import default_store
 
-__all__ = ["PHASE_LOG", "CollectiveWatch", "activate", "active_watch", "phase"]
+__all__ = ["PHASE_LOG", "CollectiveWatch", "activate", "active_watch", "c10d_failure", "phase"]
 
 _ids = itertools.count()
 _local = threading.local()
@@ -95,7 +95,17 @@ class CollectiveWatch:
         Collective (it creates a process group): every rank calls it at the same point."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        try:
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        except Exception as err:
+            if not c10d_failure(err):
+                raise
+            raise ProcessGroupError(
+                f"rank {dist.get_rank()}: could not create the process group that bounds this engine's "
+                f"collectives ({type(err).__name__}: {clip(str(err), 200)}): a rank of this job died or is "
+                "stopped, so the job's process group is broken. Restart the job (torchrun --max-restarts)",
+                step="new_group",
+            ) from err
         # Ranks create process groups in the same order, so they count watches alike.
         namespace = f"ckpt_engine/watch/{next(_ids)}/"
         return cls(
@@ -143,6 +153,28 @@ class CollectiveWatch:
 
     def barrier(self, step: str) -> None:
         """Wait until every rank reached collective ``step``; at most ``timeout_s``."""
+        try:
+            self._barrier(step)
+        except CollectiveError:
+            raise
+        except Exception as err:
+            if not c10d_failure(err):
+                raise
+            raise self.broken(step, err) from err
+
+    def broken(self, step: str, err: BaseException) -> ProcessGroupError:
+        """The error for collective ``step`` failing inside torch.distributed (``err``): a peer
+        died or was stopped. The watch's group is closed: nothing runs on it again."""
+        self.group_failed()
+        return ProcessGroupError(
+            f"{self.who} {self.rank}: the collective '{step}' failed in torch.distributed during phase "
+            f"'{self._phase}' ({type(err).__name__}: {clip(str(err), 200)}): a peer {self.who} died or was "
+            f"stopped (its connection closed, or it did not answer within {_fmt(self.timeout_s)} s). The job's "
+            "process group is broken: restart the job (torchrun --max-restarts)",
+            step=step,
+        )
+
+    def _barrier(self, step: str) -> None:
         if self.group is None:
             raise CollectiveTimeoutError(
                 f"{self.who} {self.rank}: an earlier collective of this engine timed out; its process group is closed",
@@ -164,9 +196,7 @@ class CollectiveWatch:
             if failure is not None and (verdict == mine or not self.monitored):
                 if self.monitored and time.monotonic() - t0 < 0.9 * self.timeout_s:
                     # Not a timeout: a peer's connection closed (it died before the barrier).
-                    raise RuntimeError(
-                        f"{self.who} {self.rank}: the collective '{step}' failed: {failure}"
-                    ) from failure
+                    raise self.broken(step, failure) from failure
                 raise self._timeout_error(step, seq)
             raise CollectiveTimeoutError(
                 f"{self.who} {self.rank} reached '{step}' after the other ranks stopped waiting for it "
@@ -228,6 +258,20 @@ class CollectiveWatch:
     def group_failed(self) -> None:
         """After a failed barrier the ranks no longer agree on where they are: stop using the group."""
         self.close()
+
+
+def c10d_failure(err: BaseException) -> bool:
+    """Whether ``err`` was raised by torch.distributed's communication (a gloo or NCCL error, a
+    store error), not by the code that called it: a ``DistError``, or an error raised from
+    ``distributed_c10d`` itself (gloo reports a closed peer as a plain ``RuntimeError`` there)."""
+    if isinstance(err, dist.DistError):
+        return True
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(
+        "torch/distributed/distributed_c10d.py"
+    )
 
 
 @contextlib.contextmanager

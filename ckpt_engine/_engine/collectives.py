@@ -6,7 +6,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .._dcpio.watch import CollectiveWatch, activate, active_watch
+from .._dcpio.watch import CollectiveWatch, activate, active_watch, c10d_failure
+from ..errors import CkptEngineError, ProcessGroupError
 
 __all__ = ["bounded", "close_watch", "watch_group"]
 
@@ -15,7 +16,15 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def _engine_watch(engine: Any) -> CollectiveWatch | None:
     """The engine's watch, created at its first save or load (a collective: every rank is there),
-    and again after a timeout closed the previous one."""
+    and again after a timeout closed the previous one. After a rank was lost the job's process
+    group is broken: every later save or load fails at once instead of waiting in ``new_group``."""
+    broken: ProcessGroupError | None = getattr(engine, "_broken", None)
+    if broken is not None:
+        raise ProcessGroupError(
+            f"this engine's process group broke in an earlier save or load ({broken}); nothing more can be "
+            "saved or loaded in this job: restart it",
+            step=broken.step,
+        )
     watch: CollectiveWatch | None = getattr(engine, "_watch", None)
     if watch is None or watch.group is None:
         watch = CollectiveWatch.create(engine.config.collective_timeout_s)
@@ -24,14 +33,28 @@ def _engine_watch(engine: Any) -> CollectiveWatch | None:
 
 
 def bounded(method: _F) -> _F:
-    """Run an engine method (``save``, ``load``) with the engine's watch active in this thread."""
+    """Run an engine method (``save``, ``load``) with the engine's watch active in this thread.
+
+    A failure inside torch.distributed that reaches the caller untyped (a peer died during one of
+    DCP's own collectives) becomes a :class:`~ckpt_engine.errors.ProcessGroupError`, and any such
+    error marks the engine broken (see :func:`_engine_watch`)."""
 
     @functools.wraps(method)
     def wrapper(engine: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(engine, "_closed", False) or active_watch() is not None:
             return method(engine, *args, **kwargs)
-        with activate(_engine_watch(engine)):
-            return method(engine, *args, **kwargs)
+        watch = _engine_watch(engine)
+        try:
+            with activate(watch):
+                return method(engine, *args, **kwargs)
+        except ProcessGroupError as err:
+            engine._broken = err
+            raise
+        except Exception as err:
+            if watch is None or isinstance(err, CkptEngineError) or not c10d_failure(err):
+                raise
+            engine._broken = typed = watch.broken(method.__name__, err)
+            raise typed from err
 
     return wrapper  # type: ignore[return-value]
 

@@ -30,7 +30,7 @@ from .._dcpio import dist as _dist
 from .._dcpio.watch import phase as publish_phase
 from .._format.digests import written_entries
 from .._format.manifest import FileEntry, list_files, owner_rank
-from ..errors import CheckpointSaveError, CollectiveTimeoutError
+from ..errors import CheckpointSaveError, CollectiveError
 from ..pipeline import Pipeline
 from .consensus import agree, unwrap
 from .targets import SavePaths, SaveTarget
@@ -70,7 +70,8 @@ def run_commit(
     entries: dict[str, FileEntry] = {}
     if target.ranks_publish_files or (collective and world > 1):
         entries = _gather_entries(target, paths, phase, collective=collective, algorithm=algorithm)
-        if isinstance(phase.error, CollectiveTimeoutError):
+        if isinstance(phase.error, CollectiveError):
+            _say_committed(phase.error, False, paths)
             return phase
     if phase.error is None and _dist.rank() == 0:
         try:
@@ -88,12 +89,30 @@ def run_commit(
         # Doubles as the barrier that keeps ranks from running ahead of the commit.
         try:
             committed = agree(phase.error, fallback=CheckpointSaveError, step="committed").first
-        except CollectiveTimeoutError as err:
+        except CollectiveError as err:
+            # Rank 0 knows whether it committed; another rank cannot tell from here.
+            _say_committed(err, phase.error is None if _dist.rank() == 0 else None, paths)
             phase.error = err
             return phase
         if phase.error is None and committed is not None:
             phase.error = CheckpointSaveError(f"rank {committed.rank} failed to commit: {committed.text}")
     return phase
+
+
+def _say_committed(err: CollectiveError, committed: bool | None, paths: SavePaths) -> None:
+    """Record on ``err`` (and in its message) what became of the checkpoint of ``paths``."""
+    err.committed = committed
+    if committed is None:
+        what = (
+            f"whether iteration {paths.iteration} was committed is known to rank 0 only: "
+            "latest_checkpoint.txt names it if it was"
+        )
+    elif committed:
+        what = f"iteration {paths.iteration} was committed at {paths.final} before that (latest names it)"
+    else:
+        what = f"iteration {paths.iteration} was not committed (latest_checkpoint.txt is unchanged)"
+    if err.args and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}; {what}", *err.args[1:])
 
 
 def _wait_writes(pipeline: Pipeline, outcomes: Sequence[Any], phase: CommitPhase) -> None:
@@ -127,7 +146,7 @@ def _gather_entries(
     if collective:
         try:
             wrote = agree(phase.error, entries, fallback=CheckpointSaveError, step="commit")
-        except CollectiveTimeoutError as err:
+        except CollectiveError as err:
             phase.error = err
             return {}
         if phase.error is None and wrote.first is not None:

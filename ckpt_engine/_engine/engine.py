@@ -35,7 +35,7 @@ from ..errors import (
     CheckpointExistsError,
     CheckpointSaveError,
     CkptEngineError,
-    CollectiveTimeoutError,
+    CollectiveError,
     InvalidArgumentError,
     SaveDirLockedError,
 )
@@ -233,7 +233,9 @@ class CheckpointEngine:
             total_seconds=elapsed,
         )
         self._finish(result, paths, cleanup=False)
-        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveTimeoutError)):
+        if isinstance(err, CollectiveError):
+            err.committed = False
+        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveError)):
             return err
         detail = str(err) if isinstance(err, CkptEngineError) else f"{type(err).__name__}: {err}"
         return CheckpointSaveError(f"saving iteration {paths.iteration} to {paths.final} failed: {detail}")
@@ -274,7 +276,8 @@ class CheckpointEngine:
         except (Exception, CheckpointException) as exc:
             cause, ranks = unwrap(exc)
             failure = self._fail_sync(paths, components, cause, ranks, clock)
-            if isinstance(cause, CollectiveTimeoutError):
+            if isinstance(cause, CollectiveError):
+                cause.committed = False
                 raise cause from None
             raise failure from cause
         return outcomes
@@ -305,7 +308,7 @@ class CheckpointEngine:
         else:
             result = self._commit(paths, components, outcomes, clock, collective=True)
         future.set_result(result)
-        if isinstance(result.error, CollectiveTimeoutError):
+        if isinstance(result.error, CollectiveError):
             raise result.error
         if not result.succeeded:
             raise CheckpointSaveError(
