@@ -17,12 +17,14 @@ Why not ``torch.distributed.checkpoint.HuggingFaceStorageReader`` (public in tor
   .get_slice()``, which materialises the slice in a new tensor and then copies it, where a
   same-dtype read here lands directly in the destination (one copy less, no second buffer);
 * it trusts the headers (offsets, sizes) as they come.
+
+The index and every header are read the way the engine reads ``.metadata``: regular files only
+(a FIFO would block, ``/dev/zero`` never ends), bounded sizes, typed errors naming the file.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import mmap
 import os
@@ -43,16 +45,29 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .._format.safetensors import INDEX_FILE, SINGLE_FILE, TensorEntry, read_header
+from .._format.safetensors import (
+    INDEX_FILE,
+    MAX_INDEX_BYTES,
+    SINGLE_FILE,
+    TensorEntry,
+    open_regular,
+    parse_json,
+    read_header,
+)
+from .._storage.fscheck import read_regular, require_regular_file
 from .._storage.urls import is_url
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    clip,
 )
 
 __all__ = ["SafetensorsIndex", "SafetensorsReader", "is_safetensors_path", "read_index"]
+
+#: Missing shards a message lists by name (the rest are counted).
+_LISTED = 3
 
 
 def is_safetensors_path(path: str) -> bool:
@@ -86,7 +101,7 @@ def read_index(path: str) -> SafetensorsIndex:
             "(e.g. huggingface-cli download ... --local-dir DIR) and point load_path at it"
         )
     if not os.path.isdir(path):
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise CheckpointNotFoundError(f"load_path {path!r} does not exist; fix load_path or unset it")
         header = read_header(path)
         return SafetensorsIndex(path, (path,), header.tensors)
@@ -98,9 +113,11 @@ def read_index(path: str) -> SafetensorsIndex:
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)
-    absent = {f: names for f, names in by_file.items() if not os.path.isfile(os.path.join(path, f))}
+    absent = {f: names for f, names in by_file.items() if not os.path.exists(os.path.join(path, f))}
     if absent:
-        listed = "; ".join(f"{f} ({len(n)} tensors, e.g. {n[0]!r})" for f, n in sorted(absent.items()))
+        listed = "; ".join(
+            f"{clip(f)} ({len(n)} tensors, e.g. {clip(n[0])})" for f, n in sorted(absent.items())[:_LISTED]
+        ) + ("; ..." if len(absent) > _LISTED else "")
         raise IncompleteCheckpointError(
             f"{index_file} names {len(absent)} shard file(s) that {path} does not have: {listed}. "
             "Download the missing shard(s) again (or the whole folder)"
@@ -114,30 +131,49 @@ def read_index(path: str) -> SafetensorsIndex:
         lacking = [n for n in names if n not in header.tensors]
         if lacking:
             raise CorruptCheckpointError(
-                f"{index_file} puts {len(lacking)} tensor(s) in {file} (e.g. {lacking[0]!r}), but {full} does not "
-                "hold them; the folder mixes files of different versions: download it again"
+                f"{index_file} puts {len(lacking)} tensor(s) in {clip(file)} (e.g. {clip(lacking[0])}), but that file "
+                "does not hold them; the folder mixes files of different versions: download it again"
             )
         tensors.update({n: header.tensors[n] for n in names})
     return SafetensorsIndex(path, tuple(files), tensors)
 
 
 def _weight_map(index_file: str) -> dict[str, str]:
-    try:
-        with open(index_file, encoding="utf-8") as f:
-            index = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptCheckpointError(f"{index_file}: cannot read it as JSON: {err}") from err
+    index = parse_json(index_file, _read_index_file(index_file))
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise CorruptCheckpointError(f"{index_file}: no `weight_map` mapping tensor names to file names")
     for file in set(weight_map.values()):
-        if os.path.basename(file) != file or file in ("", ".", ".."):
+        if os.path.basename(file) != file or file in ("", ".", "..") or "\0" in file:
             raise CorruptCheckpointError(
-                f"{index_file}: weight_map names {file!r}, which is not a file name in the folder"
+                f"{index_file}: weight_map names {clip(file)}, which is not a file name in the folder"
             )
     return weight_map
+
+
+def _read_index_file(index_file: str) -> bytes:
+    """The bytes of the index: a regular file of at most :data:`MAX_INDEX_BYTES` (checked before
+    it is opened, and again on what is read)."""
+    what = "a safetensors index (JSON)"
+    try:
+        require_regular_file(index_file, what)
+        if os.path.getsize(index_file) > MAX_INDEX_BYTES:
+            raise CorruptCheckpointError(_too_large(index_file))
+        data = read_regular(index_file, MAX_INDEX_BYTES, what)
+    except OSError as err:
+        raise CorruptCheckpointError(f"{index_file}: cannot read it: {err.strerror or err}") from err
+    if len(data) > MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(_too_large(index_file))
+    return data
+
+
+def _too_large(index_file: str) -> str:
+    return (
+        f"{index_file} is larger than {MAX_INDEX_BYTES} bytes, far more than the index of any model needs; "
+        "it is not a safetensors index: download it again"
+    )
 
 
 def _tensor_metadata(entry: TensorEntry) -> TensorStorageMetadata:
@@ -201,7 +237,7 @@ class SafetensorsReader(StorageReader):
         for item in plan.items:
             by_file.setdefault(self.index.tensors[item.storage_index.fqn].file, []).append(item)
         for path, items in by_file.items():
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 mapped: mmap.mmap | None = None
                 try:
                     for item in items:

@@ -7,8 +7,11 @@ Tensors are C-contiguous and little-endian. Hugging Face folders hold one file
 (``model.safetensors``) or shards listed in ``model.safetensors.index.json``
 (``{"metadata": {"total_size": N}, "weight_map": {name: file}}``).
 
-Headers come from files users download, so everything is checked before it is used: the header
-size, every dtype, shape and offset range, and that the ranges lie inside the file.
+Headers come from files users download, so everything is checked before it is used: that the file
+is a regular one (a FIFO would block the reader), the header size, the JSON itself (nesting, integer
+sizes, keys named twice), every dtype, shape and offset range, and, as the reference reader does,
+that the ranges tile the data section exactly. Messages show at most ``SHOWN_CHARS`` characters of
+any value read from the file.
 """
 
 from __future__ import annotations
@@ -16,22 +19,29 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
+import numpy
 import torch
 
-from ..errors import CorruptCheckpointError
+from .._storage.fscheck import require_regular_file
+from ..errors import SHOWN_CHARS, CorruptCheckpointError, clip
 
 __all__ = [
     "DTYPE_CODES",
     "INDEX_FILE",
+    "MAX_HEADER_BYTES",
+    "MAX_INDEX_BYTES",
     "SINGLE_FILE",
     "SafetensorsHeader",
     "TensorEntry",
     "encode_header",
+    "open_regular",
+    "parse_json",
     "read_header",
 ]
 
@@ -39,6 +49,13 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 #: The reference implementation refuses larger headers too.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: Largest ``model.safetensors.index.json`` read: the index of a 1T-parameter model is a few MB.
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+#: Deepest nesting of arrays and objects in a header or index. Writers nest 3 deep
+#: (``{name: {"shape": [..]}}``); the reference reader stops at 128.
+MAX_JSON_DEPTH = 32
+#: Most digits of an integer in a header or index (2**64 has 20).
+MAX_INT_DIGITS = 20
 
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -88,11 +105,40 @@ def _bad(path: str, what: str) -> CorruptCheckpointError:
     )
 
 
+def open_regular(path: str, what: str = "a safetensors file") -> BinaryIO:
+    """``path`` opened for binary reading, refused unless it is a regular file: checked before the
+    open (opening a FIFO blocks) and on the opened file, opened with ``O_NONBLOCK`` so that a swap
+    in between cannot block either. Raises :class:`CorruptCheckpointError` naming ``path``."""
+    require_regular_file(path, what)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptCheckpointError(f"{path} is not a regular file; expected {what}")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: str) -> SafetensorsHeader:
     """Parse and check the header of the safetensors file ``path`` (no tensor data is read)."""
+    raw, data_start, data_size = _raw_header(path)
+    header = parse_json(path, raw)
+    if not isinstance(header, dict):
+        raise _bad(path, "its header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise _bad(path, "its __metadata__ is not a mapping of strings")
+    tensors = {name: _entry(path, name, spec, data_start, data_size) for name, spec in header.items()}
+    _check_layout(path, tensors, data_start, data_size)
+    return SafetensorsHeader(path, tensors, meta)
+
+
+def _raw_header(path: str) -> tuple[bytes, int, int]:
+    """The header's JSON bytes, and where the data section starts and how long it is."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise _bad(path, f"the file has {size} bytes, fewer than the 8 of the header length")
@@ -102,43 +148,123 @@ def read_header(path: str) -> SafetensorsHeader:
             raw = f.read(n)
     except OSError as err:
         raise CorruptCheckpointError(f"{path}: cannot read it: {err}") from err
+    return raw, 8 + n, size - 8 - n
+
+
+class _Refused(ValueError):
+    """JSON that no safetensors writer produces (raised from the ``json`` hooks)."""
+
+
+def parse_json(path: str, raw: bytes) -> Any:
+    """``raw`` (a header or index read from ``path``) parsed as JSON, refusing what no writer
+    produces: text that is not UTF-8, nesting deeper than :data:`MAX_JSON_DEPTH`, integers of more
+    than :data:`MAX_INT_DIGITS` digits, ``NaN``/``Infinity``, a key twice in one object.
+    Raises :class:`CorruptCheckpointError` naming ``path``."""
+    depth = _nesting(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise CorruptCheckpointError(f"{path}: its JSON nests {depth} deep, more than any safetensors writer does")
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _bad(path, f"its header is not JSON ({err})") from None
-    if not isinstance(header, dict):
-        raise _bad(path, "its header is not a JSON object")
-    data_start, data_size = 8 + n, size - 8 - n
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise _bad(path, "its __metadata__ is not a mapping of strings")
-    tensors = {name: _entry(path, name, spec, data_start, data_size) for name, spec in header.items()}
-    return SafetensorsHeader(path, tensors, meta)
+        return json.loads(
+            raw.decode("utf-8"),
+            object_pairs_hook=_unique_keys,
+            parse_int=_bounded_int,
+            parse_constant=_no_constant,
+        )
+    except _Refused as err:
+        raise CorruptCheckpointError(f"{path}: {err}") from None
+    except (RecursionError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CorruptCheckpointError(f"{path}: it is not valid JSON ({str(err)[:SHOWN_CHARS]})") from None
+
+
+_NOT_BRACKETS_OR_QUOTES = bytes(b for b in range(256) if b not in b'[]{}"')
+_LEVEL_STEP = numpy.zeros(256, dtype=numpy.int8)
+_LEVEL_STEP[list(b"[{")] = 1
+_LEVEL_STEP[list(b"]}")] = -1
+
+
+def _nesting(raw: bytes) -> int:
+    """How deep arrays and objects nest in the JSON text ``raw`` (brackets inside strings skipped).
+
+    Checked before parsing: ``json``'s C parser recurses once per level and, under a raised
+    ``sys.setrecursionlimit``, overflows the C stack on deep input. Linear and vectorised."""
+    # Escaped backslashes, then escaped quotes: runs of backslashes pair up from the left, as JSON reads them.
+    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_BRACKETS_OR_QUOTES)
+    codes = numpy.frombuffer(text, dtype=numpy.uint8)
+    outside = (numpy.cumsum(codes == ord('"'), dtype=numpy.uint8) & 1) == 0  # an even number of quotes so far
+    levels = numpy.cumsum(_LEVEL_STEP[codes] * outside, dtype=numpy.int32)
+    return int(levels.max()) if len(levels) else 0
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Refused(f"{clip(key)} is a key twice in one JSON object (a tensor or field named twice)")
+        out[key] = value
+    return out
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _Refused(f"it holds an integer of {len(text)} digits; offsets and sizes have at most {MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _no_constant(name: str) -> Any:
+    raise _Refused(f"it holds {name}, which is not JSON")
+
+
+def _show(value: Any) -> str:
+    """A JSON value read from a file as a message shows it: at most about ``SHOWN_CHARS`` characters."""
+    if isinstance(value, str):
+        return clip(value)
+    if isinstance(value, dict) or (
+        isinstance(value, list) and (len(value) > 8 or not all(v is None or isinstance(v, int | float) for v in value))
+    ):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'} of {len(value)} items"
+    return repr(value)[:SHOWN_CHARS]  # a number, null, or a few numbers of at most MAX_INT_DIGITS digits
 
 
 def _entry(path: str, name: str, spec: Any, data_start: int, data_size: int) -> TensorEntry:
     if not isinstance(spec, dict):
-        raise _bad(path, f"tensor {name!r} has no dtype/shape/data_offsets record")
+        raise _bad(path, f"tensor {clip(name)} has no dtype/shape/data_offsets record")
     code, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
     dtype = CODE_DTYPES.get(code) if isinstance(code, str) else None
     if dtype is None:
         raise CorruptCheckpointError(
-            f"{path}: tensor {name!r} has dtype {code!r}, which torch cannot load here "
+            f"{path}: tensor {clip(name)} has dtype {_show(code)}, which torch cannot load here "
             f"(known: {', '.join(sorted(CODE_DTYPES))})"
         )
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise _bad(path, f"tensor {name!r} has shape {shape!r}")
+        raise _bad(path, f"tensor {clip(name)} has shape {_show(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-        raise _bad(path, f"tensor {name!r} has data_offsets {offsets!r}")
+        raise _bad(path, f"tensor {clip(name)} has data_offsets {_show(offsets)}")
     begin, end = offsets
     expected = math.prod(shape) * dtype.itemsize
     if not (0 <= begin <= end <= data_size) or end - begin != expected:
         raise _bad(
             path,
-            f"tensor {name!r} ({code}{shape}, {expected} bytes) has data_offsets [{begin}, {end}] in a data "
-            f"section of {data_size} bytes",
+            f"tensor {clip(name)} ({code} of shape {_show(shape)}, {expected} bytes) has data_offsets "
+            f"[{begin}, {end}] in a data section of {data_size} bytes",
         )
     return TensorEntry(path, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _check_layout(path: str, tensors: Mapping[str, TensorEntry], data_start: int, data_size: int) -> None:
+    """The reference reader's rule: sorted by offset, the tensors' byte ranges follow one another
+    with no gap and no overlap, from the start of the data section to its end."""
+    end, previous = data_start, None
+    for name, entry in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != end:
+            before = "the data section starts" if previous is None else f"tensor {clip(previous)} ends"
+            raise _bad(
+                path,
+                f"tensor {clip(name)} starts at data byte {entry.begin - data_start}, but {before} at byte "
+                f"{end - data_start} (tensors may neither overlap nor leave gaps)",
+            )
+        end, previous = entry.end, name
+    if end != data_start + data_size:
+        raise _bad(path, f"its tensors end at data byte {end - data_start} of a data section of {data_size} bytes")
 
 
 def encode_header(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str]) -> bytes:
