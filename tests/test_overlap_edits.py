@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_engine_plugins import _pinned_copy
-from ckpt_engine_plugins.pinned_staging import PinnedStagingPlugin, SnapshotChangedError
+from ckpt_engine_plugins.pinned_staging import PinnedStagingPlugin, SnapshotChangedError, copies
 from torch import nn
 
 from ckpt_engine import CheckpointEngine, CheckpointSaveError
@@ -41,13 +40,13 @@ def engine(tmp_path: Path) -> Iterator[CheckpointEngine]:
 def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Holds every overlap copy thread until the test sets the event."""
     event = threading.Event()
-    run = _pinned_copy.Snapshot._run
+    run = copies.Snapshot._run
 
-    def held(self: _pinned_copy.Snapshot) -> None:
+    def held(self: copies.Snapshot) -> None:
         assert event.wait(60), "the test never opened the gate"
         run(self)
 
-    monkeypatch.setattr(_pinned_copy.Snapshot, "_run", held)
+    monkeypatch.setattr(copies.Snapshot, "_run", held)
     return event
 
 
@@ -135,15 +134,15 @@ def test_an_edit_that_replaces_the_tensor_leaves_the_checkpoint_exact(
 
 def test_the_sample_takes_the_first_and_last_element_and_every_step_between() -> None:
     t = torch.arange(1000, dtype=torch.float32)
-    sample = _pinned_copy._sample(t)
-    step = _pinned_copy._sample_step(1000)
+    sample = copies._sample(t)
+    step = copies._sample_step(1000)
     assert sample[0] == 0 and sample[-1] == 999
     assert torch.equal(sample[:-1], t[::step])
-    assert len(sample) <= 2 * _pinned_copy.SAMPLES + 1
+    assert len(sample) <= 2 * copies.SAMPLES + 1
     small = torch.arange(10.0)
-    assert torch.equal(_pinned_copy._sample(small)[:-1], small)  # a small tensor: all of it
+    assert torch.equal(copies._sample(small)[:-1], small)  # a small tensor: all of it
     nan = torch.tensor([float("nan")] * 3)
-    assert _pinned_copy._same_bits(_pinned_copy._sample(nan), _pinned_copy._sample(nan.clone()))
+    assert copies._same_bits(copies._sample(nan), copies._sample(nan.clone()))
 
 
 # -- optimizers without state, and no optimizer -----------------------------------------------

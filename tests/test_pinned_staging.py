@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_engine_plugins._pinned_buffers import FILE_PREFIX, default_shm_dir
 from ckpt_engine_plugins.pinned_staging import PinnedStagingPlugin, PinnedWriterError
+from ckpt_engine_plugins.pinned_staging.shm import FILE_PREFIX, default_shm_dir
 from torch import nn
 
 from ckpt_engine import CheckpointEngine, CheckpointSaveError, CkptEngineError, SaveResult, hookimpl

@@ -1,6 +1,6 @@
 """Supervision of ``pinned_staging``'s writer process: start, replace, kill when hung, close at exit (private).
 
-A :class:`WriterSupervisor` owns the current :class:`~._pinned_process.WriterProcess` of one
+A :class:`WriterSupervisor` owns the current :class:`~.process.WriterProcess` of one
 plugin and whether the plugin is closed. A writer that is lost after it became ready is
 replaced at once; one that never became ready is retried by the next save
 (:meth:`WriterSupervisor.live`). With several ranks a failed write replaces the writer on
@@ -27,8 +27,8 @@ from typing import Protocol
 
 from ckpt_engine import CkptEngineError
 
-from ._pinned_ipc import Drained, Init
-from ._pinned_process import PinnedWriterError, WriterProcess
+from .ipc import Drained, Init
+from .process import PinnedWriterError, WriterProcess
 
 __all__ = ["WriterSettings", "WriterSupervisor", "register", "unregister"]
 

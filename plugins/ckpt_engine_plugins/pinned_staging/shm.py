@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._pinned_ipc import SlotSpec
+from .ipc import SlotSpec
 
 FILE_PREFIX = "ckpt_engine_pinned."
 _ALIGN = 64

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from ckpt_engine import CkptEngineError
 from ckpt_engine.storage import EngineFileSystemWriter
 
-from ._pinned_copy import StreamPool, copy_now
-from ._pinned_ipc import SlotSpec, Window
+from .copies import StreamPool, copy_now
+from .ipc import SlotSpec, Window
 
 __all__ = ["WindowBoard", "WindowPump", "WindowedStorageWriter", "plan_windows"]
 

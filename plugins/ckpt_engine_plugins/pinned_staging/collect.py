@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 
 from ckpt_engine import CkptEngineError
 
-from ._pinned_copy import Snapshot
-from ._pinned_ipc import MeshSpec, SkeletonUnpickler
-from ._pinned_pool import BufferSet, Signature
-from ._pinned_windows import WindowPump
+from .copies import Snapshot
+from .ipc import MeshSpec, SkeletonUnpickler
+from .pool import BufferSet, Signature
+from .windows import WindowPump
 
 __all__ = ["Collector", "SkeletonPickler", "Staged", "collect", "staged_components"]
 

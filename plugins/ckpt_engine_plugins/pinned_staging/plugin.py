@@ -1,4 +1,5 @@
-"""``pinned_staging``: asynchronous saves through reused host buffers and a writer process.
+"""The ``pinned_staging`` plugin class, and the design of asynchronous saves through reused host
+buffers and a writer process (the package docstring says which module does what).
 
 The training loop pays only for copying its state into host memory; a background writer
 process serialises it with DCP and the engine commits it.
@@ -15,7 +16,7 @@ side stream that first waits for the current stream, into page-locked buffers, a
 stream is synchronised before ``stage`` returns (the CUDA path was not run on a GPU yet).
 
 **Buffers.** A buffer set is one file in ``/dev/shm`` mapped by both processes (see
-``_pinned_buffers``), allocated on the first save and reused by every later save whose tensors
+``shm``), allocated on the first save and reused by every later save whose tensors
 have the same shapes and dtypes in the same order; a different structure allocates a new set
 and frees the old one. ``buffers: 2`` keeps two sets so a save can stage while the previous
 one is still being written (the plugin declares ``max_saves_in_flight = 2`` and the engine
@@ -23,14 +24,14 @@ then waits only for the save before last). A set is never re-staged while a writ
 it is pending: staging waits for it.
 
 **Budget** (``max_host_bytes``). Each buffer set holds at most ``max_host_bytes / buffers``
-bytes. A larger state is staged in *windows* of the same set (see ``_pinned_windows``): the
+bytes. A larger state is staged in *windows* of the same set (see ``windows``): the
 first is copied in ``stage``, the rest by the last ``write`` as the writer drains each previous
 window, so ``save()`` returns once the last window is staged. A tensor is never split: one
 larger than the share gets a window of its own and the set grows to hold it. ``overlap`` is
 refused with a budget. Without a budget, or for a state that fits, nothing changes.
 
 **write** (every rank, per component). Queues a request for the writer and returns a future.
-The writer (``_pinned_writer``) is a plain ``python -m`` subprocess, started when the plugin
+The writer (``writer``) is a plain ``python -m`` subprocess, started when the plugin
 is created (at engine construction, so the first save does not wait for it). It never imports
 the training script, so a script without an ``if __name__ == "__main__":`` guard works, and no
 file descriptors are passed (the writer opens the buffer files by path). With several ranks,
@@ -76,16 +77,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ckpt_engine import CkptEngineError, SaveContext, StagedState, WriteContext, WriteResult, hookimpl
 
-from ._pinned_buffers import default_shm_dir, sweep_stale_files
-from ._pinned_collect import Collector, Staged, collect, staged_components
-from ._pinned_copy import Snapshot, SnapshotChangedError, StreamPool, stage_copy
-from ._pinned_ipc import Save
-from ._pinned_pool import BufferPool, BufferSet, BufferSetInfo
-from ._pinned_process import PinnedWriterError, WriterProcess
-from ._pinned_supervise import WriterSettings, WriterSupervisor, register, unregister
-from ._pinned_windows import WindowPump
+from .collect import Collector, Staged, collect, staged_components
+from .copies import Snapshot, StreamPool, stage_copy
+from .ipc import Save
+from .pool import BufferPool, BufferSet, BufferSetInfo
+from .process import PinnedWriterError, WriterProcess
+from .shm import default_shm_dir, sweep_stale_files
+from .supervise import WriterSettings, WriterSupervisor, register, unregister
+from .windows import WindowPump
 
-__all__ = ["BufferSetInfo", "PinnedStagingPlugin", "PinnedWriterError", "SnapshotChangedError"]
+__all__ = ["PinnedStagingPlugin"]
 
 logger = logging.getLogger("ckpt_engine.pinned_staging")
 
@@ -97,9 +98,9 @@ class PinnedStagingPlugin:
 
     Provides the ``stage`` and ``write`` hooks; enable it with ``plugins: [pinned_staging]`` (or
     pass an instance in ``CheckpointEngine(..., plugins=[...])``). See the module docstring for
-    the design and ``docs/performance.md`` for measurements. Its parts: the buffer sets
-    (``_pinned_pool``), the skeletons (``_pinned_collect``), the copies (``_pinned_copy``), the
-    windows (``_pinned_windows``) and the writer process's supervision (``_pinned_supervise``).
+    the design and ``docs/performance.md`` for measurements. Its parts, modules of this
+    package: the buffer sets (``pool``), the skeletons (``collect``), the copies (``copies``),
+    the windows (``windows``) and the writer process's supervision (``supervise``).
     """
 
     name = "pinned_staging"

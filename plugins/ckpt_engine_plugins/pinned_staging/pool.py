@@ -4,7 +4,7 @@ A :class:`BufferPool` holds at most ``buffers`` sets. :meth:`BufferPool.acquire`
 least recently used idle set with the same shapes and dtypes, allocates one while there is
 room, or replaces the least recently used set once no pending write reads it (waiting for
 that write, bounded by ``write_timeout_s + 60`` s). With ``max_host_bytes`` each set holds at
-most ``max_host_bytes / buffers`` bytes per window (``_pinned_windows``). Sets of a writer
+most ``max_host_bytes / buffers`` bytes per window (``windows``). Sets of a writer
 generation that is gone are freed, since no writer reads them any more.
 """
 
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from ._pinned_buffers import HostSlab
-from ._pinned_ipc import Alloc, Drained, Free
-from ._pinned_process import PinnedWriterError, WriterProcess
-from ._pinned_windows import WindowPump, plan_windows
+from .ipc import Alloc, Drained, Free
+from .process import PinnedWriterError, WriterProcess
+from .shm import HostSlab
+from .windows import WindowPump, plan_windows
 
 __all__ = ["BufferPool", "BufferSet", "BufferSetInfo", "Signature"]
 

@@ -1,6 +1,6 @@
 """The training process's handle on one ``pinned_staging`` writer process (private).
 
-The writer is a plain subprocess (``python -m ckpt_engine_plugins._pinned_writer``) with two
+The writer is a plain subprocess (``python -m ckpt_engine_plugins.pinned_staging.writer``) with two
 pipes. A sender thread writes requests, so a busy or stopped writer never blocks the training
 loop on a full pipe; a reader thread resolves the futures the ``write`` hook returned. The end
 of the pipe is the death signal: when the writer exits or is killed, every pending future fails
@@ -29,7 +29,7 @@ from typing import Any
 
 from ckpt_engine import CheckpointSaveError, CkptEngineError, WriteResult
 
-from ._pinned_ipc import (
+from .ipc import (
     Beat,
     Done,
     Drained,
@@ -44,7 +44,7 @@ from ._pinned_ipc import (
     read_message,
 )
 
-WRITER_MODULE = "ckpt_engine_plugins._pinned_writer"
+WRITER_MODULE = "ckpt_engine_plugins.pinned_staging.writer"
 
 logger = logging.getLogger("ckpt_engine.pinned_staging")
 

@@ -1,6 +1,6 @@
 """The ``pinned_staging`` writer process (private).
 
-Started by the plugin as ``python -m ckpt_engine_plugins._pinned_writer FD_IN FD_OUT``: a
+Started by the plugin as ``python -m ckpt_engine_plugins.pinned_staging.writer FD_IN FD_OUT``: a
 fresh interpreter that never imports the training script (no ``__main__`` guard needed) and
 receives no file descriptors but its two pipe ends. It maps the buffer sets the training
 process announces, and for every ``Save`` request runs ``dcp.save`` of one component from
@@ -33,7 +33,7 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
-from ._pinned_ipc import (
+from .ipc import (
     Alloc,
     Beat,
     Done,
@@ -115,7 +115,7 @@ class _Writer:
     # -- requests ---------------------------------------------------------------------------
 
     def alloc(self, msg: Alloc) -> Mapped:
-        from ._pinned_buffers import WriterSlab
+        from .shm import WriterSlab
 
         try:
             self.slabs[msg.set_id] = WriterSlab(msg.path, msg.nbytes, msg.slots)
@@ -272,8 +272,8 @@ class _Writer:
         return _save(state_dict, writer, msg.planner)
 
     def _windowed_writer(self, msg: Save, window_of: dict[int, int]) -> Any:
-        """The storage writer of a save staged in windows (``_pinned_windows``)."""
-        from ._pinned_windows import WindowCursor, WindowedStorageWriter
+        """The storage writer of a save staged in windows (``windows``)."""
+        from .windows import WindowCursor, WindowedStorageWriter
 
         assert msg.epoch is not None
         cursor = self.cursors.get(msg.set_id)
@@ -380,7 +380,7 @@ def main(argv: list[str]) -> None:
         os._exit(EXIT_PARENT_GONE)
     if not isinstance(init, Init):
         os._exit(EXIT_PROTOCOL)
-    from ._pinned_windows import WindowBoard
+    from .windows import WindowBoard
 
     inbox: queue.Queue[Any] = queue.Queue()
     board = WindowBoard()
