@@ -37,7 +37,8 @@ from ckpt_engine import (
     hookimpl,
 )
 from ckpt_engine._format.layout import SaveDirLock
-from ckpt_engine._format.manifest import MANIFEST_FILE, verify_checkpoint
+from ckpt_engine._format.manifest import MANIFEST_FILE
+from ckpt_engine._format.verify import verify_checkpoint
 from ckpt_engine.errors import CheckpointPermissionError, IntegrityError, SaveDirLockedError
 from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
 from ckpt_engine.types import StagedState, WriteResult

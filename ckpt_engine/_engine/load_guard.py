@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .._format.manifest import Manifest, VerifyReport, iteration_problem
+from .._format.manifest import Manifest
+from .._format.verify import VerifyReport, iteration_problem
 from ..errors import CorruptCheckpointError, UnverifiableCheckpointError
 
 __all__ = [

@@ -34,17 +34,12 @@ from .._format.layout import (
     CheckedCheckpoint,
     check_complete,
 )
-from .._format.manifest import (
-    check_against_manifest,
-    lookup_manifest,
-    metadata_checker,
-    referenced_files,
-    shard_files,
-)
+from .._format.manifest import lookup_manifest, referenced_files, shard_files
 from .._format.names import LATEST_FILE, MANIFEST_FILE, parse_iteration
 from .._format.not_checkpoint import resolve_save_folder
 from .._format.pointer import list_checkpoints, read_latest
 from .._format.read_lock import ReadLock
+from .._format.verify import check_against_manifest, metadata_checker
 from .._storage.store import FsspecStore, Store, open_store
 from ..config import EngineConfig
 from ..errors import (

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._format.manifest import verify_checkpoint
+from .._format.verify import verify_checkpoint
 from .reader import ComponentReader, KeyInfo, Target, Unreadable, match_keys, prefix_of, summarize_value
 
 __all__ = ["CheckpointContents", "ComponentContents", "PrefixTotals", "read_contents"]

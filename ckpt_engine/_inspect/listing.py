@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .._format.layout import component_dirs, find_leftovers
-from .._format.manifest import verify_checkpoint
 from .._format.names import LATEST_FILE, iter_dirname, parse_iteration
 from .._format.pointer import list_checkpoints, read_latest
+from .._format.verify import verify_checkpoint
 from ..errors import CkptEngineError
 from .reader import disk_usage, human_bytes, table, uncommitted_dirs
 

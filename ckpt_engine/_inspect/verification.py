@@ -10,9 +10,9 @@ from typing import Protocol
 
 from .._engine.load_guard import fail_unverified
 from .._format.layout import component_dirs
-from .._format.manifest import VerifyLevel, VerifyReport, verify_checkpoint
 from .._format.names import LATEST_FILE
 from .._format.pointer import list_checkpoints, read_latest
+from .._format.verify import VerifyLevel, VerifyReport, verify_checkpoint
 from .._storage.store import open_store
 from ..errors import CheckpointNotFoundError, UsageError
 from .reader import exists, is_component_dir, is_save_dir, isdir

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from adversarial._adv import ckpt, load, save, tamper_metadata
 from ckpt_engine import CorruptCheckpointError
-from ckpt_engine._format.manifest import verify_checkpoint
+from ckpt_engine._format.verify import verify_checkpoint
 from ckpt_engine.cli import main
 
 KEY = "0.weight"  # Linear(8, 16): shape [16, 8], one chunk at [0, 0]

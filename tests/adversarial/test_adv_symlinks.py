@@ -10,7 +10,7 @@ import pytest
 
 from adversarial._adv import ckpt, load, save
 from ckpt_engine import CorruptCheckpointError
-from ckpt_engine._format.manifest import verify_checkpoint
+from ckpt_engine._format.verify import verify_checkpoint
 
 
 def test_a_data_file_symlinked_outside_is_refused(save_dir: str, tmp_path: Path) -> None:

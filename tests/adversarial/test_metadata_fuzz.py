@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckpt_engine import CheckpointEngine, CorruptCheckpointError
-from ckpt_engine._format.manifest import verify_checkpoint
 from ckpt_engine._format.metadata import read_metadata
+from ckpt_engine._format.verify import verify_checkpoint
 
 THOROUGH = os.environ.get("CKPT_ENGINE_FUZZ") == "thorough"
 

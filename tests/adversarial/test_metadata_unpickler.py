@@ -19,8 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorProperties
 
 from ckpt_engine import CheckpointEngine, CorruptCheckpointError, UnsafeCheckpointError
-from ckpt_engine._format.manifest import verify_checkpoint
 from ckpt_engine._format.metadata import read_metadata
+from ckpt_engine._format.verify import verify_checkpoint
 from ckpt_engine.testing import TinyTrainingState
 
 MD = "torch.distributed.checkpoint.metadata"

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ckpt_engine import CheckpointEngine
-from ckpt_engine._format.manifest import verify_checkpoint
+from ckpt_engine._format.verify import verify_checkpoint
 from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
 
 BLOB = 1 << 20  # float32 elements: 4 MB per save, so that a save spans many instructions
