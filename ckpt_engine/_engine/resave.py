@@ -4,8 +4,12 @@
   :class:`CheckpointExistsError` unless ``allow_overwrite`` is set. Locally the replacement is
   crash-safe: the new checkpoint is written in a hidden folder and swapped in by two renames
   (a crash between them is undone at the next start, see :mod:`ckpt_engine._format.layout`). On an
-  object store a replacement deletes the old checkpoint's completion marker before uploading
-  (no rename there): a crash mid-upload leaves no checkpoint under that name.
+  object store (no rename there) the new copy is uploaded under ``.iter_n.replacing/`` and
+  committed there with its own manifest; only then is it copied over the old one
+  (:func:`promote_replacement`: the old marker goes first, the new marker last). A kill before
+  the new copy's marker keeps the old checkpoint; a kill after it keeps the new one, which the
+  next engine started on that ``save_dir`` finishes moving into place
+  (:func:`recover_replacements`).
 * ``latest_checkpoint.txt`` only ever moves forward: a save of an iteration older than the one
   it names is committed, but ``latest`` keeps naming the newer checkpoint.
 """
@@ -16,12 +20,12 @@ import logging
 import os
 
 from .._format.layout import check_complete
-from .._format.names import MANIFEST_FILE, parse_iteration
+from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, parse_iteration, replaced_name
 from .._format.pointer import read_latest, write_latest
-from .._storage.store import Store
+from .._storage.store import FsspecStore, Store
 from ..errors import CheckpointExistsError, CkptEngineError
 
-__all__ = ["advance_latest", "is_committed", "refuse_resave"]
+__all__ = ["advance_latest", "is_committed", "promote_replacement", "recover_replacements", "refuse_resave"]
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -100,3 +104,44 @@ def advance_latest(save_dir: str, name: str, store: Store | None = None) -> bool
         return False
     write_latest(save_dir, name, store)
     return True
+
+
+def promote_replacement(store: FsspecStore, staging: str, final: str) -> None:
+    """Move the committed copy under ``staging`` (it holds its manifest) over ``final``.
+
+    The old copy's marker is deleted first, so no reader takes a mix of the two for a
+    checkpoint, then its objects; the new objects are copied server-side, the marker last, and
+    ``staging`` is removed. Rerunnable from any point: :func:`recover_replacements` does that
+    after a kill."""
+    files = [rel for rel in store.list_files(staging) if not rel.startswith(RANK_PART_PREFIX)]
+    if MANIFEST_FILE not in files:
+        raise CkptEngineError(f"{staging} holds no {MANIFEST_FILE}: it is not a committed copy to move into place")
+    marker = store.join(final, MANIFEST_FILE)
+    if store.exists(marker):
+        store.remove_file(marker)
+    store.remove_tree(final)
+    store.copy_files([(store.join(staging, rel), store.join(final, rel)) for rel in files if rel != MANIFEST_FILE])
+    store.copy_files([(store.join(staging, MANIFEST_FILE), marker)])
+    store.remove_tree(staging)
+
+
+def recover_replacements(save_dir: str, store: FsspecStore) -> list[str]:
+    """Finish or drop the object-store re-saves a kill interrupted (rank 0, at engine start).
+
+    A ``.iter_n.replacing`` prefix with its manifest is a committed new copy: it is moved into
+    place. One without is a re-save killed before its commit: it is removed, and the old
+    checkpoint, never touched, stays. Returns the checkpoints moved into place."""
+    moved = []
+    for name, is_dir in store.list_dir(save_dir):
+        target = replaced_name(name)
+        if target is None or not is_dir:
+            continue
+        staging, final = store.join(save_dir, name), store.join(save_dir, target)
+        if store.exists(store.join(staging, MANIFEST_FILE)):
+            logger.warning("finishing the replacement of %s interrupted by a crash (its new copy is committed)", final)
+            promote_replacement(store, staging, final)
+            moved.append(final)
+        else:
+            logger.warning("removing %s: a re-save of %s killed before its commit (the old copy stays)", staging, final)
+            store.remove_tree(staging)
+    return moved

@@ -20,6 +20,7 @@ the cleanup of an uncommitted save and the folders retention runs in. The commit
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -34,12 +35,12 @@ from .._dcpio import dist as _dist
 from .._format.digests import remove_parts, written_entries
 from .._format.layout import check_complete, commit_rename, remove_checkpoint, remove_tree
 from .._format.manifest import FileEntry, list_files, new_manifest, owner_rank, referenced_files, write_manifest
-from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, partial_dirname
+from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, partial_dirname, replacing_dirname
 from .._storage.paths import check_local_save_dir
 from .._storage.store import FsspecStore, Store, open_store
 from ..config import EngineConfig
 from ..errors import CheckpointSaveError, CkptEngineError, IncompleteCheckpointError, StorageError
-from .resave import advance_latest, refuse_resave
+from .resave import advance_latest, promote_replacement, recover_replacements, refuse_resave
 
 __all__ = [
     "LocalTarget",
@@ -65,10 +66,18 @@ class SavePaths:
     final: str
     partial: str
     local_final: str | None
+    #: Where an object-store save uploads its files and writes its manifest, when not ``final``:
+    #: a re-save of a committed iteration goes to ``.iter_n.replacing`` first (see resave.py).
+    replacing: str | None = None
 
     @property
     def name(self) -> str:
         return iter_dirname(self.iteration)
+
+    @property
+    def upload(self) -> str:
+        """Where the ranks upload this save (an object store)."""
+        return self.replacing or self.final
 
 
 @dataclass(frozen=True)
@@ -195,16 +204,32 @@ class ObjectStoreTarget(SaveTarget):
     def __init__(self, config: EngineConfig, store: FsspecStore) -> None:
         super().__init__(config, store, _spool_root(config))
         self.object_store = store
+        if _dist.rank() == 0:
+            try:
+                if store.isdir(self.save_dir):
+                    recover_replacements(self.save_dir, store)
+            except (OSError, CkptEngineError) as err:
+                # Nothing is lost by waiting: the interrupted copy stays committed under its
+                # .replacing prefix, and the load or save that follows reports the storage error.
+                logger.warning("could not finish interrupted re-saves in %s yet: %s", self.save_dir, err)
 
     def paths(self, iteration: int) -> SavePaths:
         final = self.store.join(self.save_dir, iter_dirname(iteration))
-        return SavePaths(iteration, final, os.path.join(self.staging_root, partial_dirname(iteration)), None)
+        partial = os.path.join(self.staging_root, partial_dirname(iteration))
+        replacing = None
+        if self.config.allow_overwrite and self.store.exists(self.store.join(final, MANIFEST_FILE)):
+            # A committed copy to replace: keep it until the new one is committed beside it.
+            replacing = self.store.join(self.save_dir, replacing_dirname(iteration))
+        return SavePaths(iteration, final, partial, None, replacing)
 
     def clear_for_save(self, paths: SavePaths) -> None:
         super().clear_for_save(paths)
-        if self.store.exists(paths.final):
-            # A re-save of this iteration (or what a killed save uploaded): the old marker goes
-            # first, so that no reader ever takes the mix for a checkpoint.
+        if paths.replacing is not None:
+            if self.store.exists(paths.replacing):  # what an earlier killed re-save uploaded
+                self.store.remove_tree(paths.replacing)
+        elif self.store.exists(paths.final):
+            # What a killed save uploaded, or a committed copy latest never named: the old
+            # marker goes first, so that no reader ever takes the mix for a checkpoint.
             logger.warning("%s exists; deleting it before saving iteration %d again", paths.final, paths.iteration)
             remove_checkpoint(paths.final, self.store)
 
@@ -212,7 +237,7 @@ class ObjectStoreTarget(SaveTarget):
         _remove_own_files(paths.partial, rank, world)  # a node-local spool another node cannot clear
 
     def publish_files(self, paths: SavePaths, rels: Sequence[str]) -> None:
-        upload_files(self.object_store, paths.partial, paths.final, rels)
+        upload_files(self.object_store, paths.partial, paths.upload, rels)
 
     def exchange_reports(
         self, paths: SavePaths, entries: dict[str, FileEntry], error: BaseException | None
@@ -262,7 +287,7 @@ class ObjectStoreTarget(SaveTarget):
         return merged
 
     def _report_path(self, paths: SavePaths, rank: int) -> str:
-        return self.store.join(paths.final, f"{RANK_PART_PREFIX}{rank:05d}.json")
+        return self.store.join(paths.upload, f"{RANK_PART_PREFIX}{rank:05d}.json")
 
     def commit(
         self,
@@ -273,8 +298,10 @@ class ObjectStoreTarget(SaveTarget):
         world: int,
     ) -> int:
         covered = write_checked_manifest(
-            paths.final, self.store, paths.iteration, components, algorithm, entries, world
+            paths.upload, self.store, paths.iteration, components, algorithm, entries, world
         )
+        if paths.replacing is not None:  # committed beside the old copy: now move it over it
+            promote_replacement(self.object_store, paths.replacing, paths.final)
         advance_latest(self.save_dir, paths.name, self.store)
         return covered
 
@@ -287,6 +314,10 @@ class ObjectStoreTarget(SaveTarget):
             _remove_own_files(paths.partial, rank, world)
         if succeeded and rank == 0 and world > 1:
             self._remove_reports(paths, world)
+        if cleanup and not succeeded and rank == 0 and paths.replacing is not None:
+            with contextlib.suppress(OSError, CkptEngineError):  # else the next start removes it
+                if not self.store.exists(self.store.join(paths.replacing, MANIFEST_FILE)):
+                    self.store.remove_tree(paths.replacing)
 
     def _remove_reports(self, paths: SavePaths, world: int) -> None:
         try:

@@ -27,6 +27,9 @@ DELETING_SUFFIX = ".deleting"
 #: Hidden lock file, used only where the filesystem refuses to lock the folder itself (NFS).
 LOCK_FILE = ".ckpt_engine.lock"
 LEFTOVER_RE = re.compile(r"^\.(iter_\d{9,})(\.partial|\.deleting|\.replaced\.\d+)$")
+#: Suffix of the prefix an object-store re-save uploads to before it replaces the committed copy.
+REPLACING_SUFFIX = ".replacing"
+_REPLACING_RE = re.compile(r"^\.(iter_\d{9,})\.replacing$")
 
 
 def iter_dirname(iteration: int) -> str:
@@ -35,6 +38,16 @@ def iter_dirname(iteration: int) -> str:
 
 def partial_dirname(iteration: int) -> str:
     return f".{iter_dirname(iteration)}{PARTIAL_SUFFIX}"
+
+
+def replacing_dirname(iteration: int) -> str:
+    return f".{iter_dirname(iteration)}{REPLACING_SUFFIX}"
+
+
+def replaced_name(name: str) -> str | None:
+    """The ``iter_*`` name a ``.iter_*.replacing`` prefix replaces, or ``None``."""
+    m = _REPLACING_RE.match(name)
+    return m.group(1) if m else None
 
 
 def parse_iteration(name: str) -> int | None:

@@ -339,8 +339,15 @@ class FsspecStore(Store):
         self.call("writing", path, lambda: self.fs.pipe_file(path, data))
 
     def open_read(self, path: str) -> ReadableFile:
-        f: ReadableFile = self.call("opening", path, lambda: self.fs.open(path, "rb", block_size=self.part_size))
-        return f
+        def open_fresh() -> ReadableFile:
+            # A listing's cached entry may describe an object another process has since replaced
+            # (a re-save with allow_overwrite): s3fs would read with its old ETag and fail.
+            with contextlib.suppress(AttributeError):
+                self.fs.invalidate_cache(path)
+            f: ReadableFile = self.fs.open(path, "rb", block_size=self.part_size)
+            return f
+
+        return self.call("opening", path, open_fresh)
 
     def _info(self, path: str) -> dict[str, Any]:
         def info() -> dict[str, Any]:
@@ -416,6 +423,17 @@ class FsspecStore(Store):
         with contextlib.suppress(FileNotFoundError, OSError, StorageError):
             if self.isdir(path):  # pseudo-folders of filesystems that keep them (memory://)
                 self.fs.rm(path, recursive=True)
+
+    def copy_files(self, pairs: Sequence[tuple[str, str]]) -> None:
+        """Server-side copies ``(source, destination)`` within the store (no bytes pass through
+        this process on S3), in one batched request set."""
+        if not pairs:
+            return
+
+        def cp() -> None:
+            self.fs.copy([s for s, _ in pairs], [d for _, d in pairs])
+
+        self.call("copying", f"{len(pairs)} object(s) to {posixpath.commonpath([d for _, d in pairs])}", cp)
 
     def remove_files(self, paths: Sequence[str]) -> None:
         if not paths:
