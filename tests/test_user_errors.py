@@ -259,3 +259,19 @@ def test_a_count_given_as_a_string_is_refused(tmp_path: Path, field: str) -> Non
     extra = {"keep_last": 3} if field == "keep_every" else {}
     with pytest.raises(ConfigError, match=rf"{field}.*the string '2'.*without quotes"):
         EngineConfig(save_dir=str(tmp_path), **{**extra, field: "2"})
+
+
+def test_a_save_dir_under_the_home_folder_is_expanded_everywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``save_dir: ~/ckpt`` is the home folder's ``ckpt``, for saves, loads and async saves alike."""
+    from ckpt_engine.testing import TinyTrainingState
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    state = TinyTrainingState.create()
+    for i, plugins in enumerate(([], ["pinned_staging"]), 1):
+        with CheckpointEngine({"save_dir": "~/ckpt", "plugins": plugins}) as engine:
+            assert engine.save(i, **state.objects()).result(timeout=120).succeeded
+    assert (tmp_path / "ckpt" / "iter_000000002").is_dir()
+    result = CheckpointEngine({"save_dir": "/unused", "load_dir": "~/ckpt"}).load(**state.objects())
+    assert result.iteration == 2
