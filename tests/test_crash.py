@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -29,21 +31,41 @@ TRIALS = int(os.environ.get("CKPT_ENGINE_CRASH_TRIALS", "10"))
 ASYNC_TRIALS = int(os.environ.get("CKPT_ENGINE_CRASH_TRIALS_ASYNC", str(max(2, TRIALS // 5))))
 
 
+#: A run fails when the script prints nothing for this long: it bounds the run by progress (each
+#: trial prints as it goes), not by a guess at its total time that a loaded machine misses (a
+#: writer process once took 42 s to start under load 12).
+SILENCE_S = 300.0
+
+
 def _run(
     save_dir: Path, trials: int, *extra: str, seed: int = 1234
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
-    timeout = 60 + 20 * trials
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--dir", str(save_dir), "--trials", str(trials), "--seed", str(seed), *extra],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"},
     )
-    trials = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("TRIAL ")]
-    summaries = [json.loads(line[8:]) for line in proc.stdout.splitlines() if line.startswith("SUMMARY ")]
-    assert summaries, f"no summary (rc={proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return trials, summaries[0], proc.stderr
+    assert proc.stdout is not None and proc.stderr is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+    err_chunks: list[str] = []
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout] + [lines.put(None)], daemon=True).start()
+    threading.Thread(target=lambda: err_chunks.append(proc.stderr.read()), daemon=True).start()
+    out: list[str] = []
+    try:
+        while (line := lines.get(timeout=SILENCE_S)) is not None:
+            out.append(line)
+    except queue.Empty:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"no output for {SILENCE_S:g} s (a hang)\n{''.join(out)[-3000:]}") from None
+    proc.wait()
+    stdout, stderr = "".join(out), "".join(err_chunks)
+    trials = [json.loads(line[6:]) for line in stdout.splitlines() if line.startswith("TRIAL ")]
+    summaries = [json.loads(line[8:]) for line in stdout.splitlines() if line.startswith("SUMMARY ")]
+    assert summaries, f"no summary (rc={proc.returncode})\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    return trials, summaries[0], stderr
 
 
 def _check(trials: list[dict[str, Any]], summary: dict[str, Any], stderr: str, count: int, mid_save: int) -> None:
