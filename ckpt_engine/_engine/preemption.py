@@ -14,6 +14,16 @@ same call saves every ``every`` steps, so the loop needs no save logic of its ow
 
 Under several ranks the signal may reach the ranks at different steps, so ``step_done`` agrees
 on it across ranks (one small all-gather per call) and every rank saves the same step.
+
+**The grace period.** A preemption save never waits for a background writer that is not ready.
+Where the ``stage``/``write`` provider writes in a process of its own (``pinned_staging``: a
+:class:`SavesInBackground`), the same all-gather carries whether each rank's writer is ready now.
+If it is on every rank, the preemption save takes the provider's usual background path; if it is
+not on some rank (still starting, or lost and being replaced), every rank makes the save inside
+the provider's :meth:`~SavesInBackground.saving_in_process`: written synchronously in this
+process as the engine's default provider writes it (same files, committed before ``save()``
+returns), so it takes about as long as a synchronous save of the state. Every rank decides from
+the same gathered answers, so all ranks take the same path and their collectives match.
 """
 
 from __future__ import annotations
@@ -21,9 +31,11 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .._dcpio import dist as _dist
 from ..errors import InvalidArgumentError
@@ -32,9 +44,30 @@ if TYPE_CHECKING:
     from .engine import CheckpointEngine
     from .pending import SaveHandle
 
-__all__ = ["PreemptionSaver"]
+__all__ = ["PreemptionSaver", "SavesInBackground"]
 
 logger = logging.getLogger("ckpt_engine")
+
+
+@runtime_checkable
+class SavesInBackground(Protocol):
+    """A plugin that provides both ``stage`` and ``write`` and writes in a background process that
+    may not be ready yet (``pinned_staging``'s writer), but can also write a save synchronously.
+
+    The :class:`PreemptionSaver` uses it so that a preemption save never waits for that process
+    (see the module docstring). Both methods are called on every rank, in the same order.
+    """
+
+    def background_ready(self) -> bool:
+        """Whether a save started now would be written in the background without waiting for the
+        background process to start. Must not block."""
+        ...
+
+    def saving_in_process(self) -> AbstractContextManager[None]:
+        """A context in which saves are written synchronously by this process, as the engine's
+        default ``write`` provider writes them: the same checkpoint layout, committed by the engine
+        before ``save()`` returns. Enter it on every rank or on none."""
+        ...
 
 
 class PreemptionSaver:
@@ -58,6 +91,7 @@ class PreemptionSaver:
         self._requested = threading.Event()
         self._previous: dict[signal.Signals, Any] = {}
         self._last_saved: int | None = None
+        self._background = _background_provider(engine)
 
     @property
     def requested(self) -> bool:
@@ -87,23 +121,48 @@ class PreemptionSaver:
             signal.signal(sig, previous)
         self._previous.clear()
 
-    def _agreed_request(self) -> bool:
+    def _agree(self) -> tuple[bool, bool]:
+        """Whether a preemption signal arrived on any rank, and whether every rank's background
+        writer is ready (one all-gather of both, so every rank gets the same two answers)."""
+        ready = self._background is None or self._background.background_ready()
         if _dist.world_size() == 1:
-            return self.requested
-        return any(_dist.all_gather_object(self.requested))
+            return self.requested, ready
+        votes = _dist.all_gather_object((self.requested, ready))
+        return any(requested for requested, _ in votes), all(ok for _, ok in votes)
 
     def step_done(self, step: int, **objects: Any) -> SaveHandle | None:
         """Call after step ``step`` with ``save()``'s keyword arguments. Saves every ``every``
         steps; after a preemption signal, saves (unless this step is saved already), waits for the
-        commit and raises ``SystemExit(exit_code)``."""
-        preempted = self._agreed_request()
+        commit and raises ``SystemExit(exit_code)``. The preemption save is written in this
+        process when a background writer is not ready on some rank (see the module docstring)."""
+        preempted, ready = self._agree()
+        in_process = self._background if preempted and not ready else None
         handle = None
+        start = time.perf_counter()
         if (preempted or (self.every is not None and step % self.every == 0)) and self._last_saved != step:
-            handle = self.engine.save(step, **objects)
+            with in_process.saving_in_process() if in_process is not None else nullcontext():
+                handle = self.engine.save(step, **objects)
             self._last_saved = step
         if preempted:
             self.engine.wait()  # committed before the process goes
             if _dist.rank() == 0:
-                logger.warning("preempted: saved iteration %d; exiting with status %d", step, self.exit_code)
+                how = (
+                    " (written in this process: the background writer was not ready)" if in_process is not None else ""
+                )
+                logger.warning(
+                    "preempted: saved iteration %d in %.2fs%s; exiting with status %d",
+                    step,
+                    time.perf_counter() - start,
+                    how,
+                    self.exit_code,
+                )
             raise SystemExit(self.exit_code)
         return handle
+
+
+def _background_provider(engine: CheckpointEngine) -> SavesInBackground | None:
+    """The plugin that provides both ``stage`` and ``write`` when it is a :class:`SavesInBackground`."""
+    pipeline = engine.pipeline
+    stage = pipeline.pm.get_plugin(pipeline.providers["stage"])
+    write = pipeline.pm.get_plugin(pipeline.providers["write"])
+    return stage if stage is write and isinstance(stage, SavesInBackground) else None

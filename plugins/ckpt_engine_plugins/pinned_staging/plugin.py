@@ -52,6 +52,15 @@ longer than ``write_timeout_s``, or a writer not ready after ``writer_start_time
 killed the same way. With several ranks any failed write replaces the writer on every rank,
 since its process group may be broken.
 
+**Preemption.** A preemption save (``engine.save_on_preemption()``) must not wait for a
+writer that is not ready (still starting, or lost and being replaced): the saver asks
+:meth:`PinnedStagingPlugin.background_ready` on every rank and, unless every rank's writer is
+ready, makes the preemption save inside :meth:`PinnedStagingPlugin.saving_in_process` on every
+rank. There ``stage`` hands over the live state (no copy, no buffers, no writer) and ``write``
+runs the engine's own DCP save with :class:`~ckpt_engine.storage.EngineFileSystemWriter` in the
+training thread, over the engine's process group: the files of the engine's synchronous save,
+committed before ``save()`` returns.
+
 **Shutdown.** ``close()`` (the engine calls it from ``CheckpointEngine.close()`` and ``with``)
 waits up to ``close_timeout_s`` for the in-flight save, then stops the writer; an ``atexit``
 hook does the same for engines never closed. At interpreter exit the engine's commit thread
@@ -67,8 +76,9 @@ import itertools
 import logging
 import os
 import threading
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any, Literal
 
@@ -76,6 +86,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ckpt_engine import CkptEngineError, SaveContext, StagedState, WriteContext, WriteResult, hookimpl
+from ckpt_engine.storage import EngineFileSystemWriter, engine_save
 
 from .collect import Collector, Staged, collect, staged_components
 from .copies import Snapshot, StreamPool, stage_copy
@@ -193,6 +204,10 @@ class PinnedStagingPlugin:
         self._streams = StreamPool()
         self._snapshots: list[Snapshot] = []
         self._warned_no_optimizer = False
+        #: Inside ``saving_in_process()``: saves bypass the writer (see the module docstring).
+        self._in_process = False
+        #: The live state dicts ``stage`` handed over in process, by component, until written.
+        self._live: dict[str, dict[str, Any]] = {}
         self._writers = WriterSupervisor(
             settings,
             on_mapped=self._pool.on_mapped,
@@ -233,6 +248,28 @@ class PinnedStagingPlugin:
     def buffer_sets(self) -> tuple[BufferSetInfo, ...]:
         return self._pool.infos()
 
+    # -- saves that must not wait for the writer (``SavesInBackground``) ---------------------
+
+    def background_ready(self) -> bool:
+        """Whether the writer process is ready now, so a save would not wait for it to start
+        (never blocks)."""
+        writer = self._writer
+        return not self._writers.closed and writer is not None and writer.alive and writer.ready
+
+    @contextlib.contextmanager
+    def saving_in_process(self) -> Iterator[None]:
+        """Saves made inside are written synchronously in this process, by the engine's DCP
+        save, without the writer process or the host buffers: the same checkpoint, committed
+        before ``save()`` returns. Enter it on every rank or on none (the ranks' DCP collectives
+        must match); the preemption saver does so when a writer is not ready on some rank."""
+        with self._lock:
+            self._in_process = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_process, self._live = False, {}
+
     # -- stage ----------------------------------------------------------------------------
 
     @hookimpl
@@ -242,6 +279,11 @@ class PinnedStagingPlugin:
                 f"pinned_staging was created for rank {self._rank} of {self._world}, but the save runs on rank "
                 f"{ctx.rank} of {ctx.world_size}; create the engine after init_process_group"
             )
+        if self._in_process:
+            self._writers.check_open()
+            with self._lock:
+                self._live = dict(state)
+            return StagedState(components=dict(state), is_copy=False)  # written before save() returns
         writer = self._writers.live()
         collector, skeletons = collect(state, share_across_components=self.options.max_host_bytes is None)
         self._settle_snapshots()  # an earlier overlap copy: complete and confirmed before its buffers are reused
@@ -319,7 +361,9 @@ class PinnedStagingPlugin:
     # -- write ----------------------------------------------------------------------------
 
     @hookimpl
-    def write(self, ctx: WriteContext, state_dict: dict[str, Any]) -> Future[WriteResult]:
+    def write(self, ctx: WriteContext, state_dict: dict[str, Any]) -> Future[WriteResult] | WriteResult:
+        if not ctx.staged_copy:
+            return self._write_in_process(ctx, state_dict)
         with self._lock:
             self._writers.check_open()
             staged = self._staged.get(ctx.component)
@@ -359,6 +403,36 @@ class PinnedStagingPlugin:
         else:  # hand over only a complete, confirmed snapshot
             staged.snapshot.when_settled(lambda error: writer.hand_over(message, future, error, self._world))
         return future
+
+    def _write_in_process(self, ctx: WriteContext, state_dict: dict[str, Any]) -> WriteResult:
+        """Write the live state of one component now, as the engine's own ``write`` does."""
+        with self._lock:
+            self._writers.check_open()
+            live = self._live.pop(ctx.component, None)
+        if live is None or live is not state_dict:
+            raise CkptEngineError(
+                f"pinned_staging.write got the live state dict of component {ctx.component!r}, but "
+                "pinned_staging.stage did not hand it over in process; the two hooks must both come from pinned_staging"
+            )
+        start = time.perf_counter()
+        storage = EngineFileSystemWriter(
+            ctx.path,
+            thread_count=self.options.thread_count or ctx.thread_count,
+            sync_files=ctx.sync_files,
+            overwrite=True,
+        )
+        # No process group given: DCP runs over the engine's (the active CollectiveWatch's, the
+        # ctx.process_group the engine's own write passes), bounded by collective_timeout_s.
+        with warnings.catch_warnings():  # what the engine's own write silences too
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint in")
+            nbytes = engine_save(
+                state_dict,
+                storage_writer=storage,
+                planner=ctx.planner,
+                cache_key=getattr(ctx.planner, "cache_key", None),
+            )
+        return WriteResult(component=ctx.component, bytes_written=nbytes, seconds=time.perf_counter() - start)
 
     def _write_windowed(
         self, staged: Staged, pump: WindowPump, writer: WriterProcess, message: Save, future: Future[WriteResult]

@@ -133,7 +133,7 @@ class WriterProcess:
         self.error: PinnedWriterError | None = None
         self._start_error: str | None = None
         self._kill_reason: str | None = None
-        self._expected_exit = False
+        self._expected_exit = self._stopped_unready = False  # the latter: see shutdown()
 
         child_in, parent_out = os.pipe()
         parent_in, child_out = os.pipe()
@@ -344,13 +344,22 @@ class WriterProcess:
         self._handle_loss(reason)
 
     def shutdown(self, timeout: float) -> None:
-        """Ask the writer to exit once its queue is empty; kill it after ``timeout``."""
+        """Ask the writer to exit once its queue is empty; kill it after ``timeout``.
+
+        A writer that is not ready and has nothing pending is killed at once: it holds no work,
+        and waiting for it to finish starting (seconds; with several ranks, up to its rendezvous
+        timeout) would hold up ``close()``, and a preempted job's exit, for nothing."""
         with self._lock:
             lost = self._lost.is_set()
+            stop_now = not lost and not self.ready and not self._pending
             if not lost:
-                self._expected_exit = True
-                self._outbox.put(encode(Shutdown()))
-        if not lost:
+                self._expected_exit, self._stopped_unready = True, stop_now
+                if not stop_now:
+                    self._outbox.put(encode(Shutdown()))
+        if stop_now:
+            with contextlib.suppress(OSError):
+                self.proc.kill()
+        elif not lost:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -380,7 +389,7 @@ class WriterProcess:
         self._outbox.put(None)  # stop the sender
         rc = self.proc.returncode
         error: PinnedWriterError | None = None
-        if not (expected and rc == 0 and not pending):
+        if not (expected and not pending and (rc == 0 or self._stopped_unready)):
             parts = [
                 f"the pinned_staging writer process (pid {self.pid}, rank {self.rank}) {_status(rc, killed_by_us)}"
             ]
