@@ -29,8 +29,8 @@ class OverlapRecord:
 class ComponentReport:
     """Per-key outcome of loading one component.
 
-    Every destination key is in exactly one of ``loaded``, ``overlap``, ``skipped``, ``missing``;
-    every storage key is read by some entry or listed in ``unexpected``.
+    Every destination key is in exactly one of ``loaded``, ``overlap``, ``skipped``, ``missing``,
+    ``tied``; every storage key is read by some entry or listed in ``unexpected``.
     """
 
     component: str
@@ -46,6 +46,10 @@ class ComponentReport:
     cast: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     #: What plugins said about this load (``RemapContext.note``), each prefixed with the plugin's name.
     notes: tuple[str, ...] = ()
+    #: destination key -> its twin, for keys the checkpoint lacks that are the same tensor as a key
+    #: it loads (a tie in the model, e.g. ``lm_head.weight`` is ``embed_tokens.weight``): filled
+    #: through the twin, never missing.
+    tied: Mapping[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +71,7 @@ class ComponentReport:
             "renamed": dict(self.renamed),
             "cast": {k: list(v) for k, v in self.cast.items()},
             "notes": list(self.notes),
+            "tied": dict(self.tied),
         }
 
     def summary_lines(self, threshold: int = 8) -> list[str]:
@@ -74,6 +79,8 @@ class ComponentReport:
             f"{self.component}: {len(self.loaded)} loaded, {len(self.overlap)} overlap, "
             f"{len(self.skipped)} skipped, {len(self.missing)} missing, {len(self.unexpected)} unexpected"
         )
+        if self.tied:
+            head += f", {len(self.tied)} tied"
         lines = [head]
         lines += [f"  note: {n}" for n in self.notes]
         if self.renamed:
@@ -115,6 +122,9 @@ class ComponentReport:
             lines.append(f"  overlap: {key} saved {list(ov.saved_shape)} -> target {list(ov.target_shape)}")
         if len(overlaps) > len(shown):
             lines.append(f"  ... and {len(overlaps) - len(shown)} more overlap-loaded keys")
+        lines += [f"  tied: {dest} is {twin}" for dest, twin in sorted(self.tied.items())[:threshold]]
+        if len(self.tied) > threshold:
+            lines.append(f"  ... and {len(self.tied) - threshold} more tied keys")
         lines += [f"  missing: {g}" for g in collapse_keys(self.missing, threshold)]
         lines += [f"  unexpected: {g}" for g in collapse_keys(self.unexpected, threshold)]
         if self.cast:

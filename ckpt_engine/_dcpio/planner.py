@@ -171,10 +171,26 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         )
         claimed = {e.storage_key for e in entries if e.stored is not None}
         unexpected = sorted(k for k in storage_keys - claimed if not k.startswith(self.ignore_unexpected_prefixes))
-        self._apply_strictness(entries, unexpected)
+        tied = self._ties(entries)
+        self._apply_strictness(entries, unexpected, tied)
         items = self._read_items(entries)
-        self.report = dataclasses.replace(self._build_report(entries, unexpected), notes=tuple(remap_ctx.notes))
+        report = self._build_report(entries, unexpected, tied)
+        self.report = dataclasses.replace(report, notes=tuple(remap_ctx.notes), tied=tied)
         return LoadPlan(items)
+
+    def _ties(self, entries: tuple[PlanEntry, ...]) -> dict[str, str]:
+        """Missing destination keys that are the same memory as a destination key that loads (a
+        tie in the model: Hugging Face's ``save_pretrained`` writes ``lm_head.weight`` tied to
+        ``embed_tokens.weight`` once), each with that twin: loading the twin fills them."""
+        loads: dict[TensorKey, str] = {}
+        for e in entries:
+            if e.decision is Decision.LOAD and (key := _memory(self.state_dict[e.dest_key])) is not None:
+                loads.setdefault(key, e.dest_key)
+        tied: dict[str, str] = {}
+        for e in entries:
+            if e.decision is Decision.MISSING and (key := _memory(self.state_dict[e.dest_key])) in loads:
+                tied[e.dest_key] = loads[key]
+        return tied
 
     def _initial_entry(self, dest: str, storage: str, saved: Mapping[str, Any]) -> PlanEntry:
         target = target_spec(self.state_dict[dest])
@@ -186,11 +202,11 @@ class EngineLoadPlanner(DefaultLoadPlanner):
             return dataclasses.replace(entry, decision=Decision.MISMATCH)
         return entry
 
-    def _apply_strictness(self, entries: tuple[PlanEntry, ...], unexpected: list[str]) -> None:
+    def _apply_strictness(self, entries: tuple[PlanEntry, ...], unexpected: list[str], tied: dict[str, str]) -> None:
         missing = [
             e.dest_key + (f" (reads {e.storage_key})" if e.storage_key != e.dest_key else "")
             for e in entries
-            if e.decision is Decision.MISSING
+            if e.decision is Decision.MISSING and e.dest_key not in tied
         ]
         mismatched = [
             f"{e.dest_key}: stored {e.stored}, target {e.target}" for e in entries if e.decision is Decision.MISMATCH
@@ -254,7 +270,9 @@ class EngineLoadPlanner(DefaultLoadPlanner):
                 ]
         return items
 
-    def _build_report(self, entries: tuple[PlanEntry, ...], unexpected: list[str]) -> ComponentReport:
+    def _build_report(
+        self, entries: tuple[PlanEntry, ...], unexpected: list[str], tied: dict[str, str]
+    ) -> ComponentReport:
         loaded, missing = [], []
         skipped: dict[str, SkipRecord] = {}
         overlap: dict[str, OverlapRecord] = {}
@@ -280,6 +298,8 @@ class EngineLoadPlanner(DefaultLoadPlanner):
                     cast[e.dest_key] = (_dtype_name(e.stored), _dtype_name(e.target))
             elif d is Decision.SKIP:
                 skipped[e.dest_key] = SkipRecord(reason=e.reason, plugin=e.decided_by)
+            elif d is Decision.MISSING and e.dest_key in tied:
+                continue  # filled through its twin: touched as much as the twin is
             elif d is Decision.MISSING:
                 missing.append(e.dest_key)
             else:  # unresolved mismatch in non-strict mode
@@ -406,3 +426,18 @@ def flat_keys(state_dict: dict[str, Any]) -> list[str]:
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, None, False)
     return list(planner.state_dict)
+
+
+#: Identifies the memory of a tensor: (data pointer, shape, stride, dtype, device).
+TensorKey = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+
+def _memory(value: Any) -> TensorKey | None:
+    """What identifies ``value``'s memory (a DTensor's: its local shard's), or ``None`` for a
+    non-tensor or an empty tensor (whose data pointers say nothing)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if local.numel() == 0:
+        return None
+    return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), local.dtype, local.device)
