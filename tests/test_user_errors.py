@@ -275,3 +275,18 @@ def test_a_save_dir_under_the_home_folder_is_expanded_everywhere(
     assert (tmp_path / "ckpt" / "iter_000000002").is_dir()
     result = CheckpointEngine({"save_dir": "/unused", "load_dir": "~/ckpt"}).load(**state.objects())
     assert result.iteration == 2
+
+
+@pytest.mark.parametrize(
+    ("iteration", "error"), [("10", TypeError), (2.0, TypeError), (True, TypeError), (-1, ValueError)]
+)
+def test_a_wrong_iteration_is_a_type_error_or_a_value_error(tmp_path: Path, iteration: object, error: type) -> None:
+    """The README's rule: a wrong argument type is a TypeError (``ArgumentTypeError``), a wrong
+    value a ValueError; both are ``CkptEngineError``s naming the argument."""
+    with (
+        CheckpointEngine({"save_dir": str(tmp_path)}) as engine,
+        pytest.raises(error, match="iteration must be") as info,
+    ):
+        engine.save(iteration, model=nn.Linear(2, 2))  # type: ignore[arg-type]
+    assert isinstance(info.value, CkptEngineError)
+    assert isinstance(info.value, ArgumentTypeError) == (error is TypeError)

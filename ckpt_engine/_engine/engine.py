@@ -19,7 +19,7 @@ from torch import nn
 from .._dcpio.fast_read import gc_paused
 from .._format.manifest import DEFAULT_ALGORITHM
 from ..config import EngineConfig
-from ..errors import CkptEngineError, InvalidArgumentError
+from ..errors import ArgumentTypeError, CkptEngineError, InvalidArgumentError, clip
 from ..pipeline import Pipeline
 from ..plugin_manager import build_plugin_manager
 from ..types import LoadResult
@@ -116,8 +116,12 @@ class CheckpointEngine:
         """
         self._check_open()
         extra = with_rng(extra, self.config.rng)
-        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise InvalidArgumentError(f"iteration must be a non-negative int, got {iteration!r}")
+        if isinstance(iteration, bool) or not isinstance(iteration, int):
+            raise ArgumentTypeError(
+                f"iteration must be a non-negative int, got {type(iteration).__name__} {clip(repr(iteration), 40)}"
+            )
+        if iteration < 0:
+            raise InvalidArgumentError(f"iteration must be a non-negative int, got {iteration}")
         objs = TrainingObjects.from_args(model, optimizer, scheduler, grad_scaler, extra)
         if not objs.modules:
             raise InvalidArgumentError("save() needs model=: a module or a list of modules")
