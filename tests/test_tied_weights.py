@@ -86,3 +86,26 @@ def test_a_saved_tied_model_round_trips(tmp_path: Path) -> None:
         report = engine.load(model=target).report["model"]
     assert not report.missing and torch.equal(target.lm_head.weight, source.lm_head.weight)
     assert target.lm_head.weight.data_ptr() == target.embed_tokens.weight.data_ptr()
+
+
+def test_load_path_may_name_the_index_of_a_sharded_folder(tmp_path: Path) -> None:
+    """``load_path: .../model.safetensors.index.json`` loads its folder (it said "does not exist")."""
+    import json
+
+    source = TiedLM(seed=0, tied=False)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    sd = {k: v.detach().clone().contiguous() for k, v in source.state_dict().items()}
+    save_file({"embed_tokens.weight": sd["embed_tokens.weight"]}, str(folder / "model-00001-of-00002.safetensors"))
+    rest = {k: v for k, v in sd.items() if k != "embed_tokens.weight"}
+    save_file(rest, str(folder / "model-00002-of-00002.safetensors"))
+    weight_map = {
+        k: "model-00001-of-00002.safetensors" if k == "embed_tokens.weight" else "model-00002-of-00002.safetensors"
+        for k in sd
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    target = TiedLM(seed=1, tied=False)
+    index = str(folder / "model.safetensors.index.json")
+    with CheckpointEngine({"save_dir": str(tmp_path / "run"), "load_path": index}) as engine:
+        engine.load(model=target)
+    assert all(torch.equal(v, sd[k]) for k, v in target.state_dict().items())

@@ -71,9 +71,9 @@ _LISTED = 3
 
 
 def is_safetensors_path(path: str) -> bool:
-    """Whether ``load_path`` names safetensors weights: a ``.safetensors`` file, or a local folder
-    holding ``model.safetensors`` or ``model.safetensors.index.json``."""
-    if path.endswith(".safetensors"):
+    """Whether ``load_path`` names safetensors weights: a ``.safetensors`` file, a local folder
+    holding ``model.safetensors`` or ``model.safetensors.index.json``, or that index itself."""
+    if path.endswith((".safetensors", INDEX_FILE)):
         return True
     if is_url(path) or not os.path.isdir(path):
         return False
@@ -100,6 +100,14 @@ def read_index(path: str) -> SafetensorsIndex:
             f"load_path {path!r}: safetensors weights are read from a local file or folder; copy them there "
             "(e.g. huggingface-cli download ... --local-dir DIR) and point load_path at it"
         )
+    if os.path.basename(path) == INDEX_FILE and not os.path.isdir(path):
+        folder = os.path.dirname(path) or "."
+        if not os.path.lexists(path):
+            raise CheckpointNotFoundError(
+                f"load_path {clip(path)} does not exist; point load_path at the Hugging Face folder that "
+                f"should hold it ({clip(folder)}), or fix it"
+            )
+        return read_index(folder)  # the index describes its folder: the folder is what loads
     if not os.path.isdir(path):
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"load_path {path!r} does not exist; fix load_path or unset it")
