@@ -24,6 +24,7 @@ __all__ = [
     "SEGMENTS",
     "KeyRenames",
     "dotted_keys",
+    "optimizer_state_dicts",
     "renamed_keys",
     "shapes",
     "st",
@@ -190,3 +191,46 @@ def renamed_keys(
         mapping=mapping,
         rule={"checkpoint": checkpoint_prefix, "model": model_prefix},
     )
+
+
+#: Per-parameter optimizer statistics :func:`optimizer_state_dicts` draws (AdamW's, SGD's, Adagrad's).
+STATS: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum")
+#: Per-parameter hyperparameters of the flattened ``param_groups`` (what DCP writes for each fqn).
+GROUP_FIELDS: tuple[str, ...] = ("lr", "weight_decay", "eps", "betas", "amsgrad", "maximize")
+
+
+@st.composite
+def optimizer_state_dicts(
+    draw: st.DrawFn,
+    params: Mapping[str, torch.Tensor],
+    *,
+    stats: Sequence[str] = STATS,
+    fields: Sequence[str] = GROUP_FIELDS,
+    meta: bool = True,
+) -> dict[str, object]:
+    """Flat ``optim`` target state dicts shaped as the engine saves them (DCP's
+    ``flatten_optimizer_state_dict``) for the parameters ``params`` (fqn -> tensor, e.g. one drawn
+    by :func:`state_dicts`): ``state.<fqn>.step`` (a 0-d float32 tensor) and some of ``stats`` as
+    ``state.<fqn>.<stat>`` (tensors of the parameter's shape and dtype) for each parameter that
+    has state, and ``param_groups.<fqn>.<field>`` for every parameter (plain Python values:
+    floats, bools, a pair of floats for ``betas``)."""
+    device = "meta" if meta else "cpu"
+    chosen = draw(st.lists(st.sampled_from(list(stats)), min_size=1, max_size=len(stats), unique=True))
+    group = draw(st.lists(st.sampled_from(list(fields)), min_size=1, max_size=len(fields), unique=True))
+    out: dict[str, object] = {}
+    for fqn, param in params.items():
+        if draw(st.booleans()):  # this parameter has stepped: it has state
+            out[f"state.{fqn}.step"] = torch.zeros((), dtype=torch.float32, device=device)
+            for stat in chosen:
+                out[f"state.{fqn}.{stat}"] = torch.zeros(param.shape, dtype=param.dtype, device=device)
+        for name in group:
+            out[f"param_groups.{fqn}.{name}"] = _group_value(draw, name)
+    return out
+
+
+def _group_value(draw: st.DrawFn, name: str) -> object:
+    if name in ("amsgrad", "maximize"):
+        return draw(st.booleans())
+    if name == "betas":
+        return (draw(st.floats(0.0, 1.0)), draw(st.floats(0.0, 1.0)))
+    return draw(st.floats(0.0, 1.0))

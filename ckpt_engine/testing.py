@@ -4,7 +4,9 @@
   described checkpoint, without files (see ``docs/testing-plugins.md``);
 * :func:`make_engine`, :class:`TinyTrainingState`, :func:`assert_state_dicts_equal`: round trips
   through real DCP checkpoints;
-* :mod:`ckpt_engine.strategies`: hypothesis strategies for property tests.
+* :mod:`ckpt_engine.strategies`: hypothesis strategies for property tests, also importable from
+  here (``from ckpt_engine.testing import state_dicts``), loaded on first use: this module does
+  not need ``hypothesis``, the strategies do.
 
 >>> from ckpt_engine.testing import TinyTrainingState, make_engine
 >>> state = TinyTrainingState.create(seed=0)                       # doctest: +SKIP
@@ -160,3 +162,25 @@ def assert_state_dicts_equal(a: Mapping[str, Any], b: Mapping[str, Any], path: s
             )
         else:
             assert va == vb, f"{where}: {va!r} != {vb!r}"
+
+
+#: The strategies of :mod:`ckpt_engine.strategies`, re-exported on first use (they need hypothesis).
+_STRATEGIES = frozenset(
+    {
+        "dotted_keys",
+        "optimizer_state_dicts",
+        "renamed_keys",
+        "shapes",
+        "state_dicts",
+        "stored_like",
+        "KeyRenames",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _STRATEGIES:
+        from . import strategies
+
+        return getattr(strategies, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
