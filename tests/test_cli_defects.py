@@ -300,3 +300,23 @@ def test_ls_after_a_crash_between_the_two_renames_of_a_resave(cli: Run, two_save
     with CheckpointEngine({"save_dir": str(two_saves)}) as engine:
         result = engine.load(**TinyTrainingState.create(seed=1, hidden=8).objects())
     assert result.iteration == 4
+
+
+def test_plan_json_lists_strict_mismatches_as_mismatched_like_the_text(cli: Run, plan_setup: dict[str, Any]) -> None:
+    """``plan --json`` listed a strict load's mismatches as ``skipped ... (strict=False)`` (what
+    the lenient re-plan for the report did) where the text says ``MISMATCHED``."""
+    (plan_setup["root"] / "wider_factories.py").write_text(
+        "from ckpt_engine.testing import TinyTrainingState\n\n\n"
+        "def build():\n"
+        "    return TinyTrainingState.create(seed=1, hidden=9).model\n"
+    )
+    try:
+        code, text, _ = cli("plan", str(plan_setup["dir"]), "--model", "wider_factories:build")
+        code_json, out, _ = cli("plan", str(plan_setup["dir"]), "--model", "wider_factories:build", "--json")
+    finally:
+        sys.modules.pop("wider_factories", None)
+    model = json.loads(out)["report"]["model"]
+    assert code == code_json == 1
+    assert model["mismatched"] and not any("strict=False" in r["reason"] for r in model["skipped"].values())
+    shown = {line.split(": ")[1] for line in text.splitlines() if line.startswith("  MISMATCH: ")}
+    assert shown == set(model["mismatched"])

@@ -86,6 +86,16 @@ def dry_run_component(
     return planner.report, reader.planned_items
 
 
+def _report_doc(run: _DryRun) -> dict[str, Any]:
+    """The JSON report: as the text shows it, unresolved mismatches under ``mismatched`` (the
+    text's ``MISMATCH`` lines), never as keys a lenient re-plan skipped."""
+    doc: dict[str, Any] = {}
+    for name, rep in run.reports.items():
+        kept, unresolved = _split_unresolved(rep)
+        doc[name] = {**LoadReport({name: kept}).to_dict()[name], "mismatched": dict(sorted(unresolved.items()))}
+    return doc
+
+
 def _split_unresolved(rep: ComponentReport) -> tuple[ComponentReport, dict[str, str]]:
     """Separate what a lenient re-plan skipped only because strict was off (the unresolved
     mismatches a strict load fails on) from what plugins decided to skip."""
@@ -146,7 +156,7 @@ def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
         doc = {
             "checkpoint": target.checkpoint,
             "ok": ok,
-            "report": LoadReport(run.reports).to_dict(),
+            "report": _report_doc(run),
             "absent": run.absent,
             "errors": run.failures,
         }
