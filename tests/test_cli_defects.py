@@ -320,3 +320,21 @@ def test_plan_json_lists_strict_mismatches_as_mismatched_like_the_text(cli: Run,
     assert model["mismatched"] and not any("strict=False" in r["reason"] for r in model["skipped"].values())
     shown = {line.split(": ")[1] for line in text.splitlines() if line.startswith("  MISMATCH: ")}
     assert shown == set(model["mismatched"])
+
+
+def test_ls_calls_a_damaged_metadata_corrupt_and_a_missing_one_incomplete(cli: Run, tmp_path: Path) -> None:
+    """docs/cli.md's statuses: a ``.metadata`` failing its checksum is damage (``CORRUPT``), a
+    missing one an interrupted or partial copy (``INCOMPLETE``); ls said INCOMPLETE for both."""
+    save_dir = tmp_path / "run"
+    with CheckpointEngine({"save_dir": str(save_dir)}) as engine:
+        for it in (1, 2):
+            engine.save(it, model=TinyTrainingState.create(seed=it, hidden=8).model)
+    damaged = save_dir / "iter_000000002" / "model" / ".metadata"
+    data = bytearray(damaged.read_bytes())
+    data[-5] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    (save_dir / "iter_000000001" / "model" / ".metadata").unlink()
+    code, out, _ = cli("ls", str(save_dir))
+    rows = {line.split()[1]: line for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))}
+    assert code == 1
+    assert "CORRUPT" in rows["iter_000000002"] and "INCOMPLETE" in rows["iter_000000001"], out

@@ -7,6 +7,7 @@ it); its signature is stable. The loader uses the lower-level checks: :func:`met
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from collections.abc import Callable, Collection, Mapping
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .._storage.store import Store, store_for
-from ..errors import CheckpointPermissionError, CkptEngineError, IntegrityError, denied
+from ..errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, IntegrityError, denied
 from .hashing import new_hasher
 from .layout import CheckedCheckpoint, check_complete
 from .manifest import (
@@ -216,6 +217,8 @@ class VerifyReport:
     ``unverified_reason`` says why (no manifest, incomplete, a problem found, ...).
     ``problems``: one line per problem, each naming the file; empty when all is well.
     ``files`` / ``bytes``: files and bytes covered (the manifest's, else the DCP metadata's).
+    ``corrupt``: the checkpoint cannot be checked for completeness because a file it has is
+    damaged (a ``.metadata`` failing its checksum, a crafted one), not because one is missing.
     """
 
     path: str
@@ -226,6 +229,7 @@ class VerifyReport:
     files: int = 0
     bytes: int = 0
     level: str = "checksums"
+    corrupt: bool = False
 
     @property
     def ok(self) -> bool:
@@ -250,7 +254,20 @@ def verify_checkpoint(
         raise ValueError(f"level must be 'sizes' or 'checksums', got {level!r}")
     store = store_for(path, store)
     problems: list[str] = []
-    lookup, checked = _lookup_and_check_complete(path, store, problems)
+    lookup, checked, corrupt = _lookup_and_check_complete(path, store, problems)
+    report = _report(path, store, lookup, checked, problems, level, progress)
+    return dataclasses.replace(report, corrupt=corrupt) if corrupt else report
+
+
+def _report(
+    path: str,
+    store: Store,
+    lookup: ManifestLookup | None,
+    checked: CheckedCheckpoint | None,
+    problems: list[str],
+    level: VerifyLevel,
+    progress: Callable[[int, int], None] | None,
+) -> VerifyReport:
     if lookup is None:
         return VerifyReport(path, checked is not None, False, "the manifest is unreadable", problems, level=level)
     if lookup.manifest is None and store.is_object_store:
@@ -268,22 +285,25 @@ def verify_checkpoint(
 
 def _lookup_and_check_complete(
     path: str, store: Store, problems: list[str]
-) -> tuple[ManifestLookup | None, CheckedCheckpoint | None]:
-    """The manifest lookup (None: unreadable) and the completeness check (None: incomplete), the
-    ``.metadata`` files checked against the manifest before they are parsed; what failed goes
-    to ``problems``."""
+) -> tuple[ManifestLookup | None, CheckedCheckpoint | None, bool]:
+    """The manifest lookup (None: unreadable), the completeness check (None: incomplete), the
+    ``.metadata`` files checked against the manifest before they are parsed, and whether a
+    failure was damage (a corrupt file) rather than absence; what failed goes to ``problems``."""
     lookup: ManifestLookup | None = None
     checked: CheckedCheckpoint | None = None
+    corrupt = False
     try:
         lookup = lookup_manifest(path, store)
     except CkptEngineError as err:
         problems.append(str(err))
+        corrupt = isinstance(err, CorruptCheckpointError)
     try:
         checker = metadata_checker(path, lookup.manifest, store) if lookup and lookup.manifest else None
         checked = check_complete(path, store, checker)
     except CkptEngineError as err:
         problems.append(str(err))
-    return lookup, checked
+        corrupt = corrupt or isinstance(err, CorruptCheckpointError)
+    return lookup, checked, corrupt
 
 
 def _verify_against_manifest(

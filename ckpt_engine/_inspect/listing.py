@@ -56,10 +56,10 @@ def _committed_row(
     iteration: int, path: str, note: str | None, level: Literal["sizes", "checksums"], latest: str | None
 ) -> dict[str, Any]:
     report = verify_checkpoint(path, level=level)
-    if not report.complete:
+    if report.corrupt or (report.complete and report.problems):
+        status = "CORRUPT"  # a file is damaged (a .metadata failing its checksum), not missing
+    elif not report.complete:
         status = "INCOMPLETE"
-    elif report.problems:
-        status = "CORRUPT"
     elif report.verified:
         status = "verified"
     else:
