@@ -338,3 +338,20 @@ def test_ls_calls_a_damaged_metadata_corrupt_and_a_missing_one_incomplete(cli: R
     rows = {line.split()[1]: line for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))}
     assert code == 1
     assert "CORRUPT" in rows["iter_000000002"] and "INCOMPLETE" in rows["iter_000000001"], out
+
+
+def test_inspect_and_diff_call_a_plain_folder_no_checkpoint_as_verify_does(cli: Run, tmp_path: Path) -> None:
+    """A folder of data sub-folders was "an interrupted save?" to inspect and a pair of components
+    to diff; verify and plan already said what it is."""
+    plain = tmp_path / "data"
+    (plain / "images").mkdir(parents=True)
+    (plain / "labels").mkdir()
+    (plain / "images" / "0.png").write_bytes(b"x")
+    for args in (["inspect", str(plain)], ["diff", str(plain), str(plain)]):
+        code, _, err = cli(*args)
+        assert code == 2 and "is not a checkpoint: none of its folders (images, labels)" in err, err
+        assert "interrupted save" not in err
+    interrupted = tmp_path / "run" / "iter_000000005" / "model"
+    interrupted.mkdir(parents=True)
+    code, _, err = cli("inspect", str(interrupted.parent))
+    assert code == 2 and "interrupted save" in err  # shaped like a checkpoint: still said so

@@ -32,9 +32,10 @@ from .._dcpio.unsafe import blocked_global, refine_unsafe
 from .._format.layout import check_component_files, component_dirs
 from .._format.metadata import SafeFileSystemReader, read_metadata
 from .._format.names import LATEST_FILE, METADATA_FILE, parse_iteration
+from .._format.not_checkpoint import diagnose_not_checkpoint
 from .._format.pointer import list_checkpoints, read_latest
 from .._storage.fscheck import require_regular_file
-from .._storage.store import FsspecStore, is_url, open_store
+from .._storage.store import FsspecStore, is_url, open_store, store_for
 from ..errors import (
     CheckpointNotFoundError,
     CkptEngineError,
@@ -128,6 +129,10 @@ def resolve(path: str, components: Sequence[str] = ()) -> Target:
             raise CheckpointNotFoundError(
                 f"{checkpoint} is not a checkpoint: it has no component folders (model/, optim/, ...)"
             )
+        # A plain folder with sub-folders is no interrupted save: say what it is, as verify and plan do.
+        not_one = diagnose_not_checkpoint(checkpoint, list(found), store_for(checkpoint))
+        if not_one is not None:
+            raise not_one
     if components:
         unknown = [c for c in components if c not in found]
         if unknown:
