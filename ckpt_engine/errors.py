@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 
 class CkptEngineError(Exception):
     """Base class of every error raised by ckpt-engine."""
@@ -214,6 +212,9 @@ def first_failure(exc: BaseException) -> tuple[BaseException, list[int]]:
     """The error behind DCP's ``CheckpointException`` (a ``BaseException`` gathering every failed
     rank's error) and the failed ranks, lowest first; any other exception comes back as is, with
     no ranks."""
+    # Imported here, not at module load: importing the errors (the command line does) stays torch-free.
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(exc, CheckpointException):
         ranks = sorted(exc.failures)
         if ranks:

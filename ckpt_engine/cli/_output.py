@@ -8,8 +8,6 @@ import sys
 import time
 from typing import IO, Any
 
-from .._inspect.reader import human_bytes
-
 EXIT_OK, EXIT_PROBLEM, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 JSON_HELP = "print JSON instead of text (for scripts)"
 TRUST_HELP = (
@@ -36,6 +34,8 @@ class Progress:
             self.total = total
         now = time.monotonic()
         if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+            from .._inspect.reader import human_bytes
+
             self._last = now
             frac = min(self.done / self.total, 1.0) if self.total else 1.0
             bar = "#" * int(frac * 30)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._inspect.describe import config_reference
 from ._command import Command
 from ._output import EXIT_OK, EXIT_PROBLEM, print_lines
 
 
 def cmd_docs_config(args: argparse.Namespace) -> int:
+    from .._inspect.describe import config_reference
+
     text = config_reference()
     if args.check:
         with open(args.check, encoding="utf-8") as f:

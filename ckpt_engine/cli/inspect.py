@@ -6,7 +6,6 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .._inspect.reader import human_bytes, summarize_value, table
 from ._command import Command
 from ._output import EXIT_OK, JSON_HELP, TRUST_HELP, plural, print_json, print_lines
 
@@ -28,6 +27,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _text(contents: CheckpointContents, patterns: Sequence[str], *, summary: bool) -> list[str]:
+    from .._inspect.reader import human_bytes
+
     lines = [f"checkpoint {contents.target.describe()}"]
     if not contents.complete or contents.problems:
         lines.append(f"warning: {contents.problems[0] if contents.problems else 'incomplete'}")
@@ -46,6 +47,8 @@ def _text(contents: CheckpointContents, patterns: Sequence[str], *, summary: boo
 
 
 def _key_table(comp: ComponentContents) -> list[str]:
+    from .._inspect.reader import human_bytes, summarize_value, table
+
     rows = [
         [
             i.key,
@@ -61,6 +64,8 @@ def _key_table(comp: ComponentContents) -> list[str]:
 
 def _prefix_line(comp: ComponentContents) -> list[str]:
     """``by prefix:`` totals, when there is more than one prefix and one of them groups keys."""
+    from .._inspect.reader import human_bytes
+
     prefixes = comp.prefixes
     grouped = {p for p in prefixes if any(i.key.startswith(p + ".") for i in comp.infos)}
     if len(prefixes) <= 1 or not grouped:

@@ -6,7 +6,6 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from .._inspect.reader import human_bytes
 from ._command import Command
 from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, Progress, print_json, print_lines
 
@@ -53,6 +52,8 @@ def _json(result: PathVerification) -> dict[str, Any]:
 
 
 def _text(result: PathVerification, level: str) -> list[str]:
+    from .._inspect.reader import human_bytes
+
     lines: list[str] = []
     for r in result.reports:
         if not r.ok:
