@@ -174,16 +174,8 @@ class SaveTarget(ABC):
         return [RetentionJob(self.save_dir, self.config.keep_last, self.config.keep_every, self.store)]
 
 
-class LocalTarget(SaveTarget):
-    """``save_dir`` is a local folder: write a hidden folder there, rename it into place."""
-
-    def __init__(self, config: EngineConfig, store: Store) -> None:
-        check_local_save_dir(config.save_dir)
-        super().__init__(config, store, config.save_dir)
-
-    def paths(self, iteration: int) -> SavePaths:
-        final = os.path.join(self.save_dir, iter_dirname(iteration))
-        return SavePaths(iteration, final, os.path.join(self.staging_root, partial_dirname(iteration)), final)
+class _CommitsLocally(SaveTarget):
+    """A target whose saves are committed by renaming the local staging folder into place."""
 
     def commit(
         self,
@@ -194,6 +186,18 @@ class LocalTarget(SaveTarget):
         world: int,
     ) -> int:
         return commit_locally(paths, components, algorithm, entries, world)
+
+
+class LocalTarget(_CommitsLocally):
+    """``save_dir`` is a local folder: write a hidden folder there, rename it into place."""
+
+    def __init__(self, config: EngineConfig, store: Store) -> None:
+        check_local_save_dir(config.save_dir)
+        super().__init__(config, store, config.save_dir)
+
+    def paths(self, iteration: int) -> SavePaths:
+        final = os.path.join(self.save_dir, iter_dirname(iteration))
+        return SavePaths(iteration, final, os.path.join(self.staging_root, partial_dirname(iteration)), final)
 
 
 class ObjectStoreTarget(SaveTarget):
@@ -326,7 +330,7 @@ class ObjectStoreTarget(SaveTarget):
             logger.debug("could not remove the upload reports of %s", paths.final, exc_info=True)
 
 
-class TwoTierTarget(SaveTarget):
+class TwoTierTarget(_CommitsLocally):
     """An object store with ``storage.local_dir``: commit locally, then upload the local copy."""
 
     after_commit_in_background = True
@@ -354,16 +358,6 @@ class TwoTierTarget(SaveTarget):
         # save() wait on the network.
         assert paths.local_final is not None
         return [(paths.local_final, open_store(paths.local_final))]
-
-    def commit(
-        self,
-        paths: SavePaths,
-        components: tuple[str, ...],
-        algorithm: str | None,
-        entries: dict[str, FileEntry],
-        world: int,
-    ) -> int:
-        return commit_locally(paths, components, algorithm, entries, world)
 
     def after_commit(self, paths: SavePaths) -> BaseException | None:
         """Upload the committed local copy; the manifest (the completion marker) goes last, then
