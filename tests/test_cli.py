@@ -18,7 +18,7 @@ import pytest
 import torch
 from _torchrun import run_torchrun
 
-from ckpt_engine import CheckpointEngine, CheckpointNotFoundError
+from ckpt_engine import CheckpointEngine
 from ckpt_engine._inspect import reader as cli_read
 from ckpt_engine._inspect.describe import config_reference
 from ckpt_engine.cli import main
@@ -689,8 +689,8 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(cli: Run, tmp_path: P
     code, out, err = cli("inspect", str(tmp_path / "missing"))
     assert code == 2 and out == ""
     assert err == f"ckpt-engine inspect: error: CheckpointNotFoundError: {tmp_path / 'missing'} does not exist\n"
-    with pytest.raises(CheckpointNotFoundError):
-        main(["inspect", str(tmp_path / "missing"), "--debug"])
+    code, _, err = cli("inspect", str(tmp_path / "missing"), "--debug")
+    assert code == 2 and "Traceback (most recent call last)" in err and "CheckpointNotFoundError" in err
 
 
 def test_console_script_runs_as_a_real_process(saved: dict[str, Any]) -> None:

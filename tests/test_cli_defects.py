@@ -355,3 +355,23 @@ def test_inspect_and_diff_call_a_plain_folder_no_checkpoint_as_verify_does(cli: 
     interrupted.mkdir(parents=True)
     code, _, err = cli("inspect", str(interrupted.parent))
     assert code == 2 and "interrupted save" in err  # shaped like a checkpoint: still said so
+
+
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(cli: Run, tmp_path: Path) -> None:
+    """``--debug`` turned exit code 2 (an error) into 1 (a problem found) by re-raising."""
+    missing = str(tmp_path / "nothing")
+    code, _, err = cli("ls", missing)
+    code_debug, _, err_debug = cli("ls", missing, "--debug")
+    assert code == code_debug == 2
+    assert "Traceback (most recent call last)" in err_debug and "Traceback" not in err
+
+
+@pytest.mark.parametrize("atol", ["-1", "nan", "inf", "x"])
+def test_diff_refuses_a_tolerance_that_is_not_a_finite_non_negative_number(cli: Run, tmp_path: Path, atol: str) -> None:
+    """``diff --atol -1`` (or nan) made a checkpoint differ from itself."""
+    save_dir = tmp_path / "run"
+    with CheckpointEngine({"save_dir": str(save_dir)}) as engine:
+        engine.save(1, model=TinyTrainingState.create(seed=1, hidden=8).model)
+    code, _, err = cli("diff", str(save_dir), str(save_dir), f"--atol={atol}")
+    assert code == 2 and "--atol" in err
+    assert cli("diff", str(save_dir), str(save_dir), "--atol=0.5")[0] == 0

@@ -114,8 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13
     except Exception as err:
-        if debug:
-            raise
+        if debug:  # the traceback, and the same exit code as without --debug
+            import traceback
+
+            traceback.print_exc()
+            return EXIT_ERROR
         print(f"ckpt-engine {args.command}: error: {_error_text(err)}", file=sys.stderr)
         return EXIT_ERROR
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING
 
 from ._command import Command
@@ -69,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("b", metavar="B")
     parser.add_argument("--component", action="append", metavar="C", help="only this component (repeatable)")
     parser.add_argument("--keys", action="append", metavar="GLOB", help="only keys matching this glob (repeatable)")
-    parser.add_argument("--atol", type=float, default=0.0, help="differences up to this count as equal (default 0)")
+    parser.add_argument(
+        "--atol", type=_tolerance, default=0.0, help="differences up to this count as equal (default 0)"
+    )
     parser.add_argument("--limit", type=int, default=20, help="list at most this many keys per kind (0: all)")
     parser.add_argument("--trust", action="store_true", help=TRUST_HELP)
     parser.add_argument("--budget", type=parse_size, default="64M", help=argparse.SUPPRESS)
@@ -88,3 +91,14 @@ COMMAND = Command(
     add_arguments=add_arguments,
     run=cmd_diff,
 )
+
+
+def _tolerance(text: str) -> float:
+    """``--atol``: a finite number at least 0 (a negative or NaN one made a checkpoint differ from itself)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: the tolerance must be a finite number >= 0")
+    return value
