@@ -231,3 +231,10 @@ def clip(text: str, limit: int = SHOWN_CHARS) -> str:
     """``text`` (read from a file: a key, a path) as a message may show it: sliced *before* it is
     repr'd, so a hostile megabyte-long name costs a fixed size."""
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def described(err: BaseException) -> str:
+    """``Type: message`` of an error that is not the engine's, with the notes it carries (which
+    plugin's hook raised it), for the typed error that wraps it."""
+    notes = getattr(err, "__notes__", None) or []
+    return f"{type(err).__name__}: {err}" + "".join(f" ({clip(str(n), 200)[1:-1]})" for n in notes)

@@ -71,7 +71,17 @@ class Pipeline:
         return caller
 
     def _call_one(self, hook: str, plugin_name: str, **kwargs: Any) -> Any:
-        results = self._caller(hook, plugin_name)(**kwargs)
+        try:
+            results = self._caller(hook, plugin_name)(**kwargs)
+        except CkptEngineError:
+            raise
+        except Exception as err:
+            if plugin_name == DEFAULT_PLUGIN_NAME:
+                raise  # the engine's own: its callers map OSError and the like to typed errors
+            # The plugin's own error goes on (SaveResult.error and the disk-full hint read its
+            # type), carrying who raised it: the engine's messages show the note (errors.described).
+            err.add_note(f"raised by {self.describe(plugin_name)} in its {hook} hook")
+            raise
         # A single implementation: pluggy drops None results, so [] means "returned None".
         return results[0] if results else None
 

@@ -362,3 +362,30 @@ def test_first_failure_unwraps_dcp_checkpoint_exception() -> None:
     assert first_failure(exc) == (inner1, [1, 3])
     plain = RuntimeError("not DCP")
     assert first_failure(plain) == (plain, [])
+
+
+def test_an_exception_in_a_plugins_hook_names_the_plugin(save_dir: str) -> None:
+    """A plugin's own exception keeps its type for the engine's handling, and the engine's error
+    names the plugin and the hook it came from (a load and a save alike)."""
+    _saved(save_dir)
+
+    class Exploding:
+        name = "exploding"
+
+        @hookimpl
+        def pre_load_plan(self, ctx: Any, entries: Any) -> Any:
+            raise RuntimeError("plugin exploded")
+
+        @hookimpl
+        def remap_keys(self, ctx: Any, key_map: Any) -> Any:
+            if ctx.direction == "save":
+                raise KeyError("no such key")
+            return None
+
+    engine = make_engine(save_dir, Exploding())
+    with pytest.raises(
+        CheckpointLoadError, match=r"plugin exploded \(raised by plugin 'exploding'.* pre_load_plan hook\)"
+    ):
+        engine.load(model=TinyTrainingState.create().model)
+    with pytest.raises(CheckpointSaveError, match=r"raised by plugin 'exploding'.* remap_keys hook"):
+        engine.save(9, model=TinyTrainingState.create().model)

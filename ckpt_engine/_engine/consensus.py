@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .._dcpio import dist
-from ..errors import CheckpointLoadError, CkptEngineError, first_failure
+from ..errors import CheckpointLoadError, CkptEngineError, described, first_failure
 
 __all__ = ["Agreement", "Failure", "agree", "agreed", "portable", "unwrap"]
 
@@ -35,7 +35,7 @@ def portable(err: BaseException, fallback: type[CkptEngineError]) -> BaseExcepti
         back = None
     if isinstance(back, type(err)) and str(back) == str(err):
         return err
-    return fallback(f"{type(err).__name__}: {err}")
+    return fallback(described(err))
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def agreed(fn: Callable[[], _T], *, fallback: type[CkptEngineError] = Checkpoint
     except CkptEngineError as err:
         local = err
     except Exception as err:
-        local = fallback(f"{type(err).__name__}: {err}")
+        local = fallback(described(err))
         local.__cause__ = err
     outcome = agree(local, fallback=fallback, step=step)
     if local is not None:

@@ -50,6 +50,7 @@ from ..errors import (
     IncompleteCheckpointError,
     IntegrityError,
     InvalidArgumentError,
+    described,
 )
 from ..pipeline import Pipeline
 from ..report import ComponentReport, LoadReport, SkipRecord
@@ -409,7 +410,7 @@ class Loader:
                 raise refine_unsafe(err, f"component {name!r} in {component_dir}") from None
             where = f" (failed on rank(s) {ranks})" if _dist.world_size() > 1 else ""
             raise CheckpointLoadError(
-                f"loading component {name!r} from {component_dir} failed{where}: {type(err).__name__}: {err}"
+                f"loading component {name!r} from {component_dir} failed{where}: {described(err)}"
             ) from err
         return planner
 

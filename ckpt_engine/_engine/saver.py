@@ -35,6 +35,7 @@ from ..errors import (
     CkptEngineError,
     CollectiveError,
     SaveDirLockedError,
+    described,
 )
 from ..pipeline import Pipeline
 from ..types import PendingSnapshot, RemapContext, SaveContext, SaveResult, WriteContext, WriteResult
@@ -238,7 +239,7 @@ class Saver:
             err.committed = False
         if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveError)):
             return err
-        detail = str(err) if isinstance(err, CkptEngineError) else f"{type(err).__name__}: {err}"
+        detail = str(err) if isinstance(err, CkptEngineError) else described(err)
         return CheckpointSaveError(f"saving iteration {paths.iteration} to {paths.final} failed: {detail}")
 
     def _write(
@@ -291,7 +292,7 @@ class Saver:
         self._report(paths, components, clock, err, cleanup=True)
         where = f" on rank(s) {ranks}" if _dist.world_size() > 1 else ""
         return CheckpointSaveError(
-            f"saving iteration {paths.iteration} to {paths.final} failed{where}: {type(err).__name__}: {err}{hint}; "
+            f"saving iteration {paths.iteration} to {paths.final} failed{where}: {described(err)}{hint}; "
             "the previous checkpoint is untouched"
         )
 
