@@ -97,8 +97,11 @@ def test_a_file_out_inside_the_input_is_refused(
 
 def test_the_refusal_is_a_typed_usage_error(run: tuple[Path, dict[int, dict[str, torch.Tensor]]]) -> None:
     save_dir, _ = run
+    from ckpt_engine.cli import build_parser
+
+    args = build_parser().parse_args(["convert", str(save_dir), str(save_dir), "--to", "hf", "--force"])
     with pytest.raises(UsageError, match=r"OUT .* is .*being converted.*Write the export outside it"):
-        main(["convert", str(save_dir), str(save_dir), "--to", "hf", "--force", "--debug"])
+        args.func(args)  # the command itself, as main() runs it: the error it raises is typed
 
 
 @pytest.mark.parametrize("out", ["checkpoints", "checkpoints/iter_000000010", "checkpoints/iter_000000010/model"])
