@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import LoadStrictnessError, UnsafeCheckpointError
 from ..pipeline import Pipeline
 from ..report import ComponentReport, OverlapRecord, SkipRecord
+from ..staging import TensorKey, local_tensor, memory_key
 from ..types import Decision, LoadContext, PlanEntry, RemapContext, ValueSpec
 from .torch_private import local_chunks
 from .unsafe import unsafe_value_error, weights_only_reason
@@ -428,16 +429,9 @@ def flat_keys(state_dict: dict[str, Any]) -> list[str]:
     return list(planner.state_dict)
 
 
-#: Identifies the memory of a tensor: (data pointer, shape, stride, dtype, device).
-TensorKey = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
-
-
 def _memory(value: Any) -> TensorKey | None:
-    """What identifies ``value``'s memory (a DTensor's: its local shard's), or ``None`` for a
-    non-tensor or an empty tensor (whose data pointers say nothing)."""
-    if not isinstance(value, torch.Tensor):
+    """What identifies ``value``'s memory, or ``None`` for a non-tensor or an empty tensor (whose
+    data pointers say nothing)."""
+    if not isinstance(value, torch.Tensor) or local_tensor(value).numel() == 0:
         return None
-    local = value.to_local() if isinstance(value, DTensor) else value
-    if local.numel() == 0:
-        return None
-    return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), local.dtype, local.device)
+    return memory_key(value)

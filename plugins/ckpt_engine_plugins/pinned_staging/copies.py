@@ -46,7 +46,7 @@ from ckpt_engine import CkptEngineError
 
 # The one private torch behaviour this module relies on, behind the engine's public helper
 # (tests/test_torch_private.py pins it).
-from ckpt_engine.staging import tensor_version
+from ckpt_engine.staging import TensorKey, local_tensor, memory_key, tensor_version
 
 __all__ = [
     "Snapshot",
@@ -57,10 +57,6 @@ __all__ = [
     "stage_copy",
     "tensor_names",
 ]
-
-#: Identifies the memory of a tensor: (data pointer, shape, stride, dtype, device).
-TensorKey = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
-
 
 #: Elements sampled from each tensor an ``overlap`` save copies in the background (module docstring).
 SAMPLES = 64
@@ -91,18 +87,6 @@ class SnapshotChangedError(CkptEngineError):
 SnapshotChangedError.__module__ = "ckpt_engine_plugins.pinned_staging"
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    if not isinstance(tensor, DTensor):
-        return tensor
-    with torch.no_grad():
-        return tensor.to_local()
-
-
-def _key(tensor: torch.Tensor) -> TensorKey:
-    local = _local(tensor)
-    return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), local.dtype, local.device)
-
-
 def optimizer_owned(optimizers: Sequence[torch.optim.Optimizer]) -> dict[TensorKey, list[torch.Tensor]]:
     """The memory that only ``optimizer.step()`` changes (parameters and optimizer state), each
     with the tensors whose version counters an in-place change of it bumps.
@@ -113,8 +97,8 @@ def optimizer_owned(optimizers: Sequence[torch.optim.Optimizer]) -> dict[TensorK
     owned: dict[TensorKey, list[torch.Tensor]] = {}
 
     def add(tensor: torch.Tensor) -> None:
-        owners = owned.setdefault(_key(tensor), [])
-        owners += [tensor, _local(tensor)] if isinstance(tensor, DTensor) else [tensor]
+        owners = owned.setdefault(memory_key(tensor), [])
+        owners += [tensor, local_tensor(tensor)] if isinstance(tensor, DTensor) else [tensor]
 
     for optimizer in optimizers:
         for group in optimizer.param_groups:
@@ -127,11 +111,11 @@ def optimizer_owned(optimizers: Sequence[torch.optim.Optimizer]) -> dict[TensorK
 
 
 def is_owned(local: torch.Tensor, owned: Mapping[TensorKey, list[torch.Tensor]]) -> bool:
-    return _key(local) in owned
+    return memory_key(local) in owned
 
 
 def owners_of(local: torch.Tensor, owned: Mapping[TensorKey, list[torch.Tensor]]) -> list[torch.Tensor]:
-    return owned.get(_key(local), [])
+    return owned.get(memory_key(local), [])
 
 
 def tensor_names(state: Mapping[str, Any]) -> dict[int, str]:
