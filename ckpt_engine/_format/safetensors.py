@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any, BinaryIO
 import numpy
 import torch
 
+from .._storage.fscheck import open_regular as fscheck_open_regular
 from .._storage.fscheck import require_regular_file
 from ..errors import SHOWN_CHARS, CorruptCheckpointError, clip
 
@@ -107,17 +107,10 @@ def _bad(path: str, what: str) -> CorruptCheckpointError:
 
 def open_regular(path: str, what: str = "a safetensors file") -> BinaryIO:
     """``path`` opened for binary reading, refused unless it is a regular file: checked before the
-    open (opening a FIFO blocks) and on the opened file, opened with ``O_NONBLOCK`` so that a swap
-    in between cannot block either. Raises :class:`CorruptCheckpointError` naming ``path``."""
+    open (a folder is refused as one too) and as opened (:func:`~ckpt_engine._storage.fscheck.open_regular`).
+    Raises :class:`CorruptCheckpointError` naming ``path``."""
     require_regular_file(path, what)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorruptCheckpointError(f"{path} is not a regular file; expected {what}")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    return fscheck_open_regular(path, what)
 
 
 def read_header(path: str) -> SafetensorsHeader:

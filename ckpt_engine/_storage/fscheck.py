@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import BinaryIO
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["read_regular", "require_inside", "require_regular_file"]
+__all__ = ["open_regular", "read_regular", "require_inside", "require_regular_file"]
 
 
 def _kind(mode: int) -> str:
@@ -51,11 +52,9 @@ def require_regular_file(path: str | os.PathLike[str], what: str = "a checkpoint
         raise _refuse(path, mode, what)
 
 
-def read_regular(path: str | os.PathLike[str], limit: int | None = None, what: str = "a checkpoint file") -> bytes:
-    """The content of the regular file ``path`` (at most ``limit`` + 1 bytes); opens with
-    ``O_NONBLOCK`` and checks the opened file, so a FIFO is refused instead of waited on.
-    ``FileNotFoundError`` / ``PermissionError`` / ``IsADirectoryError`` pass through."""
-    path = os.fspath(path)
+def _open_checked(path: str, what: str) -> int:
+    """A descriptor of the regular file ``path``: opened with ``O_NONBLOCK`` and checked as opened,
+    so a FIFO (or one swapped in after a check) is refused instead of waited on."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     try:
         mode = os.fstat(fd).st_mode
@@ -63,6 +62,29 @@ def read_regular(path: str | os.PathLike[str], limit: int | None = None, what: s
             raise IsADirectoryError(21, "Is a directory", path)
         if not stat.S_ISREG(mode):
             raise _refuse(path, mode, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular(path: str | os.PathLike[str], what: str = "a checkpoint file") -> BinaryIO:
+    """The regular file ``path`` opened for binary reading (see :func:`_open_checked`).
+    ``FileNotFoundError`` / ``PermissionError`` / ``IsADirectoryError`` pass through."""
+    fd = _open_checked(os.fspath(path), what)
+    try:
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike[str], limit: int | None = None, what: str = "a checkpoint file") -> bytes:
+    """The content of the regular file ``path`` (at most ``limit`` + 1 bytes), read in chunks so a
+    large ``limit`` allocates nothing up front. ``FileNotFoundError`` / ``PermissionError`` /
+    ``IsADirectoryError`` pass through."""
+    fd = _open_checked(os.fspath(path), what)
+    try:
         chunks, want = [], (limit + 1) if limit is not None else None
         while want is None or want > 0:
             chunk = os.read(fd, 1 << 20 if want is None else min(want, 1 << 20))
