@@ -13,7 +13,7 @@ from typing import Any
 
 from ._dcpio.dist import quiet_dcp
 from ._dcpio.fast_save import plan_cache, save_state_dict
-from ._dcpio.fast_write import FastFileSystemWriter
+from ._dcpio.fast_write import FastFileSystemWriter, write_result
 from ._markers import hookimpl
 from .types import SaveContext, StagedState, WriteContext, WriteResult
 
@@ -39,6 +39,7 @@ class DefaultIO:
             thread_count=ctx.thread_count,
             sync_files=ctx.sync_files,
             overwrite=True,
+            carry_over=ctx.carry_over,
         )
         key = getattr(ctx.planner, "cache_key", None)
         with quiet_dcp():
@@ -49,4 +50,4 @@ class DefaultIO:
                 process_group=ctx.process_group,
                 cache=plan_cache(key) if key is not None else None,
             )
-        return WriteResult(component=ctx.component, bytes_written=out.total_bytes, seconds=time.perf_counter() - start)
+        return write_result(ctx.component, out.total_bytes, writer, time.perf_counter() - start)

@@ -13,6 +13,11 @@ then ``with activate_watch(watch): engine_save(...)``. Each process publishes it
 group's store; a process that does not reach a collective in time makes the others raise
 :class:`~ckpt_engine.errors.CollectiveTimeoutError` naming it and its last phase. Run a
 collective of the provider's own with ``watch.barrier(step)`` first and on ``watch.group``.
+
+With ``EngineConfig.incremental``, ``WriteContext.carry_over`` says what the write may carry over
+from the previous checkpoint: ``EngineFileSystemWriter(path, carry_over=ctx.carry_over, ...)``
+lays the files out for it and carries unchanged ones over, and :func:`write_result` reports
+what it wrote and what it carried over.
 """
 
 from __future__ import annotations
@@ -25,10 +30,18 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from ._dcpio.fast_read import FastFileSystemReader as EngineFileSystemReader
 from ._dcpio.fast_save import plan_cache, save_state_dict
 from ._dcpio.fast_write import FastFileSystemWriter as EngineFileSystemWriter
+from ._dcpio.fast_write import write_result
 from ._dcpio.watch import CollectiveWatch
 from ._dcpio.watch import activate as activate_watch
 
-__all__ = ["CollectiveWatch", "EngineFileSystemReader", "EngineFileSystemWriter", "activate_watch", "engine_save"]
+__all__ = [
+    "CollectiveWatch",
+    "EngineFileSystemReader",
+    "EngineFileSystemWriter",
+    "activate_watch",
+    "engine_save",
+    "write_result",
+]
 
 
 def engine_save(

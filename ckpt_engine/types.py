@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .report import LoadReport
 
 __all__ = [
+    "CarryOver",
     "Decision",
     "LoadContext",
     "LoadResult",
@@ -221,6 +222,31 @@ class StagedState:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CarryOver:
+    """What an incremental save (``EngineConfig.incremental``) may carry over, for one component:
+    the files of the last committed checkpoint, as its manifest lists them.
+
+    A write provider that honours it lays the component's items out in files that stay the same
+    from save to save, and carries over (instead of writing) each file whose bytes would equal
+    the previous checkpoint's file of the same name, as its size and checksum say; one that
+    ignores it writes everything, which is always correct."""
+
+    #: The previous checkpoint's folder of this component (a local path for ``method="link"``,
+    #: a URL for ``"copy"``), or ``None`` when there is nothing to carry over (the first save,
+    #: or a full write): the files are still laid out for the next save.
+    previous: str | None
+    #: File name inside ``previous`` -> (size, checksum), from the previous checkpoint's manifest.
+    files: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+    #: The manifest's checksum algorithm (that of this save too).
+    algorithm: str = ""
+    #: How a file is carried over: a hard link (local) or a server-side copy (object store).
+    method: Literal["link", "copy"] = "link"
+    #: Storage keys expected not to change (the model's frozen parameters and its buffers): the
+    #: items worth comparing. A hint only: what is carried over is decided by the bytes.
+    stable: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WriteContext:
     """Input of ``write``: where and how to persist one component."""
 
@@ -241,6 +267,8 @@ class WriteContext:
     #: The engine's ``collective_timeout_s``: a provider whose own processes run collectives
     #: bounds them by it (:class:`ckpt_engine.storage.CollectiveWatch`).
     collective_timeout_s: float | None = None
+    #: Set when ``EngineConfig.incremental`` is on: what this write may carry over.
+    carry_over: CarryOver | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -248,8 +276,13 @@ class WriteResult:
     """Output of ``write`` (directly, or through a ``Future``)."""
 
     component: str
+    #: Bytes written now (files carried over not counted).
     bytes_written: int
     seconds: float
+    #: Bytes of files carried over from the previous checkpoint (``WriteContext.carry_over``).
+    bytes_reused: int = 0
+    #: How: see :attr:`SaveResult.carried_by`.
+    carried_by: Literal["off", "link", "copy", "write"] = "off"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -261,7 +294,15 @@ class SaveResult:
     succeeded: bool
     error: BaseException | None = None
     components: tuple[str, ...] = ()
+    #: Bytes this rank wrote for the checkpoint (files carried over not counted).
     bytes_written: int = 0
+    #: Bytes of this rank's files carried over from the previous checkpoint instead of written
+    #: (``EngineConfig.incremental``): hard-linked, or copied inside the object store.
+    bytes_reused: int = 0
+    #: How unchanged files were carried over: ``"off"`` (``incremental`` off, or nothing to carry
+    #: over from), ``"link"`` (hard links), ``"copy"`` (server-side copies), ``"write"`` (carrying
+    #: over was refused, e.g. links across devices, so unchanged files were written: see the log).
+    carried_by: Literal["off", "link", "copy", "write"] = "off"
     #: Seconds ``save()`` blocked the caller.
     blocked_seconds: float = 0.0
     staging_seconds: float = 0.0

@@ -375,3 +375,15 @@ def test_diff_refuses_a_tolerance_that_is_not_a_finite_non_negative_number(cli: 
     code, _, err = cli("diff", str(save_dir), str(save_dir), f"--atol={atol}")
     assert code == 2 and "--atol" in err
     assert cli("diff", str(save_dir), str(save_dir), "--atol=0.5")[0] == 0
+
+
+def test_help_examples_are_indented_one_way(cli: Run) -> None:
+    """Every example under ``--help`` is indented by two spaces, as ``ckpt-engine --help``'s own
+    are: a command's second and later examples were indented by four."""
+    from ckpt_engine.cli import COMMANDS
+
+    helps = {"": cli("--help")[1], **{c.name: cli(c.name, "--help")[1] for c in COMMANDS}}
+    for name, text in helps.items():
+        section = re.split(r"^examples?:\n", text, flags=re.M)[1].split("\n\n", 1)[0]
+        lines = section.splitlines()
+        assert lines and all(re.match(r"  ckpt-engine \S", line) for line in lines), (name, lines)

@@ -95,8 +95,24 @@ def _async_plugin() -> str | None:
     return "pinned_staging" if "pinned_staging" in names else None
 
 
+def test_sigkill_during_incremental_saves_never_loses_or_tears_a_checkpoint(tmp_path: Path) -> None:
+    """Incremental saves share files between checkpoints: a kill at any moment leaves every kept
+    checkpoint whole (each one verified), and the shared files were really shared."""
+    trials, summary, stderr = _run(tmp_path / "ckpt", max(4, TRIALS // 2), "--max-delay", "0.8", "--incremental")
+    _check(trials, summary, stderr, max(4, TRIALS // 2), mid_save=1)
+    assert any(t.get("linked", 0) > 0 for t in trials), "no file was ever carried over"
+
+
 @pytest.mark.skipif(_async_plugin() is None, reason="the async writer plugin (pinned_staging) is not installed")
 def test_sigkill_during_async_saves_never_loses_or_tears_a_checkpoint(tmp_path: Path) -> None:
     args = ("--max-delay", "0.8", "--plugin", str(_async_plugin()), "--arm-after", "COMMITTED")
     trials, summary, stderr = _run(tmp_path / "ckpt", ASYNC_TRIALS, *args)
     _check(trials, summary, stderr, ASYNC_TRIALS, mid_save=0)
+
+
+@pytest.mark.skipif(_async_plugin() is None, reason="the async writer plugin (pinned_staging) is not installed")
+def test_sigkill_during_async_incremental_saves_never_loses_or_tears_a_checkpoint(tmp_path: Path) -> None:
+    args = ("--max-delay", "0.8", "--plugin", str(_async_plugin()), "--arm-after", "COMMITTED", "--incremental")
+    trials, summary, stderr = _run(tmp_path / "ckpt", ASYNC_TRIALS, *args)
+    _check(trials, summary, stderr, ASYNC_TRIALS, mid_save=0)
+    assert any(t.get("linked", 0) > 0 for t in trials), "no file was ever carried over"

@@ -13,6 +13,7 @@ import json
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,18 @@ def test_public_errors_keep_their_module_and_pickle() -> None:
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is ckpt_engine.LoadStrictnessError and back.missing == ("a",) and str(back) == str(err)
     assert pickle.loads(pickle.dumps(ckpt_engine.ConfigError("x"))).args == ("x",)
+
+
+def test_ls_does_not_import_dcp(tmp_path: Path) -> None:
+    """``ckpt-engine ls`` reads every ``.metadata`` into stand-in records: it imports torch, never
+    ``torch.distributed.checkpoint`` (about a second; docs/performance.md, "Command-line start-up")."""
+    save_dir = tmp_path / "checkpoints"
+    make = (
+        "import sys, torch\nfrom ckpt_engine import CheckpointEngine\n"
+        "with CheckpointEngine({'save_dir': sys.argv[1]}) as e:\n"
+        "    e.save(1, model=torch.nn.Linear(4, 2))\n"
+    )
+    subprocess.run([sys.executable, "-c", make, str(save_dir)], check=True, timeout=300)
+    for argv in (["ls", str(save_dir)], ["ls", str(save_dir), "--verify", "--json"]):
+        loaded = _loaded_after(f"from ckpt_engine.cli import main\nassert main({argv!r}) == 0")
+        assert loaded["torch"] and not loaded["torch.distributed.checkpoint"], (argv, loaded)

@@ -145,6 +145,7 @@ def test_commit_uses_the_streamed_digests(tmp_path: Any, monkeypatch: Any) -> No
 
 def test_a_part_that_disagrees_with_its_file_is_not_trusted(tmp_path: Any) -> None:
     from ckpt_engine._format.digests import read_parts, write_part
+    from ckpt_engine._format.manifest import FileEntry
 
     comp = tmp_path / "model"
     comp.mkdir()
@@ -152,7 +153,7 @@ def test_a_part_that_disagrees_with_its_file_is_not_trusted(tmp_path: Any) -> No
     write_part(str(comp), "__0_", "crc32", {"__0_0.distcp": (9, "deadbeef")})
     assert read_parts(str(tmp_path), "crc32") == {}
     write_part(str(comp), "__0_", "crc32", {"__0_0.distcp": (10, "deadbeef")})
-    assert read_parts(str(tmp_path), "crc32") == {"model/__0_0.distcp": (10, "deadbeef")}
+    assert read_parts(str(tmp_path), "crc32") == {"model/__0_0.distcp": FileEntry(size=10, checksum="deadbeef")}
     assert read_parts(str(tmp_path), "xxh3_64") == {}  # another algorithm: hashed again
 
 

@@ -9,6 +9,10 @@ straight from its memory between a precomputed header and trailer. The on-disk r
 DCP writes with ``torch.serialization.set_crc32_options(False)``: plain ``dcp.load`` and
 ``torch.load`` read it, and so does every ckpt-engine reader.
 
+With a :class:`~ckpt_engine.types.CarryOver` (``EngineConfig.incremental``), the items are laid
+out in files that stay the same from save to save, and a file whose bytes equal the previous
+checkpoint's file of that name is carried over instead of written (:mod:`.carry`).
+
 Items it does not handle the same way go through ``torch.save`` exactly as DCP does: non-tensor
 values (DCP's own pickled bytes), sparse, quantized or subclass tensors, dtypes outside
 :data:`~ckpt_engine._dcpio.torch_private.ARCHIVE_DTYPES`. Stream transforms (``_extensions``) are not
@@ -20,11 +24,12 @@ from __future__ import annotations
 
 import heapq
 import io
+import logging
 import os
 import pickle
 import threading
 import weakref
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -37,11 +42,16 @@ from torch.futures import Future
 from .._format.digests import write_part
 from .._format.hashing import new_hasher
 from .._format.metadata import remember_metadata
+from ..types import CarryOver
+from ..types import WriteResult as ComponentWritten
+from .carry import create_new, group_items, link_file
 from .fast_read import gc_paused
 from .torch_private import storage_info
-from .torch_save_archive import tensor_archive
+from .torch_save_archive import ARCHIVE_DTYPES, tensor_archive
 
-__all__ = ["FastFileSystemWriter"]
+__all__ = ["FastFileSystemWriter", "write_result"]
+
+logger = logging.getLogger("ckpt_engine")
 
 #: Metadata objects already made compact (``fast_save.compact_metadata``), by id.
 _COMPACT: weakref.WeakValueDictionary[int, Metadata] = weakref.WeakValueDictionary()
@@ -88,7 +98,7 @@ class _Output:
     """A file written sequentially, tracking its offset and hashing what it writes."""
 
     def __init__(self, path: str, algorithm: str | None) -> None:
-        self.f = open(path, "wb", buffering=_BUFFER)  # noqa: SIM115 - closed in write_file
+        self.f = create_new(path)  # a new inode: never written through a carried-over link
         self.pos = 0
         self.hasher = new_hasher(algorithm) if algorithm is not None else None
 
@@ -103,7 +113,33 @@ class _Output:
 
 
 class FastFileSystemWriter(FileSystemWriter):
-    """``FileSystemWriter`` whose tensor items skip ``torch.save`` (same files, same format)."""
+    """``FileSystemWriter`` whose tensor items skip ``torch.save`` (same files, same format).
+
+    ``carry_over``: lay the items out for incremental saves and carry unchanged files over."""
+
+    #: A subclass that must write the items in the order its plan gives them (staging windows)
+    #: sets this: an incremental layout then keeps that order.
+    keep_item_order = False
+
+    def __init__(self, *args: Any, carry_over: CarryOver | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.carry_over = carry_over
+        #: File name -> how it was carried over in the last write (``"link"``, ``"copy"``, or
+        #: ``"write"``: it could have been, but carrying over was refused) and its size.
+        self.carried: dict[str, tuple[str, int]] = {}
+        #: Bytes of this rank's files in the last write (carried over ones included); ``None``
+        #: when DCP's own writer ran (stream transforms, safetensors).
+        self.bytes_out: int | None = None
+        #: Names of the last write's stable files (the ones compared with the previous checkpoint).
+        self._stable: set[str] = set()
+
+    def carried_summary(self) -> tuple[int, str]:
+        """The last write's bytes carried over, and how: ``"off"`` (nothing could be),
+        ``"link"`` / ``"copy"``, or ``"write"`` (unchanged files, but carrying over was refused)."""
+        reused = sum(n for how, n in self.carried.values() if how != "write")
+        if reused:
+            return reused, next(how for how, _ in self.carried.values() if how != "write")
+        return 0, "write" if self.carried else "off"
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if getattr(self.transforms, "extensions", ()) or self.serialization_format != SerializationFormat.TORCH_SAVE:
@@ -114,7 +150,19 @@ class FastFileSystemWriter(FileSystemWriter):
 
     def _write_all(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix: str = plan.storage_data.prefix  # a _StoragePrefix from prepare_global_plan
-        if self.single_file_per_rank:
+        self.carried = {}
+        self._stable = set()
+        if self.carry_over is not None:
+            groups = group_items(
+                plan.items,
+                _item_nbytes,
+                self.carry_over.stable,
+                lambda items: _buckets(self.thread_count, items),
+                keep_order=self.keep_item_order,
+            )
+            files = [(f"{prefix}{n}{_SUFFIX}", g.items) for n, g in enumerate(groups)]
+            self._stable = {name for (name, _), g in zip(files, groups, strict=True) if g.stable}
+        elif self.single_file_per_rank:
             files = [(f"{prefix}{n}{_SUFFIX}", b) for n, b in enumerate(_buckets(self.thread_count, plan.items))]
         else:
             files = [(f"{prefix}{n}{_SUFFIX}", [item]) for n, item in enumerate(plan.items)]
@@ -146,8 +194,10 @@ class FastFileSystemWriter(FileSystemWriter):
             t.join()
         if errors:
             raise errors[0]
+        self.bytes_out = sum(size for size, _ in digests.values())
         if algorithm is not None:  # this rank's part of the manifest: hashed as written, never read back
-            write_part(os.fspath(self.path), prefix, algorithm, digests)
+            carried = {name: how for name, (how, _) in self.carried.items()}
+            write_part(os.fspath(self.path), prefix, algorithm, digests, carried)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([r for rs in results for r in rs])
         return fut
@@ -155,6 +205,8 @@ class FastFileSystemWriter(FileSystemWriter):
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner, algorithm: str | None
     ) -> tuple[list[WriteResult], tuple[int, str | None]]:
+        if name in self._stable and self.carry_over is not None and algorithm == self.carry_over.algorithm:
+            return self._carry_or_write(name, items, planner)
         out = _Output(os.path.join(os.fspath(self.path), name), algorithm)
         results: list[WriteResult] = []
         try:
@@ -177,6 +229,57 @@ class FastFileSystemWriter(FileSystemWriter):
         finally:
             out.f.close()
         return results, (out.pos, out.digest())
+
+    def _carry_or_write(
+        self, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> tuple[list[WriteResult], tuple[int, str | None]]:
+        """The file ``name`` of an incremental save: its bytes are built and hashed first; equal
+        to the previous checkpoint's file of that name (size and checksum), it is carried over,
+        else written (with the digest just computed: every byte is hashed once).
+
+        Each tensor's archive gets a serialization id derived from the bytes before it (the
+        digest so far), not a fresh one: the same content gives the same file at every save."""
+        carry = self.carry_over
+        assert carry is not None
+        hasher = new_hasher(carry.algorithm)
+        assert hasher is not None
+        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
+        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+        encoded: list[tuple[WriteItem, list[Any]]] = []
+        sizes: list[int] = []
+        for item in ordered:
+            parts = _encode(planner.resolve_data(item), hasher)
+            encoded.append((item, parts))
+            sizes.append(sum(memoryview(p).nbytes for p in parts))
+        digest, size = hasher.hexdigest(), sum(sizes)
+        path = os.path.join(os.fspath(self.path), name)
+        previous = carry.files.get(name) if carry.previous is not None else None
+        if previous is not None and (size, digest) == tuple(previous):
+            assert carry.previous is not None
+            reason = None if carry.method == "copy" else link_file(os.path.join(carry.previous, name), path, size)
+            if reason is None:  # "copy": the upload copies it inside the object store
+                self.carried[name] = (carry.method, size)
+                results, offset = [], 0
+                for (item, _), n in zip(encoded, sizes, strict=True):
+                    results.append(self._result(item, name, offset, n))
+                    offset += n
+                return results, (size, digest)
+            logger.warning("%s is unchanged but was written, not carried over: %s", path, reason)
+            self.carried[name] = ("write", size)
+        out = _Output(path, None)
+        results = []
+        try:
+            for item, parts in encoded:
+                offset = out.pos
+                for part in parts:
+                    out.write(part)
+                results.append(self._result(item, name, offset, out.pos - offset))
+            out.f.flush()
+            if self.sync_files:
+                os.fsync(out.f.fileno())
+        finally:
+            out.f.close()
+        return results, (out.pos, digest)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """DCP's ``finish`` (``.metadata.tmp``, fsync, rename), with the metadata made compact,
@@ -211,22 +314,71 @@ class FastFileSystemWriter(FileSystemWriter):
 
     @staticmethod
     def _write_tensor(out: _Output, tensor: torch.Tensor) -> None:
-        dense = _dense(tensor)
-        parts = None if dense is None else tensor_archive(dense.dtype, tuple(dense.shape))
-        if dense is None or parts is None:
-            # what DCP does for every item: torch.save of a compact CPU copy
-            cpu = tensor.cpu()
-            if cpu.untyped_storage().size() != cpu.numel() * cpu.itemsize:
-                cpu = cpu.clone()
-            buf = io.BytesIO()
-            torch.save(cpu, buf)
-            out.write(buf.getbuffer())
-            return
-        out.write(parts.head)
-        if parts.nbytes:
-            out.write(dense.reshape(-1).view(torch.uint8).numpy().data)
-        out.write(parts.tail)
+        for part in _tensor_parts(tensor):
+            out.write(part)
 
     @staticmethod
     def _result(item: WriteItem, name: str, offset: int, length: int) -> WriteResult:
         return WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, offset, length))
+
+
+def _encode(data: Any, hasher: Any) -> list[Any]:
+    """The buffers an item's bytes in the file are made of (a value's pickle, or a tensor's),
+    hashed into ``hasher`` as they are made; a tensor archive's serialization id is the digest
+    of everything before it, so equal content gives equal bytes."""
+    if isinstance(data, io.BytesIO):
+        parts = [data.getbuffer()]
+    else:
+        assert isinstance(data, torch.Tensor)
+        dense = _dense(data.detach())
+        if dense is None or dense.dtype not in ARCHIVE_DTYPES:
+            parts = _tensor_parts(data.detach())
+        else:
+            body = [dense.reshape(-1).view(torch.uint8).numpy().data] if dense.numel() else []
+            head = tensor_archive(dense.dtype, tuple(dense.shape), serial=b"")
+            assert head is not None
+            for part in (head.head, *body):
+                hasher.update(part)
+            serial = f"{int(hasher.hexdigest(), 16):040d}"[-40:].encode()
+            archive = tensor_archive(dense.dtype, tuple(dense.shape), serial=serial)
+            assert archive is not None
+            hasher.update(archive.tail)
+            return [archive.head, *body, archive.tail]
+    for part in parts:
+        hasher.update(part)
+    return parts
+
+
+def _tensor_parts(tensor: torch.Tensor) -> list[Any]:
+    """A tensor item's bytes: the archive's header, the tensor's own memory and its trailer, or
+    (what DCP does for every item) ``torch.save`` of a compact CPU copy."""
+    dense = _dense(tensor)
+    parts = None if dense is None else tensor_archive(dense.dtype, tuple(dense.shape))
+    if dense is None or parts is None:
+        cpu = tensor.cpu()
+        if cpu.untyped_storage().size() != cpu.numel() * cpu.itemsize:
+            cpu = cpu.clone()
+        buf = io.BytesIO()
+        torch.save(cpu, buf)
+        return [buf.getbuffer()]
+    if not parts.nbytes:
+        return [parts.head, parts.tail]
+    return [parts.head, dense.reshape(-1).view(torch.uint8).numpy().data, parts.tail]
+
+
+_CARRIED_BY: dict[str, Literal["off", "link", "copy", "write"]] = {"link": "link", "copy": "copy", "write": "write"}
+
+
+def write_result(component: str, total_bytes: int, writer: Any, seconds: float) -> ComponentWritten:
+    """The ``write`` hook's result for a component ``writer`` saved: this rank's bytes written
+    (files it carried over not counted) and carried over. ``total_bytes``, the save's total as
+    DCP counts it, serves where the writer cannot tell its own (DCP's own writer ran)."""
+    own = writer.bytes_out if isinstance(writer, FastFileSystemWriter) else None
+    reused, how = writer.carried_summary() if own is not None else (0, "off")
+    return ComponentWritten(
+        component=component,
+        bytes_written=(own if own is not None else total_bytes) - reused,
+        seconds=seconds,
+        bytes_reused=reused,
+        carried_by=_CARRIED_BY.get(how, "off"),
+    )

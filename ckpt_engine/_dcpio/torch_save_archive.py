@@ -584,16 +584,24 @@ def _archive_template(dtype: torch.dtype, size: tuple[int, ...], zip64_limit: in
     return _Template(bytes(head), bytes(tail), nbytes, id_at, (crc_local_at, crc_central_at))
 
 
-def tensor_archive(dtype: torch.dtype, size: tuple[int, ...]) -> ArchiveParts | None:
+def tensor_archive(dtype: torch.dtype, size: tuple[int, ...], serial: bytes | None = None) -> ArchiveParts | None:
     """The archive around the data of a tensor of this dtype and size; ``None`` if unsupported.
 
     Layouts are cached per dtype and size; each call gets a fresh serialization id, as
-    ``torch.save`` gives every archive one.
+    ``torch.save`` gives every archive one, unless ``serial`` (40 ASCII digits) gives it: an
+    incremental save derives it from the content, so equal content gives equal bytes. (The id
+    is only logged by ``torch.load``; nothing reads it back.) ``serial=b""``: the head only is
+    meant, the tail's id is left as zeros.
     """
     if dtype not in ARCHIVE_DTYPES:
         return None
     t = _archive_template(dtype, tuple(size), _ZIP64_LIMIT)
-    serial = f"{next(_serial):040d}"[-_SERIAL_LEN:].encode()
+    if serial == b"":
+        return ArchiveParts(head=t.head, tail=t.tail, nbytes=t.nbytes)
+    if serial is None:
+        serial = f"{next(_serial):040d}"[-_SERIAL_LEN:].encode()
+    elif len(serial) != _SERIAL_LEN or not serial.isdigit():
+        raise ValueError("a serialization id is 40 ASCII digits")
     crc = struct.pack("<I", zlib.crc32(serial))
     tail = bytearray(t.tail)
     tail[t.id_at : t.id_at + _SERIAL_LEN] = serial

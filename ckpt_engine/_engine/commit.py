@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcpio import dist as _dist
 from .._dcpio.watch import phase as publish_phase
-from .._format.digests import written_entries
+from .._format.digests import carried_copies, written_entries
 from .._format.manifest import FileEntry, list_files, owner_rank
 from ..errors import CheckpointSaveError, CollectiveError
 from ..pipeline import Pipeline
@@ -46,6 +46,9 @@ class CommitPhase:
 
     error: BaseException | None = None
     nbytes: int = 0
+    #: Bytes carried over from the previous checkpoint instead of written, and how.
+    reused: int = 0
+    carried_by: str = "off"
     write_end: float = 0.0
 
 
@@ -119,6 +122,9 @@ def _wait_writes(pipeline: Pipeline, outcomes: Sequence[Any], phase: CommitPhase
     try:
         results = [pipeline.check_write_result(o.result() if isinstance(o, Future) else o) for o in outcomes]
         phase.nbytes = sum(r.bytes_written for r in results)
+        phase.reused = sum(r.bytes_reused for r in results)
+        ways = {r.carried_by for r in results} - {"off"}
+        phase.carried_by = next((w for w in ("link", "copy", "write") if w in ways), "off")
     except (Exception, CheckpointException) as exc:
         phase.error = unwrap(exc)[0]
         # The other components' writes may still be running: let them end before the failed
@@ -137,8 +143,9 @@ def _gather_entries(
     if phase.error is None:
         try:
             mine = [rel for rel in list_files(paths.partial) if owner_rank(rel, world) == rank]
-            entries = written_entries(paths.partial, mine, algorithm)
-            target.publish_files(paths, mine)
+            copies = [rel for rel in carried_copies(paths.partial, algorithm) if owner_rank(rel, world) == rank]
+            entries = written_entries(paths.partial, [*mine, *copies], algorithm)
+            target.publish_files(paths, mine, {rel: entries[rel].size for rel in copies})
         except Exception as err:
             phase.error = err
     if world == 1:

@@ -12,13 +12,14 @@ anything was written to a commit finished on the commit thread, is recorded by t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -42,6 +43,7 @@ from ..types import PendingSnapshot, RemapContext, SaveContext, SaveResult, Writ
 from .collectives import watch_group
 from .commit import CommitPhase, run_commit
 from .consensus import agree, unwrap
+from .incremental import CarryBase, carry_base, stable_keys
 from .pending import SaveHandle, SaveQueue
 from .resave import refuse_resave
 from .state import TrainingObjects, component_state_dict
@@ -52,6 +54,9 @@ __all__ = ["Saver"]
 logger = logging.getLogger("ckpt_engine")
 
 Outcomes = list[WriteResult | Future[WriteResult]]
+_CarriedBy = Literal["off", "link", "copy", "write"]
+#: How the log line of a save names the way its unchanged files were carried over.
+_CARRIED = {"link": "hard-linked", "copy": "copied in the store", "write": "written: carrying over refused"}
 
 
 @dataclass
@@ -150,24 +155,30 @@ class Saver:
         paths = self.target.paths(iteration)
         components = tuple(objs.available())
         try:
-            staged, key_maps = self._prepare(objs, paths, components, clock)
+            staged, key_maps, stable = self._prepare(objs, paths, components, clock)
         except Exception as err:
             failure = self._failed_before_write(paths, components, err, clock)
             if failure is err:
                 raise
             raise failure from err
-        outcomes = self._write(paths, components, staged, key_maps, clock)
+        carry = None
+        if self.config.incremental and self.checksum is not None:
+            carry = carry_base(self.target, self.config, self.checksum, iteration)
+            paths = dataclasses.replace(paths, carry_chain=carry.chain, carry_from=carry.folder)
+        outcomes = self._write(paths, components, staged, key_maps, clock, carry, stable)
         clock.snapshot = staged.snapshot
         clock.blocked = time.perf_counter() - clock.t0
         return self._hand_off(paths, components, outcomes, clock)
 
     def _prepare(
         self, objs: TrainingObjects, paths: SavePaths, components: tuple[str, ...], clock: _Clock
-    ) -> tuple[Any, dict[str, dict[str, str]]]:
-        """Build state dicts, run ``remap_keys`` and ``stage``; every rank agrees on success."""
+    ) -> tuple[Any, dict[str, dict[str, str]], frozenset[str]]:
+        """Build state dicts, run ``remap_keys`` and ``stage``; every rank agrees on success.
+        Also returns, for ``incremental``, the model's storage keys worth comparing."""
         rank, world = _dist.rank(), _dist.world_size()
         staged: Any = None
         key_maps: dict[str, dict[str, str]] = {}
+        stable: frozenset[str] = frozenset()
         staging = 0.0
         try:
             publish_phase("prepare")
@@ -183,6 +194,8 @@ class Saver:
                     world_size=world,
                 )
                 key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
+            if self.config.incremental and "model" in state:
+                stable = stable_keys(objs.modules, state["model"], key_maps["model"])
             self._clear_for_save(paths, rank, world)
             t_stage = time.perf_counter()
             publish_phase("stage")
@@ -213,7 +226,7 @@ class Saver:
                 f"rank {failed.rank} failed while preparing the save: {failed.text}"
             ) from local_err
         clock.staging = staging
-        return staged, key_maps
+        return staged, key_maps, stable
 
     def _clear_for_save(self, paths: SavePaths, rank: int, world: int) -> None:
         """Before staging: rank 0 refuses a committed iteration (``allow_overwrite``), takes the
@@ -249,9 +262,12 @@ class Saver:
         staged: Any,
         key_maps: dict[str, dict[str, str]],
         clock: _Clock,
+        carry: CarryBase | None,
+        stable: frozenset[str],
     ) -> Outcomes:
-        """Hand each component to the ``write`` provider; the live state (no staged copy) is
-        written before this returns. A failure is reported and raised on every rank."""
+        """Hand each component to the ``write`` provider (with what it may carry over, where
+        ``incremental``); the live state (no staged copy) is written before this returns. A
+        failure is reported and raised on every rank."""
         clock.write_start = time.perf_counter()
         rank, world = _dist.rank(), _dist.world_size()
         outcomes: Outcomes = []
@@ -270,6 +286,9 @@ class Saver:
                     sync_files=self.config.sync_files,
                     process_group=watch_group(),
                     collective_timeout_s=self.config.collective_timeout_s,
+                    carry_over=None
+                    if carry is None
+                    else carry.for_component(name, stable if name == "model" else frozenset()),
                 )
                 out = self.pipeline.write(ctx, staged.components[name])
                 if isinstance(out, Future) and not staged.is_copy:
@@ -401,6 +420,8 @@ class Saver:
             error=error,
             components=components,
             bytes_written=phase.nbytes if phase is not None else 0,
+            bytes_reused=phase.reused if phase is not None else 0,
+            carried_by=cast(_CarriedBy, phase.carried_by if phase is not None else "off"),
             # A synchronous save blocks the caller through the commit too.
             blocked_seconds=now - clock.t0 if collective else clock.blocked,
             staging_seconds=clock.staging,
@@ -416,14 +437,7 @@ class Saver:
         self.target.finish(paths, _dist.rank(), _dist.world_size(), cleanup=cleanup, succeeded=result.succeeded)
         if result.succeeded:
             if _dist.rank() == 0:
-                logger.info(
-                    "saved iteration %d to %s (%.1f MB, blocked %.3fs, total %.3fs)",
-                    result.iteration,
-                    result.path,
-                    result.bytes_written / 1e6,
-                    result.blocked_seconds,
-                    result.total_seconds,
-                )
+                _log_saved(result)
                 self._apply_retention()
         else:
             logger.error("save of iteration %d failed: %s", result.iteration, result.error)
@@ -438,3 +452,19 @@ class Saver:
                 apply_retention(job.folder, job.keep_last, job.keep_every, job.store)
             except Exception:
                 logger.warning("retention in %s failed; retrying after the next commit", job.folder, exc_info=True)
+
+
+def _log_saved(result: SaveResult) -> None:
+    """Rank 0's log line of a committed save (with what an incremental save carried over)."""
+    carried = ""
+    if result.carried_by != "off":
+        carried = f", {result.bytes_reused / 1e6:.1f} MB unchanged ({_CARRIED[result.carried_by]})"
+    logger.info(
+        "saved iteration %d to %s (%.1f MB written%s, blocked %.3fs, total %.3fs)",
+        result.iteration,
+        result.path,
+        result.bytes_written / 1e6,
+        carried,
+        result.blocked_seconds,
+        result.total_seconds,
+    )

@@ -28,13 +28,21 @@ import os
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .._dcpio import dist as _dist
 from .._format.digests import remove_parts, written_entries
 from .._format.layout import check_complete, commit_rename, remove_checkpoint, remove_tree
-from .._format.manifest import FileEntry, list_files, new_manifest, owner_rank, referenced_files, write_manifest
+from .._format.manifest import (
+    FileEntry,
+    list_files,
+    lookup_manifest,
+    new_manifest,
+    owner_rank,
+    referenced_files,
+    write_manifest,
+)
 from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, partial_dirname, replacing_dirname
 from .._storage.paths import check_local_save_dir
 from .._storage.store import FsspecStore, Store, open_store
@@ -69,6 +77,10 @@ class SavePaths:
     #: Where an object-store save uploads its files and writes its manifest, when not ``final``:
     #: a re-save of a committed iteration goes to ``.iter_n.replacing`` first (see resave.py).
     replacing: str | None = None
+    #: What the manifest records as ``carry_chain`` (``incremental``: saves since a full write).
+    carry_chain: int = 0
+    #: The previous checkpoint an incremental save carries files over from (a folder or a URL).
+    carry_from: str | None = None
 
     @property
     def name(self) -> str:
@@ -130,10 +142,12 @@ class SaveTarget(ABC):
         the staging folder is shared and rank 0 clears it)."""
         return None
 
-    def publish_files(self, paths: SavePaths, rels: Sequence[str]) -> None:
+    def publish_files(self, paths: SavePaths, rels: Sequence[str], copies: Mapping[str, int] | None = None) -> None:
         """Make this rank's written files (``rels``, relative to ``paths.partial``) part of the
-        checkpoint before the commit (nothing where rank 0 commits the staging folder itself)."""
-        return None
+        checkpoint before the commit (nothing where rank 0 commits the staging folder itself);
+        ``copies``: files (and their sizes) to copy from ``paths.carry_from`` inside the store."""
+        if copies:
+            raise CheckpointSaveError(f"{paths.final}: files to copy inside a store, but the target has none")
 
     def exchange_reports(
         self, paths: SavePaths, entries: dict[str, FileEntry], error: BaseException | None
@@ -240,8 +254,11 @@ class ObjectStoreTarget(SaveTarget):
     def clear_own_files(self, paths: SavePaths, rank: int, world: int) -> None:
         _remove_own_files(paths.partial, rank, world)  # a node-local spool another node cannot clear
 
-    def publish_files(self, paths: SavePaths, rels: Sequence[str]) -> None:
+    def publish_files(self, paths: SavePaths, rels: Sequence[str], copies: Mapping[str, int] | None = None) -> None:
         upload_files(self.object_store, paths.partial, paths.upload, rels)
+        if copies:
+            assert paths.carry_from is not None
+            copy_within(self.object_store, paths.carry_from, paths.upload, copies)
 
     def exchange_reports(
         self, paths: SavePaths, entries: dict[str, FileEntry], error: BaseException | None
@@ -254,7 +271,10 @@ class ObjectStoreTarget(SaveTarget):
         part = {
             "rank": rank,
             "error": None if error is None else f"{type(error).__name__}: {error}",
-            "files": {rel: {"size": e.size, "checksum": e.checksum} for rel, e in entries.items()},
+            "files": {
+                rel: {"size": e.size, "checksum": e.checksum, **({"carried": e.carried} if e.carried else {})}
+                for rel, e in entries.items()
+            },
         }
         store.write_bytes(self._report_path(paths, rank), json.dumps(part).encode())
         if error is not None:
@@ -278,7 +298,8 @@ class ObjectStoreTarget(SaveTarget):
                 if doc.get("error"):
                     raise CheckpointSaveError(f"rank {r} failed to upload its files: {doc['error']}")
                 for rel, e in doc.get("files", {}).items():
-                    merged[rel] = FileEntry(size=int(e["size"]), checksum=e.get("checksum"))
+                    carried = e.get("carried") if e.get("carried") in ("link", "copy") else None
+                    merged[rel] = FileEntry(size=int(e["size"]), checksum=e.get("checksum"), carried=carried)
                 waiting.discard(r)
             if waiting:
                 if time.monotonic() > deadline:
@@ -302,7 +323,7 @@ class ObjectStoreTarget(SaveTarget):
         world: int,
     ) -> int:
         covered = write_checked_manifest(
-            paths.upload, self.store, paths.iteration, components, algorithm, entries, world
+            paths.upload, self.store, paths.iteration, components, algorithm, entries, world, paths.carry_chain
         )
         if paths.replacing is not None:  # committed beside the old copy: now move it over it
             promote_replacement(self.object_store, paths.replacing, paths.final)
@@ -368,7 +389,11 @@ class TwoTierTarget(_CommitsLocally):
             refuse_resave(paths.iteration, [(paths.final, store)], self.config.allow_overwrite)
             if store.exists(paths.final):  # a re-save: the old marker goes first
                 remove_checkpoint(paths.final, store)
-            upload_files(store, paths.local_final, paths.final, list_files(paths.local_final))
+            copies, source = self._carried_remotely(paths)
+            rels = [rel for rel in list_files(paths.local_final) if rel not in copies]
+            upload_files(store, paths.local_final, paths.final, rels)
+            if copies:
+                copy_within(store, source, paths.final, copies)
             with open(os.path.join(paths.local_final, MANIFEST_FILE), "rb") as f:
                 store.write_bytes(store.join(paths.final, MANIFEST_FILE), f.read())
             advance_latest(self.save_dir, paths.name, store)
@@ -379,6 +404,26 @@ class TwoTierTarget(_CommitsLocally):
         except Exception as err:
             return err
         return None
+
+    def _carried_remotely(self, paths: SavePaths) -> tuple[dict[str, int], str]:
+        """The files of an incremental save that the previous checkpoint's uploaded copy already
+        has (hard links locally, so equal bytes): copied inside the store, not uploaded again."""
+        assert paths.local_final is not None
+        if paths.carry_from is None:
+            return {}, ""
+        source = self.store.join(self.save_dir, os.path.basename(paths.carry_from))
+        manifest = lookup_manifest(paths.local_final).manifest
+        if manifest is None:
+            return {}, source
+        copies = {}
+        for rel, entry in manifest.files.items():
+            if entry.carried == "link":
+                try:
+                    if self.store.size(self.store.join(source, rel)) == entry.size:
+                        copies[rel] = entry.size
+                except FileNotFoundError:
+                    continue  # not uploaded there (yet): upload it
+        return copies, source
 
     def retention_jobs(self) -> list[RetentionJob]:
         local = RetentionJob(self._local, self.config.storage.local_keep_last, None, None)
@@ -404,6 +449,7 @@ def write_checked_manifest(
     algorithm: str | None,
     entries: dict[str, FileEntry],
     world: int,
+    carry_chain: int = 0,
 ) -> int:
     """Rank 0: check the checkpoint under ``root`` is complete, then write its manifest; returns
     the bytes the manifest covers.
@@ -429,7 +475,7 @@ def write_checked_manifest(
         expected = set(list_files(root)) | referenced_files(checked)
         entries.update(written_entries(root, expected - set(entries), algorithm))
         remove_parts(root)
-    manifest = new_manifest(iteration, world, components, algorithm, entries)
+    manifest = new_manifest(iteration, world, components, algorithm, entries, carry_chain)
     write_manifest(root, manifest, store)
     return manifest.total_bytes
 
@@ -440,7 +486,9 @@ def commit_locally(
     """Rank 0: the manifest into the hidden folder, the rename into place, then ``latest`` in
     that folder's save directory; returns the bytes the manifest covers."""
     assert paths.local_final is not None
-    covered = write_checked_manifest(paths.partial, None, paths.iteration, components, algorithm, entries, world)
+    covered = write_checked_manifest(
+        paths.partial, None, paths.iteration, components, algorithm, entries, world, paths.carry_chain
+    )
     commit_rename(paths.partial, paths.local_final)
     advance_latest(os.path.dirname(paths.local_final), paths.name)
     return covered
@@ -453,6 +501,32 @@ def upload_files(store: FsspecStore, local_root: str, remote_root: str, rels: Se
     nbytes = store.upload_many(pairs)
     logger.debug(
         "uploaded %d file(s), %.1f MB, to %s in %.3fs", len(pairs), nbytes / 1e6, remote_root, time.perf_counter() - t
+    )
+
+
+def copy_within(store: FsspecStore, source_root: str, remote_root: str, expected: Mapping[str, int]) -> None:
+    """Copy the files ``expected`` names from the previous checkpoint ``source_root`` to
+    ``remote_root`` inside the store (no bytes through this process on S3). Each source must
+    still have the size its manifest gave; one that is gone or differs fails the save (nothing
+    is committed, ``latest`` is unchanged), naming the file."""
+    pairs = []
+    for rel in sorted(expected):
+        source = store.join(source_root, rel)
+        try:
+            size = store.size(source)
+        except FileNotFoundError:
+            size = -1
+        if size != expected[rel]:
+            state = "is gone" if size < 0 else f"has {size} bytes, its manifest says {expected[rel]}"
+            raise CheckpointSaveError(
+                f"cannot carry {rel} over: {source} {state} (retention or another job changed the previous "
+                "checkpoint while this save ran); save again: the next save compares with the current latest"
+            )
+        pairs.append((source, store.join(remote_root, rel)))
+    t = time.perf_counter()
+    store.copy_files(pairs)
+    logger.debug(
+        "copied %d unchanged file(s) inside the store to %s in %.3fs", len(pairs), remote_root, time.perf_counter() - t
     )
 
 

@@ -14,29 +14,52 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .manifest import FileEntry, hash_files
+from .manifest import CARRIED, FileEntry, hash_files
 from .names import PART_PREFIX, is_part
 
-__all__ = ["PART_PREFIX", "is_part", "read_parts", "remove_parts", "write_part", "written_entries"]
+__all__ = [
+    "PART_PREFIX",
+    "carried_copies",
+    "is_part",
+    "read_parts",
+    "remove_parts",
+    "write_part",
+    "written_entries",
+]
 
 
-def write_part(folder: str, name: str, algorithm: str | None, files: dict[str, tuple[int, str | None]]) -> None:
-    """Record ``files`` (file name in ``folder`` -> size, hex digest) as part ``name``."""
-    doc = {"algorithm": algorithm, "files": {f: {"size": s, "checksum": c} for f, (s, c) in files.items()}}
+def write_part(
+    folder: str,
+    name: str,
+    algorithm: str | None,
+    files: dict[str, tuple[int, str | None]],
+    carried: Mapping[str, str] | None = None,
+) -> None:
+    """Record ``files`` (file name in ``folder`` -> size, hex digest) as part ``name``;
+    ``carried``: the files carried over from the previous checkpoint, and how (``"link"``,
+    ``"copy"``; ``"write"``: it could have been, but was written)."""
+    carried = carried or {}
+    doc = {
+        "algorithm": algorithm,
+        "files": {
+            f: {"size": s, "checksum": c, **({"carried": carried[f]} if f in carried else {})}
+            for f, (s, c) in files.items()
+        },
+    }
     path = os.path.join(folder, f"{PART_PREFIX}{name}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f)
     os.replace(path + ".tmp", path)
 
 
-def read_parts(root: str, algorithm: str | None) -> dict[str, tuple[int, str | None]]:
+def read_parts(root: str, algorithm: str | None) -> dict[str, FileEntry]:
     """Every part under the checkpoint folder ``root`` (one level of component folders) whose
-    algorithm is ``algorithm``, as ``rel -> (size, digest)``; entries whose file does not have the
+    algorithm is ``algorithm``, as ``rel -> FileEntry``; entries whose file does not have the
     recorded size are left out (they are hashed again)."""
-    out: dict[str, tuple[int, str | None]] = {}
+    out: dict[str, FileEntry] = {}
     for comp, part in _parts(root):
         try:
             with open(os.path.join(root, comp, part)) as f:
@@ -48,13 +71,22 @@ def read_parts(root: str, algorithm: str | None) -> dict[str, tuple[int, str | N
         for name, entry in doc["files"].items():
             if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
                 continue
+            if entry.get("carried") == "copy" and isinstance(entry.get("checksum"), str):
+                # Not written here: the upload copies it inside the object store.
+                out[f"{comp}/{name}"] = FileEntry(size=entry["size"], checksum=entry["checksum"], carried="copy")
+                continue
             try:
                 size = os.stat(os.path.join(root, comp, name)).st_size
             except OSError:
                 continue
-            checksum = entry.get("checksum")
+            checksum, carried = entry.get("checksum"), entry.get("carried")
             if size == entry["size"] and (checksum is None or isinstance(checksum, str)):
-                out[f"{comp}/{name}"] = (size, checksum if algorithm is not None else None)
+                out[f"{comp}/{name}"] = FileEntry(
+                    size=size,
+                    checksum=checksum if algorithm is not None else None,
+                    carried=carried if carried in CARRIED else None,
+                    written_unchanged=carried == "write",
+                )
     return out
 
 
@@ -80,11 +112,17 @@ def _parts(root: str) -> Iterable[tuple[str, str]]:
     return found
 
 
+def carried_copies(root: str, algorithm: str | None) -> list[str]:
+    """Files of the checkpoint folder ``root`` its parts record as carried over by a copy inside
+    the object store (there is no local file: the upload copies the previous checkpoint's)."""
+    return sorted(rel for rel, e in read_parts(root, algorithm).items() if e.carried == "copy")
+
+
 def written_entries(root: str, rels: Iterable[str], algorithm: str | None) -> dict[str, Any]:
     """``integrity.FileEntry`` of each of ``rels`` under ``root``: from the parts where they cover
     a file (its bytes were hashed as they were written), else hashed now."""
     wanted = set(rels)
     parts = read_parts(root, algorithm) if wanted else {}
-    out: dict[str, Any] = {rel: FileEntry(size=s, checksum=c) for rel, (s, c) in parts.items() if rel in wanted}
+    out: dict[str, Any] = {rel: entry for rel, entry in parts.items() if rel in wanted}
     out.update(hash_files(root, wanted - set(out), algorithm))
     return out

@@ -25,8 +25,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from torch.distributed.checkpoint.metadata import Metadata
+from typing import TYPE_CHECKING
 
 from .._storage.fscheck import require_inside, require_regular_file
 from .._storage.store import Store, fsync_dir, is_url, store_for
@@ -38,7 +37,7 @@ from ..errors import (
     SaveDirLockedError,
     denied,
 )
-from .metadata import read_metadata, recall_metadata
+from .metadata_read import read_metadata, recall_metadata
 from .names import (
     DELETING_SUFFIX,
     LEFTOVER_RE,
@@ -48,6 +47,9 @@ from .names import (
 )
 from .not_checkpoint import diagnose_not_checkpoint
 from .read_lock import try_lock_for_delete
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 logger = logging.getLogger("ckpt_engine")
 

@@ -48,11 +48,20 @@ _SAFE_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _RANK_FILE = re.compile(r"^__(\d+)_")
 
 
+#: How a file can have been carried over from the previous checkpoint (``incremental``).
+CARRIED = ("link", "copy")
+
+
 @dataclass(frozen=True)
 class FileEntry:
     size: int
     #: Hex digest, or None when the manifest was written with ``save_checksums=False``.
     checksum: str | None = None
+    #: ``"link"`` or ``"copy"`` when the file was carried over from the previous checkpoint
+    #: (``EngineConfig.incremental``) instead of written; ``None``: written by this save.
+    carried: str | None = None
+    #: Unchanged, but written: carrying it over was refused (save-time bookkeeping, not stored).
+    written_unchanged: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,10 +78,18 @@ class Manifest:
     engine_version: str = ""
     torch_version: str = ""
     created_unix: float = 0.0
+    #: Saves since the last full write whose files this one may share (``incremental``; 0: it
+    #: shares none with an older checkpoint). Bounded by ``EngineConfig.full_save_every``.
+    carry_chain: int = 0
 
     @property
     def total_bytes(self) -> int:
         return sum(e.size for e in self.files.values())
+
+    @property
+    def carried_bytes(self) -> int:
+        """Bytes of the files carried over from the previous checkpoint (not written by this save)."""
+        return sum(e.size for e in self.files.values() if e.carried is not None)
 
     def to_json(self) -> str:
         doc = {
@@ -87,13 +104,26 @@ class Manifest:
             "created_unix": self.created_unix,
             "checksum_algorithm": self.algorithm,
             "total_bytes": self.total_bytes,
-            "files": {rel: {"size": e.size, "checksum": e.checksum} for rel, e in sorted(self.files.items())},
+            "carry_chain": self.carry_chain,
+            "files": {rel: _entry_doc(e) for rel, e in sorted(self.files.items())},
         }
         return json.dumps(doc, indent=1) + "\n"
 
 
+def _entry_doc(entry: FileEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {"size": entry.size, "checksum": entry.checksum}
+    if entry.carried is not None:
+        doc["carried"] = entry.carried
+    return doc
+
+
 def new_manifest(
-    iteration: int, world_size: int, components: Iterable[str], algorithm: str | None, files: Mapping[str, FileEntry]
+    iteration: int,
+    world_size: int,
+    components: Iterable[str],
+    algorithm: str | None,
+    files: Mapping[str, FileEntry],
+    carry_chain: int = 0,
 ) -> Manifest:
     return Manifest(
         iteration=iteration,
@@ -104,6 +134,7 @@ def new_manifest(
         engine_version=__version__,
         torch_version=str(torch.__version__),
         created_unix=time.time(),
+        carry_chain=carry_chain,
     )
 
 
@@ -295,18 +326,27 @@ def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
         engine_version=str(doc.get("engine_version", "")),
         torch_version=str(doc.get("torch_version", "")),
         created_unix=float(doc.get("created_unix", 0.0)),
+        carry_chain=_chain(doc.get("carry_chain", 0)),
     )
+
+
+def _chain(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 31:
+        raise ValueError(f"carry_chain is not a count (a {type(value).__name__})")
+    return value
 
 
 def _file_entry(rel: Any, entry: Any) -> FileEntry:
     if not _safe_rel(rel):
         raise ValueError(f"file name {rel!r} is not a plain relative path inside the checkpoint")
-    size, checksum = entry["size"], entry.get("checksum")
+    size, checksum, carried = entry["size"], entry.get("checksum"), entry.get("carried")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise ValueError(f"size of {rel!r} is {size!r}")
     if checksum is not None and not (isinstance(checksum, str) and re.fullmatch(r"[0-9a-f]{1,128}", checksum)):
         raise ValueError(f"checksum of {rel!r} is {checksum!r}")
-    return FileEntry(size=size, checksum=checksum)
+    if carried is not None and carried not in CARRIED:
+        raise ValueError(f"carried of {rel!r} is not one of {CARRIED}")
+    return FileEntry(size=size, checksum=checksum, carried=carried)
 
 
 def shard_files(files: Mapping[str, FileEntry], world_size: int) -> list[set[str]]:

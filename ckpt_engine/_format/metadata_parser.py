@@ -39,27 +39,31 @@ name the file.
 
 from __future__ import annotations
 
+import gc
 import pathlib
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
-from .._dcpio.torch_private import storage_info
 from ..errors import SHOWN_CHARS
 from ..errors import clip as _clip
+from .metadata_fast import StorageBatch
+from .metadata_types import RecordTypes, dcp_types
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
 __all__ = ["PickleMalformed", "PickleRefused", "parse_metadata"]
 
@@ -299,11 +303,13 @@ def _text_line(data: bytes, pos: int) -> tuple[str, int]:
         raise PickleMalformed("non-ASCII text argument") from err
 
 
-def _interpret(data: bytes, budget: _Budget) -> Any:
+def _interpret(data: bytes, budget: _Budget, batch: StorageBatch | None = None) -> Any:
     """Run the opcodes of ``data`` and return the value STOP leaves (copies charged to ``budget``).
 
     Kept as one loop with the opcodes ordered by how often DCP metadata uses them: this is the hot
-    path of every load (tens of bytes per tensor, millions of opcodes for large models).
+    path of every load (tens of bytes per tensor, millions of opcodes for large models). With
+    ``batch``, a ``MARK`` that starts a batch of DCP storage entries is replayed by it
+    (:mod:`.metadata_fast`); a ``PUT`` that leaves a gap in the memo switches it off.
     """
     stack: list[Any] = []
     metastack: list[list[Any]] = []
@@ -335,6 +341,11 @@ def _interpret(data: bytes, budget: _Budget) -> Any:
             append(data[pos + 1 : end].decode("utf-8"))
             pos = end
         elif op == 0x28:  # MARK
+            if batch is not None and stack and type(stack[-1]) is dict:
+                end = batch.run(data, pos, stack[-1], memo)
+                if end >= 0:
+                    pos = end
+                    continue
             metastack.append(stack)
             stack = []
             append = stack.append
@@ -440,15 +451,23 @@ def _interpret(data: bytes, budget: _Budget) -> Any:
             append(raw.decode("utf-8") if op in (0x58, 0x8D) else raw)
             pos = start + size
         elif op == 0x71:  # BINPUT
-            memo[data[pos]] = stack[-1]
+            idx = data[pos]
+            if idx > len(memo):
+                batch = None
+            memo[idx] = stack[-1]
             pos += 1
         elif op == 0x72:  # LONG_BINPUT
             (idx,) = unpack_from("<I", data, pos)
+            if idx > len(memo):
+                batch = None
             memo[idx] = stack[-1]
             pos += 4
         elif op == 0x70:  # PUT
             text, pos = _text_line(data, pos)
-            memo[_parse_int(text)] = stack[-1]
+            idx = _parse_int(text)
+            if idx > len(memo):
+                batch = None
+            memo[idx] = stack[-1]
         elif op == 0x67:  # GET
             text, pos = _text_line(data, pos)
             append(memo[_parse_int(text)])
@@ -586,11 +605,18 @@ def _resolve(module: str, name: str) -> Any:
 # From records to real DCP objects, checked field by field.
 
 
+#: Leaves :meth:`_Builder.plain` returns as they are.
+_PLAIN_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
+
+
 @dataclass
 class _Builder:
-    """Turns the parse's records into DCP objects; shared records are converted once."""
+    """Turns the parse's records into DCP objects (or the stand-ins of ``types``); shared records
+    are converted once. Objects :mod:`.metadata_fast` built already (checked as they were built)
+    are taken as they are where a record of their kind may stand."""
 
     budget: _Budget
+    types: RecordTypes
     done: dict[int, Any] = field(default_factory=dict)
     #: The chunk lists already given to a tensor: DCP never shares one, a crafted file may.
     chunk_lists: set[int] = field(default_factory=set)
@@ -621,10 +647,26 @@ class _Builder:
         if type(value) in (tuple, list, set, frozenset):
             return type(value)(self.plain(v, where, depth + 1) for v in value)
         if type(value) in (dict, OrderedDict):
-            return type(value)(
-                (self.plain(k, where, depth + 1), self.plain(v, where, depth + 1)) for k, v in value.items()
-            )
+            return self.plain_dict(value, where, depth)
         raise PickleMalformed(f"{where} holds a {type(value).__name__}")
+
+    def plain_dict(self, value: dict[Any, Any], where: str, depth: int) -> dict[Any, Any]:
+        """:meth:`plain` of a dict; a leaf key with a tuple of leaves (DCP's ``planner_data``
+        entry) is taken as it is, charged what :meth:`plain` charges for it."""
+        out = type(value)()
+        budget, leaves = self.budget, _PLAIN_LEAVES
+        for k, v in value.items():
+            if type(k) in leaves and type(v) is tuple:
+                n = len(v)
+                budget.left -= 2 + n  # before the walk: a shared tuple may be long
+                if budget.left < 0:
+                    budget.charge(0, where)
+                if (n == 1 and type(v[0]) in leaves) or all(type(e) in leaves for e in v):
+                    out[k] = v
+                    continue
+                budget.left += 2 + n
+            out[self.plain(k, where, depth + 1)] = self.plain(v, where, depth + 1)
+        return out
 
     def metadata(self, value: Any) -> Metadata:
         rec = self.record(value, "Metadata", "the top-level object")
@@ -639,17 +681,42 @@ class _Builder:
         if version is not None and not isinstance(version, str):
             raise PickleMalformed("version is not a string")
         meta = st.get("storage_meta")
-        return Metadata(
-            state_dict_metadata={_key(k): self.item(v, _key(k)) for k, v in sdm.items()},
+        md: Metadata = self.types.Metadata(
+            state_dict_metadata=self.items(sdm),
             planner_data=self.plain(st.get("planner_data"), "planner_data"),
-            storage_data=None if storage is None else {self.index(k): self.info(v, k) for k, v in storage.items()},
+            storage_data=None if storage is None else self.storage(storage),
             storage_meta=None if meta is None else self.storage_meta(meta),
             version=version,
         )
+        return md
+
+    def items(self, sdm: dict[Any, Any]) -> dict[str, Any]:
+        """``state_dict_metadata``: a description shared by consecutive keys is converted once."""
+        out: dict[str, Any] = {}
+        last: Any = _MARK
+        built: Any = None
+        for k, v in sdm.items():
+            if type(k) is not str:
+                _key(k)
+            if v is not last:
+                last, built = v, self.item(v, k)
+            out[k] = built
+        return out
+
+    def storage(self, storage: dict[Any, Any]) -> dict[Any, Any]:
+        index_type, info_type = self.types.MetadataIndex, self.types.StorageInfo
+        if all(type(k) is index_type for k in storage) and all(type(v) is info_type for v in storage.values()):
+            return dict(storage)  # all built by the batches: keeps the hashes already computed
+        return {
+            (k if type(k) is index_type else self.index(k)): (v if type(v) is info_type else self.info(v, k))
+            for k, v in storage.items()
+        }
 
     def item(self, value: Any, key: str) -> TensorStorageMetadata | BytesStorageMetadata:
+        if type(value) is _Record and id(value) in self.done and value.kind in _ITEM_KINDS:
+            return self.done[id(value)]  # type: ignore[no-any-return]  # a description shared by many keys
         if isinstance(value, _Record) and value.kind == "BytesStorageMetadata":
-            return self.cached(value, lambda st: BytesStorageMetadata())  # type: ignore[no-any-return]
+            return self.cached(value, lambda st: self.types.BytesStorageMetadata())  # type: ignore[no-any-return]
         rec = self.record(value, "TensorStorageMetadata", f"the entry of {_clip(key)}")
 
         def make(st: dict[str, Any]) -> TensorStorageMetadata:
@@ -660,11 +727,12 @@ class _Builder:
                 raise _refuse(f"one chunk list shared by several tensors ({_clip(key)} and another)")
             self.chunk_lists.add(id(chunks))
             self.budget.charge(len(chunks), f"the chunks of {_clip(key)}")
-            return TensorStorageMetadata(
+            out: TensorStorageMetadata = self.types.TensorStorageMetadata(
                 properties=self.properties(st.get("properties"), key),
                 size=_size(st.get("size"), f"the size of {_clip(key)}"),
                 chunks=[self.chunk(c, key) for c in chunks],
             )
+            return out
 
         return self.cached(rec, make)  # type: ignore[no-any-return]
 
@@ -681,9 +749,10 @@ class _Builder:
             fmt = _MEMORY_FORMATS[mem.value] if isinstance(mem, _MemFormat) else torch.contiguous_format
             if mem is not None and not isinstance(mem, _MemFormat):
                 raise PickleMalformed(f"the memory format of {_clip(key)} is not DCP's encoding")
-            return TensorProperties(
+            out: TensorProperties = self.types.TensorProperties(
                 dtype=dtype, layout=layout, requires_grad=flags[0], memory_format=fmt, pin_memory=flags[1]
             )
+            return out
 
         return self.cached(rec, make)  # type: ignore[no-any-return]
 
@@ -691,7 +760,7 @@ class _Builder:
         rec = self.record(value, "ChunkStorageMetadata", f"a chunk of {_clip(key)}")
         return self.cached(  # type: ignore[no-any-return]
             rec,
-            lambda st: ChunkStorageMetadata(
+            lambda st: self.types.ChunkStorageMetadata(
                 offsets=_size(st.get("offsets"), f"a chunk offset of {_clip(key)}"),
                 sizes=_size(st.get("sizes"), f"a chunk size of {_clip(key)}"),
             ),
@@ -706,16 +775,17 @@ class _Builder:
                 raise PickleMalformed("a storage_data key has no string fqn")
             if index is not None and not _is_int(index):
                 raise PickleMalformed(f"the storage index of {_clip(fqn)} is not an int")
-            return MetadataIndex(
+            out: MetadataIndex = self.types.MetadataIndex(
                 fqn=fqn,
                 offset=None if offset is None else _size(offset, f"a storage offset of {_clip(fqn)}"),
                 index=index,
             )
+            return out
 
         return self.cached(rec, make)  # type: ignore[no-any-return]
 
-    def info(self, value: Any, index: _Record) -> Any:
-        fqn = (index.state or {}).get("fqn")
+    def info(self, value: Any, index: Any) -> Any:
+        fqn = index.fqn if type(index) is self.types.MetadataIndex else (getattr(index, "state", None) or {}).get("fqn")
         where = _clip(fqn) if type(fqn) is str else "a storage_data key"
         rec = self.record(value, "_StorageInfo", f"the storage entry of {where}")
 
@@ -728,7 +798,7 @@ class _Builder:
                 type(transforms) not in (list, tuple) or not all(isinstance(t, str) for t in transforms)
             ):
                 raise PickleMalformed(f"the transforms of {where} are not strings")
-            out = storage_info(rel, offset, length)
+            out = self.types.StorageInfo(rel, offset, length)
             if transforms is not None:
                 out.transform_descriptors = list(transforms)
             return out
@@ -745,9 +815,15 @@ class _Builder:
             modules = st.get("modules", [])
             if type(modules) is not list or not all(isinstance(m, str) for m in modules):
                 raise PickleMalformed("storage_meta.modules is not a list of strings")
-            return StorageMeta(checkpoint_id=ids[0], save_id=ids[1], load_id=ids[2], modules=list(modules))
+            out: StorageMeta = self.types.StorageMeta(
+                checkpoint_id=ids[0], save_id=ids[1], load_id=ids[2], modules=list(modules)
+            )
+            return out
 
         return self.cached(rec, make)  # type: ignore[no-any-return]
+
+
+_ITEM_KINDS = frozenset({"TensorStorageMetadata", "BytesStorageMetadata"})
 
 
 def _key(k: Any) -> str:
@@ -762,16 +838,14 @@ def _size(value: Any, where: str) -> torch.Size:
     return value
 
 
-def parse_metadata(data: bytes) -> Metadata:
-    """The DCP ``Metadata`` pickled in ``data``, built without running any code from it.
+def _is_token(value: Any, kind: str) -> bool:
+    return type(value) is _Token and value.kind == kind
 
-    Raises :class:`PickleRefused` or :class:`PickleMalformed`; the structure is checked only as far
-    as building needs (types of every field); see :func:`ckpt_engine._format.metadata.validate_metadata`
-    for the rules between fields.
-    """
-    budget = _Budget(len(data))
+
+def _parse(data: bytes, types: RecordTypes, budget: _Budget, batch: StorageBatch | None) -> Metadata:
+    """One parse of ``data``; with ``batch``, storage entries are replayed in bulk."""
     try:
-        root = _interpret(data, budget)
+        root = _interpret(data, budget, batch)
     except (PickleRefused, PickleMalformed):
         raise
     except (IndexError, KeyError) as err:  # a GET of an unset memo slot, a pop from an empty stack
@@ -779,8 +853,39 @@ def parse_metadata(data: bytes) -> Metadata:
     except (struct.error, UnicodeDecodeError, TypeError, ValueError, OverflowError, RecursionError) as err:
         raise PickleMalformed(f"{type(err).__name__}: {str(err)[:_SHOWN]}") from err
     try:
-        return _Builder(budget=budget).metadata(root)
+        return _Builder(budget=budget, types=types).metadata(root)
     except (PickleRefused, PickleMalformed):
         raise
     except (TypeError, ValueError, OverflowError, RecursionError) as err:
         raise PickleMalformed(f"{type(err).__name__}: {str(err)[:_SHOWN]}") from err
+
+
+def parse_metadata(data: bytes, types: RecordTypes | None = None, *, batches: bool = True) -> Metadata:
+    """The DCP ``Metadata`` pickled in ``data``, built without running any code from it.
+
+    Raises :class:`PickleRefused` or :class:`PickleMalformed`; the structure is checked only as far
+    as building needs (types of every field); see :func:`ckpt_engine._format.metadata.validate_metadata`
+    for the rules between fields. ``types``: the classes to build (default DCP's,
+    :mod:`.metadata_types`). ``batches=False`` runs the interpreter alone, opcode by opcode;
+    the default replays DCP's storage entries in bulk (:mod:`.metadata_fast`) and, should that
+    parse fail, parses again without them, so the outcome (value or error) of every file is the
+    interpreter's (a refused file costs two parses, still linear in its size).
+    """
+    types = types or dcp_types()
+    # Without cyclic collection: the parse allocates millions of objects and (unless crafted)
+    # no cycles, and each full collection walked all of them (as in any load: _dcpio/fast_read.py).
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        if not batches:
+            return _parse(data, types, _Budget(len(data)), None)
+        budget = _Budget(len(data))
+        batch = StorageBatch(_is_token, budget.charge, types.MetadataIndex, types.StorageInfo)
+        try:
+            return _parse(data, types, budget, batch)
+        except (PickleRefused, PickleMalformed):
+            pass  # whatever the batches did or did not do: the interpreter alone decides
+        return _parse(data, types, _Budget(len(data)), None)
+    finally:
+        if was_enabled:
+            gc.enable()

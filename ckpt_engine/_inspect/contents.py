@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._format.manifest import lookup_manifest
 from .._format.verify import verify_checkpoint
+from ..errors import CkptEngineError
 from .reader import ComponentReader, KeyInfo, Target, Unreadable, match_keys, prefix_of, summarize_value
 
 __all__ = ["CheckpointContents", "ComponentContents", "PrefixTotals", "read_contents"]
@@ -90,11 +92,19 @@ class CheckpointContents:
     complete: bool
     problems: list[str] = field(default_factory=list)
     components: list[ComponentContents] = field(default_factory=list)
+    #: From the manifest: the files' bytes, and those an incremental save carried over from the
+    #: previous checkpoint instead of writing them (0 without a manifest).
+    total_bytes: int = 0
+    reused_bytes: int = 0
+    reused_files: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
             "checkpoint": self.target.checkpoint,
             "complete": self.complete,
+            "bytes": self.total_bytes,
+            "written_bytes": self.total_bytes - self.reused_bytes,
+            "reused_bytes": self.reused_bytes,
             "components": {c.name: c.to_json() for c in self.components},
         }
 
@@ -106,7 +116,14 @@ def read_contents(
     the small non-tensor values too (a damaged data file makes them :class:`Unreadable`, the
     metadata is still shown). Checks sizes against the manifest, never checksums."""
     report = verify_checkpoint(target.checkpoint, level="sizes")
-    contents = CheckpointContents(target, report.complete, list(report.problems))
+    contents = CheckpointContents(target, report.complete, list(report.problems), total_bytes=report.bytes)
+    try:
+        manifest = lookup_manifest(target.checkpoint).manifest
+    except CkptEngineError:
+        manifest = None  # the report says what is wrong with it
+    if manifest is not None:
+        contents.reused_bytes = manifest.carried_bytes
+        contents.reused_files = sum(e.carried is not None for e in manifest.files.values())
     for name, cdir in target.components.items():
         contents.components.append(_component_contents(name, cdir, keys, read_values, trust))
     return contents

@@ -3,8 +3,9 @@
 The folder holds ``model.safetensors`` (everything fits one shard) or
 ``model-00001-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``
 (``metadata.total_size``, ``weight_map``), as ``transformers``' ``save_pretrained`` writes it;
-every file carries ``{"format": "pt"}`` metadata. It loads with the ``safetensors`` package,
-with ``transformers``, and back into a model through ``load_path``.
+every file carries ``{"format": "pt"}`` metadata. It loads with the ``safetensors`` package and
+back into a model through ``load_path``; with the model's config (below), with ``transformers``'
+``from_pretrained`` too.
 
 * **Consolidated:** each tensor is assembled from all ranks' shards (any world size).
 * **Bounded memory:** shard headers are computed from the checkpoint's metadata; tensors are then
@@ -15,6 +16,17 @@ with ``transformers``, and back into a model through ``load_path``.
   the old one removed; if the rename fails the previous folder is put back. ``OUT_DIR`` a symbolic
   link to a folder: the folder it points to is replaced and the link kept (see :func:`_destination`).
 * Non-tensor values (safetensors holds tensors only) are skipped and listed.
+* **A model's config** (``hf_config``, ``--hf-config DIR``): ``config.json`` (and
+  ``generation_config.json`` when the folder has one) of a Hugging Face folder of the same
+  architecture are validated (:func:`read_hf_config`) and copied in, so ``from_pretrained`` of
+  the folder works. With ``--dtype`` the config's ``dtype``/``torch_dtype`` is set to it.
+* **Tied weights written once**, as ``save_pretrained`` does. An engine checkpoint stores a
+  tied tensor under each of its keys (``state_dict()`` lists both); when the config ties word
+  embeddings (``tie_word_embeddings`` true, at the top or in ``text_config``), the tensors of
+  shape ``[vocab_size, ...]`` whose dtype, shape and bytes are equal are one tensor: the first
+  in the checkpoint's key order (the model's ``state_dict()`` order: the input embedding) is
+  written, the others are left out and listed (:func:`find_ties`). Nothing else is merged:
+  equal bytes alone (two LayerNorm weights still at ones) are not a tie.
 """
 
 from __future__ import annotations
@@ -26,14 +38,28 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .._format.safetensors import DTYPE_CODES, INDEX_FILE, SINGLE_FILE, encode_header, read_header
+from ..errors import UsageError
 from .reader import DEFAULT_BUDGET, ComponentReader
 
-__all__ = ["DTYPE_ALIASES", "HFExport", "export_hf", "parse_shard_size"]
+__all__ = [
+    "DTYPE_ALIASES",
+    "HFConfig",
+    "HFConfigError",
+    "HFExport",
+    "export_hf",
+    "find_ties",
+    "parse_shard_size",
+    "read_hf_config",
+]
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 #: Short dtype names accepted by ``--dtype`` besides torch's own (``bfloat16``).
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32"}
@@ -51,6 +77,129 @@ def parse_shard_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+class HFConfigError(UsageError):
+    """``--hf-config`` names no usable Hugging Face config: no folder, no ``config.json``, JSON
+    that does not parse, or a config without ``model_type``."""
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """The config files of a Hugging Face folder, read and validated by :func:`read_hf_config`."""
+
+    source: str
+    config: dict[str, Any]
+    config_bytes: bytes
+    #: ``generation_config.json``'s bytes, when the folder has one.
+    generation_bytes: bytes | None = None
+
+    def _text(self, field_name: str) -> Any:
+        """A field of the config, else of its ``text_config`` (multimodal models nest the LM's)."""
+        if field_name in self.config:
+            return self.config[field_name]
+        text = self.config.get("text_config")
+        return text.get(field_name) if isinstance(text, dict) else None
+
+    @property
+    def ties_word_embeddings(self) -> bool:
+        return self._text("tie_word_embeddings") is True
+
+    @property
+    def vocab_size(self) -> int | None:
+        size = self._text("vocab_size")
+        return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+    @property
+    def architecture(self) -> str | None:
+        """The model class ``save_pretrained`` recorded (``architectures[0]``), if any."""
+        names = self.config.get("architectures")
+        if isinstance(names, list) and names and isinstance(names[0], str) and names[0].isidentifier():
+            return names[0]
+        return None
+
+    def files(self, cast: torch.dtype | None) -> dict[str, bytes]:
+        """What to write into the export: ``config.json`` (its ``dtype``/``torch_dtype`` set to
+        ``cast`` when given; else the bytes as they were), ``generation_config.json`` if any."""
+        data = self.config_bytes
+        if cast is not None and ({"dtype", "torch_dtype"} & self.config.keys()):
+            name = str(cast).removeprefix("torch.")
+            changed = {k: (name if k in ("dtype", "torch_dtype") else v) for k, v in self.config.items()}
+            data = (json.dumps(changed, indent=2, sort_keys=True) + "\n").encode()
+        out = {CONFIG_FILE: data}
+        if self.generation_bytes is not None:
+            out[GENERATION_CONFIG_FILE] = self.generation_bytes
+        return out
+
+
+def _read_json_object(path: str, what: str) -> tuple[dict[str, Any], bytes]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(64 << 20)  # a config is a few KiB; a huge file is not one
+    except OSError as err:
+        raise HFConfigError(f"cannot read {path}: {err.strerror or err}; {what}") from err
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HFConfigError(f"{path} is not valid JSON ({err}); {what}") from err
+    if not isinstance(value, dict):
+        raise HFConfigError(f"{path} holds a JSON {type(value).__name__}, not an object; {what}")
+    return value, data
+
+
+def read_hf_config(path: str) -> HFConfig:
+    """The config of the Hugging Face folder ``path`` (or of the ``config.json`` file ``path``),
+    validated: :class:`HFConfigError` naming the file and the fix when it is not usable."""
+    fix = "give the folder that transformers' save_pretrained wrote for this model (it holds config.json)"
+    if os.path.isfile(path) and os.path.basename(path) == CONFIG_FILE:
+        path = os.path.dirname(path) or "."
+    if not os.path.exists(path):
+        raise HFConfigError(f"--hf-config {path} does not exist; {fix}")
+    if not os.path.isdir(path):
+        raise HFConfigError(f"--hf-config {path} is a file, not a folder; {fix}")
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise HFConfigError(f"--hf-config {path} has no {CONFIG_FILE}; {fix}")
+    config, data = _read_json_object(config_path, fix)
+    if not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        raise HFConfigError(
+            f'{config_path} has no model_type (a string such as "llama"): transformers cannot tell the '
+            f"model class from it; {fix}"
+        )
+    generation = None
+    generation_path = os.path.join(path, GENERATION_CONFIG_FILE)
+    if os.path.exists(generation_path):
+        _, generation = _read_json_object(
+            generation_path, f"fix or remove it (it is optional; from_pretrained reads it when present), or {fix}"
+        )
+    return HFConfig(source=path, config=config, config_bytes=data, generation_bytes=generation)
+
+
+def find_ties(reader: ComponentReader, keys: Sequence[str], config: HFConfig | None) -> dict[str, str]:
+    """``{left-out key: written key}`` for the tied word embeddings among ``keys`` (see the module
+    docstring): empty without a config that ties them or names ``vocab_size``. Reads the
+    candidates one at a time, holding at most one tensor per distinct value besides it."""
+    if config is None or not config.ties_word_embeddings or config.vocab_size is None:
+        return {}
+    groups: dict[tuple[torch.dtype, tuple[int, ...]], list[str]] = {}
+    for key in keys:
+        info = reader.keys[key]
+        if info.is_tensor and info.dtype is not None and len(info.shape) >= 2 and info.shape[0] == config.vocab_size:
+            groups.setdefault((info.dtype, tuple(info.shape)), []).append(key)
+    ties: dict[str, str] = {}
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        kept: list[tuple[str, torch.Tensor]] = []
+        for key, value in reader.iter_values(group, budget=1):  # one tensor per read
+            data = value.detach().contiguous().reshape(-1).view(torch.uint8)
+            twin = next((k for k, seen in kept if torch.equal(seen, data)), None)
+            if twin is None:
+                kept.append((key, data))
+            else:
+                ties[key] = twin
+        del kept
+    return ties
+
+
 @dataclass(frozen=True)
 class HFExport:
     out_dir: str
@@ -58,6 +207,10 @@ class HFExport:
     total_size: int
     written: int
     left_out: tuple[str, ...]
+    #: Tied keys written once: ``{left-out key: the key written}``.
+    tied: dict[str, str] = field(default_factory=dict)
+    #: The config files copied in (``config.json``, ``generation_config.json``).
+    config_files: tuple[str, ...] = ()
 
 
 def _shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
@@ -84,9 +237,12 @@ def export_hf(
     progress: Callable[[int], None] | None = None,
     budget: int = DEFAULT_BUDGET,
     replace: bool = False,
+    hf_config: HFConfig | None = None,
 ) -> HFExport:
-    """Write ``keys`` of ``reader``'s component as an HF safetensors folder at ``out_dir``."""
-    tensors = [k for k in keys if reader.keys[k].is_tensor]
+    """Write ``keys`` of ``reader``'s component as an HF safetensors folder at ``out_dir``, with
+    ``hf_config``'s files and its tied weights once (see the module docstring)."""
+    ties = find_ties(reader, keys, hf_config)
+    tensors = [k for k in keys if reader.keys[k].is_tensor and k not in ties]
     left_out = tuple(k for k in keys if not reader.keys[k].is_tensor)
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for key in tensors:
@@ -114,11 +270,14 @@ def export_hf(
                 "weight_map": {k: name for name, shard in zip(names, shards, strict=True) for k in shard},
             }
             _write_file(os.path.join(tmp, INDEX_FILE), json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
+        config_files = hf_config.files(cast) if hf_config is not None else {}
+        for name, data in config_files.items():
+            _write_file(os.path.join(tmp, name), data)
         _fsync_dir(tmp)
         _move_into_place(tmp, dest, replace)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return HFExport(out_dir, tuple(names), sum(s for _, s in sizes), len(tensors), left_out)
+    return HFExport(out_dir, tuple(names), sum(s for _, s in sizes), len(tensors), left_out, ties, tuple(config_files))
 
 
 def _write_shard(

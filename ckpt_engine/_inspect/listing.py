@@ -1,5 +1,6 @@
-"""A save folder's checkpoints as rows (iteration, components, size, files, status, latest), and
-their text table: what ``ckpt-engine ls`` prints and the demo shows, computed once."""
+"""A save folder's checkpoints as rows (iteration, components, size, files, status, latest, and
+for incremental saves the bytes each one wrote and carried over), the folder's real disk use,
+and their text table: what ``ckpt-engine ls`` prints and the demo shows, computed once."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .._format.layout import component_dirs, find_leftovers
+from .._format.manifest import lookup_manifest
 from .._format.names import LATEST_FILE, iter_dirname, parse_iteration
 from .._format.pointer import list_checkpoints, read_latest
 from .._format.verify import verify_checkpoint
+from .._storage.urls import is_url
 from ..errors import CkptEngineError
-from .reader import disk_usage, human_bytes, table, uncommitted_dirs
+from .files import disk_usage, human_bytes, shared_once_usage, table, uncommitted_dirs
 
 __all__ = ["SaveDirListing", "list_save_dir", "listing_table"]
 
@@ -25,6 +28,14 @@ class SaveDirListing:
     latest: str | None
     rows: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: Bytes the folder's files really use, each file shared between checkpoints (incremental
+    #: saves: hard links) counted once; ``None`` for an object store (copies there are copies).
+    disk_bytes: int | None = None
+
+    @property
+    def incremental(self) -> bool:
+        """Some checkpoint carried files over from an earlier one (``incremental`` saves)."""
+        return any(r.get("reused", 0) for r in self.rows)
 
     @property
     def problem(self) -> bool:
@@ -49,13 +60,19 @@ def list_save_dir(save_dir: str, *, verify: bool = False) -> SaveDirListing:
     for r in rows:
         if r["latest"] and r["status"] in ("INCOMPLETE", "CORRUPT"):
             warnings.append(f"warning: {LATEST_FILE} names {r['name']}, which is {r['status'].lower()}")
-    return SaveDirListing(save_dir, latest, rows, warnings)
+    disk = None if is_url(save_dir) else shared_once_usage(save_dir)
+    return SaveDirListing(save_dir, latest, rows, warnings, disk)
 
 
 def _committed_row(
     iteration: int, path: str, note: str | None, level: Literal["sizes", "checksums"], latest: str | None
 ) -> dict[str, Any]:
     report = verify_checkpoint(path, level=level)
+    try:
+        manifest = lookup_manifest(path).manifest
+    except CkptEngineError:
+        manifest = None  # the verify report says what is wrong with it
+    reused = manifest.carried_bytes if manifest is not None else 0
     if report.corrupt or (report.complete and report.problems):
         status = "CORRUPT"  # a file is damaged (a .metadata failing its checksum), not missing
     elif not report.complete:
@@ -71,6 +88,9 @@ def _committed_row(
         "components": component_dirs(path),
         # Counted as `verify` counts them: the checkpoint's data and metadata files.
         "bytes": report.bytes,
+        # Incremental saves: what this save wrote, and what it carried over from the previous one.
+        "written": max(report.bytes - reused, 0),
+        "reused": reused,
         "files": report.files,
         "status": status,
         "verified": report.verified,
@@ -88,6 +108,8 @@ def _uncommitted_row(iteration: int, path: str) -> dict[str, Any]:
         "path": path,
         "components": component_dirs(path),
         "bytes": size,
+        "written": size,
+        "reused": 0,
         "files": files,
         "status": "uncommitted",
         "verified": False,
@@ -101,20 +123,45 @@ def _uncommitted_row(iteration: int, path: str) -> dict[str, Any]:
 
 
 def listing_table(listing: SaveDirListing) -> list[str]:
-    """The rows as an aligned text table."""
+    """The rows as an aligned text table; with incremental saves, two more columns (what each
+    save wrote and carried over) and the folder's disk use under it."""
+    if not listing.incremental:
+        body = [
+            [
+                str(r["iteration"]),
+                r["name"],
+                ",".join(r["components"]) or "-",
+                human_bytes(r["bytes"]),
+                str(r["files"]),
+                r["status"],
+                "<- latest" if r["latest"] else "",
+            ]
+            for r in listing.rows
+        ]
+        return table(body, ["iteration", "checkpoint", "components", "size", "files", "status", ""], right=(0, 3, 4))
     body = [
         [
             str(r["iteration"]),
             r["name"],
             ",".join(r["components"]) or "-",
             human_bytes(r["bytes"]),
+            human_bytes(r["written"]),
+            human_bytes(r["reused"]),
             str(r["files"]),
             r["status"],
             "<- latest" if r["latest"] else "",
         ]
         for r in listing.rows
     ]
-    return table(body, ["iteration", "checkpoint", "components", "size", "files", "status", ""], right=(0, 3, 4))
+    header = ["iteration", "checkpoint", "components", "size", "written", "reused", "files", "status", ""]
+    lines = table(body, header, right=(0, 3, 4, 5, 6))
+    if listing.disk_bytes is not None:
+        total = sum(r["bytes"] for r in listing.rows)
+        lines.append(
+            f"disk use: {human_bytes(listing.disk_bytes)} for {human_bytes(total)} of checkpoints "
+            "(files shared between checkpoints counted once)"
+        )
+    return lines
 
 
 def _committed(save_dir: str) -> list[tuple[int, str, str | None]]:

@@ -31,11 +31,11 @@ from .._dcpio.object_read import ObjectStoreReader
 from .._dcpio.unsafe import blocked_global, refine_unsafe
 from .._format.layout import check_component_files, component_dirs
 from .._format.metadata import SafeFileSystemReader, read_metadata
-from .._format.names import LATEST_FILE, METADATA_FILE, parse_iteration
+from .._format.names import LATEST_FILE, METADATA_FILE
 from .._format.not_checkpoint import diagnose_not_checkpoint
 from .._format.pointer import list_checkpoints, read_latest
 from .._storage.fscheck import require_regular_file
-from .._storage.store import FsspecStore, is_url, open_store, store_for
+from .._storage.store import FsspecStore, open_store, store_for
 from ..errors import (
     CheckpointNotFoundError,
     CkptEngineError,
@@ -43,6 +43,15 @@ from ..errors import (
     UnsafeCheckpointError,
     first_failure,
 )
+from .files import disk_usage as disk_usage  # re-exported: the helpers lived here
+from .files import exists as exists
+from .files import human_bytes as human_bytes
+from .files import is_component_dir as is_component_dir
+from .files import isdir as isdir
+from .files import isfile as isfile
+from .files import normalize as normalize
+from .files import table as table
+from .files import uncommitted_dirs as uncommitted_dirs
 
 #: Default bytes of tensor data read per batch (a single larger tensor is read on its own).
 DEFAULT_BUDGET = 64 << 20
@@ -65,28 +74,6 @@ class Target:
         if self.via == "component":
             return f"{self.checkpoint} (component {next(iter(self.components))!r})"
         return self.checkpoint
-
-
-def normalize(path: str) -> str:
-    """A path as the commands print it: normalised locally, a URL without its trailing slash.
-    URLs use the standard credentials (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...)."""
-    return path.rstrip("/") if is_url(path) else os.path.normpath(path)
-
-
-def exists(path: str) -> bool:
-    return open_store(path).exists(path)
-
-
-def isdir(path: str) -> bool:
-    return open_store(path).isdir(path)
-
-
-def isfile(path: str) -> bool:
-    return os.path.isfile(path) if not is_url(path) else open_store(path).exists(path) and not isdir(path)
-
-
-def is_component_dir(path: str) -> bool:
-    return isfile(os.path.join(path, METADATA_FILE))
 
 
 def is_save_dir(path: str) -> bool:
@@ -350,53 +337,7 @@ def batches(keys: Sequence[str], infos: dict[str, KeyInfo], budget: int) -> Iter
         yield batch
 
 
-# -- listing --------------------------------------------------------------------------------
-
-
-def disk_usage(path: str) -> tuple[int, int]:
-    """``(bytes, files)`` under ``path``."""
-    if is_url(path):
-        sizes = open_store(path).list_files(path)
-        return sum(sizes.values()), len(sizes)
-    total = files = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            try:
-                total += os.stat(os.path.join(root, name)).st_size
-            except OSError:
-                continue
-            files += 1
-    return total, files
-
-
-def uncommitted_dirs(save_dir: str) -> list[tuple[int, str]]:
-    """``(iteration, path)`` of leftover ``.iter_*.partial`` folders (interrupted saves; an object
-    store has none: an interrupted save there is an ``iter_*`` prefix without its marker)."""
-    if is_url(save_dir):
-        return []
-    out = []
-    try:
-        entries = list(os.scandir(save_dir))
-    except OSError:
-        return []
-    for e in entries:
-        if e.name.startswith(".iter_") and e.name.endswith(".partial") and e.is_dir():
-            it = parse_iteration(e.name[1 : -len(".partial")])
-            if it is not None:
-                out.append((it, e.path))
-    return sorted(out)
-
-
 # -- formatting -----------------------------------------------------------------------------
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def summarize_value(value: Any, limit: int = 60) -> str:
@@ -406,15 +347,3 @@ def summarize_value(value: Any, limit: int = 60) -> str:
         return f"tensor {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def table(rows: Sequence[Sequence[str]], header: Sequence[str], right: Iterable[int] = ()) -> list[str]:
-    """Rows as aligned text columns; columns in ``right`` are right-aligned."""
-    right = set(right)
-    cols = list(zip(*([list(header), *[list(r) for r in rows]]), strict=True)) if rows else [[h] for h in header]
-    widths = [max(len(c) for c in col) for col in cols]
-    out = []
-    for row in [header, *rows]:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        out.append("  ".join(cells).rstrip())
-    return out

@@ -47,13 +47,19 @@ def _add(sub: Any, command: Command, common: argparse.ArgumentParser) -> None:
     parser: argparse.ArgumentParser = sub.add_parser(
         command.name,
         description=command.description or command.summary,
-        epilog="example:\n" + textwrap.indent(textwrap.dedent(command.example).strip("\n"), "  "),
+        epilog="example:\n" + _example_lines(command.example),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[common],
         **shown,
     )
     command.add_arguments(parser)
     parser.set_defaults(func=command.run)
+
+
+def _example_lines(example: str) -> str:
+    """A command's examples, one a line, each indented by two spaces, as ``ckpt-engine --help``
+    shows its own: however the ``example`` string indents its lines."""
+    return "\n".join("  " + line.strip() for line in example.splitlines() if line.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:

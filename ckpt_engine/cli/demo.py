@@ -15,7 +15,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 COMMAND = Command(
     name="demo",
     summary="train, SIGKILL mid-save, resume, check the losses match",
-    example="ckpt-engine demo\n  ckpt-engine demo --fast\n  ckpt-engine demo --ranks 2 --steps 40 --out runs/demo2",
+    example="ckpt-engine demo\nckpt-engine demo --fast\nckpt-engine demo --ranks 2 --steps 40 --out runs/demo2",
     description="Trains a small model with checkpoints every few steps (async with pinned_staging when "
     "installed), kills the training process with SIGKILL in the middle of a save, resumes from "
     "latest_checkpoint.txt in a fresh process, and checks that the resumed losses equal an "

@@ -30,6 +30,12 @@ def _text(contents: CheckpointContents, patterns: Sequence[str], *, summary: boo
     from .._inspect.reader import human_bytes
 
     lines = [f"checkpoint {contents.target.describe()}"]
+    if contents.reused_bytes:
+        lines.append(
+            f"incremental save: wrote {human_bytes(contents.total_bytes - contents.reused_bytes)}, carried "
+            f"{human_bytes(contents.reused_bytes)} in {plural(contents.reused_files, 'unchanged file')} over from "
+            "the previous checkpoint"
+        )
     if not contents.complete or contents.problems:
         lines.append(f"warning: {contents.problems[0] if contents.problems else 'incomplete'}")
     filt = f" matching {', '.join(patterns)}" if patterns else ""

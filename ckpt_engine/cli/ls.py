@@ -11,9 +11,12 @@ from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, print_json, print_lines
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    # Listing reads every .metadata for its fields only: into the stand-in records, so that the
+    # command never imports torch.distributed.checkpoint (about a second; tests/test_import_cost.py).
+    from .._format.metadata_types import records_without_dcp
     from .._format.pointer import list_checkpoints
+    from .._inspect.files import exists, is_component_dir, isdir, normalize
     from .._inspect.listing import list_save_dir, listing_table
-    from .._inspect.reader import exists, is_component_dir, isdir, normalize
     from ..errors import CheckpointNotFoundError
 
     save_dir = normalize(args.save_dir)
@@ -23,7 +26,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         raise CheckpointNotFoundError(f"{save_dir} is a file, not a save folder")
     if is_component_dir(save_dir) or (not list_checkpoints(save_dir) and _looks_like_checkpoint(save_dir)):
         raise UsageError(f"{save_dir} is a checkpoint, not a save folder; try: ckpt-engine inspect {save_dir}")
-    listing = list_save_dir(save_dir, verify=args.verify)
+    with records_without_dcp():
+        listing = list_save_dir(save_dir, verify=args.verify)
     rows, warnings = listing.rows, listing.warnings
     code = EXIT_PROBLEM if listing.problem else EXIT_OK
     if args.json:
@@ -32,6 +36,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "save_dir": save_dir,
                 "latest": listing.latest,
                 "checkpoints": rows,
+                "disk_bytes": listing.disk_bytes,
                 "warnings": warnings,
                 "ok": not listing.problem,
             }
@@ -57,7 +62,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _looks_like_checkpoint(path: str) -> bool:
-    from .._inspect.reader import is_component_dir
+    from .._inspect.files import is_component_dir
     from .._storage.store import open_store
 
     try:

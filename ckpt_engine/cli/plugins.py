@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 COMMAND = Command(
     name="plugins",
     summary="installed plugins, their hooks and options",
-    example="ckpt-engine plugins\n  ckpt-engine plugins --config engine.yaml    # what this config enables",
+    example="ckpt-engine plugins\nckpt-engine plugins --config engine.yaml    # what this config enables",
     description="Every installed plugin (built-in and third-party entry points of the 'ckpt_engine' "
     "group), the hooks it implements, and its options with defaults. With --config, also the plugins "
     "the config enables, in fold order, and the provider of each provider hook.",

@@ -97,7 +97,7 @@ COMMAND = Command(
     name="verify",
     summary="check that checkpoints are complete and match their manifest",
     example="ckpt-engine verify runs/exp1/checkpoints/iter_000000020\n"
-    "  ckpt-engine verify runs/exp1/checkpoints      # every checkpoint in the folder",
+    "ckpt-engine verify runs/exp1/checkpoints      # every checkpoint in the folder",
     description="Checks completeness (every component's .metadata and every byte range it names) and, "
     "where the engine's manifest exists, file sizes and checksums. Exit code 0 only when everything "
     "checks. CHECKPOINT may be a save folder: then every checkpoint in it is verified.",

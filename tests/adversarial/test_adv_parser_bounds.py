@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckpt_engine import CheckpointEngine, CorruptCheckpointError, UnsafeCheckpointError
 from ckpt_engine._dcpio.torch_private import storage_info
-from ckpt_engine._format import metadata as metadata_module
+from ckpt_engine._format import metadata_read as metadata_module
 from ckpt_engine._format.metadata import read_metadata
 from ckpt_engine.cli import main
 from ckpt_engine.testing import TinyTrainingState

@@ -18,6 +18,11 @@ loads the checkpoint with ``verify="checksums"`` in a fresh engine and checks:
 * every component equals, bit for bit, the state of iteration k (never a partial checkpoint);
 * ``verify_checkpoint`` of the loaded checkpoint finds no problem.
 
+With ``--incremental``, the engine saves incrementally and the model gains a frozen part that
+never changes (a 4 MB weight with ``requires_grad`` off), so that every save carries files over
+by hard link; then every kept checkpoint, not only the loaded one, must pass
+``verify_checkpoint``.
+
 One JSON line per trial on stdout (``TRIAL {...}``), then ``SUMMARY {...}``. Exit status 0 when
 every trial passed.
 """
@@ -61,8 +66,19 @@ class Blob:
         self.counter = sd["counter"]
 
 
+#: Set by ``--incremental``: the model gets a frozen part (inherited by the forked children).
+INCREMENTAL = False
+
+
 def make_state(iteration: int) -> tuple[TinyTrainingState, Blob]:
-    return TinyTrainingState.create(seed=iteration, hidden=64, steps=2), Blob(iteration)
+    state = TinyTrainingState.create(seed=iteration, hidden=64, steps=2)
+    if INCREMENTAL:  # the same frozen weights at every iteration, as in fine-tuning
+        base = torch.nn.Linear(1024, 1024, bias=False)
+        with torch.no_grad():
+            base.weight.copy_(torch.randn(1024, 1024, generator=torch.Generator().manual_seed(7)))
+        base.weight.requires_grad_(False)
+        state.model.add_module("frozen_base", base)
+    return state, Blob(iteration)
 
 
 def snapshot(state: TinyTrainingState, blob: Blob) -> dict[str, Any]:
@@ -209,6 +225,20 @@ def trial(n: int, config: dict[str, Any], rng: random.Random, max_delay: float, 
                 problems.append(f"verify_checkpoint: {report.unverified_reason}: {report.problems}")
         kept = sorted(e for e in os.listdir(save_dir) if e.startswith("iter_"))
         record["checkpoints"] = len(kept)
+        if config.get("incremental"):  # files are shared: every kept checkpoint must still be whole
+            for name in kept:
+                path = os.path.join(save_dir, name)
+                if not os.path.exists(os.path.join(path, "ckpt_engine_manifest.json")):
+                    continue  # a committed folder latest never named is not a checkpoint yet
+                kept_report = verify_checkpoint(path, "checksums")
+                if not kept_report.verified:
+                    problems.append(f"{name}: {kept_report.unverified_reason}: {kept_report.problems}")
+            record["linked"] = sum(
+                os.stat(os.path.join(root, f)).st_nlink > 1
+                for root, _, files in os.walk(save_dir)
+                for f in files
+                if f.endswith(".distcp")
+            )
     except Exception as err:  # a refused load is a failed trial, with the reason
         problems.append(f"load failed: {type(err).__name__}: {err}")
     record["problems"] = problems
@@ -222,6 +252,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-delay", type=float, default=0.5, help="kill up to this many seconds after resume")
     parser.add_argument("--keep-last", type=int, default=3, help="retention during the run (0: off)")
+    parser.add_argument("--incremental", action="store_true", help="incremental saves, with a frozen component")
     parser.add_argument("--plugin", action="append", default=[], help="plugins to enable (e.g. an async writer)")
     parser.add_argument(
         "--arm-after",
@@ -230,8 +261,10 @@ def main() -> int:
         help="start the kill timer when the child reports this (COMMITTED: after its first commit)",
     )
     args = parser.parse_args()
+    global INCREMENTAL
+    INCREMENTAL = args.incremental
     torch.set_num_threads(1)
-    config: dict[str, Any] = {"save_dir": args.dir, "plugins": args.plugin}
+    config: dict[str, Any] = {"save_dir": args.dir, "plugins": args.plugin, "incremental": args.incremental}
     if args.keep_last:
         config["keep_last"] = args.keep_last
     rng = random.Random(args.seed)

@@ -129,6 +129,8 @@ class Save:
     epoch: int | None = None
     #: The engine's ``collective_timeout_s``: bounds the writers' collectives for this save.
     collective_timeout_s: float | None = None
+    #: What the write may carry over (``WriteContext.carry_over``, ``incremental``).
+    carry_over: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +196,9 @@ class Done:
     #: The writers agreed to skip this save (a rank's ``overlap`` snapshot failed) before any
     #: collective write began: their group is intact and needs no replacement.
     group_intact: bool = False
+    #: Bytes carried over from the previous checkpoint (not in ``bytes_written``), and how.
+    bytes_reused: int = 0
+    carried_by: str = "off"
 
 
 # -- state-dict skeletons ----------------------------------------------------------------------

@@ -86,7 +86,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ckpt_engine import CkptEngineError, SaveContext, StagedState, WriteContext, WriteResult, hookimpl
-from ckpt_engine.storage import EngineFileSystemWriter, engine_save
+from ckpt_engine.storage import EngineFileSystemWriter, engine_save, write_result
 
 from .collect import Collector, Staged, collect, staged_components
 from .copies import Snapshot, StreamPool, stage_copy
@@ -394,6 +394,7 @@ class PinnedStagingPlugin:
             sync_files=ctx.sync_files,
             epoch=staged.epoch,
             collective_timeout_s=ctx.collective_timeout_s,
+            carry_over=ctx.carry_over,
         )
         self._pool.hold(staged.buffers, future)  # busy until the writer has read it
         if staged.pump is not None:
@@ -420,6 +421,7 @@ class PinnedStagingPlugin:
             thread_count=self.options.thread_count or ctx.thread_count,
             sync_files=ctx.sync_files,
             overwrite=True,
+            carry_over=ctx.carry_over,
         )
         # No process group given: DCP runs over the engine's (the active CollectiveWatch's, the
         # ctx.process_group the engine's own write passes), bounded by collective_timeout_s.
@@ -432,7 +434,7 @@ class PinnedStagingPlugin:
                 planner=ctx.planner,
                 cache_key=getattr(ctx.planner, "cache_key", None),
             )
-        return WriteResult(component=ctx.component, bytes_written=nbytes, seconds=time.perf_counter() - start)
+        return write_result(ctx.component, nbytes, storage, time.perf_counter() - start)
 
     def _write_windowed(
         self, staged: Staged, pump: WindowPump, writer: WriterProcess, message: Save, future: Future[WriteResult]

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ckpt_engine import CheckpointSaveError, CkptEngineError, WriteResult
 
@@ -319,7 +319,13 @@ class WriterProcess:
         if msg.ok:
             _settle(
                 pending.future,
-                WriteResult(component=pending.component, bytes_written=msg.bytes_written, seconds=msg.seconds),
+                WriteResult(
+                    component=pending.component,
+                    bytes_written=msg.bytes_written,
+                    seconds=msg.seconds,
+                    bytes_reused=msg.bytes_reused,
+                    carried_by=_carried_by(msg.carried_by),
+                ),
             )
             return
         _settle(
@@ -436,3 +442,11 @@ def _settle(future: Future[Any], outcome: Any) -> None:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
+
+
+def _carried_by(how: str) -> Literal["off", "link", "copy", "write"]:
+    """``Done.carried_by`` (a plain string on the pipe) as ``WriteResult.carried_by``."""
+    return _CARRIED_BY.get(how, "off")
+
+
+_CARRIED_BY: dict[str, Literal["off", "link", "copy", "write"]] = {"link": "link", "copy": "copy", "write": "write"}

@@ -168,6 +168,8 @@ class WindowedStorageWriter(EngineFileSystemWriter):
     ``window_of`` maps a value of the state dict (by ``id``) to its window.
     """
 
+    keep_item_order = True  # windows are read in order, each drained before the next
+
     def __init__(self, path: str, *, window_of: dict[int, int], cursor: WindowCursor, **kwargs: Any) -> None:
         super().__init__(path, thread_count=1, **kwargs)
         self._window_of = window_of

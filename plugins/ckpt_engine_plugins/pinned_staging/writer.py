@@ -203,8 +203,16 @@ class _Writer:
                 return Done(msg.req_id, False, 0, time.perf_counter() - t0, error, intact)
             for spec in agreed:  # same meshes, same order, on every rank (group creation is collective)
                 self._mesh(spec)
-            nbytes = self._write_state(msg, slab.tensors)
-            return Done(msg.req_id, True, nbytes, time.perf_counter() - t0, None)
+            out = self._write_state(msg, slab.tensors)
+            return Done(
+                msg.req_id,
+                True,
+                out.bytes_written,
+                time.perf_counter() - t0,
+                None,
+                bytes_reused=out.bytes_reused,
+                carried_by=out.carried_by,
+            )
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -232,13 +240,13 @@ class _Writer:
             return where + e, all(aborted for _, _, aborted in failed)
         return sorted({m for _, specs, _ in gathered for m in specs}, key=_mesh_key)
 
-    def _write_state(self, msg: Save, tensors: Any) -> int:
+    def _write_state(self, msg: Save, tensors: Any) -> Any:
         """Rebuild the state dict from its skeleton over the shared buffers and save it with the
-        engine's DCP save; returns the bytes written."""
+        engine's DCP save; returns its ``WriteResult`` (bytes written, and carried over)."""
         import torch
         from torch.distributed.tensor import DTensor
 
-        from ckpt_engine.storage import EngineFileSystemWriter
+        from ckpt_engine.storage import EngineFileSystemWriter, write_result
 
         window_of: dict[int, int] = {}
         slot_windows = self.windows.get(msg.set_id) if msg.epoch is not None else None
@@ -267,9 +275,15 @@ class _Writer:
             writer: Any = self._windowed_writer(msg, window_of)
         else:
             writer = EngineFileSystemWriter(
-                msg.path, thread_count=msg.thread_count, sync_files=msg.sync_files, overwrite=True
+                msg.path,
+                thread_count=msg.thread_count,
+                sync_files=msg.sync_files,
+                overwrite=True,
+                carry_over=msg.carry_over,
             )
-        return _save(state_dict, writer, msg.planner)
+        t0 = time.perf_counter()
+        nbytes = _save(state_dict, writer, msg.planner)
+        return write_result(msg.component, nbytes, writer, time.perf_counter() - t0)
 
     def _windowed_writer(self, msg: Save, window_of: dict[int, int]) -> Any:
         """The storage writer of a save staged in windows (``windows``)."""
@@ -288,7 +302,12 @@ class _Writer:
             )
             self.cursors[msg.set_id] = cursor
         return WindowedStorageWriter(
-            msg.path, window_of=window_of, cursor=cursor, sync_files=msg.sync_files, overwrite=True
+            msg.path,
+            window_of=window_of,
+            cursor=cursor,
+            sync_files=msg.sync_files,
+            overwrite=True,
+            carry_over=msg.carry_over,
         )
 
     def close(self) -> None:

@@ -1,0 +1,335 @@
+"""A super-instruction for :mod:`.metadata_parser`: a batch of the storage entries DCP's pickler
+writes (``MARK``, then ``MetadataIndex`` key and ``_StorageInfo`` value pairs, then ``SETITEMS``),
+matched by one regular expression and built in bulk.
+
+About 30 opcodes describe each ``storage_data`` entry, and a checkpoint has one per tensor chunk:
+run one at a time, they are most of the parse. DCP's pickler writes them in one shape: every
+class, field name, file name and key is a memo reference (``BINGET``/``LONG_BINGET``) after the
+first entry, and only the key, the chunk offsets, the file offset and the length change. The
+first entry of a batch is matched by a general pattern; its constant parts (the memo references
+of the classes and field names) are checked once and become literals of a pattern for the rest of
+the batch, which ``re`` matches in C.
+
+The batch is an exact replay of the opcodes it covers, never an approximation:
+
+* every memo reference is checked against what the opcode would find (the class tokens, the
+  field names, a string key, a ``torch.Size``) and must point before the batch; ``FRAME``
+  opcodes may sit between any two opcodes (the interpreter skips them, so does the pattern);
+* the memo gets one slot per ``MEMOIZE`` in the batch, in order. The records hold the objects
+  built here; the slots of the state dicts and tuples hold :data:`OPAQUE`, which no opcode and
+  no builder check accepts, so a file that reuses one fails and is parsed again by the full
+  interpreter (:func:`~.metadata_parser.parse_metadata`): the result of any file is the
+  interpreter's;
+* the copies the opcodes would charge to the parse's budget (one per ``torch.Size`` element)
+  are charged; the batch is applied (memo, dict) only once all of it matched.
+
+Anything else (a different shape, a ``PUT`` with a sparse index, a batch mixing shapes) is left to
+the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["OPAQUE", "StorageBatch"]
+
+
+class _Opaque:
+    """What the memo holds for a container a batch replayed but did not build."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<replayed value>"
+
+
+OPAQUE = _Opaque()
+
+_FRAMES = rb"(?:\x95[\x00-\xff]{8})*"
+_GET = rb"(?:h[\x00-\xff]|j[\x00-\xff]{4})"
+_LONG1 = b"|".join(bytes([n]) + b"[\\x00-\\xff]{%d}" % n for n in range(1, 9))
+_INT = rb"(?:K[\x00-\xff]|M[\x00-\xff]{2}|J[\x00-\xff]{4}|\x8a(?:\x00|" + _LONG1 + rb"))"
+
+
+def _op(code: bytes) -> bytes:
+    return _FRAMES + code
+
+
+def _cap(name: str, body: bytes) -> bytes:
+    return _FRAMES + b"(?P<" + name.encode() + b">" + body + b")"
+
+
+_NEW = _op(rb"\)") + _op(rb"\x81") + _op(rb"\x94") + _op(rb"\}") + _op(rb"\x94") + _op(rb"\(")
+_INTS = _INT + _FRAMES
+#: The offsets tuple of a ``torch.Size`` REDUCE: ``()`` (not memoised), TUPLE1-3 or MARK ... TUPLE.
+_OFFSETS = (
+    rb"(?:\)|(?:"
+    + _INTS
+    + rb"\x85|"
+    + _INTS * 2
+    + rb"\x86|"
+    + _INTS * 3
+    + rb"\x87|\("
+    + _FRAMES
+    + rb"(?:"
+    + _INTS
+    + rb")*t)"
+    + _FRAMES
+    + rb"\x94)"
+)
+_REDUCE_TAIL = _op(rb"\x85") + _op(rb"\x94") + _op(rb"R") + _op(rb"\x94")
+
+
+def _entry(c: dict[str, bytes] | None) -> bytes:
+    """The pattern of one entry; with ``c``, the constant parts are the literals it gives."""
+
+    def const(name: str) -> bytes:
+        return _cap(name, _GET) if c is None else _FRAMES + re.escape(c[name])
+
+    if c is None or "tsize" in c:  # a torch.Size built here, or (any entry) one referenced
+        # (Built only here: a first entry without offsets gives constants without "tsize".)
+        built = const("tsize") + _cap("offs", _OFFSETS) + _REDUCE_TAIL
+        offset = const("koff") + rb"(?:" + built + rb"|" + _cap("oget", _GET) + rb")"
+    elif "koff" in c:
+        offset = const("koff") + _cap("oget", _GET)
+    else:
+        offset = b""
+    return (
+        const("mi")
+        + _NEW
+        + const("kfqn")
+        + _cap("fqn", _GET)
+        + const("kidx")
+        + _cap("idx", _INT + rb"|N")
+        + (rb"(?:" + offset + rb")?" if offset else b"")
+        + _op(rb"u")
+        + _op(rb"b")
+        + const("si")
+        + _NEW
+        + const("krel")
+        + _cap("rel", _GET)
+        + const("kpos")
+        + _cap("pos", _INT)
+        + const("klen")
+        + _cap("len", _INT)
+        + _op(rb"u")
+        + _op(rb"b")
+    )
+
+
+_FIRST = re.compile(_entry(None), re.DOTALL)
+_CONSTANTS = ("mi", "kfqn", "kidx", "koff", "tsize", "si", "krel", "kpos", "klen")
+#: What each constant memo reference must hold: a field name, or the token of a class.
+_EXPECTED = {
+    "kfqn": "fqn",
+    "kidx": "index",
+    "koff": "offset",
+    "krel": "relative_path",
+    "kpos": "offset",
+    "klen": "length",
+}
+_TOKENS = {"mi": "MetadataIndex", "tsize": "Size", "si": "_StorageInfo"}
+_TUPLE_SLOTS = ((OPAQUE,), (OPAQUE, OPAQUE))
+#: Distinct constant sets one parse may compile a pattern for (a crafted file could vary them).
+_MAX_PATTERNS = 16
+
+
+@functools.lru_cache(maxsize=_MAX_PATTERNS)
+def _batch_pattern(constants: tuple[tuple[str, bytes], ...]) -> re.Pattern[bytes]:
+    entry = _entry(dict(constants))
+    return re.compile(rb"(?:" + entry + rb")+" + _FRAMES + rb"u", re.DOTALL)
+
+
+@functools.lru_cache(maxsize=_MAX_PATTERNS)
+def _row_pattern(constants: tuple[tuple[str, bytes], ...]) -> re.Pattern[bytes]:
+    return re.compile(_entry(dict(constants)), re.DOTALL)
+
+
+def _index(raw: bytes) -> int:
+    return raw[1] if raw[0] == 0x68 else int.from_bytes(raw[1:5], "little")
+
+
+def _int(raw: bytes) -> int:
+    op = raw[0]
+    if op == 0x4B:
+        return raw[1]
+    if op == 0x4D:
+        return raw[1] | raw[2] << 8
+    if op == 0x4A:
+        return int.from_bytes(raw[1:5], "little", signed=True)
+    return int.from_bytes(raw[2:], "little", signed=True)  # LONG1
+
+
+_UNPACK_FRAME = struct.Struct("<Q").unpack_from
+
+
+def _offsets(raw: bytes) -> tuple[tuple[int, ...], int]:
+    """The ints of an offsets tuple and the memo slots it took (1, or 0 for ``()``)."""
+    if raw == b")":
+        return (), 0
+    out: list[int] = []
+    i, n = 0, len(raw)
+    while i < n:
+        op = raw[i]
+        if op == 0x95:
+            i += 9
+        elif op == 0x4B:
+            out.append(raw[i + 1])
+            i += 2
+        elif op == 0x4D:
+            out.append(raw[i + 1] | raw[i + 2] << 8)
+            i += 3
+        elif op == 0x4A:
+            out.append(int.from_bytes(raw[i + 1 : i + 5], "little", signed=True))
+            i += 5
+        elif op == 0x8A:
+            size = raw[i + 1]
+            out.append(int.from_bytes(raw[i + 2 : i + 2 + size], "little", signed=True))
+            i += 2 + size
+        else:  # TUPLE1-3, MARK, TUPLE, MEMOIZE
+            i += 1
+    return tuple(out), 1
+
+
+class StorageBatch:
+    """The super-instruction for one parse: ``run(data, pos, target, memo)`` at a ``MARK``.
+
+    ``is_token(value, kind)`` says whether a memo value is the parse's token for a global;
+    ``charge(items, what)`` charges the budget; ``index_type`` / ``info_type`` are the classes to
+    build (DCP's or the stand-ins).
+    """
+
+    def __init__(
+        self,
+        is_token: Callable[[Any, str], bool],
+        charge: Callable[[int, str], None],
+        index_type: Any,
+        info_type: Any,
+    ) -> None:
+        self._is_token = is_token
+        self._charge = charge
+        self._index_type = index_type
+        self._info_type = info_type
+        self._known: set[tuple[tuple[str, bytes], ...]] = set()
+        self._sizes: dict[bytes, tuple[torch.Size, int]] = {}
+        self.entries = 0
+
+    def _constants(self, m: re.Match[bytes], memo: dict[int, Any], start: int) -> tuple[tuple[str, bytes], ...] | None:
+        """The constant references of the batch's first entry, if each holds what it must."""
+        found = []
+        for name in _CONSTANTS:
+            raw = m.group(name)
+            if raw is None:
+                continue
+            slot = _index(raw)
+            if slot >= start or slot not in memo:
+                return None
+            value = memo[slot]
+            if name in _TOKENS:
+                if not self._is_token(value, _TOKENS[name]):
+                    return None
+            elif type(value) is not str or value != _EXPECTED[name]:
+                return None
+            found.append((name, raw))
+        return tuple(found)
+
+    def run(self, data: bytes, pos: int, target: dict[Any, Any], memo: dict[int, Any]) -> int:
+        """Replay ``MARK`` at ``pos - 1`` up to its ``SETITEMS`` into ``target``; the position
+        after it, or -1 (nothing changed) when the bytes are not a batch of storage entries."""
+        first = _FIRST.match(data, pos)
+        if first is None:
+            return -1
+        start = len(memo)
+        if start and (start - 1) not in memo:
+            return -1  # a sparse memo (PUT): MEMOIZE slots would not follow on
+        constants = self._constants(first, memo, start)
+        if constants is None or (constants not in self._known and len(self._known) >= _MAX_PATTERNS):
+            return -1
+        self._known.add(constants)
+        whole = _batch_pattern(constants).match(data, pos)
+        if whole is None:
+            return -1
+        end = whole.end()
+        built = self._build(_row_pattern(constants), data, (pos, end - 1), memo, start)
+        if built is None:
+            return -1
+        keys, values, slots, elements = built
+        if elements:
+            self._charge(elements, "torch.Size")
+        memo.update(zip(range(start, start + len(slots)), slots, strict=True))
+        target.update(zip(keys, values, strict=True))
+        self.entries += len(keys)
+        return end
+
+    def _size(self, raw: bytes) -> tuple[torch.Size, int]:
+        got = self._sizes.get(raw)
+        if got is None:
+            ints, memoised = _offsets(raw)
+            got = (torch.Size(ints), memoised)
+            if len(self._sizes) < 4096:
+                self._sizes[raw] = got
+        return got
+
+    def _build(
+        self, rows: re.Pattern[bytes], data: bytes, span: tuple[int, int], memo: dict[int, Any], start: int
+    ) -> tuple[list[Any], list[Any], list[Any], int] | None:
+        """The keys, values, memo slots and ``torch.Size`` elements of the entries in ``span``."""
+        where = rows.groupindex
+        order = sorted(where, key=where.__getitem__)  # findall's tuple order (an unmatched group is b"")
+        at = {name: order.index(name) for name in order}
+        i_fqn, i_idx, i_rel, i_pos, i_len = (at[g] for g in ("fqn", "idx", "rel", "pos", "len"))
+        i_offs, i_oget = at.get("offs", -1), at.get("oget", -1)
+        new, setattr_ = object.__new__, object.__setattr__
+        index_type, info_type = self._index_type, self._info_type
+        keys: list[Any] = []
+        values: list[Any] = []
+        slots: list[Any] = []
+        elements = 0
+        get = memo.get
+        offset: Any
+        for row in rows.findall(data, *span):
+            raw = row[i_fqn]
+            slot = raw[1] if raw[0] == 0x68 else int.from_bytes(raw[1:5], "little")
+            fqn = get(slot) if slot < start else None
+            raw = row[i_rel]
+            slot = raw[1] if raw[0] == 0x68 else int.from_bytes(raw[1:5], "little")
+            rel = get(slot) if slot < start else None
+            if type(fqn) is not str or type(rel) is not str:
+                return None
+            raw = row[i_idx]
+            index = raw[1] if raw[0] == 0x4B else None if raw == b"N" else _int(raw)
+            raw = row[i_pos]
+            pos = raw[1] if raw[0] == 0x4B else _int(raw)
+            raw = row[i_len]
+            length = raw[1] if raw[0] == 0x4B else raw[1] | raw[2] << 8 if raw[0] == 0x4D else _int(raw)
+            key = new(index_type)
+            value = new(info_type)
+            if i_offs >= 0 and row[i_offs]:
+                offset, memoised = self._size(row[i_offs])
+                elements += len(offset)
+                # the record, its state, [the offsets tuple], the argument tuple, the Size, the value, its state
+                slots += (key, OPAQUE, *_TUPLE_SLOTS[memoised], offset, value, OPAQUE)
+            elif i_oget >= 0 and row[i_oget]:
+                slot = _index(row[i_oget])
+                offset = get(slot) if slot < start else None
+                if type(offset) is not torch.Size:
+                    return None
+                slots += (key, OPAQUE, value, OPAQUE)
+            else:
+                offset = None
+                slots += (key, OPAQUE, value, OPAQUE)
+            setattr_(key, "__dict__", {"fqn": fqn, "offset": offset, "index": index})
+            setattr_(
+                value,
+                "__dict__",
+                {"relative_path": rel, "offset": pos, "length": length, "transform_descriptors": None},
+            )
+            keys.append(key)
+            values.append(value)
+        return keys, values, slots, elements
