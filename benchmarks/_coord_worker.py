@@ -155,6 +155,8 @@ def timed(rec: Recorder, kind: str, fn: Callable[[], Any]) -> dict[str, Any]:
     dist.barrier()
     row: dict[str, Any] = {"op": kind, "total_s": end - start, "phases": segments(start, end)}
     row["coll"] = {p: dict(v) for p, v in rec.coll.items()}
+    if hasattr(value, "bytes_read"):  # a LoadResult
+        row["bytes_read"] = value.bytes_read
     if hasattr(value, "result"):  # a SaveHandle of a sync save: already done
         res = value.result()
         row["engine"] = {k: getattr(res, k) for k in ("staging_seconds", "write_seconds", "total_seconds")}
@@ -172,6 +174,43 @@ def one_round(
             rows.append(timed(rec, kind, lambda it=it0 + i: engine.save(it, model=src)))
         for _ in range(spec["loads"]):
             rows.append(timed(rec, "load", lambda: engine.load(model=dst)))
+    if spec.get("replicated_mib"):
+        rows += replicated_loads(spec, rec, it0)
+    return rows
+
+
+def replicated_state(spec: dict[str, Any], rank: int, fill: bool) -> StateModule:
+    """``replicated_mib`` MiB of plain fp32 tensors of 4 MiB each, the same on every rank (DDP)."""
+    n = max(1, spec["replicated_mib"] // 4)
+    out = {}
+    for i in range(n):
+        t = torch.zeros(1 << 20)
+        if fill:
+            t[:: 1 << 12] = float(i + 1)
+        out[f"rep.{i}"] = t
+    return StateModule(out)
+
+
+def replicated_loads(spec: dict[str, Any], rec: Recorder, it: int) -> list[dict[str, Any]]:
+    """A save of the replicated state (rank 0 writes it: DCP saves a replicated value once),
+    then its load with ``dedup_reads`` off and on, each ``loads`` times."""
+    rank = dist.get_rank()
+    src, dst = replicated_state(spec, rank, True), replicated_state(spec, rank, False)
+    base = {"save_dir": spec.get("rep_url") or spec["save_dir"] + "-rep", "keep_last": 1}
+    if spec.get("rep_storage"):
+        base["storage"] = spec["rep_storage"]
+    with CheckpointEngine(base) as engine:
+        engine.save(it, model=src)
+    rows = []
+    for _ in range(spec["loads"]):
+        for mode in ("off", "on"):
+            for t in dst.state_dict().values():
+                t.zero_()
+            with CheckpointEngine({**base, "dedup_reads": mode}) as engine:
+                rows.append(timed(rec, f"load_replicated_{mode}", lambda e=engine: e.load(model=dst)))
+            rows[-1]["exact"] = all(
+                torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values(), strict=True)
+            )
     return rows
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 OPS = ("save_cold", "save_warm", "load")
+#: With ``--replicated-mib``: loads of a replicated state, ``dedup_reads`` off and on.
+REPLICATED_OPS = ("load_replicated_off", "load_replicated_on")
 SAVE_PHASES = ("enter", "prepare", "remap_keys", "stage", "plan", "write", "metadata", "commit")
 LOAD_PHASES = ("enter", "validate", "read metadata", "plan", "read")
 
@@ -96,6 +98,10 @@ def summarize(docs: list[dict[str, Any]], op: str) -> dict[str, Any]:
         "phases": {n: v for n, v in phases.items() if v["rank0_s"] or v["others_s"]},
         "bytes": bytes_of(docs[0], op),
     }
+    read = [[row.get("bytes_read") for row in rows] for rows in samples]
+    if read and all(v is not None for v in read[0]):
+        out["bytes_read_per_rank"] = read[0]  # the same in every sample (what each rank read)
+        out["exact"] = all(row.get("exact", True) for rows in samples for row in rows)
     return out
 
 
@@ -115,7 +121,16 @@ def bytes_of(doc: dict[str, Any], op: str) -> dict[str, dict[str, int]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     ranks = [int(x) for x in args.ranks.split(",")]
-    spec = {"tensors": args.tensors, "rounds": args.rounds, "warm": args.warm, "loads": args.loads}
+    spec: dict[str, Any] = {"tensors": args.tensors, "rounds": args.rounds, "warm": args.warm, "loads": args.loads}
+    spec["replicated_mib"] = args.replicated_mib
+    server = None
+    if args.s3:
+        from storage_bench import KEY, SECRET, Server
+
+        server = Server()
+        server.fs().mkdir("coord-bench")
+        spec["rep_url"] = "s3://coord-bench/rep"
+        spec["rep_storage"] = {"endpoint_url": server.endpoint, "access_key_id": KEY, "secret_access_key": SECRET}
     root = tempfile.mkdtemp(prefix="coord-bench-", dir=args.workdir)
     docs: dict[int, list[dict[str, Any]]] = defaultdict(list)
     order: list[int] = []
@@ -129,11 +144,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"  {world} ranks: launch {len(docs[world])} in {time.perf_counter() - t:.1f} s", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if server is not None:
+            server.close()
     results: dict[str, Any] = {}
+    ops = OPS + (REPLICATED_OPS if args.replicated_mib else ())
     for world in ranks:
         d = docs[world]
         exact = all(r["exact"] for doc in d for r in doc["ranks"])
-        results[str(world)] = {op: summarize(d, op) for op in OPS} | {"bit_exact": exact}
+        results[str(world)] = {op: summarize(d, op) for op in ops} | {"bit_exact": exact}
     first = docs[ranks[0]][0]
     return {
         "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
@@ -176,6 +194,19 @@ def table(doc: dict[str, Any], op: str) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     totals = [f"**{_ms(res[w][op]['rank0_total_s'])}** / {_ms(res[w][op]['others_total_s'])}" for w in worlds]
     lines.append("| total | " + " | ".join(totals) + " |")
+    return "\n".join(lines)
+
+
+def replicated_table(doc: dict[str, Any], op: str) -> str:
+    """Markdown: per world size, rank 0's and the others' total ms and the MiB each rank read."""
+    lines = ["| ranks | rank 0 ms / others' ms | MiB read from storage, per rank | in total |", "|---|---|---|---|"]
+    for w, res in doc["results"].items():
+        r = res[op]
+        per = r.get("bytes_read_per_rank") or []
+        cells = " / ".join(f"{b / 2**20:.1f}" for b in per)
+        total = f"{sum(per) / 2**20:.1f}"
+        exact = "" if r.get("exact", True) else " (NOT bit-exact)"
+        lines.append(f"| {w} | {_ms(r['rank0_total_s'])} / {_ms(r['others_total_s'])}{exact} | {cells} | {total} |")
     return "\n".join(lines)
 
 
@@ -231,6 +262,10 @@ def main() -> None:
     ap.add_argument("--workdir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--out", help="JSON results")
     ap.add_argument("--plot", help="PNG (needs matplotlib)")
+    ap.add_argument(
+        "--replicated-mib", type=int, default=0, help="also load a replicated state of this size, dedup_reads off/on"
+    )
+    ap.add_argument("--s3", action="store_true", help="the replicated state on a loopback S3 server (moto)")
     ap.add_argument("--smoke", action="store_true", help="1 and 2 ranks, 8 tensors, one of everything")
     ap.add_argument("--from-json", help="print the tables (and --plot) of an earlier --out file; run nothing")
     args = ap.parse_args()
@@ -242,6 +277,9 @@ def main() -> None:
     print("cells: rank 0 ms (of which in collectives) / other ranks' mean ms (in collectives); KiB in: to rank 0")
     for op in OPS:
         print(f"\n{op}\n{table(doc, op)}")
+    for op in REPLICATED_OPS:
+        if op in next(iter(doc["results"].values())):
+            print(f"\n{op}\n{replicated_table(doc, op)}")
     if args.out and not args.from_json:
         Path(args.out).write_text(json.dumps(doc, indent=1))
     if args.plot:

@@ -257,6 +257,14 @@ class EngineConfig(BaseModel):
         "raises `CollectiveTimeoutError` naming the ranks that did not arrive and the checkpoint phase each "
         "last reported (docs/reliability.md).",
     )
+    dedup_reads: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Load: where several ranks need the same stored bytes (a replicated module, HSDP "
+        "replicas, a checkpoint saved by fewer ranks), read them once, striped across those ranks, and "
+        "broadcast them (gloo). `auto`: on for object stores, and for local files when the ranks span "
+        "several hosts (a shared filesystem); off on one host, where the page cache serves every rank "
+        "faster than a broadcast (docs/storage.md). `LoadResult.bytes_read` says what each rank read.",
+    )
     sync_files: bool = Field(default=True, description="fsync checkpoint files before commit.")
     storage: StorageOptions = Field(
         default_factory=StorageOptions,

@@ -340,3 +340,6 @@ class LoadResult:
     #: With ``fallback_to_last_complete``: the checkpoint ``latest_checkpoint.txt`` named (or the
     #: pointer file itself, when unreadable) that was refused in favour of ``checkpoint_path``.
     fell_back_from: str | None = None
+    #: Bytes of data files this rank read from storage (with ``dedup_reads``, its share of what
+    #: several ranks need; the rest came by broadcast). 0 for a ``.pth``, safetensors or fresh start.
+    bytes_read: int = 0

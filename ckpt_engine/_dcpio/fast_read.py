@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .._format.metadata import SafeFileSystemReader
+from ..errors import CheckpointLoadError
 from .torch_save_archive import SavedTensorLayout, parse_torch_save_tensor_at
 
 __all__ = ["FastFileSystemReader", "LayoutCache", "contiguous_region"]
@@ -67,6 +68,11 @@ class _Item:
     @property
     def whole(self) -> bool:
         return len(self.head) == self.length
+
+    @property
+    def prefetched(self) -> int:
+        """Bytes read up front (``head`` and ``tail``)."""
+        return len(self.head) if self.whole else len(self.head) + len(self.tail)
 
     def pread(self, offset: int, n: int) -> bytes:
         end = min(self.length, offset + n)
@@ -253,6 +259,9 @@ class FastReadStats:
     direct: int = 0
     fallback: int = 0
     direct_bytes: int = 0
+    #: Bytes read from the data files: archive headers and tensor data of the direct path, whole
+    #: items of DCP's path.
+    bytes_read: int = 0
 
 
 class FastFileSystemReader(SafeFileSystemReader):
@@ -307,6 +316,8 @@ class FastFileSystemReader(SafeFileSystemReader):
                         slow.append(req)
                 failed = _run_reads(fd, reads, self.threads)
                 slow += [r.req for r in failed]
+                self.stats.bytes_read += sum(it.prefetched for it, _ in layouts.values())
+                self.stats.bytes_read += sum(r.nbytes for r in reads if r not in failed)
                 done_reads = [(r.req, r.target) for r in reads if r not in failed]
                 for req, target in ready + done_reads:
                     planner.commit_tensor(req, target)
@@ -315,11 +326,44 @@ class FastFileSystemReader(SafeFileSystemReader):
             finally:
                 os.close(fd)
         self.stats.fallback = len(slow)
+        # DCP's path reads each item it is asked for whole (one slice of the file per item)
+        self.stats.bytes_read += sum(
+            int(length) for length in {(i.relative_path, i.offset): i.length for i in map(self._info, slow)}.values()
+        )
         if slow:
             return super().read_data(dataclasses.replace(plan, items=slow), planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _info(self, req: ReadItem) -> Any:
+        return self.storage_data[req.storage_index]
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of data files the last :meth:`read_data` read."""
+        return self.stats.bytes_read
+
+    def read_stored(self, ranges: list[tuple[str, int, int]], out: memoryview) -> None:
+        """The stored bytes of ``ranges`` (``(data file, offset, length)``), one after the other, into ``out``."""
+        fds: dict[str, int] = {}
+        try:
+            at = 0
+            for rel, offset, length in ranges:
+                path = os.path.join(os.fspath(self.path), rel)
+                if rel not in fds:
+                    try:
+                        fds[rel] = os.open(path, os.O_RDONLY)
+                    except OSError as err:
+                        raise CheckpointLoadError(f"cannot read {path}: {err.strerror or err}") from err
+                if not _readinto(fds[rel], out[at : at + length], offset):
+                    raise CheckpointLoadError(
+                        f"cannot read bytes {offset}-{offset + length} of {path}: the file is truncated or unreadable"
+                    )
+                at += length
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     def _plan_direct(
         self,

@@ -19,6 +19,11 @@ At 50,000 small tensors that is most of a save (docs/performance.md, "Many small
   gathered; the ranks' digests differ, as the rank is in the signature, so the cache keeps every
   rank's digest of the save it planned); any change of keys, shapes, dtypes, sharding or plugins
   plans again.
+* **sends write results by columns** (:class:`CompactResults`): what each rank's writer
+  returns is gathered to the coordinator as a few flat lists (keys, offsets, sizes, files, byte
+  ranges) instead of one pickled DCP object graph per item, and rebuilt there into the same
+  ``WriteResult`` objects: at 1,024 ranks x 200 tensors, a fraction of the unpickling time and
+  memory on rank 0 (benchmarks/coord_sim_bench.py).
 * **shares equal metadata objects** (:func:`compact_metadata`): entries with the same
   properties, size and chunks point at one object, so the pickle memoizes them. The file is the
   same ``Metadata`` for ``dcp.load``; it is about half the size and pickles an order of
@@ -40,7 +45,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -50,7 +55,15 @@ from . import coordination as _coordination
 from .torch_private import local_chunks
 from .watch import phase
 
-__all__ = ["SaveOutcome", "SavePlanCache", "compact_metadata", "plan_cache", "save_state_dict"]
+__all__ = [
+    "CompactResults",
+    "SaveOutcome",
+    "SavePlanCache",
+    "compact_metadata",
+    "gathered_results",
+    "plan_cache",
+    "save_state_dict",
+]
 
 _PLAIN = (torch.Tensor, int, float, str, bool, bytes, type(None), dict, list, tuple)
 
@@ -168,6 +181,68 @@ def compact_metadata(metadata: Metadata) -> Metadata:
     return metadata
 
 
+class CompactResults:
+    """One rank's write results on their way to the coordinator, pickled by columns.
+
+    The pickle holds each distinct key offset and file name once and every result as a few
+    integers; unpickling rebuilds the same ``WriteResult`` / ``MetadataIndex`` / ``_StorageInfo``
+    objects. Results of another shape (a writer whose ``storage_data`` is not DCP's
+    ``_StorageInfo``) travel as they are."""
+
+    __slots__ = ("results",)
+
+    def __init__(self, results: list[WriteResult]) -> None:
+        self.results = results
+
+    def __reduce__(self) -> Any:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        rs = self.results
+        if not all(type(r.storage_data) is _StorageInfo and type(r.index) is MetadataIndex for r in rs):
+            return (CompactResults, (rs,))
+        offsets: dict[Any, int] = {}
+        files: dict[Any, int] = {}
+        cols = (
+            [r.index.fqn for r in rs],
+            [offsets.setdefault(None if r.index.offset is None else tuple(r.index.offset), len(offsets)) for r in rs],
+            [r.index.index for r in rs],
+            [r.size_in_bytes for r in rs],
+            [files.setdefault((r.storage_data.relative_path, _descriptors(r.storage_data)), len(files)) for r in rs],
+            [r.storage_data.offset for r in rs],
+            [r.storage_data.length for r in rs],
+        )
+        return (_rebuild_results, (list(offsets), list(files), cols))
+
+
+def _descriptors(info: Any) -> Any:
+    td = info.transform_descriptors
+    return None if td is None else tuple(td)
+
+
+def _rebuild_results(offsets: list[Any], files: list[Any], cols: tuple[list[Any], ...]) -> list[WriteResult]:
+    """The ``WriteResult`` s of :meth:`CompactResults.__reduce__`'s columns."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    sizes = [None if o is None else torch.Size(o) for o in offsets]
+    new_index, set_attr = object.__new__, object.__setattr__
+    out = []
+    for fqn, oi, ix, nbytes, fi, off, length in zip(*cols, strict=True):
+        index = new_index(MetadataIndex)
+        set_attr(index, "fqn", fqn)
+        set_attr(index, "index", ix)
+        if sizes[oi] is not None:
+            set_attr(index, "offset", sizes[oi])
+        rel, td = files[fi]
+        info = _StorageInfo(rel, off, length, None if td is None else list(td))
+        out.append(WriteResult(index=index, size_in_bytes=nbytes, storage_data=info))
+    return out
+
+
+def gathered_results(values: list[Any]) -> list[list[WriteResult]]:
+    """Every rank's write results as ``finish`` takes them (a rank's own may still be compact)."""
+    return [v.results if isinstance(v, CompactResults) else v for v in values]
+
+
 def _to_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """DCP's ``Stateful`` expansion of top-level values, without its per-key protocol check for
     values that cannot be ``Stateful`` (tensors, plain containers and scalars)."""
@@ -242,15 +317,16 @@ def save_state_dict(
             cache.signature, cache.digests, cache.final_plan = sig, digests, final_plan
             cache.metadata = metadata if coordinator else None
 
-    def write_step() -> list[WriteResult]:
+    def write_step() -> CompactResults:
         phase("write")
         fut = storage_writer.write_data(final_plan, planner)
         fut.wait()
-        return fut.value()
+        return CompactResults(fut.value())
 
-    def finish_step(results: list[list[WriteResult]]) -> int:
+    def finish_step(gathered: list[CompactResults]) -> int:
         assert metadata is not None
         phase("metadata")
+        results = gathered_results(gathered)
         storage_writer.finish(metadata=metadata, results=results)
         return sum(r.size_in_bytes for rs in results for r in rs)
 

@@ -37,7 +37,7 @@ from ..errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointErro
 from .fast_read import _PREFETCH, _byte_view, _Item, contiguous_region, gc_paused
 from .torch_save_archive import SavedTensorLayout, parse_torch_save_tensor_at
 
-__all__ = ["ObjectStoreReader"]
+__all__ = ["ObjectStoreReader", "fill_item", "mostly_unneeded"]
 
 #: Tensor items at least this big, of which a rank needs less than :data:`_RANGED_FRACTION`, are
 #: read by ranges (headers first, then only the needed rows).
@@ -138,17 +138,35 @@ class ObjectStoreReader(StorageReader):
         return done
 
     def _mostly_unneeded(self, reqs: list[ReadItem]) -> bool:
-        """Whether ``reqs`` (all of one item) are tensor boxes covering under half of the stored chunk."""
-        if self._metadata is None or not all(r.type == LoadItemType.TENSOR for r in reqs):
-            return False
-        md = self._metadata.state_dict_metadata.get(reqs[0].storage_index.fqn)
-        chunks = getattr(md, "chunks", None) or []
-        offsets = reqs[0].storage_index.offset
-        chunk = next((c for c in chunks if offsets is not None and tuple(c.offsets) == tuple(offsets)), None)
-        if chunk is None:
-            return False
-        needed = sum(math.prod(r.lengths) for r in reqs)
-        return bool(needed < _RANGED_FRACTION * math.prod(chunk.sizes))
+        return mostly_unneeded(self._metadata, reqs)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes the last :meth:`read_data` fetched."""
+        return self.bytes_fetched
+
+    def read_stored(self, ranges: list[tuple[str, int, int]], out: memoryview) -> None:
+        """The stored bytes of ``ranges`` (``(data file, offset, length)``), one after the other,
+        into ``out``: adjacent ranges of a file fetched together, in requests of at most
+        ``part_size`` bytes, ``max_concurrency`` at a time."""
+        merged: list[tuple[str, int, int]] = []
+        for rel, offset, length in ranges:
+            if merged and merged[-1][0] == rel and merged[-1][1] + merged[-1][2] == offset:
+                merged[-1] = (rel, merged[-1][1], merged[-1][2] + length)
+            else:
+                merged.append((rel, offset, length))
+        pieces, at = [], 0
+        for rel, offset, length in merged:
+            url = self._url(rel)
+            for off in range(0, length, self.store.part_size):
+                n = min(self.store.part_size, length - off)
+
+                def put(data: bytes, o: int = at + off) -> None:
+                    out[o : o + len(data)] = data
+
+                pieces.append(_Piece(url, offset + off, offset + off + n, put))
+            at += length
+        self._fetch(pieces)
 
     def _url(self, rel: str) -> str:
         return self.store.join(self.path, rel)
@@ -232,39 +250,7 @@ class ObjectStoreReader(StorageReader):
         """Fetch ``items`` as their stored byte ranges (adjacent ones together) and fill the requests."""
 
         def fill(key: tuple[str, int, int], data: memoryview) -> None:
-            reqs = items[key]
-            try:
-                layout: SavedTensorLayout | None = None
-                if any(r.type == LoadItemType.TENSOR for r in reqs):
-                    layout = parse_torch_save_tensor_at(lambda off, n: bytes(data[off : off + n]), len(data))
-                for req in reqs:
-                    if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(data))
-                        continue
-                    target = planner.resolve_tensor(req).detach()
-                    region = _direct_region(layout, req, target)
-                    if region is not None and layout is not None:
-                        first, count = region
-                        start = layout.data_offset + first * target.element_size()
-                        if count:
-                            _byte_view(target)[:] = data[start : start + count * target.element_size()]
-                    else:
-                        stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                        tensor = _narrow(stored, req.storage_offsets, req.lengths)
-                        if target.size() != tensor.size():
-                            raise CheckpointLoadError(
-                                f"{self._url(key[0])}: {req.storage_index.fqn!r} has a stored chunk of shape "
-                                f"{list(tensor.size())}, the destination {list(target.size())}"
-                            )
-                        target.copy_(tensor)
-                    planner.commit_tensor(req, target)
-            except CkptEngineError:
-                raise
-            except Exception as err:
-                mapped = _read_error(self._url(key[0]), reqs, err)
-                if mapped is err:
-                    raise
-                raise mapped from err
+            fill_item(planner, items[key], data, self._url(key[0]))
 
         pieces = []
         for group in _coalesce(sorted(items), self.store.part_size):
@@ -313,3 +299,55 @@ def _direct_region(layout: SavedTensorLayout | None, req: ReadItem, target: torc
     if region is None or math.prod(req.lengths) != region[1]:
         return None
     return region
+
+
+def mostly_unneeded(metadata: Metadata | None, reqs: list[ReadItem]) -> bool:
+    """Whether ``reqs`` (all of one stored item) are tensor boxes covering under half of the stored chunk."""
+    if metadata is None or not all(r.type == LoadItemType.TENSOR for r in reqs):
+        return False
+    md = metadata.state_dict_metadata.get(reqs[0].storage_index.fqn)
+    chunks = getattr(md, "chunks", None) or []
+    offsets = reqs[0].storage_index.offset
+    chunk = next((c for c in chunks if offsets is not None and tuple(c.offsets) == tuple(offsets)), None)
+    if chunk is None:
+        return False
+    needed = sum(math.prod(r.lengths) for r in reqs)
+    return bool(needed < _RANGED_FRACTION * math.prod(chunk.sizes))
+
+
+def fill_item(planner: LoadPlanner, reqs: list[ReadItem], data: memoryview, where: str) -> None:
+    """Fill the requests ``reqs`` of one stored item from its bytes ``data`` (read from ``where``,
+    named by errors): a tensor's bytes are copied straight into the destination where the
+    layout allows, anything else is decoded as DCP decodes it."""
+    try:
+        layout: SavedTensorLayout | None = None
+        if any(r.type == LoadItemType.TENSOR for r in reqs):
+            layout = parse_torch_save_tensor_at(lambda off, n: bytes(data[off : off + n]), len(data))
+        for req in reqs:
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(data))
+                continue
+            target = planner.resolve_tensor(req).detach()
+            region = _direct_region(layout, req, target)
+            if region is not None and layout is not None:
+                first, count = region
+                start = layout.data_offset + first * target.element_size()
+                if count:
+                    _byte_view(target)[:] = data[start : start + count * target.element_size()]
+            else:
+                stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                tensor = _narrow(stored, req.storage_offsets, req.lengths)
+                if target.size() != tensor.size():
+                    raise CheckpointLoadError(
+                        f"{where}: {req.storage_index.fqn!r} has a stored chunk of shape "
+                        f"{list(tensor.size())}, the destination {list(target.size())}"
+                    )
+                target.copy_(tensor)
+            planner.commit_tensor(req, target)
+    except CkptEngineError:
+        raise
+    except Exception as err:
+        mapped = _read_error(where, reqs, err)
+        if mapped is err:
+            raise
+        raise mapped from err

@@ -7,22 +7,52 @@
   ``iter_000000010`` whose manifest says 5 (say, a symlink to another run's checkpoint) is
   refused.
 
+* **One read of each ``.metadata`` per load.** With several ranks, rank 0 reads each
+  component's ``.metadata`` (:func:`capturing` keeps the bytes its checks saw,
+  :func:`metadata_bytes` adds those of metadata this process wrote itself) and broadcasts them;
+  the other ranks parse the bytes (:func:`parse_shared_metadata`) instead of reading the file.
+
 The lock a load holds while it reads is :mod:`ckpt_engine._format.read_lock`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from .._format.manifest import Manifest
-from .._format.verify import VerifyReport, iteration_problem
-from ..errors import CorruptCheckpointError, UnverifiableCheckpointError
+from .._dcpio import dist as _dist
+from .._format.layout import CheckedCheckpoint, check_complete
+from .._format.manifest import Manifest, lookup_manifest, referenced_files, shard_files
+from .._format.metadata import validate_metadata
+from .._format.metadata_parser import parse_metadata
+from .._format.names import MANIFEST_FILE, METADATA_FILE
+from .._format.read_lock import ReadLock
+from .._format.verify import VerifyReport, check_against_manifest, iteration_problem, metadata_checker
+from .._storage.store import Store
+from ..config import EngineConfig
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    UnverifiableCheckpointError,
+)
 
 __all__ = [
+    "Validated",
+    "capturing",
     "check_manifest_iteration",
+    "check_share",
     "fail_unverified",
+    "metadata_bytes",
     "missing_for_resume",
+    "parse_shared_metadata",
+    "raise_problems",
     "require_verifiable",
+    "run_checks",
 ]
 
 
@@ -67,3 +97,118 @@ def missing_for_resume(path: str, name: str, present: tuple[str, ...]) -> str:
         f"holds {what}. Restore {name}/, add {name!r} to keys_not_to_resume to resume without it, or point "
         "latest_checkpoint.txt at a complete checkpoint"
     )
+
+
+def raise_problems(path: str, problems: list[str]) -> None:
+    """Refuse the checkpoint at ``path`` if its files do not match the manifest (``problems``)."""
+    if problems:
+        shown = problems[:20]
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise IntegrityError(
+            f"checkpoint {path} does not match its manifest ({len(problems)} problem(s); nothing "
+            "was loaded):\n  " + "\n  ".join(shown) + more
+        )
+
+
+def capturing(check: Callable[[str, bytes], None] | None, into: dict[str, bytes]) -> Callable[[str, bytes], None]:
+    """A ``.metadata`` bytes check that runs ``check`` (if any) and keeps the bytes ``into`` by path."""
+
+    def run(path: str, data: bytes) -> None:
+        if check is not None:
+            check(path, data)
+        into[path] = data
+
+    return run
+
+
+def metadata_bytes(checked: CheckedCheckpoint, captured: dict[str, bytes], store: Store) -> dict[str, bytes]:
+    """Each component's ``.metadata`` bytes: as the checks read them (``captured``), or, for
+    metadata this process wrote and recalled without reading, from the (local) file."""
+    out = {}
+    for name in checked.components:
+        path = store.join(store.join(checked.path, name), METADATA_FILE)
+        data = captured.get(path)
+        if data is None:
+            with open(os.fspath(path), "rb") as f:
+                data = f.read()
+        out[name] = data
+    return out
+
+
+def parse_shared_metadata(path: str, data: bytes) -> Any:
+    """The ``Metadata`` of ``path`` from the bytes rank 0 read (and already parsed and checked)."""
+    try:
+        md = parse_metadata(data)
+    except ValueError as err:
+        raise CorruptCheckpointError(f"{path} (as rank 0 read it) is not a valid DCP metadata file: {err}") from err
+    validate_metadata(md, path)
+    return md
+
+
+@dataclass(frozen=True)
+class Validated:
+    """A checkpoint that passed the pre-load checks."""
+
+    checked: CheckedCheckpoint
+    verified: bool
+    reason: str | None
+    store: Store
+    #: Held until the load has read everything (retention skips a folder being read).
+    lock: ReadLock | None = None
+
+
+def check_share(validated: Validated) -> None:
+    """``verify: checksums`` on a rank other than 0: its share of the checksums."""
+    path, store = validated.checked.path, validated.store
+    lookup = lookup_manifest(path, store)
+    assert lookup.manifest is not None  # rank 0 verified against it
+    rank, world = _dist.rank(), _dist.world_size()
+    found = check_against_manifest(
+        path,
+        lookup.manifest,
+        "checksums",
+        referenced=referenced_files(validated.checked),
+        checksum_only=shard_files(lookup.manifest.files, world)[rank],
+        store=store,
+        listing=validated.checked.listing,
+    )
+    raise_problems(path, found.problems)
+
+
+def run_checks(
+    config: EngineConfig, path: str, store: Store, missing_hint: str | None, capture: dict[str, bytes] | None
+) -> Validated:
+    """The checks of ``Loader.validate`` on this rank (``capture``: each ``.metadata``'s bytes by path)."""
+    level = config.verify
+    rank, world = _dist.rank(), _dist.world_size()
+    if not store.isdir(path):
+        raise CheckpointNotFoundError(missing_hint or f"checkpoint folder {path} does not exist")
+    lookup = lookup_manifest(path, store) if level != "off" or store.is_object_store else None
+    if store.is_object_store and (lookup is None or lookup.manifest is None):
+        raise IncompleteCheckpointError(
+            f"{path} has no {MANIFEST_FILE}, its completion marker: on an object store the marker is "
+            "written last, so this is an interrupted save (or a checkpoint written by another tool; copy "
+            "that to a local folder to load it)"
+        )
+    manifest = lookup.manifest if lookup is not None and level != "off" else None
+    checker = metadata_checker(path, manifest, store) if manifest else None
+    checked = check_complete(path, store, checker if capture is None else capturing(checker, capture))
+    if level == "off" or lookup is None:
+        return Validated(checked, False, "verify='off'", store)
+    if lookup.manifest is None:
+        require_verifiable(path, level, False, lookup.reason, config.allow_unverified)
+        return Validated(checked, False, lookup.reason, store)
+    check_manifest_iteration(path, lookup.manifest)
+    share = shard_files(lookup.manifest.files, world)[rank] if level == "checksums" else None
+    found = check_against_manifest(
+        path,
+        lookup.manifest,
+        level,
+        referenced=referenced_files(checked),
+        checksum_only=share,
+        store=store,
+        listing=checked.listing,
+    )
+    raise_problems(path, found.problems)
+    require_verifiable(path, level, found.complete_check, found.reason, config.allow_unverified)
+    return Validated(checked, found.complete_check, found.reason, store)

@@ -15,7 +15,6 @@ import io
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,14 +31,11 @@ from .._dcpio.unsafe import refine_unsafe
 from .._dcpio.watch import phase as publish_phase
 from .._format.layout import (
     CheckedCheckpoint,
-    check_complete,
 )
-from .._format.manifest import lookup_manifest, referenced_files, shard_files
-from .._format.names import LATEST_FILE, MANIFEST_FILE, parse_iteration
+from .._format.names import LATEST_FILE, METADATA_FILE, parse_iteration
 from .._format.not_checkpoint import resolve_save_folder
 from .._format.pointer import list_checkpoints, read_latest
 from .._format.read_lock import ReadLock
-from .._format.verify import check_against_manifest, metadata_checker
 from .._storage.store import FsspecStore, Store, open_store
 from ..config import EngineConfig
 from ..errors import (
@@ -48,7 +44,6 @@ from ..errors import (
     CkptEngineError,
     ConfigError,
     IncompleteCheckpointError,
-    IntegrityError,
     InvalidArgumentError,
     described,
 )
@@ -61,25 +56,20 @@ from ..types import (
 from .collectives import watch_group
 from .consensus import agreed, unwrap
 from .hf_load import is_safetensors_path, load_safetensors
-from .load_guard import check_manifest_iteration, missing_for_resume, require_verifiable
+from .load_guard import (
+    Validated,
+    check_share,
+    metadata_bytes,
+    missing_for_resume,
+    parse_shared_metadata,
+    run_checks,
+)
 from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes
 from .state import TrainingObjects, apply_component, component_state_dict
 
 __all__ = ["Loader", "components_by_rule"]
 
 logger = logging.getLogger("ckpt_engine")
-
-
-@dataclass(frozen=True)
-class _Validated:
-    """A checkpoint that passed the pre-load checks."""
-
-    checked: CheckedCheckpoint
-    verified: bool
-    reason: str | None
-    store: Store
-    #: Held until the load has read everything (retention skips a folder being read).
-    lock: ReadLock | None = None
 
 
 def components_by_rule(config: EngineConfig, extra: Iterable[str], rule: str) -> list[str]:
@@ -103,6 +93,8 @@ class Loader:
         self.save_dir = save_dir
         #: The two-tier local copy's folder (``storage.local_dir``), where a resume may read first.
         self._local_dir = local_dir
+        #: Bytes of data files this rank read from storage in the current load.
+        self._bytes_read = 0
 
     def load(self, objs: TrainingObjects) -> LoadResult:
         """Resume ``objs`` by the rules of DESIGN section 4 (see :meth:`CheckpointEngine.load`)."""
@@ -178,7 +170,7 @@ class Loader:
 
     # -- load: validation and fallback -------------------------------------------------------
 
-    def _local_copy(self, remote_latest: str | None) -> _Validated | None:
+    def _local_copy(self, remote_latest: str | None) -> Validated | None:
         """Two-tier: the local copy to resume from, if its ``latest`` is complete and at least as
         new as the object store's; ``None`` (logged) otherwise."""
         assert self._local_dir is not None
@@ -194,7 +186,7 @@ class Loader:
         if local_iter is None or (remote_iter is not None and local_iter < remote_iter):
             return None
         try:
-            validated = self.validate(os.path.join(local_dir, name), open_store(local_dir))
+            validated = self.validate(os.path.join(local_dir, name), open_store(local_dir), shared=False)
         except CkptEngineError as err:
             if _dist.rank() == 0:
                 logger.warning("the local copy %s cannot be resumed (%s); using %s", name, err, self.save_dir)
@@ -205,62 +197,61 @@ class Loader:
             )
         return validated
 
-    def validate(self, path: str, store: Store, missing_hint: str | None = None) -> _Validated:
+    def validate(self, path: str, store: Store, missing_hint: str | None = None, *, shared: bool = True) -> Validated:
         """Everything checked before any tensor is read, agreed by every rank: the folder exists,
         the checkpoint is complete (DESIGN section 2) and, per ``verify``, its files match the
-        manifest (checksums split among ranks)."""
-        level = self.config.verify
-        rank, world = _dist.rank(), _dist.world_size()
+        manifest (checksums split among ranks).
 
-        def check() -> _Validated:
+        With several ranks and ``shared`` (a folder every rank sees, not a per-host local copy)
+        rank 0 alone lists the folder and reads each ``.metadata`` and the manifest, and
+        broadcasts the metadata's bytes, which every other rank parses: storage sees one read
+        of each file per load, not one per rank. ``verify: checksums`` still splits the
+        checksums among all ranks."""
+        rank, world = _dist.rank(), _dist.world_size()
+        once = shared and world > 1
+
+        def check() -> Any:
             publish_phase("validate")
             lock = ReadLock.acquire(path, local=not store.is_object_store)
             try:
-                return dataclasses.replace(checks(), lock=lock)
+                if once and rank != 0:
+                    return lock
+                raw: dict[str, bytes] = {}
+                validated = run_checks(self.config, path, store, missing_hint, raw if once else None)
+                return dataclasses.replace(validated, lock=lock), raw
             except BaseException:
                 if lock is not None:
                     lock.release()
                 raise
 
-        def checks() -> _Validated:
-            if not store.isdir(path):
-                raise CheckpointNotFoundError(missing_hint or f"checkpoint folder {path} does not exist")
-            lookup = lookup_manifest(path, store) if level != "off" or store.is_object_store else None
-            if store.is_object_store and (lookup is None or lookup.manifest is None):
-                raise IncompleteCheckpointError(
-                    f"{path} has no {MANIFEST_FILE}, its completion marker: on an object store the marker is "
-                    "written last, so this is an interrupted save (or a checkpoint written by another tool; copy "
-                    "that to a local folder to load it)"
-                )
-            manifest = lookup.manifest if lookup is not None and level != "off" else None
-            checked = check_complete(path, store, metadata_checker(path, manifest, store) if manifest else None)
-            if level == "off" or lookup is None:
-                return _Validated(checked, False, "verify='off'", store)
-            if lookup.manifest is None:
-                require_verifiable(path, level, False, lookup.reason, self.config.allow_unverified)
-                return _Validated(checked, False, lookup.reason, store)
-            check_manifest_iteration(path, lookup.manifest)
-            share = shard_files(lookup.manifest.files, world)[rank] if level == "checksums" else None
-            found = check_against_manifest(
-                path,
-                lookup.manifest,
-                level,
-                referenced=referenced_files(checked),
-                checksum_only=share,
-                store=store,
-                listing=checked.listing,
-            )
-            if found.problems:
-                shown = found.problems[:20]
-                more = f"\n  ... and {len(found.problems) - 20} more" if len(found.problems) > 20 else ""
-                raise IntegrityError(
-                    f"checkpoint {path} does not match its manifest ({len(found.problems)} problem(s); nothing "
-                    "was loaded):\n  " + "\n  ".join(shown) + more
-                )
-            require_verifiable(path, level, found.complete_check, found.reason, self.config.allow_unverified)
-            return _Validated(checked, found.complete_check, found.reason, store)
+        got = agreed(check)
+        if not once:
+            return got[0]  # type: ignore[no-any-return]
+        mine = got[0] if rank == 0 else None
+        try:
+            payload = None
+            if mine is not None:
+                raw = metadata_bytes(mine.checked, got[1], store)
+                payload = (mine.verified, mine.reason, mine.checked.listing, raw)
+            verified, reason, listing, raw = _dist.broadcast_object(payload, step="metadata")
 
-        return agreed(check)
+            def rest() -> Validated:
+                if mine is not None:
+                    return mine  # type: ignore[no-any-return]
+                mds = {
+                    n: parse_shared_metadata(store.join(store.join(path, n), METADATA_FILE), d) for n, d in raw.items()
+                }
+                validated = Validated(CheckedCheckpoint(path, mds, listing), verified, reason, store, got)
+                if self.config.verify == "checksums" and verified:
+                    check_share(validated)
+                return validated
+
+            return agreed(rest, step="checks (metadata)")
+        except BaseException:
+            lock = mine.lock if mine is not None else got
+            if lock is not None:
+                lock.release()
+            raise
 
     def _load_fallback(
         self,
@@ -307,11 +298,12 @@ class Loader:
         path: str,
         wanted: list[str],
         source: Any,
-        validated: _Validated,
+        validated: Validated,
         *,
         fell_back_from: str | None = None,
     ) -> LoadResult:
         checked = validated.checked
+        self._bytes_read = 0
         if self.config.trust_checkpoint and _dist.rank() == 0:
             logger.warning(
                 "trust_checkpoint=True: non-tensor values of %s are unpickled without weights_only, which runs "
@@ -354,6 +346,7 @@ class Loader:
             components=tuple(reports),
             verified=validated.verified,
             fell_back_from=fell_back_from,
+            bytes_read=self._bytes_read,
         )
 
     def _absent_component(
@@ -403,7 +396,14 @@ class Loader:
                     if isinstance(store, FsspecStore)
                     else FastFileSystemReader(component_dir, metadata)
                 )
-                load_state_dict(sd, storage_reader=reader, planner=planner, process_group=watch_group())
+                stats = load_state_dict(
+                    sd,
+                    storage_reader=reader,
+                    planner=planner,
+                    process_group=watch_group(),
+                    dedup_reads=self.config.dedup_reads,
+                )
+                self._bytes_read += stats.bytes_read
         except (Exception, CheckpointException) as exc:
             err, ranks = unwrap(exc)
             if isinstance(err, CkptEngineError):

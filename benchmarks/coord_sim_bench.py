@@ -1,0 +1,270 @@
+"""Rank 0's share of a save's and a load's coordination at 1,024 ranks, simulated in one process.
+
+No 1,024-rank job is started. Every rank's messages are built synthetically, as the ranks of an
+FSDP job would send them (``--tensors`` parameters per rank, each sharded on dim 0 over all
+ranks; one data file per rank), pickled as ``torch.distributed``'s object collectives pickle
+them, and handed to the same functions rank 0 runs in a real save or load. What is timed (and,
+in a second pass under ``tracemalloc``, the peak of Python memory allocated) is rank 0's work
+on them: unpickling what it gathers, planning, pickling what it scatters or broadcasts,
+``finish`` writing ``.metadata`` (to a temporary folder). The receive buffer of each gather
+(ranks x the largest message, as ``gather_object`` allocates it) is added to the peak. Network
+time is not in the figures.
+
+* **cold save** (a new structure): gather the 1,024 local ``SavePlan`` s, the engine planner's
+  ``create_global_plan`` (DCP's, with ``dedup_save_to_lowest_rank``), the engine writer's
+  ``prepare_global_plan``, the scatter of the final plans, ``compact_metadata``; then the gather
+  of every rank's write results and the writer's ``finish``.
+* **warm save** (the cached plan): the all-gather of the 1,024 ``(hit, digest)`` pairs, then the
+  write results and ``finish`` as above.
+* **engine load**: the fixed-size agreements of :meth:`Comm.settle` (plan and read), the
+  validation's agreements, and the broadcast of ``.metadata``'s bytes (pickled once).
+* **DCP save**, on the same input: the same gathers and scatter with DCP's own objects (write
+  results pickled one by one), ``DefaultSavePlanner`` and ``FileSystemWriter`` (``finish``).
+* **DCP load**: the gather of the 1,024 local ``LoadPlan`` s (``create_default_local_load_plan``
+  of each rank's shards), ``create_global_plan`` and the scatter of the plans.
+
+The engine's operations run without cyclic garbage collection, as its collectives run rank 0's
+part (``Comm.gather_scatter`` / ``gather_finish``); DCP's with it, as ``dcp.save``/``dcp.load``
+do. Also reported: the bytes through rank 0 (gathered plus sent) per operation.
+
+    python benchmarks/coord_sim_bench.py --ranks 1024 --tensors 200 --out coord_sim.json
+    python benchmarks/coord_sim_bench.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ckpt_engine._dcpio.fast_read import gc_paused
+from ckpt_engine._dcpio.fast_save import CompactResults, compact_metadata, gathered_results
+from ckpt_engine._dcpio.fast_write import FastFileSystemWriter
+from ckpt_engine._dcpio.planner import EngineSavePlanner
+
+ROWS, COLS = 4, 64  # each rank's shard of each parameter: 4 x 64 fp32 (1 KiB)
+
+
+def _props() -> TensorProperties:
+    return TensorProperties(dtype=torch.float32)
+
+
+def local_save_plan(rank: int, ranks: int, tensors: int) -> SavePlan:
+    """Rank ``rank``'s local plan: one shard write item per parameter, as DCP makes it for a DTensor."""
+    items = []
+    size = torch.Size([ranks * ROWS, COLS])
+    for t in range(tensors):
+        offsets = torch.Size([rank * ROWS, 0])
+        chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([ROWS, COLS]))
+        items.append(
+            WriteItem(
+                index=MetadataIndex(f"layers.{t}.weight", offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=_props(), size=size),
+            )
+        )
+    return SavePlan(items, planner_data={f"layers.{t}.weight": (f"layers.{t}.weight",) for t in range(tensors)})
+
+
+def write_results(plan: SavePlan, rank: int) -> list[WriteResult]:
+    """What rank ``rank``'s writer returns for ``plan``: one archive per item in ``__{rank}_0.distcp``."""
+    out, pos = [], 0
+    for item in plan.items:
+        length = ROWS * COLS * 4 + 1100  # the tensor's bytes and its torch.save archive around them
+        out.append(
+            WriteResult(
+                index=item.index, size_in_bytes=length, storage_data=_StorageInfo(f"__{rank}_0.distcp", pos, length)
+            )
+        )
+        pos += length
+    return out
+
+
+def global_metadata(ranks: int, tensors: int) -> Metadata:
+    """The ``.metadata`` of such a checkpoint (every rank's chunk of every parameter)."""
+    sdm = {}
+    size = torch.Size([ranks * ROWS, COLS])
+    for t in range(tensors):
+        chunks = [
+            ChunkStorageMetadata(offsets=torch.Size([r * ROWS, 0]), sizes=torch.Size([ROWS, COLS]))
+            for r in range(ranks)
+        ]
+        sdm[f"layers.{t}.weight"] = TensorStorageMetadata(properties=_props(), size=size, chunks=chunks)
+    return Metadata(state_dict_metadata=sdm)
+
+
+def local_load_plan(rank: int, md: Metadata, tensors: int) -> LoadPlan:
+    """Rank ``rank``'s local load plan for its shard of every parameter, by DCP's planner."""
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    items = []
+    for t in range(tensors):
+        fqn = f"layers.{t}.weight"
+        tmd = md.state_dict_metadata[fqn]
+        assert isinstance(tmd, TensorStorageMetadata)
+        local = [ChunkStorageMetadata(offsets=torch.Size([rank * ROWS, 0]), sizes=torch.Size([ROWS, COLS]))]
+        items += create_read_items_for_chunk_list(fqn, tmd, local)
+    return LoadPlan(items)
+
+
+def _gather(blobs: list[bytes]) -> tuple[list[Any], int]:
+    """Rank 0's side of ``gather_object``: unpickle every rank's message; the receive buffer's size."""
+    return [pickle.loads(b) for b in blobs], len(blobs) * max(len(b) for b in blobs)
+
+
+def _scatter(values: list[Any]) -> int:
+    """Rank 0's side of ``scatter_object_list``: pickle every rank's value; the bytes sent."""
+    return sum(len(pickle.dumps(v)) for v in values)
+
+
+def paused(fn: Callable[[], int]) -> Callable[[], int]:
+    """``fn`` without cyclic garbage collection, as the engine's collectives run rank 0's part."""
+
+    def run() -> int:
+        with gc_paused():
+            return fn()
+
+    return run
+
+
+def measure(fn: Callable[[], int], reps: int) -> dict[str, float]:
+    """Median seconds of ``fn`` over ``reps`` runs, then its peak memory under tracemalloc (MiB),
+    plus the receive buffers ``fn`` reports."""
+    times = []
+    for _ in range(reps):
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    gc.collect()
+    tracemalloc.start()
+    buffers = fn()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"seconds": statistics.median(times), "peak_mib": (peak + buffers) / 2**20}
+
+
+def run(ranks: int, tensors: int, reps: int) -> dict[str, Any]:
+    folder = tempfile.mkdtemp(prefix="coord-sim-")
+    plans = [local_save_plan(r, ranks, tensors) for r in range(ranks)]
+    plan_blobs = [pickle.dumps(p) for p in plans]
+    results = [write_results(p, r) for r, p in enumerate(plans)]
+    result_blobs = [pickle.dumps(CompactResults(r)) for r in results]  # what the engine's write step sends
+    dcp_result_blobs = [pickle.dumps(r) for r in results]  # what dcp.save's sends
+    digest_blobs = [pickle.dumps((True, os.urandom(16))) for _ in range(ranks)]
+    md = global_metadata(ranks, tensors)
+    load_plan_blobs = [pickle.dumps(local_load_plan(r, md, tensors)) for r in range(ranks)]
+    flag_blobs = [pickle.dumps(0) for _ in range(ranks)]
+    agree_blobs = [pickle.dumps((None, "", None)) for _ in range(ranks)]
+    sent: dict[str, int] = {}
+
+    def finish(metadata: Metadata, dcp: bool = False) -> int:
+        got, buf = _gather(dcp_result_blobs if dcp else result_blobs)
+        writer = (FileSystemWriter if dcp else FastFileSystemWriter)(folder, sync_files=False)
+        writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+        writer.finish(metadata=metadata, results=gathered_results(got))
+        return buf
+
+    def dcp_save() -> int:
+        got, buf = _gather(plan_blobs)
+        final, metadata = DefaultSavePlanner(dedup_save_to_lowest_rank=True).create_global_plan(got)
+        final = FileSystemWriter(folder, sync_files=False).prepare_global_plan(final)
+        sent["dcp_save"] = _scatter(final)
+        return max(buf, finish(metadata, dcp=True))
+
+    def cold() -> int:
+        got, buf = _gather(plan_blobs)
+        planner = EngineSavePlanner()
+        final, metadata = planner.create_global_plan(got)
+        writer = FastFileSystemWriter(folder, sync_files=False)
+        final = writer.prepare_global_plan(final)
+        sent["cold"] = _scatter(final)
+        compact_metadata(metadata)
+        return max(buf, finish(metadata))
+
+    def warm() -> int:
+        got, buf = _gather(digest_blobs)
+        assert all(hit for hit, _ in got)
+        metadata = compact_metadata(global_metadata(ranks, tensors))  # the cached metadata
+        return max(buf, finish(metadata))
+
+    def engine_load() -> int:
+        bufs = [_gather(agree_blobs)[1], _gather(agree_blobs)[1]]  # validate: checks, metadata checks
+        sent["engine_load"] = len(pickle.dumps([{"model": md_bytes}]))  # the metadata broadcast's payload
+        for _ in range(2):  # settle: plan, read
+            failed = [r for r, f in enumerate(_gather(flag_blobs)[0]) if f]
+            assert not failed
+            bufs.append(len(flag_blobs) * max(map(len, flag_blobs)))
+        return max(bufs)
+
+    def dcp_load() -> int:
+        got, buf = _gather(load_plan_blobs)
+        final = DefaultLoadPlanner().create_global_plan(got)
+        sent["dcp_load"] = _scatter(final)
+        return buf
+
+    out: dict[str, Any] = {"ranks": ranks, "tensors": tensors}
+    out["save_cold"] = measure(paused(cold), reps)
+    with open(os.path.join(folder, ".metadata"), "rb") as f:
+        md_bytes = f.read()  # what the load's validation broadcasts
+    out["metadata_bytes"] = len(md_bytes)
+    out["save_warm"] = measure(paused(warm), reps)
+    out["engine_load"] = measure(paused(engine_load), reps)
+    out["dcp_save"] = measure(dcp_save, reps)
+    out["dcp_load"] = measure(dcp_load, reps)
+    results_bytes = sum(map(len, result_blobs))
+    out["bytes_through_rank0"] = {
+        "save_cold": sum(map(len, plan_blobs)) + sent["cold"] + results_bytes,
+        "save_warm": sum(map(len, digest_blobs)) + results_bytes,
+        "dcp_save": sum(map(len, plan_blobs)) + sent["dcp_save"] + sum(map(len, dcp_result_blobs)),
+        "engine_load": 2 * sum(map(len, agree_blobs)) + 2 * sum(map(len, flag_blobs)),
+        "engine_load_metadata_broadcast_payload": sent["engine_load"],
+        "dcp_load": sum(map(len, load_plan_blobs)) + sent["dcp_load"],
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--tensors", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="16 ranks x 10 tensors, one repetition")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.ranks, args.tensors, args.reps = 16, 10, 1
+    doc = run(args.ranks, args.tensors, args.reps)
+    doc["load_average"] = os.getloadavg()
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
