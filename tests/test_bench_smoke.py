@@ -112,3 +112,33 @@ def test_coordination_benchmark_smoke(tmp_path: Path) -> None:
     assert load_plan["to_rank0"] == 0 and 0 < load_plan["to_all"] <= 2 * 16
     assert not [p for p in os.listdir(tmp_path) if p.startswith("coord-bench-")]  # cleaned up
 
+
+def test_peers_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/peers_bench.py end to end (tiny states, one round, untimed): the engine's three
+    modes and DCP's three paths run and load back what they saved (the benchmark checks each load
+    against a copy taken at the save); a peer whose package is absent is a row with the reason."""
+    out, work = tmp_path / "peers.json", tmp_path / "work"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "peers_bench.py"), "--smoke", "--workdir", str(work)]
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| save() blocks |" in proc.stdout and "Best peer against the engine" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["failed_states"] == []
+    states = result["states"]
+    assert [s["kind"] for s in states] == ["big", "small"]
+    for state in states:
+        methods, best = state["summary"]["methods"], state["summary"]["best"]
+        for name, why in result["availability"].items():
+            if why is None:  # installed here: it must have run, with no error
+                assert "not_run" not in methods[name], (name, methods[name]["not_run"], state["errors"].get(name))
+            else:  # absent: reported, never dropped
+                assert "not installed" in methods[name]["not_run"] and "not installed" in why
+        for name in ("ours_sync", "ours_pinned", "ours_overlap", "dcp", "dcp_async_thread", "dcp_async_process"):
+            m = methods[name]
+            assert m["blocking_s"] > 0 and m["durable_s"] >= m["blocking_s"] and m["disk_bytes"] > 0, (name, m)
+        for name in ("ours_sync", "dcp"):  # the readers; the other modes share them
+            assert methods[name]["load_hot_s"] > 0 and methods[name]["load_cold_s"] > 0
+        assert methods["ours_pinned"]["load_as"] == "ours_sync" and "load_hot_s" in methods["ours_pinned"]
+        assert best["blocking_s"]["engine"].startswith("ours_") and best["blocking_s"]["ratio"] > 0
+        assert not best["durable_s"]["best_peer"].startswith("ours_")
+    assert not work.exists() or not os.listdir(work)  # every checkpoint removed

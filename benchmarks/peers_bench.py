@@ -1,0 +1,331 @@
+"""ckpt-engine against the checkpointers a team would pick instead, side by side in one run.
+
+    python benchmarks/peers_bench.py --out docs/performance-peers-results.json --plot docs/performance-peers.png
+    python benchmarks/peers_bench.py --states 256 --rounds 2 --methods ours_sync,dcp,safetensors
+    python benchmarks/peers_bench.py --list            # every method, and whether it can run here
+    python benchmarks/peers_bench.py --smoke           # tiny, one round: checks that it runs (CI)
+
+Methods (benchmarks/_peers_methods.py): the engine (sync; ``pinned_staging``; ``pinned_staging``
+with ``overlap``), ``dcp.save``/``dcp.load``, ``dcp.async_save`` (thread executor; PROCESS
+executor with a reused ``DefaultStager``), torchtitan's ``CheckpointManager`` in its three
+``async_mode``s, torch_checkpointing's ``CheckpointManager``, safetensors ``save_file``/``load_file``.
+Peers are optional (``pip install -e '.[peers]'``); one that is missing or fails is a row with
+its reason.
+
+Each state runs in a fresh child process (one world_size=1 gloo process group, as under
+``torchrun``; one intra-op thread). A round runs every method in turn (the order reversed every
+other round) between two loops without saves (their memory peak is the loop's own). Per method:
+an untimed first save where the method keeps buffers or helper processes between saves, a loop
+without saves (the step time), then one save inside the training loop (blocking time, loop time
+added, time until durable, peak memory, disk bytes), then a hot and a cold load into the live
+model and optimizer (each load is checked against a copy taken when the save started).
+_peers_measure.py says how each figure is taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+MIB = 1 << 20
+METRICS = ("blocking_s", "loop_added_s", "durable_s", "load_hot_s", "load_cold_s")
+MEMORY = ("save_mem_x", "save_mem_total_x", "load_mem_x", "load_mem_total_x", "disk_x")
+
+
+# -- the child ---------------------------------------------------------------------------------
+
+
+def _init_process_group() -> None:
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _warm(peer: Any, w: Any, loss: Any, step: int) -> dict[str, float]:
+    """The untimed first save (its figures are kept: allocation and helper start-up live here)."""
+    from _peers_measure import Waiter, train_step
+
+    train_step(w, loss, peer)
+    t0 = time.perf_counter()
+    pending = peer.save(step)
+    blocking = time.perf_counter() - t0
+    waiter = Waiter(pending, peer.paths(step), t0)
+    waiter.run()
+    if waiter.error is not None:
+        raise waiter.error
+    with peer.guard():
+        pass
+    return {"first_blocking_s": blocking, "first_durable_s": waiter.durable_s}
+
+
+def _load_rows(peer: Any, w: Any, step: int, saved: list[Any], cold: bool, meter: Any, helpers: Any) -> dict[str, Any]:
+    from _peers_measure import drop_page_cache, matches, trim
+
+    out: dict[str, Any] = {}
+    for kind in ("hot", "cold") if cold else ("hot",):
+        if kind == "cold":
+            out["cold_resident_after_drop"] = drop_page_cache(peer.paths(step))
+        trim()
+        meter.start(helpers)
+        t0 = time.perf_counter()
+        peer.load(step)
+        out[f"load_{kind}_s"] = time.perf_counter() - t0
+        grown, helper = meter.stop()
+        out[f"load_{kind}_rss_bytes"], out[f"load_{kind}_helper_bytes"] = grown, helper
+        if not matches(w, saved):
+            raise RuntimeError(f"{peer.name}: the {kind} load did not bring back the saved values")
+    return out
+
+
+def measure(name: str, w: Any, loss: Any, spec: dict[str, Any], step: int, base: dict[str, Any]) -> dict[str, Any]:
+    """One method, one round: set up, (warm), the save in the loop, the loads, close."""
+    from _peers_measure import Meter, descendants, disk_bytes, loop, rss_now, trim
+    from _peers_methods import PEERS
+
+    peer = PEERS[name]()
+    trim()
+    rss0, before = rss_now(), descendants()
+    row: dict[str, Any] = {}
+    meter = Meter()
+
+    def helpers() -> set[int]:
+        return {p for p in descendants() if p not in before or peer.uses_dcp_daemon}
+
+    peer.setup(w)
+    try:
+        if peer.warm:
+            row.update(_warm(peer, w, loss, step - 1))
+        # the loop without a save right before this one's: the step time it is compared with
+        row["step_s"] = loop(w, loss, spec["steps"])["loop_s"] / spec["steps"]
+        rss1 = rss_now()
+        meter.start(helpers)
+        res = loop(w, loss, spec["steps"], peer, step, max_s=spec["max_loop_s"])
+        grown, helper = meter.stop()
+        row["blocking_s"], row["durable_s"], row["done_s"] = res["blocking_s"], res["durable_s"], res["done_s"]
+        row["loop_steps"] = res["steps"]
+        row["loop_added_s"] = res["loop_s"] - res["steps"] * row["step_s"]
+        row["save_rss_bytes"] = rss1 - rss0 + grown - base["loop_rss_bytes"]
+        row["save_helper_bytes"] = helper
+        row["disk_bytes"], row["files"] = disk_bytes(peer.paths(step))
+        if not peer.load_as:
+            row.update(_load_rows(peer, w, step, res["saved"], spec["cold"], meter, helpers))
+    finally:
+        peer.close()
+        shutil.rmtree(os.path.join(w.root, name), ignore_errors=True)
+    return row
+
+
+def _baseline(w: Any, loss: Any, steps: int) -> dict[str, Any]:
+    from _peers_measure import Meter, loop, trim
+
+    trim()
+    meter = Meter()
+    meter.start(set)
+    res = loop(w, loss, steps)
+    grown, _ = meter.stop()
+    return {"step_s": res["loop_s"] / steps, "loop_rss_bytes": grown}
+
+
+def run_state(spec: dict[str, Any]) -> dict[str, Any]:
+    from _peers_measure import build, state_tensors
+    from _peers_methods import PEERS
+
+    w, loss, label = build(spec["kind"], spec["size"], spec["batch"])
+    w.root = os.path.join(spec["workdir"], f"{spec['kind']}-{spec['size']}")
+    os.makedirs(w.root, exist_ok=True)
+    for _ in range(2):  # optimizer state exists before anything saves; first-call costs paid
+        loss().backward()
+        w.optim.step()
+        w.optim.zero_grad()
+    tensors = state_tensors(w)
+    import ckpt_engine
+
+    out: dict[str, Any] = {
+        "engine_source": os.path.dirname(os.path.abspath(ckpt_engine.__file__)),
+        "label": label,
+        "kind": spec["kind"],
+        "size": spec["size"],
+        "state_bytes": sum(t.nbytes for t in tensors),
+        "tensors": len(tensors),
+        "rounds": [],
+        "errors": {},
+    }
+    step = 10
+    for r in range(spec["rounds"]):
+        order = spec["methods"] if r % 2 == 0 else spec["methods"][::-1]
+        first = _baseline(w, loss, spec["steps"])
+        rows: dict[str, Any] = {}
+        for name in order:
+            step += 10
+            try:
+                rows[name] = measure(name, w, loss, spec, step, first)
+            except Exception as err:
+                from _bench_methods import Skip
+
+                if isinstance(err, Skip):
+                    rows[name] = {"skipped": str(err)}
+                else:
+                    rows[name] = {"error": f"{type(err).__name__}: {err}"}
+                    out["errors"][name] = traceback.format_exc(limit=6)
+            log(f"  {label}, round {r + 1}, {name}: {_brief(rows[name])}")
+        last = _baseline(w, loss, spec["steps"])
+        base = {k: (first[k] + last[k]) / 2 for k in first}
+        out["rounds"].append({"order": order, "baseline": base, "baselines": [first, last], "rows": rows})
+    out["peers"] = {n: {"family": PEERS[n].family, "load_as": PEERS[n].load_as} for n in spec["methods"]}
+    return out
+
+
+def _brief(row: dict[str, Any]) -> str:
+    if "skipped" in row or "error" in row:
+        return str(row.get("skipped") or row.get("error"))
+    keys = [k for k in METRICS if k in row]
+    return ", ".join(f"{k[:-2]} {row[k]:.3f} s" for k in keys)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def child_main(specs: list[dict[str, Any]]) -> None:
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(specs[0]["threads"])
+    _init_process_group()
+    results = [run_state(spec) for spec in specs]
+    print("RESULT " + json.dumps(results), flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # DCP's PROCESS daemon and gloo: no clean interpreter exit (dcp-notes section 4)
+
+
+# -- the parent --------------------------------------------------------------------------------
+
+
+def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from _peers_methods import PEERS
+
+    methods = list(PEERS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in PEERS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; --list shows them")
+    states = [s.strip() for s in args.states.split(",") if s.strip()]
+    rounds = [int(r) for r in str(args.rounds).split(",")]
+    rounds += [rounds[-1]] * (len(states) - len(rounds))
+    specs = []
+    for state, n in zip(states, rounds, strict=False):
+        small = state.startswith("small")
+        specs.append(
+            {
+                "kind": "small" if small else "big",
+                "size": int(state[5:] or args.small_count) if small else int(state),
+                "rounds": n,
+                "methods": methods,
+                "steps": args.steps,
+                "batch": args.batch,
+                "threads": args.threads,
+                "cold": not small or args.small_cold,
+                "max_loop_s": args.max_loop_s,
+                "workdir": os.path.abspath(args.workdir),
+            }
+        )
+    return specs
+
+
+def _run_child(specs: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+    """One child process; its stderr (the progress lines) passes through."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    # A fixed mmap threshold: freed tensors go back to the system, so one method's leftovers
+    # neither pad nor hide the next one's memory.
+    env.update(MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS=str(specs[0]["threads"]))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(specs)]
+    try:
+        # cwd: the work folder, so that no process (the engine's writer runs ``python -m``) imports
+        # the engine from the current folder rather than from PYTHONPATH or the installed copy
+        os.makedirs(specs[0]["workdir"], exist_ok=True)
+        cwd = specs[0]["workdir"]
+        proc = subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, stdout=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        return [{"error": f"timed out after {timeout:.0f} s"}]
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            out: list[dict[str, Any]] = json.loads(line[len("RESULT ") :])
+            return out
+    return [{"error": f"child exited {proc.returncode} without a result: {proc.stdout[-2000:]}"}]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--states", default="256,1024,small", help="MiB of model+AdamW state, or 'small[N]'")
+    parser.add_argument("--rounds", default="3,2,1", help="rounds per state (one number: all states)")
+    parser.add_argument("--small-count", type=int, default=50_000, help="tensors of the 'small' state")
+    parser.add_argument("--small-cold", action="store_true", help="also cold loads of the small state")
+    parser.add_argument("--methods", default="all", help="comma-separated (see --list)")
+    parser.add_argument("--steps", type=int, default=4, help="training steps at least, per loop")
+    parser.add_argument("--batch", type=int, default=32, help="rows per step of the MLP")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the training process")
+    parser.add_argument("--max-loop-s", type=float, default=300.0, help="a save not durable by then fails")
+    parser.add_argument("--workdir", default=os.path.join(HERE, ".work", "peers"), help="where checkpoints go")
+    parser.add_argument("--out", default=os.path.join(HERE, "results-peers.json"), help="JSON results")
+    parser.add_argument("--plot", help="PNG of the time rows (needs matplotlib)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="per state")
+    parser.add_argument("--smoke", action="store_true", help="tiny states, one round, one process: seconds")
+    parser.add_argument("--list", action="store_true", help="list the methods and whether each can run")
+    parser.add_argument("--from-json", help="print the tables (and --plot) of an earlier run's JSON; no run")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child_main(json.loads(args.child))
+    from _peers_report import availability, report
+
+    if args.from_json:
+        with open(args.from_json) as f:
+            earlier = json.load(f)
+        return report(earlier["states"], earlier["machine"], earlier["availability"], args.from_json, args.plot)
+    if args.list:
+        for name, why in availability().items():
+            print(f"{name:<24} {why or 'available'}")
+        return {}
+    if args.smoke:
+        args.states, args.rounds, args.steps, args.batch, args.max_loop_s = "8,small300", "1", 2, 8, 120.0
+        args.small_cold = True
+    specs = _specs(args)
+    load_start, t0 = os.getloadavg(), time.perf_counter()
+    states: list[dict[str, Any]] = []
+    batches = [specs] if args.smoke else [[s] for s in specs]
+    for batch in batches:
+        log(f"state(s) {[s['kind'] + ':' + str(s['size']) for s in batch]}")
+        states += _run_child(batch, args.timeout)
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    machine = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_start": load_start,
+        "load_average_end": os.getloadavg(),
+        "wall_s": time.perf_counter() - t0,
+        "args": {k: v for k, v in vars(args).items() if k != "child"},
+    }
+    return report(states, machine, availability(), args.out, args.plot)
+
+
+if __name__ == "__main__":
+    main()
