@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from ckpt_engine import CheckpointEngine
+from ckpt_engine._inspect.files import shared_once_usage  # what `ckpt-engine ls` reports as disk use
 
 MIB = 2**20
 LAYERS = 16
@@ -91,18 +92,6 @@ def _step(optimizer: torch.optim.Optimizer, gen: torch.Generator) -> None:
             p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def _disk_use(folder: str) -> int:
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            st = os.stat(os.path.join(root, name))
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_size
-    return total
 
 
 def _checkpoint_bytes(folder: str) -> int:
@@ -152,8 +141,8 @@ def finetune(work: str, args: argparse.Namespace) -> dict[str, Any]:
         "written_over_full": written / full_ckpt,
         "time_over_full": statistics.median(i["s"] / f["s"] for i, f in zip(inc, full, strict=True)),
         "retained": len([n for n in os.listdir(dirs["incremental"]) if n.startswith("iter_")]),
-        "disk_use_bytes": _disk_use(dirs["incremental"]),
-        "disk_over_one_full": _disk_use(dirs["incremental"]) / full_ckpt,
+        "disk_use_bytes": shared_once_usage(dirs["incremental"]),
+        "disk_over_one_full": shared_once_usage(dirs["incremental"]) / full_ckpt,
         "rounds": {m: rows[m] for m in rows},
     }
 
