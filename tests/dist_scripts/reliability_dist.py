@@ -127,16 +127,18 @@ def main() -> None:
     reader_cls.__init__ = original_init  # type: ignore[method-assign]
     FileSystemReader.read_data = original_read  # type: ignore[method-assign]
 
-    # -- an error in the pre-load checks on one rank only ---------------------------------------
-    original_check = engine_module.check_complete
+    # -- an error in the pre-load checks, which rank 0 runs for every rank -----------------------
+    import ckpt_engine._engine.load_guard as guard_module
+
+    original_check = guard_module.check_complete
 
     def denied(path: Any, *args: Any, **kwargs: Any) -> Any:
         raise CheckpointPermissionError(f"cannot stat {path}/model/__0_0.distcp: permission denied (injected)")
 
-    if rank == FAILING_RANK:
-        engine_module.check_complete = denied
+    if rank == 0:
+        guard_module.check_complete = denied
     out["check_error"] = attempt(lambda: load(save_dir=empty, load_path=iter2), keep_value=True)
-    engine_module.check_complete = original_check
+    guard_module.check_complete = original_check
 
     # -- the lock --------------------------------------------------------------------------------
     lock_dir = save_dir + "-lock"
