@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 
-from ckpt_engine._dcpio.torch_private import local_chunks, storage_info, tensor_version
+from ckpt_engine._dcpio.torch_private import is_storage_info, local_chunks, storage_info, tensor_version
 from ckpt_engine._dcpio.torch_save_archive import (
     ARCHIVE_DTYPES,
     SavedTensorLayout,
@@ -310,6 +310,8 @@ def test_storage_info_is_dcp_storage_record() -> None:
     info = storage_info("__0_0.distcp", 10, 20)
     assert info == _StorageInfo("__0_0.distcp", 10, 20)
     assert info.transform_descriptors is None  # "no transforms", as DCP's writer records it
+    assert storage_info("__0_0.distcp", 10, 20, ["zstd"]) == _StorageInfo("__0_0.distcp", 10, 20, ["zstd"])
+    assert is_storage_info(info) and not is_storage_info((info.relative_path, info.offset, info.length))
 
 
 def test_tensor_version_is_shared_by_views_and_bumped_by_in_place_ops_under_no_grad() -> None:

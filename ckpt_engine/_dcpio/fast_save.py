@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 
 from . import coordination as _coordination
-from .torch_private import local_chunks
+from .torch_private import is_storage_info, local_chunks, storage_info
 from .watch import phase
 
 __all__ = [
@@ -195,10 +195,8 @@ class CompactResults:
         self.results = results
 
     def __reduce__(self) -> Any:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-
         rs = self.results
-        if not all(type(r.storage_data) is _StorageInfo and type(r.index) is MetadataIndex for r in rs):
+        if not all(is_storage_info(r.storage_data) and type(r.index) is MetadataIndex for r in rs):
             return (CompactResults, (rs,))
         offsets: dict[Any, int] = {}
         files: dict[Any, int] = {}
@@ -221,8 +219,6 @@ def _descriptors(info: Any) -> Any:
 
 def _rebuild_results(offsets: list[Any], files: list[Any], cols: tuple[list[Any], ...]) -> list[WriteResult]:
     """The ``WriteResult`` s of :meth:`CompactResults.__reduce__`'s columns."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
     sizes = [None if o is None else torch.Size(o) for o in offsets]
     new_index, set_attr = object.__new__, object.__setattr__
     out = []
@@ -233,7 +229,7 @@ def _rebuild_results(offsets: list[Any], files: list[Any], cols: tuple[list[Any]
         if sizes[oi] is not None:
             set_attr(index, "offset", sizes[oi])
         rel, td = files[fi]
-        info = _StorageInfo(rel, off, length, None if td is None else list(td))
+        info = storage_info(rel, off, length, None if td is None else list(td))
         out.append(WriteResult(index=index, size_in_bytes=nbytes, storage_data=info))
     return out
 

@@ -9,7 +9,7 @@ loudly in CI instead of silently mis-loading checkpoints.
 * ``torch._utils._rebuild_tensor_v2``/``_v3``: the functions a ``torch.save`` archive names to
   rebuild a tensor (:func:`rebuild_tensor_functions`). The archive format itself is a file
   format, not an API: its reader and writer are :mod:`.torch_save_archive`.
-* ``filesystem._StorageInfo``: DCP's per-item storage record (:func:`storage_info`).
+* ``filesystem._StorageInfo``: DCP's per-item storage record (:func:`storage_info`, :func:`is_storage_info`).
 * ``Tensor._version``: the in-place version counter autograd keeps per storage (shared by views
   and ``detach()``), bumped by every in-place op (also under ``no_grad``). ``pinned_staging``'s
   ``overlap`` mode reads it to prove a parameter was not changed before its background copy was
@@ -47,11 +47,18 @@ def rebuild_tensor_functions() -> tuple[Callable[..., torch.Tensor], Callable[..
     return torch._utils._rebuild_tensor_v2, torch._utils._rebuild_tensor_v3
 
 
-def storage_info(relative_path: str, offset: int, length: int) -> Any:
+def storage_info(relative_path: str, offset: int, length: int, transform_descriptors: Any = None) -> Any:
     """DCP's per-item storage record (``filesystem._StorageInfo``), as its writer creates it."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    return _StorageInfo(relative_path, offset, length)
+    return _StorageInfo(relative_path, offset, length, transform_descriptors)
+
+
+def is_storage_info(value: Any) -> bool:
+    """Whether ``value`` is exactly DCP's per-item storage record (not a subclass or a stand-in)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return type(value) is _StorageInfo
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
