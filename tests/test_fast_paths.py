@@ -359,7 +359,9 @@ def test_fast_writer_writes_durably_and_reports_errors(tmp_path: Any, monkeypatc
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(FastFileSystemWriter, "_write_tensor", staticmethod(boom))
+    from ckpt_engine._dcpio import fast_write
+
+    monkeypatch.setattr(fast_write._Output, "write", boom)  # the disk fills up mid-file
     with pytest.raises(BaseException, match="No space left"):
         dcp.save({"w": torch.ones(3)}, storage_writer=FastFileSystemWriter(str(tmp_path / "c"), thread_count=2))
 

@@ -29,7 +29,7 @@ import os
 import pickle
 import threading
 import weakref
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -42,12 +42,12 @@ from torch.futures import Future
 from .._format.digests import write_part
 from .._format.hashing import new_hasher
 from .._format.metadata import remember_metadata
-from ..types import CarryOver
+from ..types import CarriedBy, CarryOver
 from ..types import WriteResult as ComponentWritten
 from .carry import create_new, group_items, link_file
 from .fast_read import gc_paused
 from .torch_private import storage_info
-from .torch_save_archive import ARCHIVE_DTYPES, tensor_archive
+from .torch_save_archive import tensor_archive
 
 __all__ = ["FastFileSystemWriter", "write_result"]
 
@@ -111,6 +111,18 @@ class _Output:
     def digest(self) -> str | None:
         return None if self.hasher is None else self.hasher.hexdigest()
 
+    def sync(self, fsync: bool) -> None:
+        """Flush what was written and, where ``fsync``, make it durable."""
+        self.f.flush()
+        if fsync:
+            os.fsync(self.f.fileno())
+
+    def __enter__(self) -> _Output:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
 
 class FastFileSystemWriter(FileSystemWriter):
     """``FileSystemWriter`` whose tensor items skip ``torch.save`` (same files, same format).
@@ -126,14 +138,14 @@ class FastFileSystemWriter(FileSystemWriter):
         self.carry_over = carry_over
         #: File name -> how it was carried over in the last write (``"link"``, ``"copy"``, or
         #: ``"write"``: it could have been, but carrying over was refused) and its size.
-        self.carried: dict[str, tuple[str, int]] = {}
+        self.carried: dict[str, tuple[CarriedBy, int]] = {}
         #: Bytes of this rank's files in the last write (carried over ones included); ``None``
         #: when DCP's own writer ran (stream transforms, safetensors).
         self.bytes_out: int | None = None
         #: Names of the last write's stable files (the ones compared with the previous checkpoint).
         self._stable: set[str] = set()
 
-    def carried_summary(self) -> tuple[int, str]:
+    def carried_summary(self) -> tuple[int, CarriedBy]:
         """The last write's bytes carried over, and how: ``"off"`` (nothing could be),
         ``"link"`` / ``"copy"``, or ``"write"`` (unchanged files, but carrying over was refused)."""
         reused = sum(n for how, n in self.carried.values() if how != "write")
@@ -207,27 +219,14 @@ class FastFileSystemWriter(FileSystemWriter):
     ) -> tuple[list[WriteResult], tuple[int, str | None]]:
         if name in self._stable and self.carry_over is not None and algorithm == self.carry_over.algorithm:
             return self._carry_or_write(name, items, planner)
-        out = _Output(os.path.join(os.fspath(self.path), name), algorithm)
         results: list[WriteResult] = []
-        try:
-            # values first, then tensors, as DCP orders them
-            for item in [i for i in items if i.type == WriteItemType.BYTE_IO]:
-                data = planner.resolve_data(item)
-                assert isinstance(data, io.BytesIO)
+        with _Output(os.path.join(os.fspath(self.path), name), algorithm) as out:
+            for item in _dcp_order(items):
                 offset = out.pos
-                out.write(data.getbuffer())
+                for part in _encode(planner.resolve_data(item)):
+                    out.write(part)
                 results.append(self._result(item, name, offset, out.pos - offset))
-            for item in [i for i in items if i.type != WriteItemType.BYTE_IO]:
-                tensor = planner.resolve_data(item)
-                assert isinstance(tensor, torch.Tensor)
-                offset = out.pos
-                self._write_tensor(out, tensor.detach())
-                results.append(self._result(item, name, offset, out.pos - offset))
-            out.f.flush()
-            if self.sync_files:
-                os.fsync(out.f.fileno())
-        finally:
-            out.f.close()
+            out.sync(self.sync_files)
         return results, (out.pos, out.digest())
 
     def _carry_or_write(
@@ -243,11 +242,9 @@ class FastFileSystemWriter(FileSystemWriter):
         assert carry is not None
         hasher = new_hasher(carry.algorithm)
         assert hasher is not None
-        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
-        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
         encoded: list[tuple[WriteItem, list[Any]]] = []
         sizes: list[int] = []
-        for item in ordered:
+        for item in _dcp_order(items):
             parts = _encode(planner.resolve_data(item), hasher)
             encoded.append((item, parts))
             sizes.append(sum(memoryview(p).nbytes for p in parts))
@@ -266,19 +263,14 @@ class FastFileSystemWriter(FileSystemWriter):
                 return results, (size, digest)
             logger.warning("%s is unchanged but was written, not carried over: %s", path, reason)
             self.carried[name] = ("write", size)
-        out = _Output(path, None)
         results = []
-        try:
+        with _Output(path, None) as out:
             for item, parts in encoded:
                 offset = out.pos
                 for part in parts:
                     out.write(part)
                 results.append(self._result(item, name, offset, out.pos - offset))
-            out.f.flush()
-            if self.sync_files:
-                os.fsync(out.f.fileno())
-        finally:
-            out.f.close()
+            out.sync(self.sync_files)
         return results, (out.pos, digest)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -313,60 +305,54 @@ class FastFileSystemWriter(FileSystemWriter):
         remember_metadata(folder, metadata)
 
     @staticmethod
-    def _write_tensor(out: _Output, tensor: torch.Tensor) -> None:
-        for part in _tensor_parts(tensor):
-            out.write(part)
-
-    @staticmethod
     def _result(item: WriteItem, name: str, offset: int, length: int) -> WriteResult:
         return WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, offset, length))
 
 
-def _encode(data: Any, hasher: Any) -> list[Any]:
-    """The buffers an item's bytes in the file are made of (a value's pickle, or a tensor's),
-    hashed into ``hasher`` as they are made; a tensor archive's serialization id is the digest
-    of everything before it, so equal content gives equal bytes."""
-    if isinstance(data, io.BytesIO):
-        parts = [data.getbuffer()]
-    else:
+def _dcp_order(items: list[WriteItem]) -> list[WriteItem]:
+    """A file's items in the order DCP writes them: the values first, then the tensors."""
+    return [i for i in items if i.type == WriteItemType.BYTE_IO] + [i for i in items if i.type != WriteItemType.BYTE_IO]
+
+
+def _encode(data: Any, hasher: Any = None) -> list[Any]:
+    """The buffers an item's bytes in the file are made of: a value's pickle, or a tensor's
+    (:func:`_tensor_parts`); with ``hasher``, hashed into it as they are made."""
+    if not isinstance(data, io.BytesIO):
         assert isinstance(data, torch.Tensor)
-        dense = _dense(data.detach())
-        if dense is None or dense.dtype not in ARCHIVE_DTYPES:
-            parts = _tensor_parts(data.detach())
-        else:
-            body = [dense.reshape(-1).view(torch.uint8).numpy().data] if dense.numel() else []
-            head = tensor_archive(dense.dtype, tuple(dense.shape), serial=b"")
-            assert head is not None
-            for part in (head.head, *body):
-                hasher.update(part)
-            serial = f"{int(hasher.hexdigest(), 16):040d}"[-40:].encode()
-            archive = tensor_archive(dense.dtype, tuple(dense.shape), serial=serial)
-            assert archive is not None
-            hasher.update(archive.tail)
-            return [archive.head, *body, archive.tail]
-    for part in parts:
-        hasher.update(part)
-    return parts
+        return _tensor_parts(data.detach(), hasher)
+    if hasher is not None:
+        hasher.update(data.getbuffer())
+    return [data.getbuffer()]
 
 
-def _tensor_parts(tensor: torch.Tensor) -> list[Any]:
+def _tensor_parts(tensor: torch.Tensor, hasher: Any = None) -> list[Any]:
     """A tensor item's bytes: the archive's header, the tensor's own memory and its trailer, or
-    (what DCP does for every item) ``torch.save`` of a compact CPU copy."""
+    (what DCP does for every item) ``torch.save`` of a compact CPU copy.
+
+    With ``hasher``, the bytes are hashed into it as they are made, and the archive's
+    serialization id is the digest of everything before it instead of a fresh one, so equal
+    content gives equal bytes (what an incremental save compares)."""
     dense = _dense(tensor)
-    parts = None if dense is None else tensor_archive(dense.dtype, tuple(dense.shape))
+    parts = None if dense is None else tensor_archive(dense.dtype, tuple(dense.shape), b"" if hasher else None)
     if dense is None or parts is None:
         cpu = tensor.cpu()
         if cpu.untyped_storage().size() != cpu.numel() * cpu.itemsize:
             cpu = cpu.clone()
         buf = io.BytesIO()
         torch.save(cpu, buf)
+        if hasher is not None:
+            hasher.update(buf.getbuffer())
         return [buf.getbuffer()]
-    if not parts.nbytes:
-        return [parts.head, parts.tail]
-    return [parts.head, dense.reshape(-1).view(torch.uint8).numpy().data, parts.tail]
-
-
-_CARRIED_BY: dict[str, Literal["off", "link", "copy", "write"]] = {"link": "link", "copy": "copy", "write": "write"}
+    body = [dense.reshape(-1).view(torch.uint8).numpy().data] if parts.nbytes else []
+    if hasher is None:
+        return [parts.head, *body, parts.tail]
+    for part in (parts.head, *body):
+        hasher.update(part)
+    serial = f"{int(hasher.hexdigest(), 16):040d}"[-40:].encode()
+    archive = tensor_archive(dense.dtype, tuple(dense.shape), serial)
+    assert archive is not None
+    hasher.update(archive.tail)
+    return [archive.head, *body, archive.tail]
 
 
 def write_result(component: str, total_bytes: int, writer: Any, seconds: float) -> ComponentWritten:
@@ -374,11 +360,14 @@ def write_result(component: str, total_bytes: int, writer: Any, seconds: float) 
     (files it carried over not counted) and carried over. ``total_bytes``, the save's total as
     DCP counts it, serves where the writer cannot tell its own (DCP's own writer ran)."""
     own = writer.bytes_out if isinstance(writer, FastFileSystemWriter) else None
-    reused, how = writer.carried_summary() if own is not None else (0, "off")
+    reused: int = 0
+    how: CarriedBy = "off"
+    if own is not None:
+        reused, how = writer.carried_summary()
     return ComponentWritten(
         component=component,
         bytes_written=(own if own is not None else total_bytes) - reused,
         seconds=seconds,
         bytes_reused=reused,
-        carried_by=_CARRIED_BY.get(how, "off"),
+        carried_by=how,
     )
