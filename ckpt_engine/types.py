@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .report import LoadReport
 
 __all__ = [
+    "CarriedBy",
     "CarryOver",
     "Decision",
     "LoadContext",
@@ -35,6 +36,9 @@ __all__ = [
     "WriteContext",
     "WriteResult",
 ]
+
+#: How an incremental save carried unchanged files over (:attr:`SaveResult.carried_by`).
+CarriedBy = Literal["off", "link", "copy", "write"]
 
 #: The standard components, in save and load order.
 STANDARD_COMPONENTS: tuple[str, ...] = ("model", "optim", "scheduler", "trainer")
@@ -282,7 +286,7 @@ class WriteResult:
     #: Bytes of files carried over from the previous checkpoint (``WriteContext.carry_over``).
     bytes_reused: int = 0
     #: How: see :attr:`SaveResult.carried_by`.
-    carried_by: Literal["off", "link", "copy", "write"] = "off"
+    carried_by: CarriedBy = "off"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -302,7 +306,7 @@ class SaveResult:
     #: How unchanged files were carried over: ``"off"`` (``incremental`` off, or nothing to carry
     #: over from), ``"link"`` (hard links), ``"copy"`` (server-side copies), ``"write"`` (carrying
     #: over was refused, e.g. links across devices, so unchanged files were written: see the log).
-    carried_by: Literal["off", "link", "copy", "write"] = "off"
+    carried_by: CarriedBy = "off"
     #: Seconds ``save()`` blocked the caller.
     blocked_seconds: float = 0.0
     staging_seconds: float = 0.0

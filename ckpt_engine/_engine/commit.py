@@ -32,6 +32,7 @@ from .._format.digests import carried_copies, written_entries
 from .._format.manifest import FileEntry, list_files, owner_rank
 from ..errors import CheckpointSaveError, CollectiveError
 from ..pipeline import Pipeline
+from ..types import CarriedBy
 from .consensus import agree, unwrap
 from .targets import SavePaths, SaveTarget
 
@@ -48,7 +49,7 @@ class CommitPhase:
     nbytes: int = 0
     #: Bytes carried over from the previous checkpoint instead of written, and how.
     reused: int = 0
-    carried_by: str = "off"
+    carried_by: CarriedBy = "off"
     write_end: float = 0.0
 
 

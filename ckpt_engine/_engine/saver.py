@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -54,7 +54,6 @@ __all__ = ["Saver"]
 logger = logging.getLogger("ckpt_engine")
 
 Outcomes = list[WriteResult | Future[WriteResult]]
-_CarriedBy = Literal["off", "link", "copy", "write"]
 #: How the log line of a save names the way its unchanged files were carried over.
 _CARRIED = {"link": "hard-linked", "copy": "copied in the store", "write": "written: carrying over refused"}
 
@@ -421,7 +420,7 @@ class Saver:
             components=components,
             bytes_written=phase.nbytes if phase is not None else 0,
             bytes_reused=phase.reused if phase is not None else 0,
-            carried_by=cast(_CarriedBy, phase.carried_by if phase is not None else "off"),
+            carried_by=phase.carried_by if phase is not None else "off",
             # A synchronous save blocks the caller through the commit too.
             blocked_seconds=now - clock.t0 if collective else clock.blocked,
             staging_seconds=clock.staging,

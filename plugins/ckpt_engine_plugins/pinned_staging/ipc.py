@@ -14,6 +14,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_engine.types import CarriedBy
+
 _HEADER = struct.Struct("<Q")
 #: A frame larger than this is a protocol error, not a message (guards against garbage reads).
 MAX_FRAME = 1 << 34
@@ -198,7 +200,7 @@ class Done:
     group_intact: bool = False
     #: Bytes carried over from the previous checkpoint (not in ``bytes_written``), and how.
     bytes_reused: int = 0
-    carried_by: str = "off"
+    carried_by: CarriedBy = "off"
 
 
 # -- state-dict skeletons ----------------------------------------------------------------------

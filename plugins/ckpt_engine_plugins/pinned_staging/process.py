@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from ckpt_engine import CheckpointSaveError, CkptEngineError, WriteResult
 
@@ -324,7 +324,7 @@ class WriterProcess:
                     bytes_written=msg.bytes_written,
                     seconds=msg.seconds,
                     bytes_reused=msg.bytes_reused,
-                    carried_by=_carried_by(msg.carried_by),
+                    carried_by=msg.carried_by,
                 ),
             )
             return
@@ -442,11 +442,3 @@ def _settle(future: Future[Any], outcome: Any) -> None:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
-
-
-def _carried_by(how: str) -> Literal["off", "link", "copy", "write"]:
-    """``Done.carried_by`` (a plain string on the pipe) as ``WriteResult.carried_by``."""
-    return _CARRIED_BY.get(how, "off")
-
-
-_CARRIED_BY: dict[str, Literal["off", "link", "copy", "write"]] = {"link": "link", "copy": "copy", "write": "write"}
