@@ -36,6 +36,7 @@ from .._format.digests import remove_parts, written_entries
 from .._format.layout import check_complete, commit_rename, remove_checkpoint, remove_tree
 from .._format.manifest import (
     FileEntry,
+    entry_doc,
     list_files,
     lookup_manifest,
     new_manifest,
@@ -271,10 +272,7 @@ class ObjectStoreTarget(SaveTarget):
         part = {
             "rank": rank,
             "error": None if error is None else f"{type(error).__name__}: {error}",
-            "files": {
-                rel: {"size": e.size, "checksum": e.checksum, **({"carried": e.carried} if e.carried else {})}
-                for rel, e in entries.items()
-            },
+            "files": {rel: entry_doc(e) for rel, e in entries.items()},
         }
         store.write_bytes(self._report_path(paths, rank), json.dumps(part).encode())
         if error is not None:

@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .manifest import CARRIED, FileEntry, hash_files
+from .manifest import CARRIED, FileEntry, entry_doc, hash_files
 from .names import PART_PREFIX, is_part
 
 __all__ = [
@@ -44,10 +44,7 @@ def write_part(
     carried = carried or {}
     doc = {
         "algorithm": algorithm,
-        "files": {
-            f: {"size": s, "checksum": c, **({"carried": carried[f]} if f in carried else {})}
-            for f, (s, c) in files.items()
-        },
+        "files": {f: entry_doc(FileEntry(size=s, checksum=c, carried=carried.get(f))) for f, (s, c) in files.items()},
     }
     path = os.path.join(folder, f"{PART_PREFIX}{name}.json")
     with open(path + ".tmp", "w") as f:

@@ -91,6 +91,11 @@ class Manifest:
         """Bytes of the files carried over from the previous checkpoint (not written by this save)."""
         return sum(e.size for e in self.files.values() if e.carried is not None)
 
+    @property
+    def carried_files(self) -> int:
+        """How many files were carried over from the previous checkpoint."""
+        return sum(e.carried is not None for e in self.files.values())
+
     def to_json(self) -> str:
         doc = {
             "format": MANIFEST_FORMAT,
@@ -105,12 +110,13 @@ class Manifest:
             "checksum_algorithm": self.algorithm,
             "total_bytes": self.total_bytes,
             "carry_chain": self.carry_chain,
-            "files": {rel: _entry_doc(e) for rel, e in sorted(self.files.items())},
+            "files": {rel: entry_doc(e) for rel, e in sorted(self.files.items())},
         }
         return json.dumps(doc, indent=1) + "\n"
 
 
-def _entry_doc(entry: FileEntry) -> dict[str, Any]:
+def entry_doc(entry: FileEntry) -> dict[str, Any]:
+    """One file's entry as JSON holds it (the manifest, digest parts, upload reports)."""
     doc: dict[str, Any] = {"size": entry.size, "checksum": entry.checksum}
     if entry.carried is not None:
         doc["carried"] = entry.carried

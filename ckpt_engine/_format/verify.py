@@ -219,6 +219,8 @@ class VerifyReport:
     ``files`` / ``bytes``: files and bytes covered (the manifest's, else the DCP metadata's).
     ``corrupt``: the checkpoint cannot be checked for completeness because a file it has is
     damaged (a ``.metadata`` failing its checksum, a crafted one), not because one is missing.
+    ``reused_bytes`` / ``reused_files``: what the manifest says an incremental save carried over
+    from the previous checkpoint instead of writing it (0 without a manifest).
     """
 
     path: str
@@ -230,6 +232,8 @@ class VerifyReport:
     bytes: int = 0
     level: str = "checksums"
     corrupt: bool = False
+    reused_bytes: int = 0
+    reused_files: int = 0
 
     @property
     def ok(self) -> bool:
@@ -280,7 +284,9 @@ def _report(
         nbytes = _metadata_bytes(checked)
         files = len(referenced_files(checked)) if checked is not None else 0
         return VerifyReport(path, checked is not None, False, lookup.reason, problems, files, nbytes, level)
-    return _verify_against_manifest(path, lookup.manifest, checked, problems, level, progress, store)
+    manifest = lookup.manifest
+    report = _verify_against_manifest(path, manifest, checked, problems, level, progress, store)
+    return dataclasses.replace(report, reused_bytes=manifest.carried_bytes, reused_files=manifest.carried_files)
 
 
 def _lookup_and_check_complete(

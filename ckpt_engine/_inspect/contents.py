@@ -7,9 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._format.manifest import lookup_manifest
 from .._format.verify import verify_checkpoint
-from ..errors import CkptEngineError
 from .reader import ComponentReader, KeyInfo, Target, Unreadable, match_keys, prefix_of, summarize_value
 
 __all__ = ["CheckpointContents", "ComponentContents", "PrefixTotals", "read_contents"]
@@ -116,14 +114,14 @@ def read_contents(
     the small non-tensor values too (a damaged data file makes them :class:`Unreadable`, the
     metadata is still shown). Checks sizes against the manifest, never checksums."""
     report = verify_checkpoint(target.checkpoint, level="sizes")
-    contents = CheckpointContents(target, report.complete, list(report.problems), total_bytes=report.bytes)
-    try:
-        manifest = lookup_manifest(target.checkpoint).manifest
-    except CkptEngineError:
-        manifest = None  # the report says what is wrong with it
-    if manifest is not None:
-        contents.reused_bytes = manifest.carried_bytes
-        contents.reused_files = sum(e.carried is not None for e in manifest.files.values())
+    contents = CheckpointContents(
+        target,
+        report.complete,
+        list(report.problems),
+        total_bytes=report.bytes,
+        reused_bytes=report.reused_bytes,
+        reused_files=report.reused_files,
+    )
     for name, cdir in target.components.items():
         contents.components.append(_component_contents(name, cdir, keys, read_values, trust))
     return contents

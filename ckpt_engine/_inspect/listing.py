@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .._format.layout import component_dirs, find_leftovers
-from .._format.manifest import lookup_manifest
 from .._format.names import LATEST_FILE, iter_dirname, parse_iteration
 from .._format.pointer import list_checkpoints, read_latest
 from .._format.verify import verify_checkpoint
@@ -68,11 +67,7 @@ def _committed_row(
     iteration: int, path: str, note: str | None, level: Literal["sizes", "checksums"], latest: str | None
 ) -> dict[str, Any]:
     report = verify_checkpoint(path, level=level)
-    try:
-        manifest = lookup_manifest(path).manifest
-    except CkptEngineError:
-        manifest = None  # the verify report says what is wrong with it
-    reused = manifest.carried_bytes if manifest is not None else 0
+    reused = report.reused_bytes
     if report.corrupt or (report.complete and report.problems):
         status = "CORRUPT"  # a file is damaged (a .metadata failing its checksum), not missing
     elif not report.complete:
