@@ -94,6 +94,24 @@ def _step(optimizer: torch.optim.Optimizer, gen: torch.Generator) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _paired_saves(
+    engines: dict[str, CheckpointEngine], rounds: int, model: Any, optimizer: torch.optim.Optimizer, gen: Any
+) -> dict[str, list[Any]]:
+    """``rounds`` + 1 saves by every engine of the same state, an AdamW step before each round
+    after the first, the engines' order reversed every other round; the results of the saves
+    after the first (which writes everything in every mode), per engine."""
+    results: dict[str, list[Any]] = {m: [] for m in engines}
+    order = list(engines)
+    for it in range(1, rounds + 2):
+        if it > 1:
+            _step(optimizer, gen)
+        for m in order if it % 2 else order[::-1]:
+            r = engines[m].save(it, model=model, optimizer=optimizer).result()
+            if it > 1:
+                results[m].append(r)
+    return results
+
+
 def _checkpoint_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
 
@@ -109,16 +127,12 @@ def finetune(work: str, args: argparse.Namespace) -> dict[str, Any]:
         m: CheckpointEngine({"save_dir": d, "incremental": m == "incremental", "keep_last": args.keep})
         for m, d in dirs.items()
     }
-    rows: dict[str, list[dict[str, float]]] = {m: [] for m in engines}
     try:
-        order = list(engines)
-        for it in range(1, args.rounds + 2):
-            if it > 1:
-                _step(optimizer, gen)
-            for m in order if it % 2 else order[::-1]:
-                r = engines[m].save(it, model=model, optimizer=optimizer).result()
-                if it > 1:  # the first save writes everything in both modes
-                    rows[m].append({"s": r.total_seconds, "written": r.bytes_written, "reused": r.bytes_reused})
+        saved = _paired_saves(engines, args.rounds, model, optimizer, gen)
+        rows = {
+            m: [{"s": r.total_seconds, "written": r.bytes_written, "reused": r.bytes_reused} for r in rs]
+            for m, rs in saved.items()
+        }
         for it in range(args.rounds + 2, args.keep + 2):  # fill retention up to --keep checkpoints
             _step(optimizer, gen)
             engines["incremental"].save(it, model=model, optimizer=optimizer).result()
@@ -166,17 +180,14 @@ def pretrain(work: str, args: argparse.Namespace, plugins: list[Any]) -> dict[st
         )
         for m in ("full", "incremental")
     }
-    rows: dict[str, list[dict[str, float]]] = {m: [] for m in engines}
     try:
         for e in engines.values():
             e.wait_ready()
-        order = list(engines)
-        for it in range(1, args.rounds + 2):
-            _step(optimizer, gen)
-            for m in order if it % 2 else order[::-1]:
-                r = engines[m].save(it, model=model, optimizer=optimizer).result()
-                if it > 1:
-                    rows[m].append({"s": r.total_seconds, "blocked_s": r.blocked_seconds, "written": r.bytes_written})
+        saved = _paired_saves(engines, args.rounds, model, optimizer, gen)
+        rows = {
+            m: [{"s": r.total_seconds, "blocked_s": r.blocked_seconds, "written": r.bytes_written} for r in rs]
+            for m, rs in saved.items()
+        }
     finally:
         for e in engines.values():
             e.close()
@@ -223,23 +234,15 @@ def s3(work: str, args: argparse.Namespace) -> dict[str, Any]:
             )
             for m in ("full", "incremental")
         }
-        rows: dict[str, list[dict[str, Any]]] = {m: [] for m in engines}
         try:
-            order = list(engines)
-            for it in range(1, args.s3_rounds + 2):
-                if it > 1:
-                    _step(optimizer, gen)
-                for m in order if it % 2 else order[::-1]:
-                    r = engines[m].save(it, model=model, optimizer=optimizer).result()
-                    if it > 1:
-                        rows[m].append(
-                            {
-                                "s": r.total_seconds,
-                                "uploaded": r.bytes_written,
-                                "copied": r.bytes_reused,
-                                "how": r.carried_by,
-                            }
-                        )
+            saved = _paired_saves(engines, args.s3_rounds, model, optimizer, gen)
+            rows = {
+                m: [
+                    {"s": r.total_seconds, "uploaded": r.bytes_written, "copied": r.bytes_reused, "how": r.carried_by}
+                    for r in rs
+                ]
+                for m, rs in saved.items()
+            }
         finally:
             for e in engines.values():
                 e.close()
