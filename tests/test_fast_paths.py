@@ -432,3 +432,113 @@ def test_io_error_on_the_direct_path_falls_back_to_the_mapped_reader(
     loaded = _load(path, {"a": torch.zeros(64, 64), "b": torch.zeros(1000, dtype=torch.int64)}, reader)
     assert torch.equal(loaded["a"], state["a"]) and torch.equal(loaded["b"], state["b"])
     assert reader.stats.direct == 0 and reader.stats.fallback == 2
+
+
+# -- small items: one read per run of adjacent items, a checked memory copy ----------------------
+
+
+def _many_small(n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {f"p{i}": torch.randn(1 + i % 7, generator=g) for i in range(n)}
+
+
+def test_many_small_items_are_read_in_runs_and_stay_bit_exact(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = str(tmp_path / "ckpt")
+    state = {**_many_small(300), "big": torch.randn(5000)}  # a large item among the small ones
+    dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=1))
+    preads: list[int] = []
+    real_pread = os.pread
+
+    def counting(fd: int, n: int, offset: int) -> bytes:
+        preads.append(n)
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", counting)
+    reader = FastFileSystemReader(path)
+    out = _load(path, {k: torch.zeros_like(v) for k, v in state.items()}, reader)
+    assert reader.stats.direct == len(state) and reader.stats.fallback == 0
+    assert all(_bits(out[k]) == _bits(v) for k, v in state.items())
+    # the 300 small items came in a handful of runs, not one read each
+    assert len(preads) < 20, preads
+
+
+def test_a_truncated_run_of_small_items_is_not_read_silently(tmp_path: Any) -> None:
+    path = str(tmp_path / "ckpt")
+    state = _many_small(200)
+    dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=1))
+    (data,) = [f for f in os.listdir(path) if f.endswith(".distcp")]
+    file = os.path.join(path, data)
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) // 2)
+    reader = FastFileSystemReader(path)
+    template = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(BaseException):  # noqa: B017 - DCP's own error for the cut items
+        _load(path, template, reader)
+    # what was read directly came from before the cut, bit-exact; nothing past it
+    assert 0 < reader.stats.direct < len(state)
+
+
+def test_copy_small_refuses_a_size_mismatch() -> None:
+    from ckpt_engine._dcpio.fast_read import _copy_small
+
+    target = torch.zeros(4)
+    _copy_small(target, torch.arange(4.0).numpy().tobytes())
+    assert target.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(ValueError):
+        _copy_small(target, b"\0" * 12)
+    with pytest.raises(ValueError):
+        _copy_small(torch.zeros(4, 2).t(), b"\0" * 32)
+
+
+# -- planner set-up without DCP's walk for flat tensor state dicts --------------------------------
+
+
+def _flat_cases(mesh: Any) -> list[dict[str, Any]]:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return [
+        {"a": torch.randn(3), "b.c": torch.zeros(2, 2, dtype=torch.bfloat16), "s": torch.tensor(1.0)},
+        {"d": DTensor.from_local(torch.randn(4), mesh, [Replicate()]), "e": torch.randn(2)},
+        {},
+    ]
+
+
+def _not_flat_cases() -> list[dict[Any, Any]]:
+    return [
+        {"a": torch.randn(3), "n": {"x": torch.randn(2)}},
+        {"a": torch.randn(3), "v": 4},
+        {"a": [torch.randn(2)]},
+        {1: torch.randn(2)},
+        {"m": torch.empty(3, device="meta")},
+    ]
+
+
+def test_flat_tensors_recognises_only_what_dcp_leaves_as_it_is(one_rank_mesh: Any) -> None:
+    from ckpt_engine._dcpio.planner import flat_tensors
+
+    assert all(flat_tensors(sd) for sd in _flat_cases(one_rank_mesh))
+    assert not any(flat_tensors(sd) for sd in _not_flat_cases())
+
+
+def test_planner_set_up_matches_dcp_for_flat_and_nested_state_dicts(one_rank_mesh: Any) -> None:
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from ckpt_engine import EngineConfig
+    from ckpt_engine._dcpio.planner import EngineLoadPlanner, EngineSavePlanner
+    from ckpt_engine.pipeline import Pipeline
+    from ckpt_engine.plugin_manager import build_plugin_manager
+
+    pipeline = Pipeline(build_plugin_manager(EngineConfig(save_dir="unused")))
+    for sd in [*_flat_cases(one_rank_mesh), *_not_flat_cases()[:3]]:
+        ours, theirs = EngineSavePlanner(), DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        ours.set_up_planner(sd, None, True)
+        theirs.set_up_planner(sd, None, True)
+        assert list(ours.state_dict.items()) == list(theirs.state_dict.items())
+        assert ours.mappings == theirs.mappings and ours.is_coordinator is theirs.is_coordinator
+        load = EngineLoadPlanner(component="model", checkpoint_dir="x", pipeline=pipeline, strict=True)
+        dcp_load = DefaultLoadPlanner(flatten_state_dict=True, flatten_sharded_tensors=True)
+        load.set_up_planner(sd, None, False)
+        dcp_load.set_up_planner(sd, None, False)
+        assert load.original_state_dict is sd and dcp_load.original_state_dict is sd
+        assert list(load.state_dict.items()) == list(dcp_load.state_dict.items())
+        assert load.mappings == dcp_load.mappings and load.metadata is None and load.is_coordinator is False

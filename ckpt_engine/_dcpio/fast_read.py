@@ -16,6 +16,7 @@ both copy the stored bytes into a destination of the stored dtype.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import math
@@ -39,6 +40,9 @@ __all__ = ["FastFileSystemReader", "LayoutCache", "contiguous_region"]
 _PREFETCH = 4096
 #: Large reads are split over threads only when there are at least this many bytes.
 _PARALLEL_MIN_BYTES = 64 << 20
+#: Small items (read whole) that follow each other in a file are read with one ``pread`` of at
+#: most this many bytes: 50,000 tiny tensors cost 50,000 system calls otherwise.
+_RUN_MAX = 8 << 20
 
 
 class _Item:
@@ -53,14 +57,15 @@ class _Item:
         self.tail_start = length - len(tail)
 
     @classmethod
-    def from_fd(cls, fd: int, base: int, length: int) -> _Item:
-        """The item at ``base`` of ``fd``: two ``pread`` calls (one for a small item)."""
+    def from_fd(cls, fd: int, base: int, length: int, whole: bytes | None = None) -> _Item:
+        """The item at ``base`` of ``fd``: two ``pread`` calls, one for a small item, none for a
+        small item whose bytes were read already (``whole``, see :func:`_read_small_items`)."""
 
         def read(offset: int, n: int) -> bytes:
             return os.pread(fd, n, base + offset)
 
         if length <= 2 * _PREFETCH:
-            head = tail = read(0, length)
+            head = tail = whole if whole is not None and len(whole) == length else read(0, length)
         else:
             head, tail = read(0, _PREFETCH), read(length - _PREFETCH, _PREFETCH)
         return cls(head, tail, length, read)
@@ -110,7 +115,7 @@ class LayoutCache:
     def layout(self, item: _Item) -> SavedTensorLayout | None:
         templates = self._by_length.setdefault(item.length, [])
         for t in templates:
-            if t.seen(item) == t.bytes:
+            if t.matches(item):
                 self.reused += 1
                 return t.layout
         read: list[tuple[int, int]] = []
@@ -124,7 +129,7 @@ class LayoutCache:
         unused: list[int] = []
         layout = parse_torch_save_tensor_at(pread, item.length, unused=unused)
         template = _Template(tuple(read), unused, layout)
-        template.bytes = template.seen(item)
+        template.set_bytes(item)
         templates.insert(0, template)
         del templates[self.PER_LENGTH :]
         return layout
@@ -134,7 +139,7 @@ class _Template:
     """One parse of :class:`LayoutCache`: the ranges it read, their bytes with the CRC fields
     the answer does not depend on zeroed, and the answer."""
 
-    __slots__ = ("bytes", "layout", "masks", "ranges")
+    __slots__ = ("bytes", "layout", "masks", "parts", "ranges", "spans")
 
     def __init__(
         self, ranges: tuple[tuple[int, int], ...], unused: list[int], layout: SavedTensorLayout | None
@@ -146,6 +151,28 @@ class _Template:
             masks += [base + at - a for at in unused if a <= at and at + 4 <= b]
             base += b - a
         self.masks = masks
+        #: ``ranges`` less the unused CRC fields, as ``(start, end)`` in the archive, each with
+        #: its bytes once :meth:`set_bytes` ran: an archive held whole is compared part by part.
+        spans: list[tuple[int, int]] = []
+        for a, b in ranges:
+            for at in sorted(at for at in unused if a <= at and at + 4 <= b):
+                spans.append((a, at))
+                a = at + 4
+            spans.append((a, b))
+        self.spans = [(a, b) for a, b in spans if b > a]
+        self.parts: list[tuple[int, int, bytes]] = []
+
+    def set_bytes(self, item: _Item) -> None:
+        """Take ``item``'s bytes where the parse looked as the template's."""
+        self.bytes = self.seen(item)
+        self.parts = [(a, b, item.pread(a, b - a)) for a, b in self.spans]
+
+    def matches(self, item: _Item) -> bool:
+        """Whether ``item`` holds the template's bytes wherever its parse looked."""
+        if item.whole:
+            head = item.head
+            return all(head[a:b] == want for a, b, want in self.parts)
+        return self.seen(item) == self.bytes
 
     def seen(self, item: _Item) -> bytes:
         data = b"".join([item.pread(a, b - a) for a, b in self.ranges])
@@ -183,6 +210,41 @@ def contiguous_region(size: Sequence[int], offsets: Sequence[int], lengths: Sequ
         first += offsets[i] * stride
         stride *= size[i]
     return first, count
+
+
+def _read_small_items(fd: int, spans: list[tuple[int, int]]) -> dict[int, bytes]:
+    """The bytes of every small item in ``spans`` (``(offset, length)``, in offset order) by its
+    offset, read with one ``pread`` per run of items that follow each other in the file. An item
+    a short read (a truncated file) cut is left out: it is read on its own, and fails there."""
+    out: dict[int, bytes] = {}
+    i = 0
+    while i < len(spans):
+        start = end = spans[i][0]
+        j = i
+        while j < len(spans) and spans[j][1] <= 2 * _PREFETCH and spans[j][0] == end and end - start < _RUN_MAX:
+            end += spans[j][1]
+            j += 1
+        if j == i:  # a large item, or one that does not follow the previous: read on its own
+            i += 1
+            continue
+        try:
+            run = os.pread(fd, end - start, start)
+        except OSError:
+            run = b""
+        for offset, length in spans[i:j]:
+            if offset + length - start <= len(run):
+                out[offset] = run[offset - start : offset - start + length]
+        i = j
+    return out
+
+
+def _copy_small(target: torch.Tensor, data: bytes) -> None:
+    """Copy ``data`` into the memory of ``target``, a contiguous CPU tensor of exactly that many
+    bytes (checked: the copy never writes past the tensor nor reads past ``data``). A memory
+    copy, about 4x cheaper than going through a NumPy view for a tensor of a few bytes."""
+    if len(data) != target.numel() * target.element_size() or not target.is_contiguous() or target.is_cuda:
+        raise ValueError("internal error: a direct copy into a tensor of another size")
+    ctypes.memmove(target.data_ptr(), data, len(data))
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -311,8 +373,9 @@ class FastFileSystemReader(SafeFileSystemReader):
                 layouts: dict[int, tuple[_Item, SavedTensorLayout | None]] = {}
                 ready: list[tuple[ReadItem, torch.Tensor]] = []
                 reads: list[_Read] = []
+                small = _read_small_items(fd, sorted({(info.offset, info.length) for info, _ in entries}))
                 for info, req in entries:
-                    if not self._plan_direct(fd, info, req, planner, layouts, ready, reads):
+                    if not self._plan_direct(fd, info, req, planner, layouts, ready, reads, small):
                         slow.append(req)
                 failed = _run_reads(fd, reads, self.threads)
                 slow += [r.req for r in failed]
@@ -374,6 +437,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         layouts: dict[int, tuple[_Item, SavedTensorLayout | None]],
         ready: list[tuple[ReadItem, torch.Tensor]],
         reads: list[_Read],
+        small: dict[int, bytes],
     ) -> bool:
         """Check one read item; copy a small one now (``ready``), queue a large one (``reads``)."""
         target = planner.resolve_tensor(req).detach()
@@ -389,7 +453,7 @@ class FastFileSystemReader(SafeFileSystemReader):
             return False
         cached = layouts.get(info.offset)
         if cached is None:
-            item = _Item.from_fd(fd, info.offset, info.length)
+            item = _Item.from_fd(fd, info.offset, info.length, small.get(info.offset))
             cached = layouts[info.offset] = (item, self.layouts.layout(item))
         item, layout = cached
         if layout is None or layout.dtype != target.dtype:
@@ -401,7 +465,10 @@ class FastFileSystemReader(SafeFileSystemReader):
         nbytes = count * target.element_size()
         start = layout.data_offset + first * target.element_size()
         if nbytes and item.whole:
-            _byte_view(target)[:] = item.head[start : start + nbytes]
+            data = item.head[start : start + nbytes]
+            if len(data) != nbytes:  # the archive names data past its end: DCP's path reports it
+                return False
+            _copy_small(target, data)
         elif nbytes:
             reads.append(_Read(req, target, info.offset + start, nbytes))
             return True

@@ -130,7 +130,13 @@ def _tensor_signature(value: torch.Tensor) -> tuple[Any, ...]:
 def structure_signature(flat: Mapping[str, Any], mappings: Any, extra: tuple[Any, ...]) -> tuple[Any, ...]:
     """Everything a save plan depends on, for the flattened state dict ``flat``: a change here
     means a new plan, an equal signature means the cached plan is the plan DCP would make."""
-    items = tuple((k, _tensor_signature(v) if isinstance(v, torch.Tensor) else None) for k, v in flat.items())
+    # Equal tensor signatures share one tuple, so the pickle that digests the signature (every
+    # save) writes each distinct one once instead of once per tensor.
+    shared: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    items = tuple(
+        (k, shared.setdefault(sig := _tensor_signature(v), sig) if isinstance(v, torch.Tensor) else None)
+        for k, v in flat.items()
+    )
     maps = tuple(sorted((k, tuple(v)) for k, v in mappings.items())) if mappings else ()
     return (extra, items, maps)
 
