@@ -142,3 +142,34 @@ def test_peers_benchmark_smoke(tmp_path: Path) -> None:
         assert best["blocking_s"]["engine"].startswith("ours_") and best["blocking_s"]["ratio"] > 0
         assert not best["durable_s"]["best_peer"].startswith("ours_")
     assert not work.exists() or not os.listdir(work)  # every checkpoint removed
+
+
+@pytest.mark.dist
+def test_peers_benchmark_two_rank_smoke(tmp_path: Path) -> None:
+    """The ``--ranks 2`` variant: two torchrun ranks with FSDP2-sharded layers run the engine and
+    DCP's asynchronous path (in a group of its own) in step, load back what they saved, and
+    report the one-process peers as not run, with the reason."""
+    out, work = tmp_path / "peers2.json", tmp_path / "work"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "peers_bench.py"), "--smoke", "--ranks", "2", "--states", "8"]
+    cmd += [
+        "--methods",
+        "ours_sync,ours_overlap,dcp_async_thread,safetensors",
+        "--workdir",
+        str(work),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["failed_states"] == []
+    (state,) = result["states"]
+    assert state["ranks"] == 2 and "2 ranks (FSDP2)" in state["label"]
+    assert len(state["state_bytes_per_rank"]) == 2 and state["state_bytes"] == sum(state["state_bytes_per_rank"])
+    methods = state["summary"]["methods"]
+    for name in ("ours_sync", "ours_overlap", "dcp_async_thread"):
+        m = methods[name]
+        assert m["blocking_s"] > 0 and m["durable_s"] >= m["blocking_s"] and m["disk_bytes"] > 0, (name, m)
+    assert methods["ours_sync"]["load_hot_s"] > 0 and methods["ours_sync"]["load_cold_s"] > 0
+    assert "not run on 2 ranks" in methods["safetensors"]["not_run"]
+    assert not work.exists() or not os.listdir(work)

@@ -499,6 +499,9 @@ def _flat_cases(mesh: Any) -> list[dict[str, Any]]:
     return [
         {"a": torch.randn(3), "b.c": torch.zeros(2, 2, dtype=torch.bfloat16), "s": torch.tensor(1.0)},
         {"d": DTensor.from_local(torch.randn(4), mesh, [Replicate()]), "e": torch.randn(2)},
+        # a flattened optimizer state dict: tensors and hyper-parameters (a tuple is a leaf)
+        {"state.w.exp_avg": torch.randn(2), "param_groups.w.lr": 0.1, "param_groups.w.betas": (0.9, 0.99)},
+        {"t": (torch.randn(2), 1), "n": None, "s": "text"},
         {},
     ]
 
@@ -506,18 +509,24 @@ def _flat_cases(mesh: Any) -> list[dict[str, Any]]:
 def _not_flat_cases() -> list[dict[Any, Any]]:
     return [
         {"a": torch.randn(3), "n": {"x": torch.randn(2)}},
-        {"a": torch.randn(3), "v": 4},
         {"a": [torch.randn(2)]},
+        {"a": [1, 2]},
+        {"p": torch.nn.Parameter(torch.randn(2))},  # a tensor subclass: DCP's walk decides
         {1: torch.randn(2)},
         {"m": torch.empty(3, device="meta")},
     ]
 
 
-def test_flat_tensors_recognises_only_what_dcp_leaves_as_it_is(one_rank_mesh: Any) -> None:
-    from ckpt_engine._dcpio.planner import flat_tensors
+def test_already_flat_recognises_only_what_dcp_leaves_as_it_is(one_rank_mesh: Any) -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    assert all(flat_tensors(sd) for sd in _flat_cases(one_rank_mesh))
-    assert not any(flat_tensors(sd) for sd in _not_flat_cases())
+    from ckpt_engine._dcpio.planner import already_flat
+
+    for sd in _flat_cases(one_rank_mesh):
+        assert already_flat(sd)
+        flat, mappings = flatten_state_dict(sd)  # DCP's own: the identity on these
+        assert list(flat.items()) == list(sd.items()) and mappings == {k: (k,) for k in sd}
+    assert not any(already_flat(sd) for sd in _not_flat_cases())
 
 
 def test_planner_set_up_matches_dcp_for_flat_and_nested_state_dicts(one_rank_mesh: Any) -> None:
@@ -529,7 +538,7 @@ def test_planner_set_up_matches_dcp_for_flat_and_nested_state_dicts(one_rank_mes
     from ckpt_engine.plugin_manager import build_plugin_manager
 
     pipeline = Pipeline(build_plugin_manager(EngineConfig(save_dir="unused")))
-    for sd in [*_flat_cases(one_rank_mesh), *_not_flat_cases()[:3]]:
+    for sd in [*_flat_cases(one_rank_mesh), *_not_flat_cases()[:4]]:
         ours, theirs = EngineSavePlanner(), DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         ours.set_up_planner(sd, None, True)
         theirs.set_up_planner(sd, None, True)
