@@ -47,22 +47,40 @@ class SmallModel(nn.Module):
         return (torch.cat(list(self.p)) * x).square().sum()
 
 
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def build(kind: str, size: int, batch: int) -> tuple[Work, Callable[[], torch.Tensor], str]:
     """``kind`` "big": an MLP of 1024-wide layers whose parameters and AdamW moments add up to
-    about ``size`` MiB; "small": ``size`` tiny parameters, a stateless SGD, saved model only."""
+    about ``size`` MiB; "small": ``size`` tiny parameters, a stateless SGD, saved model only.
+    With more than one rank, FSDP2 (``fully_shard``) shards every layer (and the small model)
+    over them before the optimizer is built, as a training script does."""
     from async_bench import _overlap_model
 
     torch.manual_seed(0)
+    ranks = world_size()
     if kind == "small":
         model: nn.Module = SmallModel(size)
-        optim: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         x = torch.randn(size * 16)
         label = f"{size:,} tensors of 16 fp32"
     else:
         model = _overlap_model(size)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
         x = torch.randn(batch, 1024)
         label = f"{size} MiB model+AdamW"
+    if ranks > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.children() if kind != "small" else ():
+            fully_shard(layer)
+        fully_shard(model)
+        label += f", {ranks} ranks (FSDP2)"
+    if kind == "small":
+        optim: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    else:
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def loss() -> torch.Tensor:
         out: torch.Tensor = model(x).square().mean() if kind != "small" else model(x)
@@ -72,19 +90,28 @@ def build(kind: str, size: int, batch: int) -> tuple[Work, Callable[[], torch.Te
     return work, loss, label
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (a DTensor's local shard; a plain tensor itself)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def state_tensors(w: Work) -> list[torch.Tensor]:
-    out = [p.detach() for p in w.model.parameters()]
+    """This rank's share of the state (its local shards)."""
+    out = [_local(p.detach()) for p in w.model.parameters()]
     if w.with_optim:
-        out += [t for st in w.optim.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        out += [_local(t) for st in w.optim.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     return out
 
 
 def fingerprint(w: Work) -> list[torch.Tensor]:
-    """Copies of three parameters and one optimizer moment: a load must bring these back."""
-    params = [p.detach() for p in w.model.parameters()]
+    """Copies of three parameters and one optimizer moment (this rank's shards): a load must
+    bring these back."""
+    params = [_local(p.detach()) for p in w.model.parameters()]
     picks = [params[0], params[len(params) // 2], params[-1]]
     if w.with_optim:
-        picks.append(w.optim.state[next(iter(w.model.parameters()))]["exp_avg"])
+        picks.append(_local(w.optim.state[next(iter(w.model.parameters()))]["exp_avg"]))
     return [t.clone() for t in picks]
 
 
@@ -281,6 +308,18 @@ def train_step(w: Work, loss: Callable[[], torch.Tensor], peer: Peer | None) -> 
     w.optim.zero_grad()
 
 
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank: with sharded layers every rank must run the same
+    number of steps (their forward and backward are collectives), so they agree on each step."""
+    if world_size() == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def loop(
     w: Work,
     loss: Callable[[], torch.Tensor],
@@ -304,10 +343,10 @@ def loop(
     waiter = Waiter(pending, peer.paths(step_id), ts)
     waiter.start()
     n = 1
-    while n < steps or not waiter.finished.is_set():
+    while _any_rank(n < steps or not waiter.finished.is_set()):
         train_step(w, loss, peer)
         n += 1
-        if time.perf_counter() - t0 > max_s:
+        if _any_rank(time.perf_counter() - t0 > max_s):
             break
     loop_s = time.perf_counter() - t0
     waiter.finished.wait(max_s)

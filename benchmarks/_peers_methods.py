@@ -48,6 +48,8 @@ class Peer:
     #: the name of the row whose load this one shares (same reader, same format), or ""
     load_as = ""
     uses_dcp_daemon = False  # DCP's PROCESS executor: one daemon per process, shared
+    #: why it cannot save a state sharded over several ranks ("" where it can)
+    one_process_only = ""
 
     def setup(self, w: Work) -> None:
         self.w = w
@@ -167,15 +169,30 @@ class Dcp(Peer):
         dcp.load({"app": _AppState(self.w)}, checkpoint_id=self._path(step))
 
 
+def _checkpoint_group() -> Any:
+    """With several ranks, a gloo group of its own for a background save's collectives, as DCP's
+    ``async_save`` documentation asks: on the default group they would interleave with the
+    training step's (FSDP2's all-gathers) and hang. ``None`` (the default group) on one rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
 class DcpAsyncThread(Dcp):
     """``dcp.async_save`` with the default thread executor: staging runs in the call."""
 
     name, load_as = "dcp_async_thread", "dcp"
 
+    def setup(self, w: Work) -> None:
+        super().setup(w)
+        self.group = _checkpoint_group()
+
     def save(self, step: int) -> Any:
         import torch.distributed.checkpoint as dcp
 
-        return dcp.async_save({"app": _AppState(self.w)}, checkpoint_id=self._path(step))
+        return dcp.async_save({"app": _AppState(self.w)}, checkpoint_id=self._path(step), process_group=self.group)
 
 
 class DcpAsyncProcess(Dcp):
@@ -191,6 +208,7 @@ class DcpAsyncProcess(Dcp):
 
         self.stager = DefaultStager(StagingOptions(False, True, True, False))
         self.staging: Any = None
+        self.group = _checkpoint_group()
 
     def save(self, step: int) -> Any:
         import torch.distributed.checkpoint as dcp
@@ -201,6 +219,7 @@ class DcpAsyncProcess(Dcp):
             checkpoint_id=self._path(step),
             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
             async_stager=self.stager,
+            process_group=self.group,
         )
         self.staging = response.staging_completion
         return response.upload_completion
@@ -343,6 +362,10 @@ class TorchCheckpointing(Peer):
     ``O_DIRECT`` file whose size is not block-aligned), so the storage config turns it off."""
 
     name, family, warm = "torch_checkpointing", "torch_checkpointing", True
+    one_process_only = (
+        "saves one process's state_dict() to one path: with several ranks each would write the "
+        "same files (it has no collective save of sharded state)"
+    )
 
     def setup(self, w: Work) -> None:
         super().setup(w)
@@ -390,6 +413,7 @@ class Safetensors(Peer):
     hyper-parameters as JSON metadata; the load copies into the live tensors."""
 
     name, family = "safetensors", "safetensors"
+    one_process_only = "one file from one process: no sharded (DTensor) state"
 
     def setup(self, w: Work) -> None:
         super().setup(w)

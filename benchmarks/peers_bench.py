@@ -4,6 +4,7 @@
     python benchmarks/peers_bench.py --states 256 --rounds 2 --methods ours_sync,dcp,safetensors
     python benchmarks/peers_bench.py --list            # every method, and whether it can run here
     python benchmarks/peers_bench.py --smoke           # tiny, one round: checks that it runs (CI)
+    python benchmarks/peers_bench.py --ranks 2 --states 256,small10000   # FSDP2 over 2 gloo ranks
 
 Methods (benchmarks/_peers_methods.py): the engine (sync; ``pinned_staging``; ``pinned_staging``
 with ``overlap``), ``dcp.save``/``dcp.load``, ``dcp.async_save`` (thread executor; PROCESS
@@ -13,7 +14,11 @@ Peers are optional (``pip install -e '.[peers]'``); one that is missing or fails
 its reason.
 
 Each state runs in a fresh child process (one world_size=1 gloo process group, as under
-``torchrun``; one intra-op thread). A round runs every method in turn (the order reversed every
+``torchrun``; one intra-op thread). With ``--ranks N`` the child is N ``torchrun`` ranks over
+gloo, every layer sharded with FSDP2 (``fully_shard``); the ranks run the same steps (they agree
+on each one) and each figure is the slowest rank's. The methods that save one process's files
+(safetensors, torch_checkpointing) are rows with that reason; DCP's asynchronous paths get a
+gloo group of their own, as DCP's documentation asks. A round runs every method in turn (the order reversed every
 other round) between two loops without saves (their memory peak is the loop's own). Per method:
 an untimed first save where the method keeps buffers or helper processes between saves, a loop
 without saves (the step time), then one save inside the training loop (blocking time, loop time
@@ -94,10 +99,13 @@ def _load_rows(peer: Any, w: Any, step: int, saved: list[Any], cold: bool, meter
 
 def measure(name: str, w: Any, loss: Any, spec: dict[str, Any], step: int, base: dict[str, Any]) -> dict[str, Any]:
     """One method, one round: set up, (warm), the save in the loop, the loads, close."""
-    from _peers_measure import Meter, descendants, disk_bytes, loop, rss_now, trim
+    from _bench_methods import Skip
+    from _peers_measure import Meter, descendants, disk_bytes, loop, rss_now, trim, world_size
     from _peers_methods import PEERS
 
     peer = PEERS[name]()
+    if world_size() > 1 and peer.one_process_only:
+        raise Skip(f"not run on {world_size()} ranks: {peer.one_process_only}")
     trim()
     rss0, before = rss_now(), descendants()
     row: dict[str, Any] = {}
@@ -126,8 +134,38 @@ def measure(name: str, w: Any, loss: Any, spec: dict[str, Any], step: int, base:
             row.update(_load_rows(peer, w, step, res["saved"], spec["cold"], meter, helpers))
     finally:
         peer.close()
-        shutil.rmtree(os.path.join(w.root, name), ignore_errors=True)
+        _barrier()  # no rank removes files another still reads
+        if _rank() == 0:
+            shutil.rmtree(os.path.join(w.root, name), ignore_errors=True)
+        _barrier()
     return row
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _slowest_rank(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state's result from every rank's: each figure the largest over the ranks (a job
+    waits for its slowest rank; memory and disk bytes per rank), the rest rank 0's."""
+    merged = outs[0]
+    for r, rnd in enumerate(merged["rounds"]):
+        for name, row in rnd["rows"].items():
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "files":
+                    row[key] = max(o["rounds"][r]["rows"][name].get(key, value) for o in outs)
+    merged["ranks"] = len(outs)
+    merged["state_bytes_per_rank"] = [o["state_bytes"] for o in outs]
+    return merged
 
 
 def _baseline(w: Any, loss: Any, steps: int) -> dict[str, Any]:
@@ -187,6 +225,13 @@ def run_state(spec: dict[str, Any]) -> dict[str, Any]:
         base = {k: (first[k] + last[k]) / 2 for k in first}
         out["rounds"].append({"order": order, "baseline": base, "baselines": [first, last], "rows": rows})
     out["peers"] = {n: {"family": PEERS[n].family, "load_as": PEERS[n].load_as} for n in spec["methods"]}
+    import torch.distributed as dist
+
+    if dist.get_world_size() > 1:
+        outs: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(outs, out)
+        out = _slowest_rank(outs)
+        out["state_bytes"] = sum(out["state_bytes_per_rank"])
     return out
 
 
@@ -198,7 +243,8 @@ def _brief(row: dict[str, Any]) -> str:
 
 
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
+        print(msg, file=sys.stderr, flush=True)
 
 
 def child_main(specs: list[dict[str, Any]]) -> None:
@@ -208,9 +254,15 @@ def child_main(specs: list[dict[str, Any]]) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(specs[0]["threads"])
-    _init_process_group()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    else:
+        _init_process_group()
     results = [run_state(spec) for spec in specs]
-    print("RESULT " + json.dumps(results), flush=True)
+    if _rank() == 0:
+        print("RESULT " + json.dumps(results), flush=True)
     sys.stderr.flush()
     os._exit(0)  # DCP's PROCESS daemon and gloo: no clean interpreter exit (dcp-notes section 4)
 
@@ -242,6 +294,7 @@ def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "threads": args.threads,
                 "cold": not small or args.small_cold,
                 "max_loop_s": args.max_loop_s,
+                "ranks": args.ranks,
                 "workdir": os.path.abspath(args.workdir),
             }
         )
@@ -257,6 +310,9 @@ def _run_child(specs: list[dict[str, Any]], timeout: float) -> list[dict[str, An
     # neither pad nor hide the next one's memory.
     env.update(MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS=str(specs[0]["threads"]))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(specs)]
+    ranks = specs[0]["ranks"]
+    if ranks > 1:
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     try:
         # cwd: the work folder, so that no process (the engine's writer runs ``python -m``) imports
         # the engine from the current folder rather than from PYTHONPATH or the installed copy
@@ -274,7 +330,7 @@ def _run_child(specs: list[dict[str, Any]], timeout: float) -> list[dict[str, An
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--states", default="256,1024,small", help="MiB of model+AdamW state, or 'small[N]'")
+    parser.add_argument("--states", help="MiB of model+AdamW state, or 'small[N]' (default 256,1024,small)")
     parser.add_argument("--rounds", default="3,2,1", help="rounds per state (one number: all states)")
     parser.add_argument("--small-count", type=int, default=50_000, help="tensors of the 'small' state")
     parser.add_argument("--small-cold", action="store_true", help="also cold loads of the small state")
@@ -282,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=4, help="training steps at least, per loop")
     parser.add_argument("--batch", type=int, default=32, help="rows per step of the MLP")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the training process")
+    parser.add_argument("--ranks", type=int, default=1, help="ranks under torchrun (FSDP2 over gloo when > 1)")
     parser.add_argument("--max-loop-s", type=float, default=300.0, help="a save not durable by then fails")
     parser.add_argument("--workdir", default=os.path.join(HERE, ".work", "peers"), help="where checkpoints go")
     parser.add_argument("--out", default=os.path.join(HERE, "results-peers.json"), help="JSON results")
@@ -305,8 +362,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{name:<24} {why or 'available'}")
         return {}
     if args.smoke:
-        args.states, args.rounds, args.steps, args.batch, args.max_loop_s = "8,small300", "1", 2, 8, 120.0
+        args.states = args.states or "8,small300"
+        args.rounds, args.steps, args.batch, args.max_loop_s = "1", 2, 8, 120.0
         args.small_cold = True
+    args.states = args.states or "256,1024,small"
     specs = _specs(args)
     load_start, t0 = os.getloadavg(), time.perf_counter()
     states: list[dict[str, Any]] = []
