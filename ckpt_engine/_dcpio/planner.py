@@ -40,6 +40,7 @@ from ..pipeline import Pipeline
 from ..report import ComponentReport, OverlapRecord, SkipRecord
 from ..staging import TensorKey, local_tensor, memory_key
 from ..types import Decision, LoadContext, PlanEntry, RemapContext, ValueSpec
+from .plain_values import plain_value
 from .torch_private import local_chunks
 from .unsafe import unsafe_value_error, weights_only_reason
 
@@ -387,6 +388,9 @@ class EngineLoadPlanner(DefaultLoadPlanner):
                 self.state_dict[key] = v
 
     def _unpickle(self, dest: str, storage: str, value: io.BytesIO) -> Any:
+        plain, obj = plain_value(value.getbuffer())
+        if plain:  # a number, a string, a tuple of them...: no torch.load (plain_values.py)
+            return obj
         if self.trust_checkpoint:
             return torch.load(value, weights_only=False)
         try:
