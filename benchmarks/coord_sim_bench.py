@@ -15,7 +15,9 @@ time is not in the figures.
   ``prepare_global_plan``, the scatter of the final plans, ``compact_metadata``; then the gather
   of every rank's write results and the writer's ``finish``.
 * **warm save** (the cached plan): the all-gather of the 1,024 ``(hit, digest)`` pairs, then the
-  write results and ``finish`` as above.
+  gather of the write results and ``write_metadata``, the coordinator's finish of a real save:
+  with the plan cache of a cold save that wrote the same results before, it writes the last
+  ``.metadata`` again with a new ``storage_meta`` instead of pickling the ``Metadata``.
 * **engine load**: the fixed-size agreements of :meth:`Comm.settle` (plan and read), the
   validation's agreements, and the broadcast of ``.metadata``'s bytes (pickled once).
 * **DCP save**, on the same input: the same gathers and scatter with DCP's own objects (write
@@ -60,7 +62,13 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ckpt_engine._dcpio.fast_read import gc_paused
-from ckpt_engine._dcpio.fast_save import CompactResults, compact_metadata, gathered_results
+from ckpt_engine._dcpio.fast_save import (
+    CompactResults,
+    SavePlanCache,
+    compact_metadata,
+    gathered_results,
+    write_metadata,
+)
 from ckpt_engine._dcpio.fast_write import FastFileSystemWriter
 from ckpt_engine._dcpio.planner import EngineSavePlanner
 
@@ -180,11 +188,14 @@ def run(ranks: int, tensors: int, reps: int) -> dict[str, Any]:
     agree_blobs = [pickle.dumps((None, "", None)) for _ in range(ranks)]
     sent: dict[str, int] = {}
 
-    def finish(metadata: Metadata, dcp: bool = False) -> int:
-        got, buf = _gather(dcp_result_blobs if dcp else result_blobs)
+    def _writer(dcp: bool = False) -> FileSystemWriter:
         writer = (FileSystemWriter if dcp else FastFileSystemWriter)(folder, sync_files=False)
         writer.set_up_storage_writer(True, rank=0, use_collectives=True)
-        writer.finish(metadata=metadata, results=gathered_results(got))
+        return writer
+
+    def finish(metadata: Metadata, dcp: bool = False) -> int:
+        got, buf = _gather(dcp_result_blobs if dcp else result_blobs)
+        _writer(dcp).finish(metadata=metadata, results=gathered_results(got))
         return buf
 
     def dcp_save() -> int:
@@ -204,11 +215,24 @@ def run(ranks: int, tensors: int, reps: int) -> dict[str, Any]:
         compact_metadata(metadata)
         return max(buf, finish(metadata))
 
+    # the plan cache after a cold save: its metadata, and the .metadata it wrote for these results
+    warm_cache = SavePlanCache(metadata=compact_metadata(global_metadata(ranks, tensors)))
+    write_metadata(
+        _writer(),
+        warm_cache.metadata,
+        [pickle.loads(b) for b in result_blobs],
+        warm_cache,  # type: ignore[arg-type]
+    )
+    assert warm_cache.written is not None
+
     def warm() -> int:
         got, buf = _gather(digest_blobs)
         assert all(hit for hit, _ in got)
-        metadata = compact_metadata(global_metadata(ranks, tensors))  # the cached metadata
-        return max(buf, finish(metadata))
+        results, rbuf = _gather(result_blobs)
+        reused = warm_cache.metadata_reused
+        write_metadata(_writer(), warm_cache.metadata, results, warm_cache)  # type: ignore[arg-type]
+        assert warm_cache.metadata_reused == reused + 1  # the last .metadata, a new storage_meta
+        return max(buf, rbuf)
 
     def engine_load() -> int:
         bufs = [_gather(agree_blobs)[1], _gather(agree_blobs)[1]]  # validate: checks, metadata checks

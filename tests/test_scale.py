@@ -186,3 +186,78 @@ def test_async_saves_stream_their_checksums_too(tmp_path: Any, monkeypatch: Any)
     with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
         engine.load(model=out)
     assert torch.equal(out.b5, m.b5) and torch.equal(out.w, m.w)
+
+
+# -- a warm save writes the last .metadata again with its own storage_meta ---------------------
+
+
+def _metadata_bytes(path: str) -> bytes:
+    with open(os.path.join(path, "model", ".metadata"), "rb") as f:
+        return f.read()
+
+
+def test_a_warm_save_reuses_the_last_metadata_bytes_with_its_own_storage_meta(tmp_path: Any) -> None:
+    import pickle
+
+    from ckpt_engine._format.metadata_read import read_metadata
+
+    m = Bag(30)
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        paths = []
+        for it in (1, 2, 3):
+            with torch.no_grad():
+                m.b0.add_(1)
+            paths.append(engine.save(it, model=m).path)
+        cache = _cache(engine)
+        assert (cache.misses, cache.hits, cache.metadata_reused) == (1, 2, 2)
+    for it, path in zip((1, 2, 3), paths, strict=True):
+        data = _metadata_bytes(path)
+        md = pickle.loads(data)
+        # its own save: the folder it was written in and a save id of its own
+        assert f".iter_{it:09d}.partial" in str(md.storage_meta.checkpoint_id)
+        # byte for byte what pickling the metadata with that storage_meta gives
+        assert pickle.dumps(md, protocol=pickle.DEFAULT_PROTOCOL) == data
+        # the engine's own reader and plain DCP read it
+        assert read_metadata(os.path.join(path, "model")).state_dict_metadata.keys() == md.state_dict_metadata.keys()
+        template = {k: torch.zeros_like(v) for k, v in m.state_dict().items()}
+        dcp.load(template, storage_reader=FileSystemReader(os.path.join(path, "model")))
+        assert template["b0"][0].item() == 1.0 + it
+    ids = {pickle.loads(_metadata_bytes(p)).storage_meta.save_id for p in paths}
+    assert len(ids) == 3
+
+
+def test_changed_results_or_a_longer_folder_name_pickle_the_metadata_again(tmp_path: Any) -> None:
+    from pathlib import PurePosixPath
+
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from ckpt_engine._dcpio.fast_write import MetadataFile
+
+    m = Bag(10)
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.save(1, model=m)
+        m.extra = nn.Parameter(torch.zeros(3))  # a new key: a new plan, pickled
+        engine.save(2, model=m)
+        cache = _cache(engine)
+        assert cache.metadata_reused == 0
+        engine.save(3, model=m)
+        assert cache.metadata_reused == 1
+    # patching needs equal-length strings found once after the key; anything else is refused
+    old = StorageMeta(checkpoint_id=PurePosixPath("/r/.iter_1.partial/model"), save_id="a" * 36)
+    data = pickle_with(old)
+    longer = StorageMeta(checkpoint_id=PurePosixPath("/r/.iter_10.partial/model"), save_id="b" * 36)
+    assert MetadataFile(data, old).patched(longer) is None
+    other_shape = StorageMeta(checkpoint_id="/r/.iter_2.partial/model", save_id="b" * 36)
+    assert MetadataFile(data, old).patched(other_shape) is None
+    same_len = StorageMeta(checkpoint_id=PurePosixPath("/r/.iter_2.partial/model"), save_id="b" * 36)
+    patched = MetadataFile(data, old).patched(same_len)
+    assert patched is not None and patched == pickle_with(same_len)
+
+
+def pickle_with(storage_meta: Any) -> bytes:
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    md = Metadata(state_dict_metadata={}, planner_data={"k": ("k",)}, storage_data={}, storage_meta=storage_meta)
+    return pickle.dumps(md, protocol=pickle.DEFAULT_PROTOCOL)

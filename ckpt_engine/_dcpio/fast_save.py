@@ -24,6 +24,11 @@ At 50,000 small tensors that is most of a save (docs/performance.md, "Many small
   ranges) instead of one pickled DCP object graph per item, and rebuilt there into the same
   ``WriteResult`` objects: at 1,024 ranks x 200 tensors, a fraction of the unpickling time and
   memory on rank 0 (benchmarks/coord_sim_bench.py).
+* **writes an unchanged ``.metadata`` without pickling it** (:func:`write_metadata`): when the
+  plan came from the cache and every rank's write results equal the last save's (compared by
+  their columns, never rebuilt), the coordinator writes the last save's bytes with this save's
+  ``storage_meta`` (:class:`~ckpt_engine._dcpio.fast_write.MetadataFile`); it keeps those bytes
+  per component, the size of one ``.metadata``.
 * **shares equal metadata objects** (:func:`compact_metadata`): entries with the same
   properties, size and chunks point at one object, so the pickle memoizes them. The file is the
   same ``Metadata`` for ``dcp.load``; it is about half the size and pickles an order of
@@ -63,6 +68,7 @@ __all__ = [
     "gathered_results",
     "plan_cache",
     "save_state_dict",
+    "write_metadata",
 ]
 
 _PLAIN = (torch.Tensor, int, float, str, bool, bytes, type(None), dict, list, tuple)
@@ -87,11 +93,17 @@ class SavePlanCache:
     digests: tuple[bytes, ...] = ()
     final_plan: SavePlan | None = None
     metadata: Metadata | None = None
+    #: On the coordinator: every rank's write-result columns of the last save and the
+    #: ``.metadata`` written for them (a ``fast_write.MetadataFile``), which a save with the
+    #: same plan and results writes again with its own ``storage_meta`` instead of pickling.
+    written: tuple[list[Any], Any] | None = None
     hits: int = 0
     misses: int = 0
+    #: Saves whose ``.metadata`` was the last one's bytes with a new ``storage_meta``.
+    metadata_reused: int = 0
 
     def clear(self) -> None:
-        self.signature, self.digests, self.final_plan, self.metadata = None, (), None, None
+        self.signature, self.digests, self.final_plan, self.metadata, self.written = None, (), None, None, None
 
 
 _CACHES: OrderedDict[str, SavePlanCache] = OrderedDict()
@@ -191,40 +203,75 @@ class CompactResults:
     """One rank's write results on their way to the coordinator, pickled by columns.
 
     The pickle holds each distinct key offset and file name once and every result as a few
-    integers; unpickling rebuilds the same ``WriteResult`` / ``MetadataIndex`` / ``_StorageInfo``
-    objects. Results of another shape (a writer whose ``storage_data`` is not DCP's
-    ``_StorageInfo``) travel as they are."""
+    integers (:meth:`columns`); unpickling keeps the columns and rebuilds the same
+    ``WriteResult`` / ``MetadataIndex`` / ``_StorageInfo`` objects only when :attr:`results`
+    is asked for, so a coordinator that finds every rank's columns equal to the last save's
+    never builds them (see :class:`~ckpt_engine._dcpio.fast_write.MetadataFile`). Results of
+    another shape (a writer whose ``storage_data`` is not DCP's ``_StorageInfo``) travel as
+    they are."""
 
-    __slots__ = ("results",)
+    __slots__ = ("_columns", "_results")
 
     def __init__(self, results: list[WriteResult]) -> None:
-        self.results = results
+        self._results: list[WriteResult] | None = results
+        self._columns: tuple[Any, ...] | None = None
+
+    @classmethod
+    def from_columns(cls, offsets: list[Any], files: list[Any], cols: tuple[list[Any], ...]) -> CompactResults:
+        out = cls.__new__(cls)
+        out._results, out._columns = None, (offsets, files, cols)
+        return out
+
+    @property
+    def results(self) -> list[WriteResult]:
+        if self._results is None:
+            assert self._columns is not None
+            self._results = _rebuild_results(*self._columns)
+        return self._results
+
+    def columns(self) -> tuple[Any, ...] | None:
+        """``(key offsets, files, columns)``: equal columns are equal results. ``None`` for
+        results of another shape."""
+        if self._columns is None:
+            rs = self.results
+            if not all(is_storage_info(r.storage_data) and type(r.index) is MetadataIndex for r in rs):
+                return None
+            offsets: dict[Any, int] = {}
+            files: dict[Any, int] = {}
+            cols = (
+                [r.index.fqn for r in rs],
+                [offsets.setdefault(_offset_key(r.index), len(offsets)) for r in rs],
+                [r.index.index for r in rs],
+                [r.size_in_bytes for r in rs],
+                [files.setdefault(_file_key(r.storage_data), len(files)) for r in rs],
+                [r.storage_data.offset for r in rs],
+                [r.storage_data.length for r in rs],
+            )
+            self._columns = (list(offsets), list(files), cols)
+        return self._columns
+
+    def total_bytes(self) -> int:
+        columns = self.columns()
+        return sum(columns[2][3]) if columns is not None else sum(r.size_in_bytes for r in self.results)
 
     def __reduce__(self) -> Any:
-        rs = self.results
-        if not all(is_storage_info(r.storage_data) and type(r.index) is MetadataIndex for r in rs):
-            return (CompactResults, (rs,))
-        offsets: dict[Any, int] = {}
-        files: dict[Any, int] = {}
-        cols = (
-            [r.index.fqn for r in rs],
-            [offsets.setdefault(None if r.index.offset is None else tuple(r.index.offset), len(offsets)) for r in rs],
-            [r.index.index for r in rs],
-            [r.size_in_bytes for r in rs],
-            [files.setdefault((r.storage_data.relative_path, _descriptors(r.storage_data)), len(files)) for r in rs],
-            [r.storage_data.offset for r in rs],
-            [r.storage_data.length for r in rs],
-        )
-        return (_rebuild_results, (list(offsets), list(files), cols))
+        columns = self.columns()
+        if columns is None:
+            return (CompactResults, (self.results,))
+        return (CompactResults.from_columns, columns)
 
 
-def _descriptors(info: Any) -> Any:
+def _offset_key(index: MetadataIndex) -> tuple[int, ...] | None:
+    return None if index.offset is None else tuple(index.offset)
+
+
+def _file_key(info: Any) -> tuple[str, Any]:
     td = info.transform_descriptors
-    return None if td is None else tuple(td)
+    return info.relative_path, None if td is None else tuple(td)
 
 
 def _rebuild_results(offsets: list[Any], files: list[Any], cols: tuple[list[Any], ...]) -> list[WriteResult]:
-    """The ``WriteResult`` s of :meth:`CompactResults.__reduce__`'s columns."""
+    """The ``WriteResult`` s of :meth:`CompactResults.columns`."""
     sizes = [None if o is None else torch.Size(o) for o in offsets]
     new_index, set_attr = object.__new__, object.__setattr__
     out = []
@@ -238,6 +285,31 @@ def _rebuild_results(offsets: list[Any], files: list[Any], cols: tuple[list[Any]
         info = storage_info(rel, off, length, None if td is None else list(td))
         out.append(WriteResult(index=index, size_in_bytes=nbytes, storage_data=info))
     return out
+
+
+def write_metadata(
+    storage_writer: StorageWriter, metadata: Metadata, gathered: list[CompactResults], cache: SavePlanCache | None
+) -> int:
+    """The coordinator's ``finish`` of a save (``.metadata``); the bytes all ranks wrote.
+
+    ``cache``: the component's plan cache (``None``: none). Where it holds the ``.metadata`` the
+    last save wrote for the same results of every rank (a cached plan: a new one clears it, so
+    its ``metadata`` is this one), a writer that can (``finish_reused``, fast_write's ``MetadataFile``) writes
+    those bytes again with this save's ``storage_meta``, and nothing is rebuilt or pickled."""
+    columns = [g.columns() for g in gathered]
+    total = sum(g.total_bytes() for g in gathered)
+    finish_reused = getattr(storage_writer, "finish_reused", None)
+    previous = cache.written if cache is not None else None
+    if previous is not None and previous[0] == columns and finish_reused and finish_reused(metadata, previous[1]):
+        assert cache is not None
+        cache.metadata_reused += 1
+        cache.written = (columns, storage_writer.last_metadata)  # type: ignore[attr-defined]
+        return total
+    storage_writer.finish(metadata=metadata, results=gathered_results(gathered))
+    if cache is not None:
+        last = getattr(storage_writer, "last_metadata", None)
+        cache.written = None if last is None or None in columns else (columns, last)
+    return total
 
 
 def gathered_results(values: list[Any]) -> list[list[WriteResult]]:
@@ -317,7 +389,7 @@ def save_state_dict(
         if cache is not None:
             cache.misses += 1
             cache.signature, cache.digests, cache.final_plan = sig, digests, final_plan
-            cache.metadata = metadata if coordinator else None
+            cache.metadata, cache.written = (metadata if coordinator else None), None
 
     def write_step() -> CompactResults:
         phase("write")
@@ -328,9 +400,7 @@ def save_state_dict(
     def finish_step(gathered: list[CompactResults]) -> int:
         assert metadata is not None
         phase("metadata")
-        results = gathered_results(gathered)
-        storage_writer.finish(metadata=metadata, results=results)
-        return sum(r.size_in_bytes for rs in results for r in rs)
+        return write_metadata(storage_writer, metadata, gathered, cache)
 
     try:
         total = comm.gather_finish("write", write_step, finish_step)

@@ -23,6 +23,7 @@ through DCP's own path.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import heapq
 import io
 import logging
@@ -30,12 +31,13 @@ import os
 import pickle
 import threading
 import weakref
+from pathlib import PurePath
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import SerializationFormat
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -50,7 +52,7 @@ from .fast_read import gc_paused
 from .torch_private import storage_info
 from .torch_save_archive import tensor_archive
 
-__all__ = ["FastFileSystemWriter", "write_result"]
+__all__ = ["FastFileSystemWriter", "MetadataFile", "write_result"]
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -125,6 +127,66 @@ class _Output:
         self.f.close()
 
 
+#: ``"storage_meta"`` as protocol 4 pickles a key of ``Metadata``'s state (SHORT_BINUNICODE).
+_STORAGE_META_KEY = b"\x8c\x0cstorage_meta"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetadataFile:
+    """The bytes of a ``.metadata`` file as written, and the ``storage_meta`` they hold.
+
+    ``storage_meta`` is the last entry but one of the pickled ``Metadata``'s state (``version``
+    follows), so everything before its key is the same for any ``storage_meta``. A save with
+    the same plan and write results differs only there: the writer's ``save_id`` (a fresh UUID)
+    and the checkpoint folder (``.iter_000000200.partial`` and the like: the same length every
+    save). :meth:`patched` rewrites those strings in place when each keeps its encoded length,
+    so the file is what pickling the ``Metadata`` again would give, for the cost of a copy.
+    """
+
+    data: bytes
+    storage_meta: StorageMeta | None
+
+    def patched(self, storage_meta: StorageMeta | None) -> bytes | None:
+        """The bytes with ``storage_meta`` in place of :attr:`storage_meta`; ``None`` when that
+        is not a rewrite of equal-length strings found once each after the key."""
+        pairs = _changed_strings(self.storage_meta, storage_meta)
+        at = self.data.rfind(_STORAGE_META_KEY)
+        if pairs is None or at < 0 or self.data.find(_STORAGE_META_KEY) != at:
+            return None
+        tail = bytearray(self.data[at:])
+        for old, new in pairs:
+            a, b = old.encode(), new.encode()
+            needle = b"\x8c" + bytes([len(a)]) + a if len(a) < 256 else b""
+            first = tail.find(needle) if needle else -1
+            if len(a) != len(b) or first < 0 or tail.find(needle, first + 1) >= 0:
+                return None
+            tail[first + 2 : first + 2 + len(a)] = b
+        return self.data[:at] + bytes(tail)
+
+
+def _changed_strings(old: StorageMeta | None, new: StorageMeta | None) -> list[tuple[str, str]] | None:
+    """The strings that differ between two ``StorageMeta`` s of the same shape (the checkpoint
+    id's path parts or string, the save id), or ``None`` when anything else differs."""
+    if not (isinstance(old, StorageMeta) and isinstance(new, StorageMeta)):
+        return None
+    if old.load_id is not None or new.load_id is not None or old.modules != new.modules:
+        return None
+    a, b = old.checkpoint_id, new.checkpoint_id
+    if type(a) is not type(b):
+        return None
+    if isinstance(a, PurePath) and isinstance(b, PurePath):
+        strings = list(zip(a.parts, b.parts, strict=False)) if len(a.parts) == len(b.parts) else None
+    elif isinstance(a, str) and isinstance(b, str):
+        strings = [(a, b)]
+    else:
+        strings = [] if a is None else None
+    if strings is None or type(old.save_id) is not type(new.save_id) or not isinstance(old.save_id, (str, type(None))):
+        return None
+    if isinstance(old.save_id, str) and isinstance(new.save_id, str):
+        strings.append((old.save_id, new.save_id))
+    return [(x, y) for x, y in strings if x != y]
+
+
 class FastFileSystemWriter(FileSystemWriter):
     """``FileSystemWriter`` whose tensor items skip ``torch.save`` (same files, same format).
 
@@ -145,6 +207,9 @@ class FastFileSystemWriter(FileSystemWriter):
         self.bytes_out: int | None = None
         #: Names of the last write's stable files (the ones compared with the previous checkpoint).
         self._stable: set[str] = set()
+        #: The ``.metadata`` the last ``finish`` wrote (on the coordinator; ``None`` before, or
+        #: when DCP's own ``finish`` ran).
+        self.last_metadata: MetadataFile | None = None
 
     def carried_summary(self) -> tuple[int, CarriedBy]:
         """The last write's bytes carried over, and how: ``"off"`` (nothing could be),
@@ -277,6 +342,7 @@ class FastFileSystemWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """DCP's ``finish`` (``.metadata.tmp``, fsync, rename), with the metadata made compact,
         hashed as it is written (a part of its own) and remembered for the commit check."""
+        self.last_metadata = None
         if getattr(self.transforms, "extensions", ()) or self.serialization_format != SerializationFormat.TORCH_SAVE:
             super().finish(metadata, results)
             return
@@ -290,7 +356,27 @@ class FastFileSystemWriter(FileSystemWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
         metadata.storage_meta = self.storage_meta()
-        data = pickle.dumps(metadata, protocol=pickle.DEFAULT_PROTOCOL)
+        self._publish(metadata, pickle.dumps(metadata, protocol=pickle.DEFAULT_PROTOCOL))
+
+    def finish_reused(self, metadata: Metadata, previous: MetadataFile) -> bool:
+        """``finish`` for a save whose ``metadata`` and write results are those ``previous`` was
+        written for (a cached plan, every rank's results equal): ``previous``'s bytes with this
+        save's ``storage_meta``, instead of pickling the whole ``Metadata`` again (1.2 s for
+        the 19 MB of 1,024 ranks x 200 tensors). ``False`` (nothing written) where the bytes
+        cannot be patched; the caller then runs ``finish``."""
+        if getattr(self.transforms, "extensions", ()) or self.serialization_format != SerializationFormat.TORCH_SAVE:
+            return False
+        storage_meta = self.storage_meta()
+        data = previous.patched(storage_meta)
+        if data is None:
+            return False
+        metadata.storage_meta = storage_meta
+        self._publish(metadata, data)
+        return True
+
+    def _publish(self, metadata: Metadata, data: bytes) -> None:
+        """Write ``.metadata`` (temporary file, fsync, rename), its digest part, and remember it."""
+        self.last_metadata = MetadataFile(data, metadata.storage_meta)
         folder = os.fspath(self.path)
         final, tmp = os.path.join(folder, ".metadata"), os.path.join(folder, ".metadata.tmp")
         with open(tmp, "wb") as f:
