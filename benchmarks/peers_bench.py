@@ -105,7 +105,7 @@ def measure(name: str, w: Any, loss: Any, spec: dict[str, Any], step: int, base:
 
     peer = PEERS[name]()
     if world_size() > 1 and peer.one_process_only:
-        raise Skip(f"not run on {world_size()} ranks: {peer.one_process_only}")
+        raise Skip(f"{world_size()} ranks: {peer.one_process_only}")
     trim()
     rss0, before = rss_now(), descendants()
     row: dict[str, Any] = {}

@@ -171,5 +171,5 @@ def test_peers_benchmark_two_rank_smoke(tmp_path: Path) -> None:
         m = methods[name]
         assert m["blocking_s"] > 0 and m["durable_s"] >= m["blocking_s"] and m["disk_bytes"] > 0, (name, m)
     assert methods["ours_sync"]["load_hot_s"] > 0 and methods["ours_sync"]["load_cold_s"] > 0
-    assert "not run on 2 ranks" in methods["safetensors"]["not_run"]
+    assert "2 ranks: one file from one process" in methods["safetensors"]["not_run"]
     assert not work.exists() or not os.listdir(work)
