@@ -58,43 +58,41 @@ def test_plain_modules_give_what_dcp_gives_on_every_call(make: Any) -> None:
     assert _same(second, get_model_state_dict(module))
 
 
-def test_a_wrapper_that_renames_keys_goes_to_dcp(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def dcp_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per call of DCP's ``get_model_state_dict`` from the engine's state code."""
+    calls: list[int] = []
+    real = get_model_state_dict
+
+    def counted(m: nn.Module) -> Any:
+        calls.append(1)
+        return real(m)
+
+    monkeypatch.setattr(state_mod, "get_model_state_dict", counted)
+    return calls
+
+
+def test_a_wrapper_that_renames_keys_goes_to_dcp(dcp_calls: list[int]) -> None:
     inner = nn.Linear(3, 2)
     compiled = torch.compile(inner)  # state_dict() says `_orig_mod.weight`, DCP says `weight`
     sd = model_state_dict([compiled])
     assert list(sd) == ["weight", "bias"] and compiled not in state_mod._PLAIN
-    calls: list[int] = []
-    real = state_mod.get_model_state_dict
-
-    def counted(m: nn.Module) -> Any:
-        calls.append(1)
-        return real(m)
-
-    monkeypatch.setattr(state_mod, "get_model_state_dict", counted)
     model_state_dict([compiled])
-    assert calls == [1]  # asked again: never cached as plain
+    assert dcp_calls == [1, 1]  # asked again: never cached as plain
 
 
-def test_a_changed_module_is_shown_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_changed_module_is_shown_again(dcp_calls: list[int]) -> None:
     module = nn.Sequential(nn.Linear(3, 2))
     model_state_dict([module])
-    assert module in state_mod._PLAIN
-    calls: list[int] = []
-    real = state_mod.get_model_state_dict
-
-    def counted(m: nn.Module) -> Any:
-        calls.append(1)
-        return real(m)
-
-    monkeypatch.setattr(state_mod, "get_model_state_dict", counted)
+    assert module in state_mod._PLAIN and dcp_calls == [1]
     model_state_dict([module])
-    assert calls == []  # unchanged: DCP's walk skipped
+    assert dcp_calls == [1]  # unchanged: DCP's walk skipped
     module[0].weight = nn.Parameter(torch.zeros(2, 3))  # new memory
-    assert _same(model_state_dict([module]), real(module)) and calls == [1]
+    assert _same(model_state_dict([module]), get_model_state_dict(module)) and dcp_calls == [1, 1]
     module.add_module("extra", nn.Linear(2, 2))  # new keys
-    assert _same(model_state_dict([module]), real(module)) and calls == [1, 1]
+    assert _same(model_state_dict([module]), get_model_state_dict(module)) and dcp_calls == [1, 1, 1]
     compiled = torch.compile(module)
-    assert list(model_state_dict([compiled])) == list(real(module))
+    assert list(model_state_dict([compiled])) == list(get_model_state_dict(module))
 
 
 def test_applying_a_loaded_state_fills_plain_and_wrapped_modules_alike() -> None:
