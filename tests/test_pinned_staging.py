@@ -427,3 +427,24 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     training = results["training"]
     assert training["no_save_steps_per_s"] > 0 and training["async_steps_per_s"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # its checkpoints were cleaned up
+
+
+def test_the_skeleton_reads_each_device_mesh_once(one_rank_mesh: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DeviceMesh.mesh`` is rebuilt on every access; every DTensor of a model shares its mesh,
+    so the collector works the mesh out once, with the same result for each tensor."""
+    from ckpt_engine_plugins.pinned_staging.collect import collect
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    reads: list[int] = []
+    real = DeviceMesh.mesh
+
+    def counted(self: DeviceMesh) -> torch.Tensor:
+        reads.append(1)
+        return real.fget(self)  # type: ignore[attr-defined, no-any-return]
+
+    monkeypatch.setattr(DeviceMesh, "mesh", property(counted))
+    state = {"model": {f"w{i}": DTensor.from_local(torch.randn(3), one_rank_mesh, [Replicate()]) for i in range(20)}}
+    collector, skeletons = collect(state, share_across_components=True)
+    assert len(collector.sources) == 20 and len(collector.meshes) == 1 and "model" in skeletons
+    assert collector.meshes[0].ranks == (0,) and len(reads) == 1

@@ -52,6 +52,8 @@ class Collector:
         self._slots: dict[int, int] = {}
         self._keep: list[torch.Tensor] = []  # keeps ids unique while the skeletons are pickled
         self._mesh_index: dict[MeshSpec, int] = {}
+        #: id(DeviceMesh) -> (the mesh, its index in ``meshes``), see :meth:`_mesh_of`.
+        self._mesh_by_id: dict[int, tuple[Any, int]] = {}
 
     def _slot(self, obj: torch.Tensor, local: torch.Tensor) -> int:
         slot = self._slots.get(id(obj))
@@ -82,15 +84,7 @@ class Collector:
         if not isinstance(obj, torch.Tensor):
             return None
         if isinstance(obj, DTensor):
-            mesh = obj.device_mesh
-            spec = MeshSpec(
-                shape=tuple(mesh.mesh.shape),
-                ranks=tuple(int(r) for r in mesh.mesh.flatten().tolist()),
-                dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-            )
-            index = self._mesh_index.setdefault(spec, len(self.meshes))
-            if index == len(self.meshes):
-                self.meshes.append(spec)
+            index = self._mesh_of(obj.device_mesh)
             slot = self._slot(obj, obj.to_local())
             return ("dt", slot, index, tuple(obj.placements), tuple(obj.shape), tuple(obj.stride()))
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
@@ -99,6 +93,25 @@ class Collector:
                 "parameters and DTensors are supported"
             )
         return ("t", self._slot(obj, obj))
+
+    def _mesh_of(self, mesh: Any) -> int:
+        """The index of ``mesh``'s :class:`MeshSpec`, worked out once per mesh object: the
+        ``DeviceMesh.mesh`` tensor is rebuilt from its layout on every access (about 0.1 ms in
+        torch 2.13), and every DTensor of a model shares one or a few meshes."""
+        known = self._mesh_by_id.get(id(mesh))
+        if known is not None and known[0] is mesh:
+            return known[1]
+        ranks = mesh.mesh
+        spec = MeshSpec(
+            shape=tuple(ranks.shape),
+            ranks=tuple(int(r) for r in ranks.flatten().tolist()),
+            dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        )
+        index = self._mesh_index.setdefault(spec, len(self.meshes))
+        if index == len(self.meshes):
+            self.meshes.append(spec)
+        self._mesh_by_id[id(mesh)] = (mesh, index)  # the mesh is kept: its id stays its own
+        return index
 
     def signature(self) -> Signature:
         return tuple((tuple(t.shape), t.dtype) for t in self.sources)
