@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from _cli import Run, in_process
 from hypothesis import HealthCheck, settings
 
 # Hypothesis profiles: fast by default, exhaustive with CKPT_ENGINE_HYPOTHESIS=thorough.
@@ -69,3 +70,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("cuda")])
         items[:] = kept
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Run:
+    """Run the CLI in-process: ``cli(*argv)`` returns (exit code, stdout, stderr)."""
+    return in_process(capsys)

@@ -10,37 +10,21 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _cli import Run
 from _torchrun import run_torchrun
 
 from ckpt_engine import CheckpointEngine
 from ckpt_engine._inspect import reader as cli_read
 from ckpt_engine._inspect.describe import config_reference
-from ckpt_engine.cli import main
 from ckpt_engine.plugin_manager import installed_plugins
 from ckpt_engine.testing import TinyTrainingState
 
 ROOT = Path(__file__).resolve().parents[1]
-
-Run = Callable[..., tuple[int, str, str]]
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Run:
-    """Run the CLI in-process; returns (exit code, stdout, stderr)."""
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 @pytest.fixture(scope="module")

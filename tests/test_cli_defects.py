@@ -8,31 +8,18 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _cli import Run
 from torch import nn
 
 from ckpt_engine import CheckpointEngine
-from ckpt_engine.cli import main
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.testing import TinyTrainingState
-
-Run = Callable[..., tuple[int, str, str]]
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Run:
-    def run(*argv: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 class ExtraState(nn.Module):

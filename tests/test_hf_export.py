@@ -13,24 +13,11 @@ from typing import Any
 import pytest
 import torch
 import transformers  # the `test` extra installs it: these tests run, never skip
+from _cli import Run
 from safetensors import safe_open
 from torch import nn
 
 from ckpt_engine import CheckpointEngine
-from ckpt_engine.cli import main
-
-Run = Callable[..., tuple[int, str, str]]
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Run:
-    def run(*argv: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def _stored_keys(folder: Path) -> set[str]:
