@@ -136,23 +136,16 @@ class LayoutCache:
 
 
 class _Template:
-    """One parse of :class:`LayoutCache`: the ranges it read, their bytes with the CRC fields
-    the answer does not depend on zeroed, and the answer."""
+    """One parse of :class:`LayoutCache`: the ranges it read, less the CRC fields the answer
+    does not depend on, with their bytes, and the answer."""
 
-    __slots__ = ("bytes", "layout", "masks", "parts", "ranges", "spans")
+    __slots__ = ("layout", "parts", "spans")
 
     def __init__(
         self, ranges: tuple[tuple[int, int], ...], unused: list[int], layout: SavedTensorLayout | None
     ) -> None:
-        self.ranges, self.layout, self.bytes = ranges, layout, b""
-        # positions of the unused CRC fields in the joined bytes of ``ranges``
-        masks, base = [], 0
-        for a, b in ranges:
-            masks += [base + at - a for at in unused if a <= at and at + 4 <= b]
-            base += b - a
-        self.masks = masks
-        #: ``ranges`` less the unused CRC fields, as ``(start, end)`` in the archive, each with
-        #: its bytes once :meth:`set_bytes` ran: an archive held whole is compared part by part.
+        self.layout = layout
+        #: ``ranges`` less the unused CRC fields, as ``(start, end)`` in the archive.
         spans: list[tuple[int, int]] = []
         for a, b in ranges:
             for at in sorted(at for at in unused if a <= at and at + 4 <= b):
@@ -160,28 +153,20 @@ class _Template:
                 a = at + 4
             spans.append((a, b))
         self.spans = [(a, b) for a, b in spans if b > a]
+        #: Each span with its bytes, once :meth:`set_bytes` ran.
         self.parts: list[tuple[int, int, bytes]] = []
 
     def set_bytes(self, item: _Item) -> None:
         """Take ``item``'s bytes where the parse looked as the template's."""
-        self.bytes = self.seen(item)
         self.parts = [(a, b, item.pread(a, b - a)) for a, b in self.spans]
 
     def matches(self, item: _Item) -> bool:
-        """Whether ``item`` holds the template's bytes wherever its parse looked."""
+        """Whether ``item`` holds the template's bytes wherever its parse looked (part by part:
+        from the item's head for an archive held whole, else through its prefetched ends)."""
         if item.whole:
             head = item.head
             return all(head[a:b] == want for a, b, want in self.parts)
-        return self.seen(item) == self.bytes
-
-    def seen(self, item: _Item) -> bytes:
-        data = b"".join([item.pread(a, b - a) for a, b in self.ranges])
-        if not self.masks:
-            return data
-        out = bytearray(data)
-        for at in self.masks:
-            out[at : at + 4] = b"\0\0\0\0"
-        return bytes(out)
+        return all(item.pread(a, b - a) == want for a, b, want in self.parts)
 
 
 def contiguous_region(size: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
