@@ -463,11 +463,11 @@ class EngineSavePlanner(DefaultSavePlanner):
 def flat_keys(state_dict: dict[str, Any]) -> list[str]:
     """The flattened keys DCP will save ``state_dict`` under (no data is copied).
 
-    A state dict with no nested mapping or list (every model state dict) is its own flattening:
-    DCP keeps each top-level key as it is, so the walk over it is skipped (``save()`` calls this
-    per component on every save; ``tests/test_planner_properties.py`` pins the equivalence)."""
-    if not any(isinstance(v, (Mapping, list)) for v in state_dict.values()):
-        return [str(k) for k in state_dict]
+    A state dict DCP leaves as it is (:func:`already_flat`: every model and flattened optimizer
+    state dict) is its own flattening, so the walk over it is skipped (``save()`` calls this per
+    component on every save; ``tests/test_planner_properties.py`` pins the equivalence)."""
+    if already_flat(state_dict):
+        return list(state_dict)
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, None, False)
     return list(planner.state_dict)
