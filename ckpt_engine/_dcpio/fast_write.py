@@ -156,9 +156,11 @@ class MetadataFile:
         tail = bytearray(self.data[at:])
         for old, new in pairs:
             a, b = old.encode(), new.encode()
-            needle = b"\x8c" + bytes([len(a)]) + a if len(a) < 256 else b""
-            first = tail.find(needle) if needle else -1
-            if len(a) != len(b) or first < 0 or tail.find(needle, first + 1) >= 0:
+            if len(a) != len(b) or len(a) > 255:  # SHORT_BINUNICODE: one length byte
+                return None
+            needle = b"\x8c" + bytes([len(a)]) + a
+            first = tail.find(needle)
+            if first < 0 or tail.find(needle, first + 1) >= 0:
                 return None
             tail[first + 2 : first + 2 + len(a)] = b
         return self.data[:at] + bytes(tail)
@@ -211,6 +213,14 @@ class FastFileSystemWriter(FileSystemWriter):
         #: when DCP's own ``finish`` ran).
         self.last_metadata: MetadataFile | None = None
 
+    def _own_encoding(self) -> bool:
+        """Whether this writer encodes the items and ``.metadata`` itself: not with stream
+        transforms (zstd and the like) or another serialisation format, which DCP's own code writes."""
+        return (
+            not getattr(self.transforms, "extensions", ())
+            and self.serialization_format == SerializationFormat.TORCH_SAVE
+        )
+
     def carried_summary(self) -> tuple[int, CarriedBy]:
         """The last write's bytes carried over, and how: ``"off"`` (nothing could be),
         ``"link"`` / ``"copy"``, or ``"write"`` (unchanged files, but carrying over was refused)."""
@@ -220,7 +230,7 @@ class FastFileSystemWriter(FileSystemWriter):
         return 0, "write" if self.carried else "off"
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if getattr(self.transforms, "extensions", ()) or self.serialization_format != SerializationFormat.TORCH_SAVE:
+        if not self._own_encoding():
             return super().write_data(plan, planner)  # stream transforms, safetensors: DCP's own path
         self._checksum = getattr(planner, "checksum", None)  # for finish(): the same algorithm
         with gc_paused():
@@ -343,7 +353,7 @@ class FastFileSystemWriter(FileSystemWriter):
         """DCP's ``finish`` (``.metadata.tmp``, fsync, rename), with the metadata made compact,
         hashed as it is written (a part of its own) and remembered for the commit check."""
         self.last_metadata = None
-        if getattr(self.transforms, "extensions", ()) or self.serialization_format != SerializationFormat.TORCH_SAVE:
+        if not self._own_encoding():
             super().finish(metadata, results)
             return
         from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -364,7 +374,7 @@ class FastFileSystemWriter(FileSystemWriter):
         save's ``storage_meta``, instead of pickling the whole ``Metadata`` again (1.2 s for
         the 19 MB of 1,024 ranks x 200 tensors). ``False`` (nothing written) where the bytes
         cannot be patched; the caller then runs ``finish``."""
-        if getattr(self.transforms, "extensions", ()) or self.serialization_format != SerializationFormat.TORCH_SAVE:
+        if not self._own_encoding():
             return False
         storage_meta = self.storage_meta()
         data = previous.patched(storage_meta)
