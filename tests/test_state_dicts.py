@@ -79,6 +79,7 @@ def test_a_wrapper_that_renames_keys_goes_to_dcp(dcp_calls: list[int]) -> None:
     assert list(sd) == ["weight", "bias"] and compiled not in state_mod._PLAIN
     model_state_dict([compiled])
     assert dcp_calls == [1, 1]  # asked again: never cached as plain
+    assert compiled in state_mod._DCP_ONLY  # and its own state_dict() is no longer built to compare
 
 
 def test_a_changed_module_is_shown_again(dcp_calls: list[int]) -> None:

@@ -142,6 +142,9 @@ def model_state_dict(modules: Sequence[nn.Module]) -> dict[str, Any]:
 #: Modules whose own ``state_dict()`` was shown to be what ``get_model_state_dict`` returns,
 #: each with the signature of the state it was shown on (see :func:`_model_state_dict`).
 _PLAIN: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+#: Modules whose ``state_dict()`` was not what DCP returns (a wrapper, DTensors): they keep
+#: DCP's function, without the extra ``state_dict()`` a comparison would cost on every save.
+_DCP_ONLY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _signature(sd: Mapping[str, Any]) -> tuple[Any, ...] | None:
@@ -181,17 +184,23 @@ def _model_state_dict(module: nn.Module) -> dict[str, Any]:
     parameter's fully qualified names that costs about 2.5 microseconds a tensor on each save and
     load. The first call compares the two results; while the module's keys, value types and
     tensor memory stay as they were then, the walk is skipped. Any change (a wrapper renames keys,
-    ``fully_shard`` swaps in DTensors, a parameter is replaced) asks DCP again.
+    ``fully_shard`` swaps in DTensors, a parameter is replaced) asks DCP again; a module whose
+    ``state_dict()`` differs from DCP's result keeps DCP's function from then on.
     """
+    dcp_sd: dict[str, Any]
+    if module in _DCP_ONLY:
+        dcp_sd = get_model_state_dict(module)
+        return dcp_sd
     sd: dict[str, Any] = module.state_dict()
     signature = _signature(sd)
     if signature is not None and _PLAIN.get(module) == signature:
         return sd
-    dcp_sd: dict[str, Any] = get_model_state_dict(module)
+    dcp_sd = get_model_state_dict(module)
     if signature is not None and _same_state(sd, dcp_sd):
         _PLAIN[module] = signature
     else:
         _PLAIN.pop(module, None)
+        _DCP_ONLY.add(module)
     return dcp_sd
 
 
