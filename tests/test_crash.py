@@ -71,7 +71,7 @@ def _run(
 def _check(trials: list[dict[str, Any]], summary: dict[str, Any], stderr: str, count: int, mid_save: int) -> None:
     failed = [t for t in trials if t["problems"]]
     assert not failed, "\n".join(json.dumps(t) for t in failed) + "\n" + stderr[-3000:]
-    assert summary["trials"] == count == len(trials) and summary["failed"] == 0
+    assert count <= summary["trials"] == len(trials) and summary["failed"] == 0
     # The kills must have hit saves in progress (else this tests little): with sync saves most
     # land mid-save, leaving an uncommitted folder that the next start removes.
     assert summary["killed_mid_save"] >= mid_save, summary
@@ -85,8 +85,9 @@ def _check(trials: list[dict[str, Any]], summary: dict[str, Any], stderr: str, c
 
 
 def test_sigkill_during_sync_saves_never_loses_or_tears_a_checkpoint(tmp_path: Path) -> None:
-    trials, summary, stderr = _run(tmp_path / "ckpt", TRIALS, "--max-delay", "0.8")
-    _check(trials, summary, stderr, TRIALS, mid_save=max(1, TRIALS // 4))
+    mid_save = max(1, TRIALS // 4)
+    trials, summary, stderr = _run(tmp_path / "ckpt", TRIALS, "--max-delay", "0.8", "--min-mid-save", str(mid_save))
+    _check(trials, summary, stderr, TRIALS, mid_save=mid_save)
 
 
 def _async_plugin() -> str | None:
@@ -98,8 +99,10 @@ def _async_plugin() -> str | None:
 def test_sigkill_during_incremental_saves_never_loses_or_tears_a_checkpoint(tmp_path: Path) -> None:
     """Incremental saves share files between checkpoints: a kill at any moment leaves every kept
     checkpoint whole (each one verified), and the shared files were really shared."""
-    trials, summary, stderr = _run(tmp_path / "ckpt", max(4, TRIALS // 2), "--max-delay", "0.8", "--incremental")
-    _check(trials, summary, stderr, max(4, TRIALS // 2), mid_save=1)
+    count = max(4, TRIALS // 2)
+    args = ("--max-delay", "0.8", "--incremental", "--min-mid-save", "1")
+    trials, summary, stderr = _run(tmp_path / "ckpt", count, *args)
+    _check(trials, summary, stderr, count, mid_save=1)
     assert any(t.get("linked", 0) > 0 for t in trials), "no file was ever carried over"
 
 

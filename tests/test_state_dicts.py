@@ -1,5 +1,6 @@
 """Component state dicts: the model's own ``state_dict()`` stands in for DCP's
-``get_model_state_dict`` only where the two were shown equal, and never after a change."""
+``get_model_state_dict``, and the optimizer's own ``state_dict()`` for
+``get_optimizer_state_dict``, only where the two were shown equal, and never after a change."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from ckpt_engine._engine import state as state_mod
-from ckpt_engine._engine.state import TrainingObjects, apply_component, model_state_dict
+from ckpt_engine._engine.state import TrainingObjects, apply_component, model_state_dict, optim_state_dict
 
 
 class _WithEverything(nn.Module):
@@ -116,3 +117,133 @@ def test_applying_a_loaded_state_fills_plain_and_wrapped_modules_alike() -> None
         for (k, a), b in zip(src.state_dict().items(), dst.state_dict().values(), strict=True):
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, k
         assert dst.note == "loaded"
+
+
+# -- optimizers: the optimizer's own state_dict() named by the module's parameter names --------
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _stepped(module: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 2) -> None:
+    for _ in range(steps):
+        optimizer.zero_grad()
+        sum(p.float().sum() for p in module.parameters() if p.requires_grad).backward()  # type: ignore[union-attr]
+        optimizer.step()
+
+
+def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Keys in order, the very same tensors, equal other values of the same type."""
+    if list(a) != list(b):
+        return False
+    return all(
+        (x is y) if isinstance(x, torch.Tensor) else (type(x) is type(y) and x == y)
+        for x, y in zip(a.values(), b.values(), strict=True)
+    )
+
+
+@pytest.fixture
+def dcp_optim_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per call of DCP's ``get_optimizer_state_dict`` from the engine's state code."""
+    calls: list[int] = []
+    real = get_optimizer_state_dict
+
+    def counted(m: nn.Module, o: torch.optim.Optimizer, **kw: Any) -> Any:
+        calls.append(1)
+        return real(m, o, **kw)
+
+    monkeypatch.setattr(state_mod, "get_optimizer_state_dict", counted)
+    return calls
+
+
+def _groups(module: _WithEverything) -> list[dict[str, Any]]:
+    """Two groups with their own hyperparameters; the frozen bias is in neither."""
+    head = [p for n, p in module.named_parameters() if n.startswith("block.1")]
+    rest = [p for n, p in module.named_parameters() if p.requires_grad and not n.startswith("block.1")]
+    return [{"params": rest}, {"params": head, "lr": 0.5, "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: torch.optim.AdamW(_groups(m), lr=1e-3),
+        lambda m: torch.optim.SGD(_groups(m), lr=0.1, momentum=0.9),
+        lambda m: torch.optim.Adagrad(_groups(m), lr=0.1),
+        lambda m: torch.optim.Adam(_groups(m), lr=torch.tensor(1e-3), amsgrad=True),
+    ],
+)
+def test_an_optimizer_of_a_plain_module_gives_what_dcp_gives_on_every_call(
+    make: Any, dcp_optim_calls: list[int]
+) -> None:
+    module = _WithEverything()
+    optimizer = make(module)
+    _stepped(module, optimizer)
+    first = optim_state_dict([module], [optimizer])
+    assert dcp_optim_calls == [1] and optimizer in state_mod._OWN_NAMES
+    reference = get_optimizer_state_dict(module, optimizer, options=FLAT)
+    assert _same_values(first, reference)
+    _stepped(module, optimizer)
+    second = optim_state_dict([module], [optimizer])  # the shown path: DCP not asked
+    assert dcp_optim_calls == [1]
+    assert _same_values(second, get_optimizer_state_dict(module, optimizer, options=FLAT))
+
+
+def test_a_wrapper_that_renames_parameters_keeps_dcps_names(dcp_optim_calls: list[int]) -> None:
+    inner = nn.Sequential(nn.Linear(3, 2))
+    compiled = torch.compile(inner)  # named_parameters() says `_orig_mod.0.weight`, DCP says `0.weight`
+    optimizer = torch.optim.AdamW(compiled.parameters())
+    _stepped(compiled, optimizer)
+    sd = optim_state_dict([compiled], [optimizer])
+    assert "state.0.weight.exp_avg" in sd and not any("_orig_mod" in k for k in sd)
+    optim_state_dict([compiled], [optimizer])
+    assert dcp_optim_calls == [1, 1] and optimizer in state_mod._OPTIM_DCP_ONLY
+
+
+def test_a_changed_optimizer_or_module_is_shown_again(dcp_optim_calls: list[int]) -> None:
+    module = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    optimizer = torch.optim.AdamW(module[0].parameters())
+    _stepped(module, optimizer)
+    optim_state_dict([module], [optimizer])
+    optim_state_dict([module], [optimizer])
+    assert dcp_optim_calls == [1]
+    optimizer.add_param_group({"params": list(module[1].parameters()), "lr": 0.5})  # new parameters
+    _stepped(module, optimizer)
+    sd = optim_state_dict([module], [optimizer])
+    assert dcp_optim_calls == [1, 1] and "param_groups.1.weight.lr" in sd
+    assert _same_values(sd, get_optimizer_state_dict(module, optimizer, options=FLAT))
+    renamed = nn.ModuleDict({"first": module[0], "second": module[1]})  # the same tensors, new names
+    sd = optim_state_dict([renamed], [optimizer])
+    assert dcp_optim_calls == [1, 1, 1] and "state.first.weight.step" in sd
+    assert _same_values(sd, get_optimizer_state_dict(renamed, optimizer, options=FLAT))
+
+
+class _Nested(torch.optim.Optimizer):
+    """Per-parameter state nested two levels deep (as Shampoo keeps it), and an int key."""
+
+    def __init__(self, params: Any, note: Any = 1) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.note = note
+
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                st.setdefault("step", 0)
+                st["step"] += 1
+                st["blocks"] = {0: {"left": torch.ones(2)}, "right": torch.zeros(1), "scale": 2.0}
+                st["note"] = self.note
+
+
+def test_nested_state_is_flattened_as_dcp_flattens_it_and_refused_values_raise_dcps_error(
+    dcp_optim_calls: list[int],
+) -> None:
+    module = nn.Linear(2, 2)
+    optimizer = _Nested(module.parameters())
+    _stepped(module, optimizer)
+    sd = optim_state_dict([module], [optimizer])
+    optim_state_dict([module], [optimizer])
+    assert dcp_optim_calls == [1] and "state.weight.blocks.0.left" in sd
+    assert _same_values(sd, get_optimizer_state_dict(module, optimizer, options=FLAT))
+    optimizer.note = "text"  # DCP's flattening refuses strings: its own error, not a silent save
+    _stepped(module, optimizer)
+    with pytest.raises(NotImplementedError, match="only supports"):
+        optim_state_dict([module], [optimizer])

@@ -251,6 +251,13 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-delay", type=float, default=0.5, help="kill up to this many seconds after resume")
+    parser.add_argument(
+        "--min-mid-save",
+        type=int,
+        default=0,
+        help="run more trials (up to 3x --trials) until this many kills landed mid-save: a kill's timing is "
+        "random, and a fast save can dodge a few",
+    )
     parser.add_argument("--keep-last", type=int, default=3, help="retention during the run (0: off)")
     parser.add_argument("--incremental", action="store_true", help="incremental saves, with a frozen component")
     parser.add_argument("--plugin", action="append", default=[], help="plugins to enable (e.g. an async writer)")
@@ -271,13 +278,15 @@ def main() -> int:
     failed = 0
     mid_save = 0
     t0 = time.perf_counter()
-    for n in range(args.trials):
+    n = 0
+    while n < args.trials or (mid_save < args.min_mid_save and n < 3 * args.trials):
         record = trial(n, config, rng, args.max_delay, args.arm_after)
         failed += bool(record["problems"])
         mid_save += any(name.endswith(".partial") for name in record["left_behind"])
         print("TRIAL " + json.dumps(record), flush=True)
+        n += 1
     summary = {
-        "trials": args.trials,
+        "trials": n,
         "failed": failed,
         "killed_mid_save": mid_save,
         "seconds": round(time.perf_counter() - t0, 1),
