@@ -10,10 +10,16 @@ on them: unpickling what it gathers, planning, pickling what it scatters or broa
 (ranks x the largest message, as ``gather_object`` allocates it) is added to the peak. Network
 time is not in the figures.
 
-* **cold save** (a new structure): gather the 1,024 local ``SavePlan`` s, the engine planner's
-  ``create_global_plan`` (DCP's, with ``dedup_save_to_lowest_rank``), the engine writer's
-  ``prepare_global_plan``, the scatter of the final plans, ``compact_metadata``; then the gather
-  of every rank's write results and the writer's ``finish``.
+* **cold save** (a new structure), as the engine saves a layout every rank can plan alone
+  (``_dcpio/local_plan.py``; FSDP2's is one): the all-gather of the 1,024 ``(hit, digest,
+  replicated digest)`` triples, then the gather of every rank's write results with its final
+  items by columns (``PlanColumns``), ``build_metadata`` (the ``Metadata`` DCP's global plan
+  builds, validated as DCP validates it), ``compact_metadata`` and the writer's ``finish``.
+* **cold save, central** (a layout that is not planned alone): gather the 1,024 local
+  ``SavePlan`` s, the engine planner's ``create_global_plan`` (DCP's, with
+  ``dedup_save_to_lowest_rank``), the engine writer's ``prepare_global_plan``, the scatter of
+  the final plans, ``compact_metadata``; then the gather of every rank's write results and the
+  writer's ``finish``.
 * **warm save** (the cached plan): the all-gather of the 1,024 ``(hit, digest)`` pairs, then the
   gather of the write results and ``write_metadata``, the coordinator's finish of a real save:
   with the plan cache of a cold save that wrote the same results before, it writes the last
@@ -70,6 +76,7 @@ from ckpt_engine._dcpio.fast_save import (
     write_metadata,
 )
 from ckpt_engine._dcpio.fast_write import FastFileSystemWriter
+from ckpt_engine._dcpio.local_plan import PlanColumns, build_metadata
 from ckpt_engine._dcpio.planner import EngineSavePlanner
 
 ROWS, COLS = 4, 64  # each rank's shard of each parameter: 4 x 64 fp32 (1 KiB)
@@ -79,8 +86,9 @@ def _props() -> TensorProperties:
     return TensorProperties(dtype=torch.float32)
 
 
-def local_save_plan(rank: int, ranks: int, tensors: int) -> SavePlan:
-    """Rank ``rank``'s local plan: one shard write item per parameter, as DCP makes it for a DTensor."""
+def local_save_plan(rank: int, ranks: int, tensors: int, hint: int | None = None) -> SavePlan:
+    """Rank ``rank``'s local plan: one shard write item per parameter, as DCP makes it for a
+    DTensor (``hint``: each item's chunk number, as a final plan carries it)."""
     items = []
     size = torch.Size([ranks * ROWS, COLS])
     for t in range(tensors):
@@ -88,7 +96,7 @@ def local_save_plan(rank: int, ranks: int, tensors: int) -> SavePlan:
         chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([ROWS, COLS]))
         items.append(
             WriteItem(
-                index=MetadataIndex(f"layers.{t}.weight", offsets),
+                index=MetadataIndex(f"layers.{t}.weight", offsets, hint),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(chunk=chunk, properties=_props(), size=size),
             )
@@ -177,11 +185,18 @@ def measure(fn: Callable[[], int], reps: int) -> dict[str, float]:
 def run(ranks: int, tensors: int, reps: int) -> dict[str, Any]:
     folder = tempfile.mkdtemp(prefix="coord-sim-")
     plans = [local_save_plan(r, ranks, tensors) for r in range(ranks)]
+    # What finish_alone leaves each rank (Shard(0) over every rank: its chunk is number `rank`).
+    alone_plans = [local_save_plan(r, ranks, tensors, hint=r) for r in range(ranks)]
     plan_blobs = [pickle.dumps(p) for p in plans]
     results = [write_results(p, r) for r, p in enumerate(plans)]
     result_blobs = [pickle.dumps(CompactResults(r)) for r in results]  # what the engine's write step sends
     dcp_result_blobs = [pickle.dumps(r) for r in results]  # what dcp.save's sends
-    digest_blobs = [pickle.dumps((True, os.urandom(16))) for _ in range(ranks)]
+    digest_blobs = [pickle.dumps((True, os.urandom(16), None)) for _ in range(ranks)]
+    replicated = os.urandom(16)  # every rank's digest of its plain items: equal
+    alone_blobs = [pickle.dumps((False, os.urandom(16), replicated)) for _ in range(ranks)]
+    alone_result_blobs = [
+        pickle.dumps((CompactResults(write_results(p, r)), PlanColumns.of(p))) for r, p in enumerate(alone_plans)
+    ]
     md = global_metadata(ranks, tensors)
     load_plan_blobs = [pickle.dumps(local_load_plan(r, md, tensors)) for r in range(ranks)]
     flag_blobs = [pickle.dumps(0) for _ in range(ranks)]
@@ -206,12 +221,20 @@ def run(ranks: int, tensors: int, reps: int) -> dict[str, Any]:
         return max(buf, finish(metadata, dcp=True))
 
     def cold() -> int:
+        got, buf = _gather(alone_blobs)
+        assert all(a == got[0][2] for _, _, a in got)  # every rank can finish its plan alone
+        gathered, rbuf = _gather(alone_result_blobs)
+        metadata = compact_metadata(build_metadata([cols for _, cols in gathered]))
+        write_metadata(_writer(), metadata, [r for r, _ in gathered], None)
+        return max(buf, rbuf)
+
+    def cold_central() -> int:
         got, buf = _gather(plan_blobs)
         planner = EngineSavePlanner()
         final, metadata = planner.create_global_plan(got)
         writer = FastFileSystemWriter(folder, sync_files=False)
         final = writer.prepare_global_plan(final)
-        sent["cold"] = _scatter(final)
+        sent["cold_central"] = _scatter(final)
         compact_metadata(metadata)
         return max(buf, finish(metadata))
 
@@ -227,7 +250,7 @@ def run(ranks: int, tensors: int, reps: int) -> dict[str, Any]:
 
     def warm() -> int:
         got, buf = _gather(digest_blobs)
-        assert all(hit for hit, _ in got)
+        assert all(hit for hit, _, _ in got)
         results, rbuf = _gather(result_blobs)
         reused = warm_cache.metadata_reused
         write_metadata(_writer(), warm_cache.metadata, results, warm_cache)  # type: ignore[arg-type]
@@ -251,6 +274,7 @@ def run(ranks: int, tensors: int, reps: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"ranks": ranks, "tensors": tensors}
     out["save_cold"] = measure(paused(cold), reps)
+    out["save_cold_central"] = measure(paused(cold_central), reps)
     with open(os.path.join(folder, ".metadata"), "rb") as f:
         md_bytes = f.read()  # what the load's validation broadcasts
     out["metadata_bytes"] = len(md_bytes)
@@ -260,7 +284,8 @@ def run(ranks: int, tensors: int, reps: int) -> dict[str, Any]:
     out["dcp_load"] = measure(dcp_load, reps)
     results_bytes = sum(map(len, result_blobs))
     out["bytes_through_rank0"] = {
-        "save_cold": sum(map(len, plan_blobs)) + sent["cold"] + results_bytes,
+        "save_cold": sum(map(len, alone_blobs)) + sum(map(len, alone_result_blobs)),
+        "save_cold_central": sum(map(len, plan_blobs)) + sent["cold_central"] + results_bytes,
         "save_warm": sum(map(len, digest_blobs)) + results_bytes,
         "dcp_save": sum(map(len, plan_blobs)) + sent["dcp_save"] + sum(map(len, dcp_result_blobs)),
         "engine_load": 2 * sum(map(len, agree_blobs)) + 2 * sum(map(len, flag_blobs)),

@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 
 from . import coordination as _coordination
+from .local_plan import PlanColumns, build_metadata, finish_alone, replicated_digest
 from .torch_private import is_storage_info, local_chunks, storage_info
 from .watch import phase
 
@@ -345,7 +346,7 @@ def save_state_dict(
     rank, coordinator = comm.rank, comm.rank == 0
     state_dict = _to_state_dict(state_dict)
 
-    def local_step() -> tuple[tuple[Any, ...], SavePlan | None]:
+    def local_step() -> tuple[tuple[Any, ...], SavePlan | None, bytes | None]:
         phase("plan")
         planner.set_up_planner(state_dict, storage_writer.storage_meta(), coordinator)
         storage_writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
@@ -355,27 +356,35 @@ def save_state_dict(
         )
         if cache is not None and cache.signature == sig and cache.final_plan is not None:
             storage_writer.prepare_local_plan(SavePlan([]))  # the folder, the overwrite check
-            return sig, None
+            return sig, None, None
         plan = storage_writer.prepare_local_plan(planner.create_local_plan())
-        return sig, plan
+        return sig, plan, replicated_digest(planner, storage_writer, plan, comm.world)
 
     stepped = comm.step("plan", local_step)
-    sig, local_plan = stepped if stepped is not None else ((), SavePlan([]))
+    sig, local_plan, alone_digest = stepped if stepped is not None else ((), SavePlan([]), None)
     digest = hashlib.blake2b(pickle.dumps(sig, protocol=pickle.HIGHEST_PROTOCOL), digest_size=16).digest()
     # Every rank must hit, with the signatures all ranks had when this plan was made: one small
-    # all-gather, whose result (hence the verdict) is the same on every rank.
-    hits = comm.all_gather("plan_check", (local_plan is None, digest))
-    digests = tuple(d for _, d in hits)
-    cached = cache is not None and all(hit for hit, _ in hits) and digests == cache.digests
+    # all-gather, whose result (hence the verdict) is the same on every rank. It also says
+    # whether every rank can finish a new plan alone (local_plan's module docstring).
+    hits = comm.all_gather("plan_check", (local_plan is None, digest, alone_digest))
+    digests = tuple(d for _, d, _ in hits)
+    cached = cache is not None and all(hit for hit, _, _ in hits) and digests == cache.digests
+    alone = not cached and hits[0][2] is not None and all(a == hits[0][2] for _, _, a in hits)
+    final_plan: SavePlan | None = None
+    columns: PlanColumns | None = None
+    metadata: Metadata | None = None
     if cache is not None and cached:
         assert cache.final_plan is not None
         final_plan = planner.finish_plan(cache.final_plan)
         metadata = cache.metadata
         cache.hits += 1
+    elif alone:  # finished in the write step (whose errors every rank raises), metadata at the end
+        assert local_plan is not None
+        if cache is not None:
+            cache.clear()
     else:
         if local_plan is None:  # this rank hit, another did not: plan after all
             local_plan = comm.step("plan", lambda: storage_writer.prepare_local_plan(planner.create_local_plan()))
-        metadata = None
 
         def global_step(plans: list[SavePlan]) -> list[SavePlan]:
             nonlocal metadata
@@ -391,15 +400,25 @@ def save_state_dict(
             cache.signature, cache.digests, cache.final_plan = sig, digests, final_plan
             cache.metadata, cache.written = (metadata if coordinator else None), None
 
-    def write_step() -> CompactResults:
+    def write_step() -> CompactResults | tuple[CompactResults, PlanColumns]:
+        nonlocal final_plan, columns
+        if final_plan is None:
+            assert local_plan is not None
+            final_plan = planner.finish_plan(finish_alone(planner, storage_writer, local_plan, rank))
+            columns = PlanColumns.of(final_plan)
         phase("write")
         fut = storage_writer.write_data(final_plan, planner)
         fut.wait()
-        return CompactResults(fut.value())
+        results = CompactResults(fut.value())
+        return results if columns is None else (results, columns)
 
-    def finish_step(gathered: list[CompactResults]) -> int:
-        assert metadata is not None
+    def finish_step(gathered: list[Any]) -> int:
+        nonlocal metadata
         phase("metadata")
+        if alone:  # every rank's final items came with its results: the metadata DCP would build
+            metadata = compact_metadata(build_metadata([cols for _, cols in gathered]))
+            gathered = [results for results, _ in gathered]
+        assert metadata is not None
         return write_metadata(storage_writer, metadata, gathered, cache)
 
     try:
@@ -408,4 +427,8 @@ def save_state_dict(
         if cache is not None:
             cache.clear()
         raise
+    if alone and cache is not None:
+        cache.misses += 1
+        cache.signature, cache.digests, cache.final_plan = sig, digests, final_plan
+        cache.metadata = metadata if coordinator else None
     return SaveOutcome(metadata=metadata if coordinator else None, total_bytes=total)

@@ -19,7 +19,7 @@ import dataclasses
 import io
 import pickle
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
@@ -418,6 +418,10 @@ class EngineSavePlanner(DefaultSavePlanner):
     every save). ``checksum`` is the algorithm the engine's storage writer hashes the files with
     as it writes them (``None``: sizes only).
     """
+
+    #: Its global plan is DCP's own (replicas kept on the lowest rank), so each rank may finish
+    #: its plan alone where the layout allows (``local_plan``). Read from this class only.
+    plans_alone: ClassVar[bool] = True
 
     def __init__(
         self, key_map: Mapping[str, str] | None = None, *, cache_key: str | None = None, checksum: str | None = None
