@@ -134,15 +134,28 @@ def test_an_edit_that_replaces_the_tensor_leaves_the_checkpoint_exact(
 
 def test_the_sample_takes_the_first_and_last_element_and_every_step_between() -> None:
     t = torch.arange(1000, dtype=torch.float32)
-    sample = copies._sample(t)
+    sample = torch.as_tensor(copies._sample(t))
     step = copies._sample_step(1000)
     assert sample[0] == 0 and sample[-1] == 999
     assert torch.equal(sample[:-1], t[::step])
     assert len(sample) <= 2 * copies.SAMPLES + 1
     small = torch.arange(10.0)
-    assert torch.equal(copies._sample(small)[:-1], small)  # a small tensor: all of it
+    assert torch.equal(torch.as_tensor(copies._sample(small))[:-1], small)  # a small tensor: all of it
     nan = torch.tensor([float("nan")] * 3)
     assert copies._same_bits(copies._sample(nan), copies._sample(nan.clone()))
+    # The torch path (CUDA tensors take it) samples the same elements as the numpy one.
+    assert copies._same_bits(copies._sample(t), torch.cat((t[::step], t[-1:])))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8])
+def test_every_dtype_is_sampled_and_a_changed_element_changes_the_sample(dtype: torch.dtype) -> None:
+    t = (torch.arange(300) % 7).to(dtype)
+    param = torch.nn.Parameter(t.clone(), requires_grad=dtype.is_floating_point)
+    first = copies._sample(param)
+    assert copies._same_bits(first, copies._sample(t.clone()))
+    with torch.no_grad():
+        param.data[-1] = 0 if bool(param.data[-1]) else 1  # the last element is sampled
+    assert not copies._same_bits(first, copies._sample(param))
 
 
 # -- optimizers without state, and no optimizer -----------------------------------------------

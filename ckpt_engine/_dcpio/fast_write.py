@@ -30,7 +30,6 @@ import logging
 import os
 import pickle
 import threading
-import weakref
 from pathlib import PurePath
 from typing import Any
 
@@ -57,7 +56,6 @@ __all__ = ["FastFileSystemWriter", "MetadataFile", "write_result"]
 logger = logging.getLogger("ckpt_engine")
 
 #: Metadata objects already made compact (``fast_save.compact_metadata``), by id.
-_COMPACT: weakref.WeakValueDictionary[int, Metadata] = weakref.WeakValueDictionary()
 
 
 _SUFFIX = ".distcp"
@@ -360,9 +358,7 @@ class FastFileSystemWriter(FileSystemWriter):
 
         from .fast_save import compact_metadata
 
-        if _COMPACT.get(id(metadata)) is not metadata:
-            compact_metadata(metadata)
-            _COMPACT[id(metadata)] = metadata
+        compact_metadata(metadata)  # once per Metadata: a planned one already is
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
         metadata.storage_meta = self.storage_meta()

@@ -22,6 +22,7 @@ loudly in CI instead of silently mis-loading checkpoints.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -47,18 +48,22 @@ def rebuild_tensor_functions() -> tuple[Callable[..., torch.Tensor], Callable[..
     return torch._utils._rebuild_tensor_v2, torch._utils._rebuild_tensor_v3
 
 
-def storage_info(relative_path: str, offset: int, length: int, transform_descriptors: Any = None) -> Any:
-    """DCP's per-item storage record (``filesystem._StorageInfo``), as its writer creates it."""
+@functools.cache
+def _storage_info_class() -> Any:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    return _StorageInfo(relative_path, offset, length, transform_descriptors)
+    return _StorageInfo
+
+
+def storage_info(relative_path: str, offset: int, length: int, transform_descriptors: Any = None) -> Any:
+    """DCP's per-item storage record (``filesystem._StorageInfo``), as its writer creates it
+    (the class is looked up once: a coordinator rebuilds 200,000 of them at 1,024 ranks)."""
+    return _storage_info_class()(relative_path, offset, length, transform_descriptors)
 
 
 def is_storage_info(value: Any) -> bool:
     """Whether ``value`` is exactly DCP's per-item storage record (not a subclass or a stand-in)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    return type(value) is _StorageInfo
+    return type(value) is _storage_info_class()
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

@@ -32,12 +32,16 @@ optimizer state that continues after ``save()`` returned:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
@@ -66,18 +70,53 @@ def _sample_step(numel: int) -> int:
     return max(1, (numel - 1) // (SAMPLES - 1))
 
 
-def _sample(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of every ``_sample_step``-th element of a contiguous ``tensor`` and of its last one
-    (a kernel on the current stream for a CUDA tensor: no host sync). With the first and the last
-    element sampled, an edit of the whole tensor that overtakes the copy is caught too: the copy
-    then reads edited bytes up to the end."""
+#: Integer dtypes of each element size: a CPU tensor of a dtype numpy lacks (bfloat16, the
+#: float8s) is sampled through a same-size integer view of its bytes.
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _flat_numpy(tensor: torch.Tensor) -> np.ndarray[Any, Any] | None:
+    """A flat numpy view of a contiguous CPU tensor's elements (no copy), or ``None``."""
+    try:
+        plain = tensor.detach() if tensor.requires_grad else tensor
+        try:
+            array = plain.numpy()
+        except TypeError:  # a dtype numpy has not
+            as_int = _SAME_SIZE_INT.get(plain.element_size())
+            if as_int is None:
+                return None
+            array = plain.view(as_int).numpy()
+        return array.reshape(-1)
+    except (RuntimeError, TypeError, ValueError):  # a conjugate or negative view, a sparse tensor
+        return None
+
+
+Sample = torch.Tensor | np.ndarray[Any, Any]
+
+
+def _sample(tensor: torch.Tensor) -> Sample:
+    """A copy of every ``_sample_step``-th element of a contiguous ``tensor`` and of its last one:
+    for a CPU tensor through a numpy view (a few microseconds a tensor, where four torch ops cost
+    about fifteen), for a CUDA tensor a kernel on the current stream (no host sync). With the
+    first and the last element sampled, an edit of the whole tensor that overtakes the copy is
+    caught too: the copy then reads edited bytes up to the end."""
+    if tensor.device.type == "cpu":
+        array = _flat_numpy(tensor)
+        if array is not None:
+            return np.concatenate((array[:: _sample_step(array.size)], array[-1:]))
     flat = tensor.reshape(-1)
     return torch.cat((flat[:: _sample_step(flat.numel())], flat[-1:]))
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality of two 1-D tensors of one dtype (NaNs included)."""
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+def _bits(sample: Sample) -> bytes:
+    if isinstance(sample, torch.Tensor):
+        return bytes(sample.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return sample.tobytes()
+
+
+def _same_bits(a: Sample, b: Sample) -> bool:
+    """Bitwise equality of two samples of one dtype (NaNs included), numpy or torch alike."""
+    return _bits(a) == _bits(b)
 
 
 class SnapshotChangedError(CkptEngineError):
@@ -207,35 +246,72 @@ def stage_copy(
     copy_now([views[i] for i in now], [sources[i] for i in now], streams)
     if not later:
         return None
-    names = tensor_names(state)
+
+    def names() -> list[str]:  # for error messages only: worked out when one is raised
+        by_id = tensor_names(state)
+        return [by_id.get(id(objects[i]), f"tensor {i}") for i in later]
+
     return Snapshot(
         [views[i] for i in later],
         [sources[i] for i in later],
-        [names.get(id(objects[i]), f"tensor {i}") for i in later],
+        names,
         [owners_of(sources[i], owned) for i in later],
         optimizers,
         streams,
     )
 
 
+class _CopyWorker:
+    """The one thread per process that runs the overlap copies, one snapshot after another.
+
+    Starting a thread per save made ``save()`` wait until the new thread was scheduled (about
+    0.1 ms on a quiet machine, milliseconds on a busy one). Snapshots settle themselves and catch
+    every error of their copy, so the loop never ends; after a fork the child starts its own."""
+
+    _lock = threading.Lock()
+    _queue: queue.SimpleQueue[Callable[[], None]] | None = None
+    _pid = -1
+
+    @classmethod
+    def run(cls, job: Callable[[], None]) -> None:
+        with cls._lock:
+            if cls._queue is None or cls._pid != os.getpid():
+                cls._queue, cls._pid = queue.SimpleQueue(), os.getpid()
+                worker = threading.Thread(
+                    target=cls._loop, args=(cls._queue,), name="pinned-staging-overlap-copy", daemon=True
+                )
+                worker.start()
+            cls._queue.put(job)
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            job = jobs.get()
+            # Snapshot._run turns every error into its save's failure; nothing reaches here, and
+            # if it did, the copies queued behind it must still run.
+            with contextlib.suppress(BaseException):
+                job()
+
+
 class Snapshot:
     """The background copy of one ``overlap`` save (see the module docstring).
 
-    ``names`` are the keys of ``sources`` for error messages. ``settled`` completes (``None``, or
-    the error) once the copy is complete and confirmed, or failed and no copy still writes into
-    the buffers; only then may a writer read them.
+    ``names`` gives the keys of ``sources`` for error messages (called only for one).
+    ``settled`` completes (``None``, or the error) once the copy is complete and confirmed, or
+    failed and no copy still writes into the buffers; only then may a writer read them.
     """
 
     def __init__(
         self,
         views: Sequence[torch.Tensor],
         sources: Sequence[torch.Tensor],
-        names: Sequence[str],
+        names: Callable[[], Sequence[str]],
         watched: Sequence[Sequence[torch.Tensor]],
         optimizers: Sequence[torch.optim.Optimizer],
         streams: StreamPool,
     ) -> None:
-        self._views, self._sources, self._names = list(views), list(sources), list(names)
+        self._views, self._sources, self._names_of = list(views), list(sources), names
+        self._names: Sequence[str] | None = None
         #: Per source: it and the tensors whose in-place changes change it (their counters).
         self._watched = [[s, *w] for s, w in zip(self._sources, watched, strict=True)]
         self._versions = [self._version(i) for i in range(len(self._sources))]
@@ -261,8 +337,7 @@ class Snapshot:
         self._handles: dict[int, RemovableHandle] = {
             id(opt): opt.register_step_pre_hook(self._on_step) for opt in dict.fromkeys(optimizers)
         }
-        self._thread = threading.Thread(target=self._run, name="pinned-staging-overlap-copy", daemon=True)
-        self._thread.start()
+        _CopyWorker.run(self._run)
 
     # -- PendingSnapshot ----------------------------------------------------------------------
 
@@ -332,18 +407,23 @@ class Snapshot:
     def _check_sample(self, i: int) -> None:
         """The copy of source ``i`` holds the bits its sample took in ``save()``."""
         view, sample = self._views[i], self._samples[i]
-        if view.numel() and not _same_bits(_sample(view), sample.cpu()):
+        if view.numel() and not _same_bits(_sample(view), sample):
             raise SnapshotChangedError(
-                f"pinned_staging (overlap): {self._names[i]} was changed after save() and before its "
+                f"pinned_staging (overlap): {self._name(i)} was changed after save() and before its "
                 "snapshot copy, through an alias whose edits its version counter does not count (param.data, "
                 "a numpy view, untyped_storage()), so this checkpoint would not hold the state at save(); "
                 "the save failed. Call handle.wait_staged() before editing weights or optimizer state "
                 "outside optimizer.step(), or move the edit before save()"
             )
 
+    def _name(self, i: int) -> str:
+        if self._names is None:
+            self._names = self._names_of()
+        return self._names[i]
+
     def _changed(self, i: int) -> SnapshotChangedError:
         return SnapshotChangedError(
-            f"pinned_staging (overlap): {self._names[i]} was changed in place after save() and before its "
+            f"pinned_staging (overlap): {self._name(i)} was changed in place after save() and before its "
             "snapshot copy was complete, so this checkpoint would not hold the state at save(); the save "
             "failed. Call handle.wait_staged() before editing weights or optimizer state outside "
             "optimizer.step(), or move the edit before save()"
