@@ -165,3 +165,28 @@ def test_two_ranks_plan_alone_exactly_as_dcp_plans_centrally(tmp_path: Path) -> 
     assert rank0["hsdp_replicas"]["files"] == ["__0_0.distcp"]  # the replica on rank 1 was not written
     assert rank0["hsdp_shards"]["files"] == ["__0_0.distcp", "__1_0.distcp"]
     assert results[1][0]["hsdp_replicas"]["bytes"] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("last", "message"),
+    [
+        (None, None),
+        (((61, 0), (2, 4)), "overlapping chunks"),  # overlaps the chunk before it
+        (((63, 0), (2, 4)), "out of bounds chunk"),
+        (((62, 0), (1, 4)), "invalid fill"),
+    ],
+)
+def test_many_chunks_are_checked_as_arrays_with_the_walks_verdict(
+    last: tuple[tuple[int, int], tuple[int, int]] | None, message: str | None
+) -> None:
+    """32 ranks' chunks of one tensor (the array check's range): valid ones pass, and each
+    fault is found and named as the chunk-by-chunk walk names it."""
+    plans = [[_shard("w", (2 * r, 0), (2, 4), (64, 4))] for r in range(31)]
+    offsets, sizes = last if last is not None else ((62, 0), (2, 4))
+    plans.append([_shard("w", offsets, sizes, (64, 4))])
+    if message is None:
+        md = build_metadata(_columns(*plans))
+        assert len(md.state_dict_metadata["w"].chunks) == 32  # type: ignore[union-attr]
+        return
+    with pytest.raises(ValueError, match=message):
+        build_metadata(_columns(*plans))

@@ -285,38 +285,50 @@ def validate(metadata: Metadata, *, several_plans: bool) -> list[str]:
     """DCP's checks of a global save plan: every chunk inside its tensor, no two overlapping,
     and (with several plans) the chunks covering the tensor; at most 16 messages.
 
-    Each tensor's chunks are checked as arrays first (at 1,024 ranks a tensor has 1,024): in
-    bounds, and disjoint along the longest dimension, which proves no two overlap. Only a
-    tensor that fails either is walked chunk by chunk, as DCP walks it, for the messages."""
+    A tensor of many chunks (1,024 at 1,024 ranks) is checked as arrays first: in bounds, and
+    disjoint along the longest dimension, which proves no two overlap. Only a tensor that fails
+    either, or has few chunks, is walked chunk by chunk as DCP walks it."""
     errors: list[str] = []
     for key, value in metadata.state_dict_metadata.items():
         if not isinstance(value, TensorStorageMetadata) or len(value.size) == 0:
             continue
         if len(errors) >= 16:
             break
-        dims, chunks = len(value.size), value.chunks
-        offsets = np.array([tuple(c.offsets) for c in chunks], dtype=np.int64).reshape(len(chunks), dims)
-        sizes = np.array([tuple(c.sizes) for c in chunks], dtype=np.int64).reshape(len(chunks), dims)
-        inside = bool((offsets >= 0).all() and (sizes >= 0).all() and (offsets + sizes <= np.array(value.size)).all())
-        if not inside:
-            errors += [
-                f"key:{_clip(key)} has out of bounds chunk: tensor-size:{value.size} chunk: {chunk}"
-                for chunk in chunks
+        chunks, total = value.chunks, math.prod(value.size)
+        volume = _checked_as_arrays(value) if len(chunks) >= _ARRAY_CHECK else None
+        if volume is None:
+            volume = 0
+            for chunk in chunks:
                 if any(
                     o < 0 or s < 0 or o + s > t for o, s, t in zip(chunk.offsets, chunk.sizes, value.size, strict=True)
-                )
-            ]
-        if len(chunks) > 1:
-            sweep = max(range(dims), key=lambda d: value.size[d])
-            order = np.argsort(offsets[:, sweep], kind="stable")
-            starts, ends = offsets[order, sweep], offsets[order, sweep] + sizes[order, sweep]
-            if not bool((starts[1:] >= np.maximum.accumulate(ends)[:-1]).all()):
-                errors += _overlaps(key, value, dims)
-        volume = sum(math.prod(c.sizes) for c in chunks) if not inside else int(sizes.prod(axis=1).sum())
-        total = math.prod(value.size)
+                ):
+                    errors.append(f"key:{_clip(key)} has out of bounds chunk: tensor-size:{value.size} chunk: {chunk}")
+                volume += math.prod(chunk.sizes)
+            if len(chunks) > 1:
+                errors += _overlaps(key, value, len(value.size))
         if several_plans and volume != total:
             errors.append(f"key:{_clip(key)} invalid fill tensor-volume: {total} chunks-volume: {volume}")
     return errors[:16]
+
+
+#: From this many chunks a tensor is checked as arrays first (below, numpy's fixed cost loses).
+_ARRAY_CHECK = 16
+
+
+def _checked_as_arrays(value: TensorStorageMetadata) -> int | None:
+    """The chunks' volume if they are all in bounds and disjoint along the longest dimension
+    (then no two overlap); ``None`` if not, for the walk that names the faults."""
+    dims, chunks = len(value.size), value.chunks
+    offsets = np.array([tuple(c.offsets) for c in chunks], dtype=np.int64).reshape(len(chunks), dims)
+    sizes = np.array([tuple(c.sizes) for c in chunks], dtype=np.int64).reshape(len(chunks), dims)
+    if not bool((offsets >= 0).all() and (sizes >= 0).all() and (offsets + sizes <= np.array(value.size)).all()):
+        return None
+    sweep = max(range(dims), key=lambda d: value.size[d])
+    order = np.argsort(offsets[:, sweep], kind="stable")
+    starts, ends = offsets[order, sweep], offsets[order, sweep] + sizes[order, sweep]
+    if not bool((starts[1:] >= np.maximum.accumulate(ends)[:-1]).all()):
+        return None
+    return int(sizes.prod(axis=1).sum())
 
 
 def _overlaps(key: str, value: TensorStorageMetadata, dims: int) -> list[str]:
