@@ -18,7 +18,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 
-from ckpt_engine._dcpio.torch_private import is_storage_info, local_chunks, storage_info, tensor_version
+from ckpt_engine._dcpio.torch_private import (
+    is_storage_info,
+    local_chunks,
+    pickle_metadata,
+    storage_info,
+    tensor_version,
+)
 from ckpt_engine._dcpio.torch_save_archive import (
     ARCHIVE_DTYPES,
     SavedTensorLayout,
@@ -312,6 +318,32 @@ def test_storage_info_is_dcp_storage_record() -> None:
     assert info.transform_descriptors is None  # "no transforms", as DCP's writer records it
     assert storage_info("__0_0.distcp", 10, 20, ["zstd"]) == _StorageInfo("__0_0.distcp", 10, 20, ["zstd"])
     assert is_storage_info(info) and not is_storage_info((info.relative_path, info.offset, info.length))
+
+
+def test_pickle_metadata_gives_pickles_bytes() -> None:
+    """The fast ``.metadata`` pickle reduces DCP's storage records as their ``__getstate__``
+    does: the same bytes as ``pickle.dumps`` for records with and without transforms."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    size = torch.Size([4, 2])
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=size)
+    md = Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, [chunk])},
+        planner_data={"w": ("w",)},
+        storage_data={
+            MetadataIndex("w", torch.Size([0, 0]), 0): storage_info("__0_0.distcp", 0, 32),
+            MetadataIndex("v", torch.Size([0]), 0): storage_info("__1_0.distcp", 64, 8, ["zstd"]),
+            MetadataIndex("x", None, None): storage_info("__0_0.distcp", 32, 5),
+        },
+    )
+    assert pickle_metadata(md) == pickle.dumps(md, protocol=pickle.DEFAULT_PROTOCOL)
+    assert pickle.loads(pickle_metadata(md)).storage_data == md.storage_data
 
 
 def test_tensor_version_is_shared_by_views_and_bumped_by_in_place_ops_under_no_grad() -> None:

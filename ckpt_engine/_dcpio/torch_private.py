@@ -9,7 +9,8 @@ loudly in CI instead of silently mis-loading checkpoints.
 * ``torch._utils._rebuild_tensor_v2``/``_v3``: the functions a ``torch.save`` archive names to
   rebuild a tensor (:func:`rebuild_tensor_functions`). The archive format itself is a file
   format, not an API: its reader and writer are :mod:`.torch_save_archive`.
-* ``filesystem._StorageInfo``: DCP's per-item storage record (:func:`storage_info`, :func:`is_storage_info`).
+* ``filesystem._StorageInfo``: DCP's per-item storage record (:func:`storage_info`, :func:`is_storage_info`),
+  and the state its ``__getstate__`` pickles (:func:`pickle_metadata`).
 * ``Tensor._version``: the in-place version counter autograd keeps per storage (shared by views
   and ``detach()``), bumped by every in-place op (also under ``no_grad``). ``pinned_staging``'s
   ``overlap`` mode reads it to prove a parameter was not changed before its background copy was
@@ -22,7 +23,10 @@ loudly in CI instead of silently mis-loading checkpoints.
 
 from __future__ import annotations
 
+import copyreg
 import functools
+import io
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +63,32 @@ def storage_info(relative_path: str, offset: int, length: int, transform_descrip
     """DCP's per-item storage record (``filesystem._StorageInfo``), as its writer creates it
     (the class is looked up once: a coordinator rebuilds 200,000 of them at 1,024 ranks)."""
     return _storage_info_class()(relative_path, offset, length, transform_descriptors)
+
+
+def pickle_metadata(metadata: Any) -> bytes:
+    """``pickle.dumps(metadata, protocol=pickle.DEFAULT_PROTOCOL)``, byte for byte, faster.
+
+    Every storage record pickles through ``_StorageInfo.__getstate__`` (its fields but those
+    that are ``None``), a chain of Python calls per record: a third of the pickling time of a
+    ``.metadata`` with 200,000 entries. A dispatch-table reducer gives pickle the same
+    reduction (``copyreg.__newobj__``, the class, that state) in one call, with the state built
+    directly for a record whose three fields are set and whose transforms are not."""
+    cls = _storage_info_class()
+    newobj = copyreg.__newobj__  # type: ignore[attr-defined]  # in copyreg, not in its stubs
+
+    def reduce(info: Any) -> tuple[Any, ...]:
+        fields = info.__dict__
+        if len(fields) == 4 and fields.get("transform_descriptors", 0) is None:
+            rel, offset, length = fields["relative_path"], fields["offset"], fields["length"]
+            if rel is not None and offset is not None and length is not None:
+                return newobj, (cls,), {"relative_path": rel, "offset": offset, "length": length}, None, None
+        return newobj, (cls,), info.__getstate__(), None, None
+
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, protocol=pickle.DEFAULT_PROTOCOL)
+    pickler.dispatch_table = {**copyreg.dispatch_table, cls: reduce}
+    pickler.dump(metadata)
+    return out.getvalue()
 
 
 def is_storage_info(value: Any) -> bool:
