@@ -19,6 +19,12 @@ At 50,000 small tensors that is most of a save (docs/performance.md, "Many small
   gathered; the ranks' digests differ, as the rank is in the signature, so the cache keeps every
   rank's digest of the save it planned); any change of keys, shapes, dtypes, sharding or plugins
   plans again.
+* **plans a new structure without a central step where the layout allows**
+  (:mod:`~ckpt_engine._dcpio.local_plan`): the plan check's all-gather also says whether every
+  rank can finish DCP's plan alone (FSDP2, HSDP, replicated modules); then no plan goes through
+  rank 0, each rank sends its final items by columns with its write results, and rank 0 builds
+  and validates the ``Metadata`` DCP's global plan would have built. Otherwise DCP's
+  ``create_global_plan`` runs on rank 0 over the gathered plans, as ``dcp.save`` does.
 * **sends write results by columns** (:class:`CompactResults`): what each rank's writer
   returns is gathered to the coordinator as a few flat lists (keys, offsets, sizes, files, byte
   ranges) instead of one pickled DCP object graph per item, and rebuilt there into the same
