@@ -79,9 +79,11 @@ def _check(trials: list[dict[str, Any]], summary: dict[str, Any], stderr: str, c
     # Resumes go forward: later trials restore later iterations than the first ones.
     loaded = [t["loaded"] for t in trials]
     assert loaded == sorted(loaded) and loaded[-1] > loaded[0], loaded
-    # Retention ran under kills too and stayed bounded (keep_last=3, plus at most one
-    # committed-but-not-yet-latest folder from a kill between rename and latest).
-    assert max(t["checkpoints"] for t in trials) <= 4
+    # Retention ran under kills too and stayed bounded. It runs after a commit, so a kill can
+    # leave two folders over keep_last=3 until the next commit prunes them: one from a kill
+    # after latest moved but before retention ran, and a committed folder latest does not yet
+    # name, from a kill in a later trial between its rename and latest (seen once in CI: 5).
+    assert max(t["checkpoints"] for t in trials) <= 3 + 2
 
 
 def test_sigkill_during_sync_saves_never_loses_or_tears_a_checkpoint(tmp_path: Path) -> None:
