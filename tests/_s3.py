@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +70,45 @@ class S3Server:
             skip_instance_cache=True,
             use_listings_cache=False,
         )
+
+
+class S3ServerProcess(S3Server):
+    """moto's server in a process of its own: a second object store with its own objects (two
+    servers in one process share moto's backend, so they would be one store)."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.running = False
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        if self.running:
+            return
+        code = (
+            "import sys, threading; from moto.server import ThreadedMotoServer; "
+            f"ThreadedMotoServer(ip_address='127.0.0.1', port={self.port}, verbose=False).start(); "
+            "sys.stdin.read()"  # until the parent closes the pipe
+        )
+        self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+        while self._proc.poll() is None:  # bounded by the process: it either listens or exits
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", self.port)) == 0:
+                    self.running = True
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"the moto server process exited with {self._proc.returncode}")
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc, self.running = None, False
 
 
 @dataclass

@@ -304,6 +304,30 @@ def test_s3_save_resume_and_retention(s3_bucket: Any) -> None:
     _assert_same_state(state, fresh)
 
 
+def test_one_bucket_name_on_two_servers_gets_two_spools(s3_bucket: Any) -> None:
+    # Two jobs on one machine, each saving to its own server's bucket of the same name: the same
+    # URL, so one spool folder and its save lock before (the second engine raised
+    # SaveDirLockedError; seen as a flake when two test workers each ran their own server).
+    from _s3 import Bucket, S3ServerProcess
+
+    other = S3ServerProcess()
+    other.start()
+    try:
+        other.client_fs().call_s3("create_bucket", Bucket=s3_bucket.name)
+        twin = Bucket(other, s3_bucket.name, {**s3_bucket.storage, "endpoint_url": other.endpoint})
+        assert twin.url == s3_bucket.url
+        first, second = TinyTrainingState.create(seed=1, hidden=64), TinyTrainingState.create(seed=2, hidden=64)
+        with CheckpointEngine(_s3_config(s3_bucket)) as a, CheckpointEngine(_s3_config(twin)) as b:
+            a.save(1, **first.objects()).result()
+            b.save(1, **second.objects()).result()  # while a holds its spool's lock
+        for bucket, state, seed in ((s3_bucket, first, 1), (twin, second, 2)):
+            result, fresh = _resume({**_s3_config(bucket), "verify": "checksums"}, seed=seed + 10)
+            assert (result.iteration, result.verified) == (1, True)
+            _assert_same_state(state, fresh)
+    finally:
+        other.stop()
+
+
 def test_s3_async_save_uploads_in_the_background(s3_bucket: Any) -> None:
     pytest.importorskip("ckpt_engine_plugins.pinned_staging")
     state = TinyTrainingState.create(seed=1, hidden=64)

@@ -529,8 +529,12 @@ def copy_within(store: FsspecStore, source_root: str, remote_root: str, expected
 
 
 def _spool_root(config: EngineConfig) -> str:
-    """The local spool of saves to this object-store URL: the same path on every rank."""
-    digest = hashlib.sha1(config.save_dir.encode()).hexdigest()[:16]
+    """The local spool of saves to this object-store URL at this endpoint: the same path on
+    every rank. The endpoint is part of the key: two servers may each hold a bucket of one name
+    (two jobs on one machine, each saving to its own S3-protocol server, shared one spool and its
+    lock before)."""
+    where = f"{config.storage.endpoint_url or ''}\n{config.save_dir}"
+    digest = hashlib.sha1(where.encode()).hexdigest()[:16]
     return os.path.join(config.storage.spool_dir or tempfile.gettempdir(), "ckpt-engine-spool", digest)
 
 
