@@ -2,7 +2,7 @@
 
 A rank that raises between collectives leaves the others waiting in the next one forever. So
 wherever one rank's step can fail on its own (preparing a save, writing or committing it, the
-checks before a load), every rank reports its outcome in one all-gather and then either all go
+checks before a load), every rank reports its outcome in one collective and then either all go
 on or all raise. The error every rank raises is the lowest failing rank's own, with its type and
 message (sent as the exception object; one that cannot travel is replaced by a typed
 :class:`~ckpt_engine.errors.CkptEngineError` carrying its type name and message), so a user sees
@@ -62,13 +62,20 @@ def agree(
     local_error: BaseException | None, payload: Any = None, *, fallback: type[CkptEngineError], step: str = "sync"
 ) -> Agreement:
     """Exchange every rank's outcome (``local_error`` or ``None``) and ``payload`` in one
-    all-gather; every rank gets the same :class:`Agreement`. A single process gets its own.
-    Inside an engine's save or load the gather is bounded by ``collective_timeout_s``; ``step``
-    names it in the :class:`~ckpt_engine.errors.CollectiveTimeoutError` a missing rank causes."""
+    all-gather (without a payload inside a save or a load: one all-reduce of a flag, and the
+    all-gather of the errors only if a rank failed); every rank gets the same
+    :class:`Agreement`. A single process gets its own. Inside an engine's save or load the
+    exchange is bounded by ``collective_timeout_s``; ``step`` names it in the
+    :class:`~ckpt_engine.errors.CollectiveTimeoutError` a missing rank causes."""
     sent = None if local_error is None else portable(local_error, fallback)
     text = "" if local_error is None else f"{type(local_error).__name__}: {local_error}"
-    if dist.world_size() <= 1:
+    world = dist.world_size()
+    if world <= 1:
         return Agreement([payload], [] if sent is None else [Failure(dist.rank(), sent, text)])
+    # Without a payload, a fixed-size all-reduce says whether any rank failed; only then are the
+    # errors gathered (every rank knows to join that second collective).
+    if payload is None and dist.any_rank(sent is not None, step=step) is False:
+        return Agreement([None] * world, [])
     gathered = dist.all_gather_object((sent, text, payload), step=step)
     failures = [Failure(r, err, t) for r, (err, t, _) in enumerate(gathered) if err is not None]
     return Agreement([p for _, _, p in gathered], failures)
