@@ -87,8 +87,6 @@ class CollectiveWatch:
         self._seq = 0
         self._phase = "idle"
         self._phase_t = time.time()
-        #: ``time.monotonic()`` by which the next barrier gives up, if sooner than ``timeout_s``.
-        self._deadline: float | None = None
 
     @classmethod
     def create(cls, timeout_s: float, *, who: str = "rank", monitored: bool = False) -> CollectiveWatch | None:
@@ -153,22 +151,6 @@ class CollectiveWatch:
 
     # -- barriers -----------------------------------------------------------------------------
 
-    def expect_by(self, deadline: float) -> None:
-        """Give up the next barrier at ``deadline`` (``time.monotonic()``) if that comes before
-        ``timeout_s``: a rank whose own collective with a peer failed after waiting part of
-        ``timeout_s`` (a broadcast of shared reads, bounded by half of it) spends only the rest
-        calling the roll, so the lost peer is named within ``timeout_s`` of that collective's
-        start, not ``timeout_s`` after its failure. Ranks that arrived at the barrier earlier
-        keep their own deadline, which ends sooner still."""
-        self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
-
-    def _wait_s(self) -> float:
-        deadline, self._deadline = self._deadline, None
-        if deadline is None:
-            return self.timeout_s
-        # A last look even when the deadline has passed: the others may all be there already.
-        return max(0.05, min(self.timeout_s, deadline - time.monotonic()))
-
     def barrier(self, step: str) -> None:
         """Wait until every rank reached collective ``step``; at most ``timeout_s``."""
         try:
@@ -203,8 +185,7 @@ class CollectiveWatch:
         base = f"{self.ns}b/{seq}/"
         self._publish()  # "seq": this rank arrived at barrier seq
         t0 = time.monotonic()
-        wait_s = self._wait_s()
-        failure = self._wait_monitored(wait_s) if self.monitored else self._wait_in_store(base, wait_s)
+        failure = self._wait_monitored() if self.monitored else self._wait_in_store(base)
         mine = "ok" if failure is None else f"timeout:{self.rank}"
         verdict = self.store.compare_set(base + "state", "", mine)
         verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
@@ -213,7 +194,7 @@ class CollectiveWatch:
             # A rank that waited in vain names who is missing. With ``monitored``, a rank whose
             # barrier failed because another had already given up is the late one instead.
             if failure is not None and (verdict == mine or not self.monitored):
-                if self.monitored and time.monotonic() - t0 < 0.9 * wait_s:
+                if self.monitored and time.monotonic() - t0 < 0.9 * self.timeout_s:
                     # Not a timeout: a peer's connection closed (it died before the barrier).
                     raise self.broken(step, failure) from failure
                 raise self._timeout_error(step, seq)
@@ -229,18 +210,18 @@ class CollectiveWatch:
                 with contextlib.suppress(Exception):
                     self.store.delete_key(old + name)
 
-    def _wait_in_store(self, base: str, wait_s: float) -> BaseException | None:
+    def _wait_in_store(self, base: str) -> BaseException | None:
         if self.store.add(base + "count", 1) == self.world:
             self.store.set(base + "all", "1")
         try:
-            self.store.wait([base + "all"], timedelta(seconds=wait_s))
+            self.store.wait([base + "all"], timedelta(seconds=self.timeout_s))
         except Exception as err:  # DistStoreError: the deadline passed
             return err
         return None
 
-    def _wait_monitored(self, wait_s: float) -> BaseException | None:
+    def _wait_monitored(self) -> BaseException | None:
         try:
-            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=wait_s), wait_all_ranks=True)
+            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
         except Exception as err:  # a rank did not answer in time, or its connection closed
             return err
         return None
