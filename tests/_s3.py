@@ -60,19 +60,10 @@ class S3Server:
 
     def client_fs(self) -> Any:
         """A plain s3fs client (test-side checks, bypassing the engine)."""
-        import s3fs
-
-        return s3fs.S3FileSystem(
-            key=KEY_ID,
-            secret=SECRET,
-            endpoint_url=self.endpoint,
-            client_kwargs={"region_name": "us-east-1"},
-            skip_instance_cache=True,
-            use_listings_cache=False,
-        )
+        return client_fs(self.endpoint)
 
 
-class S3ServerProcess(S3Server):
+class S3ServerProcess:
     """moto's server in a process of its own: a second object store with its own objects (two
     servers in one process share moto's backend, so they would be one store)."""
 
@@ -86,7 +77,7 @@ class S3ServerProcess(S3Server):
         if self.running:
             return
         code = (
-            "import sys, threading; from moto.server import ThreadedMotoServer; "
+            "import sys; from moto.server import ThreadedMotoServer; "
             f"ThreadedMotoServer(ip_address='127.0.0.1', port={self.port}, verbose=False).start(); "
             "sys.stdin.read()"  # until the parent closes the pipe
         )
@@ -110,10 +101,28 @@ class S3ServerProcess(S3Server):
                 self._proc.wait()
             self._proc, self.running = None, False
 
+    def client_fs(self) -> Any:
+        """A plain s3fs client (test-side checks, bypassing the engine)."""
+        return client_fs(self.endpoint)
+
+
+def client_fs(endpoint: str) -> Any:
+    """A plain s3fs client of the server at ``endpoint``."""
+    import s3fs
+
+    return s3fs.S3FileSystem(
+        key=KEY_ID,
+        secret=SECRET,
+        endpoint_url=endpoint,
+        client_kwargs={"region_name": "us-east-1"},
+        skip_instance_cache=True,
+        use_listings_cache=False,
+    )
+
 
 @dataclass
 class Bucket:
-    server: S3Server
+    server: S3Server | S3ServerProcess
     name: str
     #: ``storage`` options of an engine config that reach this server.
     storage: dict[str, Any] = field(default_factory=dict)
