@@ -304,6 +304,28 @@ def test_s3_save_resume_and_retention(s3_bucket: Any) -> None:
     _assert_same_state(state, fresh)
 
 
+def test_memory_urls_of_two_processes_get_two_spools() -> None:
+    # memory:// objects live in one process: another process saving to the same URL saves to
+    # another store, and must not find this one's spool locked (test workers each saving to
+    # memory://ckpt-tests/run0 raised SaveDirLockedError).
+    url = f"memory://ckpt-tests/two-processes-{os.getpid()}"
+    child = (
+        "import sys; from ckpt_engine import CheckpointEngine; from ckpt_engine.testing import TinyTrainingState; "
+        f"e = CheckpointEngine({{'save_dir': {url!r}}}); e.save(1, **TinyTrainingState.create(seed=1).objects()); "
+        "print('saved', flush=True); sys.stdin.read(); e.close()"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "saved"  # it holds its lock
+        state = TinyTrainingState.create(seed=2)
+        with CheckpointEngine({"save_dir": url}) as engine:
+            assert engine.save(1, **state.objects()).result().succeeded
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+
+
 def test_one_bucket_name_on_two_servers_gets_two_spools(s3_bucket: Any) -> None:
     # Two jobs on one machine, each saving to its own server's bucket of the same name: the same
     # URL, so one spool folder and its save lock before (the second engine raised

@@ -529,11 +529,12 @@ def copy_within(store: FsspecStore, source_root: str, remote_root: str, expected
 
 
 def _spool_root(config: EngineConfig) -> str:
-    """The local spool of saves to this object-store URL at this endpoint: the same path on
-    every rank. The endpoint is part of the key: two servers may each hold a bucket of one name
-    (two jobs on one machine, each saving to its own S3-protocol server, shared one spool and its
-    lock before)."""
-    where = f"{config.storage.endpoint_url or ''}\n{config.save_dir}"
+    """The local spool of saves to this store's URL: the same path on every rank. The key names
+    the store, not only the URL: the endpoint (two servers may each hold a bucket of one name),
+    and for fsspec's ``memory://``, whose objects live in one process, that process (two
+    processes on one machine, each with its own store, shared one spool and its lock before)."""
+    local = os.getpid() if config.save_dir.lower().startswith("memory://") else ""
+    where = f"{config.storage.endpoint_url or ''}\n{local}\n{config.save_dir}"
     digest = hashlib.sha1(where.encode()).hexdigest()[:16]
     return os.path.join(config.storage.spool_dir or tempfile.gettempdir(), "ckpt-engine-spool", digest)
 
