@@ -98,6 +98,40 @@ def test_a_rank_arriving_after_the_others_gave_up_raises_instead_of_entering_the
     assert "last phase: stage" in str(r1)
 
 
+def test_a_survivor_arriving_after_the_lost_rank_woke_names_it() -> None:
+    # Rank 2 stops; rank 0 gives up on it. Rank 2 then wakes and arrives, and rank 1 comes last:
+    # every rank is there by then, so rank 1's own wait passes, but the barrier was given up.
+    # Rank 1 names the rank rank 0 found missing, not nobody (this was a CI flake of the
+    # shared-read fault test, where rank 0 wakes the stopped rank once it has given up).
+    w0, w1, w2 = _watches(3, 0.3)
+    w2.phase("read (shared 2/3, broadcast)")
+    with pytest.raises(CollectiveTimeoutError) as given_up:
+        w0.barrier("read")
+    assert given_up.value.missing == (1, 2)
+    woke = _run([lambda: w2.barrier("read")])[0]
+    assert isinstance(woke, CollectiveTimeoutError) and woke.missing == (1,)  # rank 1 was missing too
+    with pytest.raises(CollectiveTimeoutError) as last:
+        w1.barrier("read")
+    assert last.value.missing == (2,), last.value
+    expected = r"rank 2 did not reach 'read' within 0\.3 s \(last phase: read \(shared 2/3, broadcast\)"
+    assert re.match(expected, str(last.value)), last.value
+    assert "seen from rank 1, which arrived after another rank stopped waiting" in str(last.value)
+
+
+def test_a_rank_whose_collective_already_waited_calls_the_roll_only_for_the_rest() -> None:
+    # After a broadcast of shared reads failed, having waited part of the timeout, the rank
+    # names the lost peer by the original deadline, not a whole timeout later; the deadline is
+    # for one barrier only.
+    w0, _ = _watches(2, timeout_s=60)
+    w0.expect_by(time.monotonic() + 0.2)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match=r"rank 1 did not reach 'read'") as info:
+        w0.barrier("read")
+    assert time.monotonic() - t0 < 30  # 60 s without the deadline
+    assert info.value.missing == (1,)
+    assert w0._wait_s() == 60  # spent: the next barrier waits the whole timeout again
+
+
 def test_message_for_one_missing_rank_matches_the_documented_form() -> None:
     w0, w1 = _watches(2, 0.3)
     w1.phase("stage")

@@ -6,7 +6,7 @@ tests/_s3.py): 4 ranks loading a checkpoint one process wrote read it once betwe
 it), bit-exact; a strict mismatch raises the same error on every rank; a rank SIGKILLed or
 SIGSTOPped between two broadcasts of the shared reads is named by the others (no hang); FSDP2
 resharding (4 -> 2, 2 -> 4) is unchanged with ``dedup_reads: on`` and HSDP replicas read their
-shards once. The S3 loads, the SIGSTOP case and the FSDP2/HSDP loads run with
+shards once. The S3 loads and the FSDP2/HSDP loads run with
 ``CKPT_ENGINE_SLOW_TESTS=1``.
 """
 
@@ -97,9 +97,7 @@ def test_s3_loads_read_each_byte_once(s3_bucket: Any, tmp_path: Path) -> None:
     _check_replicated(run.results(), dedup_load.hashes(model, optim), total, 4)
 
 
-@pytest.mark.parametrize(
-    "sig", ["KILL", pytest.param("STOP", marks=pytest.mark.skipif(not SLOW, reason="CKPT_ENGINE_SLOW_TESTS=1"))]
-)
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
 def test_a_rank_lost_between_broadcasts_is_named(tmp_path: Path, sig: str) -> None:
     model, optim = _saved_state()
     with CheckpointEngine({"save_dir": str(tmp_path / "ck")}) as engine:
@@ -120,9 +118,11 @@ def test_a_rank_lost_between_broadcasts_is_named(tmp_path: Path, sig: str) -> No
         assert got["typed"], got
         assert got["type"] in ("CollectiveTimeoutError", "ProcessGroupError"), got
         assert "rank 2" in got["message"], got
-        # named within the timeout (half of it for the broadcast, half to call the roll), plus
-        # the load's own work on a shared 2-core machine
-        assert got["seconds"] < 2 * timeout_s, got
+        # named within the timeout of the moment it was lost (half of it for the broadcast, the
+        # rest to call the roll), plus scheduling slack on a shared 2-core machine; before the
+        # roll call counted the broadcast's wait it took 1.5x the timeout
+        lost = float((tmp_path / "victim.lost").read_text())
+        assert got["ended"] - lost < 1.25 * timeout_s, got
     if sig == "STOP":  # woken after the others gave up: it raises too, instead of hanging
         assert 2 in results, run.describe()
         assert results[2][0]["load"]["typed"], results[2]

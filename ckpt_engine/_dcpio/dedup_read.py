@@ -29,7 +29,11 @@ Failures:
   :class:`~ckpt_engine.errors.ProcessGroupError` and goes on to the load's closing agreement,
   whose bounded barrier names the rank that does not arrive
   (:class:`~ckpt_engine.errors.CollectiveTimeoutError`, with the phase it last published), on
-  every rank alive: within ``collective_timeout_s`` of the failed broadcast.
+  every rank alive. That barrier waits only for what is left of ``collective_timeout_s`` since
+  the failed broadcast began (:meth:`~ckpt_engine._dcpio.watch.CollectiveWatch.expect_by`), so
+  the lost rank is named within ``collective_timeout_s`` of it. Ranks give up at different
+  moments; the first records whom it found missing with its verdict, so one that arrives after it
+  (even after a stopped rank woke and arrived too) names the same rank.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import dataclasses
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -151,6 +156,8 @@ class SharedReads:
         self.bytes_received = 0
         #: The ranks this rank shared its reads with (``()``: none).
         self.members: tuple[int, ...] = ()
+        #: ``time.monotonic()`` when this rank's latest broadcast began.
+        self._since = 0.0
 
     def _items(self, plan: LoadPlan, metadata: Any) -> dict[ItemKey, list[ReadItem]]:
         items: dict[ItemKey, list[ReadItem]] = {}
@@ -210,6 +217,7 @@ class SharedReads:
             if not c10d_failure(err):
                 raise
             _drop_subgroup(members)
+            self.comm.watch.expect_by(self._since + self.comm.watch.timeout_s)
             raise ProcessGroupError(
                 f"rank {members[index]}: a broadcast of the reads shared by ranks {list(members)} failed in "
                 f"torch.distributed ({type(err).__name__}: {clip(str(err), 200)}): one of them died or stopped",
@@ -247,6 +255,7 @@ class SharedReads:
                     continue
                 data = buf if m == index else torch.empty(batch.nbytes + 1, dtype=torch.uint8)
                 assert data is not None
+                self._since = time.monotonic()
                 _broadcast(data, members[m], group)
                 if m != index:
                     self.bytes_received += batch.nbytes

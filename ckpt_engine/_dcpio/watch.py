@@ -87,6 +87,8 @@ class CollectiveWatch:
         self._seq = 0
         self._phase = "idle"
         self._phase_t = time.time()
+        #: ``time.monotonic()`` by which the next barrier gives up, if sooner than ``timeout_s``.
+        self._deadline: float | None = None
 
     @classmethod
     def create(cls, timeout_s: float, *, who: str = "rank", monitored: bool = False) -> CollectiveWatch | None:
@@ -151,6 +153,22 @@ class CollectiveWatch:
 
     # -- barriers -----------------------------------------------------------------------------
 
+    def expect_by(self, deadline: float) -> None:
+        """Give up the next barrier at ``deadline`` (``time.monotonic()``) if that comes before
+        ``timeout_s``: a rank whose own collective with a peer failed after waiting part of
+        ``timeout_s`` (a broadcast of shared reads, bounded by half of it) spends only the rest
+        calling the roll, so the lost peer is named within ``timeout_s`` of that collective's
+        start, not ``timeout_s`` after its failure. Ranks that arrived at the barrier earlier
+        keep their own deadline, which ends sooner still."""
+        self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+
+    def _wait_s(self) -> float:
+        deadline, self._deadline = self._deadline, None
+        if deadline is None:
+            return self.timeout_s
+        # A last look even when the deadline has passed: the others may all be there already.
+        return max(0.05, min(self.timeout_s, deadline - time.monotonic()))
+
     def barrier(self, step: str) -> None:
         """Wait until every rank reached collective ``step``; at most ``timeout_s``."""
         try:
@@ -185,24 +203,23 @@ class CollectiveWatch:
         base = f"{self.ns}b/{seq}/"
         self._publish()  # "seq": this rank arrived at barrier seq
         t0 = time.monotonic()
-        failure = self._wait_monitored() if self.monitored else self._wait_in_store(base)
-        mine = "ok" if failure is None else f"timeout:{self.rank}"
+        wait_s = self._wait_s()
+        failure = self._wait_monitored(wait_s) if self.monitored else self._wait_in_store(base, wait_s)
+        # The rank that gives up calls the roll then, and its verdict carries it: a rank that
+        # reads the verdict later (one that arrived after it, perhaps after the lost rank woke
+        # up and arrived too) names the same ranks instead of the ones still missing by then.
+        mine = "ok" if failure is None else "timeout:" + json.dumps(self._roll_call(seq))
         verdict = self.store.compare_set(base + "state", "", mine)
         verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
         if verdict != "ok":
             self.group_failed()
-            # A rank that waited in vain names who is missing. With ``monitored``, a rank whose
-            # barrier failed because another had already given up is the late one instead.
-            if failure is not None and (verdict == mine or not self.monitored):
-                if self.monitored and time.monotonic() - t0 < 0.9 * self.timeout_s:
-                    # Not a timeout: a peer's connection closed (it died before the barrier).
-                    raise self.broken(step, failure) from failure
-                raise self._timeout_error(step, seq)
-            raise CollectiveTimeoutError(
-                f"{self.who} {self.rank} reached '{step}' after the other ranks stopped waiting for it "
-                f"(collective_timeout_s={_fmt(self.timeout_s)} s; last phase: {self._phase})",
-                step=step,
-            )
+            if self.monitored and failure is not None and verdict == mine and time.monotonic() - t0 < 0.9 * wait_s:
+                # Not a timeout: a peer's connection closed (it died before the barrier).
+                raise self.broken(step, failure) from failure
+            # With ``monitored``, a rank whose barrier failed because another had already given
+            # up is the late one: it names nobody else.
+            late = _verdict_roll(verdict) if verdict == mine or not self.monitored else []
+            raise self._timeout_error(step, late, came_late=verdict != mine)
         if seq > 1 and self.rank == 0:
             # Every rank passed barrier seq, so none still reads the keys of barrier seq - 1.
             old = f"{self.ns}b/{seq - 1}/"
@@ -210,23 +227,24 @@ class CollectiveWatch:
                 with contextlib.suppress(Exception):
                     self.store.delete_key(old + name)
 
-    def _wait_in_store(self, base: str) -> BaseException | None:
+    def _wait_in_store(self, base: str, wait_s: float) -> BaseException | None:
         if self.store.add(base + "count", 1) == self.world:
             self.store.set(base + "all", "1")
         try:
-            self.store.wait([base + "all"], timedelta(seconds=self.timeout_s))
+            self.store.wait([base + "all"], timedelta(seconds=wait_s))
         except Exception as err:  # DistStoreError: the deadline passed
             return err
         return None
 
-    def _wait_monitored(self) -> BaseException | None:
+    def _wait_monitored(self, wait_s: float) -> BaseException | None:
         try:
-            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=wait_s), wait_all_ranks=True)
         except Exception as err:  # a rank did not answer in time, or its connection closed
             return err
         return None
 
-    def _timeout_error(self, step: str, seq: int) -> CollectiveTimeoutError:
+    def _roll_call(self, seq: int) -> list[tuple[int, str]]:
+        """The ranks that have not reached barrier ``seq``, each with its last published phase."""
         now = time.time()
         late: list[tuple[int, str]] = []
         for r in range(self.world):
@@ -240,6 +258,18 @@ class CollectiveWatch:
             else:
                 ago = max(0.0, now - float(doc.get("t", now)))
                 late.append((r, f"last phase: {doc.get('phase')}, {ago:.1f} s ago"))
+        return late
+
+    def _timeout_error(self, step: str, late: list[tuple[int, str]], *, came_late: bool) -> CollectiveTimeoutError:
+        """The error for a barrier given up on: ``late`` is the roll call of the rank that gave up
+        (``came_late``: not this one, which arrived after it had). This rank is left out of it."""
+        late = [(r, what) for r, what in late if r != self.rank]
+        if not late:
+            return CollectiveTimeoutError(
+                f"{self.who} {self.rank} reached '{step}' after the other ranks stopped waiting for it "
+                f"(collective_timeout_s={_fmt(self.timeout_s)} s; last phase: {self._phase})",
+                step=step,
+            )
         within = f"within {_fmt(self.timeout_s)} s"
         if len(late) == 1:
             r, what = late[0]
@@ -249,8 +279,9 @@ class CollectiveWatch:
             detail = "; ".join(f"{self.who} {r}: {what}" for r, what in late[:_SHOWN])
             more = f"; and {len(late) - _SHOWN} more" if len(late) > _SHOWN else ""
             message = f"{len(late)} {self.who}s ({ranks}) did not reach '{step}' {within} ({detail}{more})"
+        seen = f"{self.who} {self.rank}" + (", which arrived after another rank stopped waiting" if came_late else "")
         message += (
-            f"; seen from {self.who} {self.rank}. A rank is stuck or died: see its log; raise collective_timeout_s "
+            f"; seen from {seen}. A rank is stuck or died: see its log; raise collective_timeout_s "
             "if that phase legitimately takes longer"
         )
         return CollectiveTimeoutError(message, step=step, missing=[r for r, _ in late])
@@ -272,6 +303,16 @@ def c10d_failure(err: BaseException) -> bool:
     return tb is not None and tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(
         "torch/distributed/distributed_c10d.py"
     )
+
+
+def _verdict_roll(verdict: str) -> list[tuple[int, str]]:
+    """The roll call a ``timeout:`` verdict carries (written by :meth:`CollectiveWatch._barrier`
+    of this engine on another rank of the job; anything unreadable names nobody)."""
+    try:
+        doc = json.loads(verdict.partition(":")[2])
+        return [(int(r), str(what)) for r, what in doc]
+    except (ValueError, TypeError):
+        return []
 
 
 @contextlib.contextmanager

@@ -79,8 +79,9 @@ def outcome(fn: Any) -> dict[str, Any]:
             "typed": isinstance(err, CkptEngineError),
             "message": str(err),
             "seconds": time.monotonic() - t0,
+            "ended": time.time(),
         }
-    return {"type": None, "seconds": time.monotonic() - t0}
+    return {"type": None, "seconds": time.monotonic() - t0, "ended": time.time()}
 
 
 def replicated(spec: dict[str, Any]) -> None:
@@ -134,6 +135,8 @@ def fault(spec: dict[str, Any], rank: int) -> None:
         if rank == spec["victim"] and calls[0] == spec["at"]:
             with open(pid_file, "w") as f:
                 f.write(str(os.getpid()))
+            with open(os.path.join(spec["work"], "victim.lost"), "w") as f:
+                f.write(repr(time.time()))
             os.kill(os.getpid(), getattr(signal, f"SIG{spec['signal']}"))
         broadcast(tensor, src, group)
 
