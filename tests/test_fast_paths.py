@@ -208,6 +208,7 @@ def test_contiguous_region_rejects_out_of_range() -> None:
     assert contiguous_region((4, 2), (0,), (1,)) is None
     assert contiguous_region((), (), ()) == (0, 1)
     assert contiguous_region((0, 3), (0, 0), (0, 3)) == (0, 0)
+    assert contiguous_region((-2, -3), (0, 0), (-2, -3)) is None  # a whole box of a nonsense shape
 
 
 def test_truncated_file_is_not_read_silently(tmp_path: Any) -> None:

@@ -178,6 +178,8 @@ def contiguous_region(size: Sequence[int], offsets: Sequence[int], lengths: Sequ
     """
     if not (len(size) == len(offsets) == len(lengths)):
         return None
+    if tuple(lengths) == tuple(size) and not any(offsets) and min(size, default=0) >= 0:  # the whole array
+        return 0, math.prod(size)
     for n, o, ln in zip(size, offsets, lengths, strict=True):
         if o < 0 or ln < 0 or o + ln > n:
             return None

@@ -101,6 +101,10 @@ def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
     cur[path[-1]] = value
 
 
+#: The origin of an array of each number of dimensions (``torch.Size`` is immutable: shared).
+_ZEROS = tuple(torch.Size([0] * n) for n in range(9))
+
+
 def _whole_tensor_read(storage: str, dest: str, value: Any, md: Any) -> ReadItem | None:
     """The one read item DCP's planner makes for a plain tensor stored whole as one chunk of
     its shape (``create_read_items_for_chunk_list`` with one local and one saved chunk, both
@@ -114,7 +118,7 @@ def _whole_tensor_read(storage: str, dest: str, value: Any, md: Any) -> ReadItem
     chunk = md.chunks[0]
     if not shape or shape != md.size or chunk.sizes != shape or any(chunk.offsets) or not all(shape):
         return None
-    zeros = torch.Size([0] * len(shape))
+    zeros = _ZEROS[len(shape)] if len(shape) < len(_ZEROS) else torch.Size([0] * len(shape))
     return ReadItem(
         type=LoadItemType.TENSOR,
         dest_index=MetadataIndex(dest, zeros, 0),
@@ -213,14 +217,17 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         """Missing destination keys that are the same memory as a destination key that loads (a
         tie in the model: Hugging Face's ``save_pretrained`` writes ``lm_head.weight`` tied to
         ``embed_tokens.weight`` once), each with that twin: loading the twin fills them."""
+        missing = [e.dest_key for e in entries if e.decision is Decision.MISSING]
+        if not missing:
+            return {}  # nothing to fill: no memory keys (a few microseconds a tensor) are needed
         loads: dict[TensorKey, str] = {}
         for e in entries:
             if e.decision is Decision.LOAD and (key := _memory(self.state_dict[e.dest_key])) is not None:
                 loads.setdefault(key, e.dest_key)
         tied: dict[str, str] = {}
-        for e in entries:
-            if e.decision is Decision.MISSING and (key := _memory(self.state_dict[e.dest_key])) in loads:
-                tied[e.dest_key] = loads[key]
+        for dest in missing:
+            if (key := _memory(self.state_dict[dest])) in loads:
+                tied[dest] = loads[key]
         return tied
 
     def _initial_entry(self, dest: str, storage: str, saved: Mapping[str, Any]) -> PlanEntry:
