@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import re
 import struct
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +52,12 @@ class _Opaque:
 
 OPAQUE = _Opaque()
 
-_FRAMES = rb"(?:\x95[\x00-\xff]{8})*"
+#: Any ``FRAME`` opcodes before the next opcode. Possessive where ``re`` has it (3.11+): giving a
+#: frame back can never help a match, since no opcode the patterns accept next begins with the
+#: ``FRAME`` byte (0x95), and without the backtracking state ``re`` keeps for every optional
+#: frame it matches a batch about three times faster (the batches of a 50,000-entry
+#: ``.metadata``: 0.056 s instead of 0.15 s, and the whole safe read 0.41 s instead of 0.53 s).
+_FRAMES = rb"(?:\x95[\x00-\xff]{8})*" + (b"+" if sys.version_info >= (3, 11) else b"")
 _GET = rb"(?:h[\x00-\xff]|j[\x00-\xff]{4})"
 _LONG1 = b"|".join(bytes([n]) + b"[\\x00-\\xff]{%d}" % n for n in range(1, 9))
 _INT = rb"(?:K[\x00-\xff]|M[\x00-\xff]{2}|J[\x00-\xff]{4}|\x8a(?:\x00|" + _LONG1 + rb"))"
