@@ -3,7 +3,9 @@
 For each tensor count (16 fp32 values per tensor, one module of buffers): the engine's save of
 an unchanged structure (the cached plan; checksums on and off, alternating), the engine's load,
 plain ``dcp.save`` / ``dcp.load`` of the same state dict, and the ``.metadata`` file: its size,
-the engine's safe read (``ckpt_engine._format.metadata.read_metadata``) and a plain ``pickle.load``.
+the engine's safe read (``ckpt_engine._format.metadata.read_metadata``) and a plain ``pickle.load``,
+in this process (also with cyclic garbage collection off, as the safe read runs) and each in a
+new process.
 
     python benchmarks/scale_bench.py --counts 10000,50000 --reps 3 --out scale.json
     python benchmarks/scale_bench.py --smoke
@@ -12,11 +14,13 @@ the engine's safe read (``ckpt_engine._format.metadata.read_metadata``) and a pl
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pickle
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +80,14 @@ def run(count: int, reps: int, root: str) -> dict[str, Any]:
             pickle.load(f)
 
     raw = [_time(plain) for _ in range(reps)]
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        raw_nogc = [_time(plain) for _ in range(reps)]
+    finally:
+        if was:
+            gc.enable()
+    fresh = _fresh_metadata_reads(folder, reps)
     med = {k: statistics.median(v) for k, v in out.items()}
     return {
         "count": count,
@@ -87,7 +99,40 @@ def run(count: int, reps: int, root: str) -> dict[str, Any]:
         "metadata_bytes": os.path.getsize(md_file),
         "metadata_read_safe_s": statistics.median(safe),
         "metadata_read_pickle_s": statistics.median(raw),
+        "metadata_read_pickle_nogc_s": statistics.median(raw_nogc),
+        "metadata_read_fresh_safe_s": statistics.median(fresh["safe"]),
+        "metadata_read_fresh_pickle_s": statistics.median(fresh["pickle"]),
     }
+
+
+#: One read of a ``.metadata`` in a new interpreter (``sys.argv``: folder, which), timed alone.
+_FRESH = """
+import pickle, sys, time
+folder, which = sys.argv[1], sys.argv[2]
+from ckpt_engine._format.metadata import read_metadata
+path = folder + "/.metadata"
+t = time.perf_counter()
+if which == "safe":
+    read_metadata(folder)
+else:
+    with open(path, "rb") as f:
+        pickle.load(f)
+print(time.perf_counter() - t)
+"""
+
+
+def _fresh_metadata_reads(folder: str, reps: int) -> dict[str, list[float]]:
+    """The safe read and ``pickle.load`` of one ``.metadata``, each in a new process (a small
+    heap, as at the start of a job), alternating: the benchmark's own process holds the model and
+    every earlier object, which changes what ``pickle.load``'s cyclic collections cost."""
+    out: dict[str, list[float]] = {"safe": [], "pickle": []}
+    for rep in range(reps):
+        for which in ("safe", "pickle") if rep % 2 == 0 else ("pickle", "safe"):
+            done = subprocess.run(
+                [sys.executable, "-c", _FRESH, folder, which], check=True, capture_output=True, text=True
+            )
+            out[which].append(float(done.stdout.strip().splitlines()[-1]))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             f"load {r['median_s']['load']:.3f}s ({us['load']:.0f} us/t, {vs['load']:.1f}x dcp)  "
             f"dcp save {r['median_s']['dcp_save']:.3f}s load {r['median_s']['dcp_load']:.3f}s  "
             f"checksums {r['checksum_cost'] * 100:+.1f}%  .metadata {r['metadata_bytes'] / 1e6:.2f} MB "
-            f"safe read {r['metadata_read_safe_s']:.3f}s pickle {r['metadata_read_pickle_s']:.3f}s",
+            f"safe read {r['metadata_read_safe_s']:.3f}s pickle {r['metadata_read_pickle_s']:.3f}s "
+            f"(without gc {r['metadata_read_pickle_nogc_s']:.3f}s; in a new process: safe "
+            f"{r['metadata_read_fresh_safe_s']:.3f}s pickle {r['metadata_read_fresh_pickle_s']:.3f}s)",
             flush=True,
         )
     if args.out:
