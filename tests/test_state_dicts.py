@@ -119,6 +119,87 @@ def test_applying_a_loaded_state_fills_plain_and_wrapped_modules_alike() -> None
         assert dst.note == "loaded"
 
 
+def _load_in_place(dst: nn.Module, src: nn.Module) -> None:
+    """What a load does: the template's tensors filled in place as the direct reader fills them
+    (through their memory, which torch's version counters do not see), then handed back."""
+    template = model_state_dict([dst])
+    before = tuple(template.values())
+    for k, v in src.state_dict().items():
+        template[k].numpy()[...] = v.numpy()
+    apply_component(TrainingObjects(modules=[dst]), "model", template, set(), before)
+
+
+class _Hooked(nn.Linear):
+    """Loads differently from a plain copy: a pre-hook counts, ``_load_from_state_dict`` scales."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.calls = 0
+        self._register_load_state_dict_pre_hook(self._count)
+
+    def _count(self, *args: Any) -> None:
+        self.calls += 1
+
+
+class _Scaled(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        with torch.no_grad():
+            self.weight.mul_(2)
+
+
+def test_a_load_filled_in_place_skips_the_self_copies_but_not_their_version_bump(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src, dst = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model_state_dict([dst])  # shown plain
+    called: list[int] = []
+    real = nn.Module._load_from_state_dict
+
+    def counted(self: nn.Module, *args: Any) -> None:
+        called.append(1)
+        real(self, *args)
+
+    monkeypatch.setattr(nn.Module, "_load_from_state_dict", counted)  # still every class's own
+    out = dst(torch.ones(1, 3)).sum()  # autograd saved the weights for backward
+    versions = [p._version for p in dst.parameters()]
+    _load_in_place(dst, src)
+    assert not called
+    for a, b in zip(src.parameters(), dst.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert all(p._version > v for p, v in zip(dst.parameters(), versions, strict=True))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()  # as after load_state_dict: the saved weights changed
+
+
+@pytest.mark.parametrize("make", [_Hooked, _Scaled, _WithEverything])
+def test_a_module_that_loads_otherwise_still_gets_load_state_dict(make: Any) -> None:
+    src, dst = make(), make()
+    model_state_dict([dst])
+    if isinstance(src, _WithEverything):  # a non-tensor extra state: set_extra_state must run
+        src.note = "loaded"
+        template = model_state_dict([dst])
+        before = tuple(template.values())
+        for k, v in model_state_dict([src]).items():
+            if isinstance(v, torch.Tensor):
+                template[k].copy_(v)
+            else:
+                template[k] = v
+        apply_component(TrainingObjects(modules=[dst]), "model", template, set(), before)
+        assert dst.note == "loaded"
+        return
+    with torch.no_grad():
+        src.weight.fill_(1.0)
+    _load_in_place(dst, src)
+    if isinstance(dst, _Hooked):
+        assert dst.calls == 1
+    else:
+        assert torch.equal(dst.weight, torch.full_like(dst.weight, 2.0))
+
+
 # -- optimizers: the optimizer's own state_dict() named by the module's parameter names --------
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -323,12 +323,13 @@ class Loader:
                 if name == RNG_COMPONENT:
                     check_saved_world_size(checked.components[name], path, _dist.world_size())
                 sd = component_state_dict(objs, name, 0)
+                template = tuple(sd.values())
                 planner = self._load_component(
                     name, validated.store.join(path, name), sd, checked.components[name], objs, validated.store
                 )
                 assert planner.report is not None
                 reports[name] = planner.report
-                apply_component(objs, name, sd, planner.untouched_roots)
+                apply_component(objs, name, sd, planner.untouched_roots, template)
                 if name == "trainer":
                     iteration = int(sd.get("iteration", 0))
             report = LoadReport(reports)
