@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 
 from ckpt_engine._dcpio.torch_private import (
     is_storage_info,
+    loads_by_copy,
     local_chunks,
     pickle_metadata,
     storage_info,
@@ -397,3 +398,27 @@ def test_default_store_is_the_store_of_the_default_process_group() -> None:
         assert not found.check(["ckpt-engine-pin"])
     finally:
         dist.destroy_process_group()
+
+
+def test_load_hooks_and_overrides_are_what_loads_by_copy_sees() -> None:
+    """The public hook registrations fill the private dicts ``loads_by_copy`` reads, and a plain
+    module's ``load_state_dict`` of its own tensors copies them onto themselves (values kept,
+    versions bumped): what the engine skips and replaces with ``increment_version``."""
+    from torch import nn
+
+    module = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert loads_by_copy(module)
+    sd = module.state_dict()
+    before = {k: v.clone() for k, v in sd.items()}
+    versions = [p._version for p in module.parameters()]
+    module.load_state_dict(sd)
+    assert all(torch.equal(sd[k], before[k]) for k in sd)
+    assert all(p._version > v for p, v in zip(module.parameters(), versions, strict=True))
+    pre = module[0].register_load_state_dict_pre_hook(lambda *a: None)
+    assert not loads_by_copy(module)
+    pre.remove()
+    post = module[1].register_load_state_dict_post_hook(lambda *a: None)
+    assert not loads_by_copy(module)
+    post.remove()
+    assert loads_by_copy(module)
+    assert not loads_by_copy(nn.Sequential(nn.BatchNorm1d(2)))  # its own _load_from_state_dict

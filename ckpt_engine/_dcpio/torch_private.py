@@ -15,6 +15,10 @@ loudly in CI instead of silently mis-loading checkpoints.
   and ``detach()``), bumped by every in-place op (also under ``no_grad``). ``pinned_staging``'s
   ``overlap`` mode reads it to prove a parameter was not changed before its background copy was
   taken (:func:`tensor_version`). No public API exposes it.
+* ``nn.Module._load_state_dict_pre_hooks`` / ``_load_state_dict_post_hooks`` and the
+  ``_load_from_state_dict`` override point: what ``load_state_dict`` runs besides copying each
+  tensor into its parameter or buffer (:func:`loads_by_copy`). The hooks are registered through
+  public methods, but only these attributes tell whether a module has any.
 * ``distributed_c10d._get_default_store()``: the key-value store the default process group was
   created with (torchrun's rendezvous store). The engine publishes each rank's checkpoint phase
   there and runs its bounded barriers on it (``_dcpio/watch.py``); no public function returns
@@ -31,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -107,3 +112,21 @@ def default_store() -> Any:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def loads_by_copy(module: nn.Module) -> bool:
+    """Whether ``module.load_state_dict`` does nothing but copy each tensor into the parameter or
+    buffer of its key: no class in the tree overrides how it loads (``load_state_dict``,
+    ``_load_from_state_dict``, ``set_extra_state``), no module has load hooks, and torch does not
+    swap tensors on load (``torch.__future__``)."""
+    if torch.__future__.get_swap_module_params_on_conversion() or (
+        type(module).load_state_dict is not nn.Module.load_state_dict
+    ):
+        return False
+    return all(
+        type(m)._load_from_state_dict is nn.Module._load_from_state_dict
+        and type(m).set_extra_state is nn.Module.set_extra_state
+        and not m._load_state_dict_pre_hooks
+        and not m._load_state_dict_post_hooks
+        for m in module.modules()
+    )

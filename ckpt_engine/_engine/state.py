@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .._dcpio.torch_private import loads_by_copy
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from ..types import STANDARD_COMPONENTS
 
@@ -213,32 +214,14 @@ def _set_model_state_dict(module: nn.Module, sd: dict[str, Any], *, in_place: bo
     ``in_place``: every value of ``sd`` is still the tensor of the load template, which the load
     filled in place. For a plain module that ``load_state_dict`` would only copy each tensor onto
     itself (about 4 microseconds a tensor: 0.2 s for 50,000), unless some part of it loads
-    differently (:func:`_loads_by_copy`); those copies are skipped, and their one effect, a new
-    version of each tensor for autograd, is kept."""
+    differently (:func:`~ckpt_engine._dcpio.torch_private.loads_by_copy`); those copies are
+    skipped, and their one effect, a new version of each tensor for autograd, is kept."""
     if module not in _PLAIN:
         set_model_state_dict(module, sd, options=StateDictOptions(strict=False))
-    elif in_place and _loads_by_copy(module):
+    elif in_place and loads_by_copy(module):
         torch.autograd.graph.increment_version(list(sd.values()))
     else:
         module.load_state_dict(sd, strict=False)
-
-
-def _loads_by_copy(module: nn.Module) -> bool:
-    """Whether ``module.load_state_dict`` does nothing but copy each tensor into the parameter or
-    buffer of its key: no class in the tree overrides how it loads (``load_state_dict``,
-    ``_load_from_state_dict``, ``set_extra_state``), no module has load hooks, and torch does not
-    swap tensors on load (``torch.__future__``)."""
-    if torch.__future__.get_swap_module_params_on_conversion() or (
-        type(module).load_state_dict is not nn.Module.load_state_dict
-    ):
-        return False
-    return all(
-        type(m)._load_from_state_dict is nn.Module._load_from_state_dict
-        and type(m).set_extra_state is nn.Module.set_extra_state
-        and not m._load_state_dict_pre_hooks
-        and not m._load_state_dict_post_hooks
-        for m in module.modules()
-    )
 
 
 #: Optimizers shown to keep no state (plain SGD): DCP's state initialisation left them empty.
@@ -434,9 +417,9 @@ def apply_component(
         keep = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) or k not in untouched}
         in_place = (
             template is not None
-            and len(keep) == len(sd) == len(template)
+            and len(sd) == len(template)
             and all(map(operator.is_, sd.values(), template))
-            and all(type(v) is torch.Tensor for v in template)
+            and all(type(v) is torch.Tensor for v in template)  # so ``keep`` is all of ``sd``
         )
         for module in objs.modules:
             _set_model_state_dict(module, keep, in_place=in_place)
