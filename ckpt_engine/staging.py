@@ -32,5 +32,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def memory_key(tensor: torch.Tensor) -> TensorKey:
     """What identifies the memory ``tensor`` (a DTensor: its local shard) views: two tensors with
     equal keys are the same elements (an empty tensor's data pointer says nothing)."""
-    local = local_tensor(tensor)
-    return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), local.dtype, local.device)
+    local = local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
+    # ``torch.Size`` is a tuple: equal to and hashed as the plain one, without the copy.
+    return (local.data_ptr(), local.shape, local.stride(), local.dtype, local.device)
