@@ -9,6 +9,9 @@ copy thread.
 
 from __future__ import annotations
 
+import fractions
+import io
+import pickle
 import sys
 import threading
 import warnings
@@ -18,8 +21,9 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_engine_plugins.pinned_staging import PinnedStagingPlugin, SnapshotChangedError, copies
+from ckpt_engine_plugins.pinned_staging import PinnedStagingPlugin, SnapshotChangedError, collect, copies
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
 from ckpt_engine import CheckpointEngine, CheckpointSaveError
 from ckpt_engine.testing import assert_state_dicts_equal
@@ -147,6 +151,20 @@ def test_the_sample_takes_the_first_and_last_element_and_every_step_between() ->
     assert copies._same_bits(copies._sample(t), torch.cat((t[::step], t[-1:])))
 
 
+@pytest.mark.parametrize("numel", [0, 1, 2, 63, 64, 65, 1000, 4097, 1 << 20])
+def test_the_numpy_sample_takes_the_elements_of_the_torch_path(numel: int) -> None:
+    # The CPU path takes cached indices per size; CUDA tensors slice with torch: they must agree,
+    # or a copy sampled one way and its source the other would fail every save.
+    t = torch.randn(numel)
+    sample = copies._sample(t)
+    assert not isinstance(sample, torch.Tensor)  # the numpy path was taken
+    expected = torch.cat((t[:: copies._sample_step(numel)], t[-1:])) if numel else t
+    assert copies._same_bits(sample, expected)
+    if numel:
+        with pytest.raises(ValueError):  # the cached indices are shared by every tensor of the size
+            copies._sample_index(numel)[0] = 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8])
 def test_every_dtype_is_sampled_and_a_changed_element_changes_the_sample(dtype: torch.dtype) -> None:
     t = (torch.arange(300) % 7).to(dtype)
@@ -221,3 +239,91 @@ def test_overlap_without_an_optimizer_warns_once_and_copies_in_save(engine: Chec
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.save(2, model=model).result(timeout=60)
+
+
+# -- skeletons pickled off save()'s path ------------------------------------------------------
+
+
+class LiveCounter:
+    """Extra state whose ``state_dict()`` is its own live dict, as some user classes return."""
+
+    def __init__(self) -> None:
+        self.d: dict[str, Any] = {"count": 1, "name": "run", "betas": (0.9, 0.99)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.d
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.d = dict(sd)
+
+
+def test_flat_skeletons_are_pickled_after_save_and_hold_the_values_of_save(
+    engine: CheckpointEngine, gate: threading.Event, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    real = collect.Skeleton.pickled
+
+    def spy(self: collect.Skeleton) -> bytes:
+        calls.append(threading.current_thread().name)
+        return real(self)
+
+    monkeypatch.setattr(collect.Skeleton, "pickled", spy)
+    trainer = Trainer(width=128)
+    trainer.step()
+    want = trainer.snapshot()
+    counter = LiveCounter()
+    handle = engine.save(1, **trainer.objects(), extra={"counter": counter})
+    # save() returned with the copy held: nothing was pickled for the writer yet (the model, the
+    # optimizer and the counter are flat; the scheduler and trainer state were pickled in save()).
+    assert calls == []
+    counter.d["count"] = 2  # changes to the live dict after save() must not reach the checkpoint
+    counter.d["added"] = 3
+    gate.set()
+    assert handle.result(timeout=60).succeeded
+    assert "pinned-staging-overlap-copy" in calls
+    path = tmp_path / "ckpt" / "iter_000000001"
+    saved = FileSystemReader(str(path / "counter")).read_metadata().state_dict_metadata
+    assert sorted(saved) == ["betas", "count", "name"]
+    fresh, restored = Trainer(seed=123, width=128), LiveCounter()
+    restored.d = {"count": 0, "name": "", "betas": (0.0, 0.0)}
+    config = {"save_dir": str(tmp_path / "unused"), "load_path": str(path), "load_training_state": True}
+    with CheckpointEngine(config) as loader:
+        loader.load(**fresh.objects(), extra={"counter": restored})
+    assert restored.d == {"count": 1, "name": "run", "betas": (0.9, 0.99)}
+    assert_state_dicts_equal(fresh.snapshot(), want)
+
+
+def test_a_flat_skeleton_unpickles_as_the_generic_one(one_rank_mesh: Any) -> None:
+    # The writer unpickles both kinds alike: same keys, values and persistent ids in the same order.
+    from ckpt_engine_plugins.pinned_staging.ipc import SkeletonUnpickler
+    from torch.distributed.tensor import DTensor, Replicate
+
+    shared = torch.randn(3)
+    sd = {
+        "w": shared,
+        "alias": shared,
+        "d": DTensor.from_local(torch.randn(4), one_rank_mesh, [Replicate()]),
+        "lr": 0.1,
+        "betas": (0.9, 0.99),
+        "n": None,
+        "flag": True,
+        "s": "text",
+        "step": 7,
+    }
+    flat_collector, generic_collector = collect.Collector(), collect.Collector()
+    flat = collect.Skeleton.of(sd, flat_collector)
+    buf = io.BytesIO()
+    collect.SkeletonPickler(buf, generic_collector).dump(sd)
+    pids: list[Any] = []
+    got = SkeletonUnpickler(flat.pickled(), lambda pid: pids.append(pid) or f"slot{pid[1]}").load()
+    generic_pids: list[Any] = []
+    expected = SkeletonUnpickler(buf.getvalue(), lambda pid: generic_pids.append(pid) or f"slot{pid[1]}").load()
+    assert list(got.items()) == list(expected.items()) and pids == generic_pids
+    assert got["alias"] == got["w"] == "slot0" and flat_collector.signature() == generic_collector.signature()
+    views = [torch.zeros(3), torch.zeros(4)]
+    tree = flat.tree(views)
+    assert tree["w"] is views[0] and tree["d"] is views[1] and tree["betas"] == (0.9, 0.99)
+    # Anything but tensors and immutable values is pickled at once (a deep copy of it).
+    for nested in ({"a": [1]}, {"a": {"b": 1}}, {1: 2}, {"f": fractions.Fraction(1, 2)}, {"t": (1, [2])}):
+        skeleton = collect.Skeleton.of(nested, collect.Collector())
+        assert skeleton._flat is None and pickle.loads(skeleton.pickled()) == nested

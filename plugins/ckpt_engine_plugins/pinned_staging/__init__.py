@@ -6,7 +6,7 @@ told in ``plugin``'s docstring. The modules, one job each (all but ``plugin`` pr
 - ``plugin``: the plugin class: its options, the ``stage`` and ``write`` hooks, its lifecycle;
 - ``pool``: the buffer sets, allocated per state structure, reused, never re-staged while read;
 - ``shm``: the shared-memory file behind each buffer set, mapped by both processes;
-- ``collect``: the skeleton pickle of each state dict, every tensor replaced by a slot;
+- ``collect``: the skeleton of each state dict, every tensor replaced by a slot;
 - ``copies``: the copies into the buffers, in ``stage`` or in the background (``overlap``);
 - ``windows``: staging a state larger than ``max_host_bytes`` in windows of one buffer set;
 - ``ipc``: the messages between the training process and the writer, and their framing;

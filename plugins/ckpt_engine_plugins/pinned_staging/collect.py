@@ -1,16 +1,20 @@
-"""Skeletons for ``pinned_staging``: state dicts pickled with each tensor replaced by a staging slot (private).
+"""Skeletons for ``pinned_staging``: state dicts with each tensor replaced by a staging slot (private).
 
-:func:`collect` pickles every component once. Each distinct tensor (by object: aliases share a
-slot) gets a slot; a DTensor contributes its local shard, and its mesh, placements, global
-shape and stride travel in the skeleton. What ``stage`` produced for each component is kept as
-a :class:`Staged` record until ``write`` sends it to the writer.
+:func:`collect` records every component's :class:`Skeleton`. Each distinct tensor (by object:
+aliases share a slot) gets a slot; a DTensor contributes its local shard, and its mesh,
+placements, global shape and stride travel in the skeleton. A state dict that holds anything
+but tensors and immutable values is pickled at once (which deep-copies its values); a flat one
+of tensors and immutable values (every model and flattened optimizer state dict) is pickled
+only when the writer needs it, off ``save()``'s path where the save overlaps. What ``stage``
+produced for each component is kept as a :class:`Staged` record until ``write`` sends it.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +28,7 @@ from .ipc import MeshSpec, SkeletonUnpickler
 from .pool import BufferSet, Signature
 from .windows import WindowPump
 
-__all__ = ["Collector", "SkeletonPickler", "Staged", "collect", "staged_components"]
+__all__ = ["Collector", "Skeleton", "SkeletonPickler", "Staged", "collect", "staged_components"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,7 +36,7 @@ class Staged:
     """One component as ``stage`` left it: its buffers, skeleton and the tree handed to ``write``."""
 
     buffers: BufferSet
-    skeleton: bytes
+    skeleton: Skeleton
     meshes: tuple[MeshSpec, ...]
     tree: dict[str, Any]
     snapshot: Snapshot | None = None
@@ -129,17 +133,97 @@ class SkeletonPickler(pickle.Pickler):
         self.persistent_id = collector.persistent_id  # type: ignore[method-assign]
 
 
+class _Slot:
+    """A tensor's place in a flat skeleton: pickled as its persistent id."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: tuple[Any, ...]) -> None:
+        self.pid = pid
+
+
+class _FlatPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if type(obj) is _Slot else None
+
+
+#: The types whose values cannot change after ``save()``: a flat skeleton holds them by reference.
+_IMMUTABLE: frozenset[type] = frozenset({bool, int, float, complex, str, bytes, type(None)})
+
+
+def _flat_tensors(sd: dict[str, Any]) -> list[tuple[str, torch.Tensor]] | None:
+    """The tensors of ``sd`` by key, if every key is a string and every other value immutable (a
+    number, a string, ``None`` or a tuple of those); else ``None``."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    immutable = _IMMUTABLE
+    for k, v in sd.items():
+        t = type(v)
+        if type(k) is not str:
+            return None
+        if isinstance(v, torch.Tensor):
+            tensors.append((k, v))
+        elif t not in immutable and not (t is tuple and all(type(x) in immutable for x in v)):
+            return None
+    return tensors
+
+
+class Skeleton:
+    """One component's skeleton: its state dict with each tensor replaced by a persistent id.
+
+    ``pickled()`` is what the writer unpickles (:class:`SkeletonUnpickler`); :meth:`tree` the
+    same state dict over the buffer set's views, handed to ``write``. A flat skeleton keeps a
+    shallow copy of the state dict (its values are immutable) and pickles it on the first call
+    to ``pickled()``, from whichever thread makes it."""
+
+    def __init__(self, pickled: bytes | None = None, flat: dict[str, Any] | None = None) -> None:
+        if (pickled is None) == (flat is None):
+            raise ValueError("a skeleton is either pickled or flat")
+        self._pickled, self._flat = pickled, flat
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, sd: dict[str, Any], collector: Collector) -> Skeleton:
+        tensors = _flat_tensors(sd)
+        if tensors is None:
+            buf = io.BytesIO()
+            SkeletonPickler(buf, collector).dump(sd)
+            return cls(pickled=buf.getvalue())
+        flat = dict(sd)  # a later change to the state dict itself does not reach this save
+        for k, v in tensors:
+            flat[k] = _Slot(collector.persistent_id(v))
+        return cls(flat=flat)
+
+    def pickled(self) -> bytes:
+        with self._lock:
+            if self._pickled is None:
+                buf = io.BytesIO()
+                _FlatPickler(buf).dump(self._flat)
+                self._pickled = buf.getvalue()
+            return self._pickled
+
+    def tree(self, views: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """The state dict with each tensor replaced by the view of its slot."""
+        flat = self._flat
+        if flat is None:
+            assert self._pickled is not None
+            tree: dict[str, Any] = SkeletonUnpickler(self._pickled, lambda pid: views[pid[1]]).load()
+            return tree
+        return {k: views[v.pid[1]] if type(v) is _Slot else v for k, v in flat.items()}
+
+
 def collect(
     state: Mapping[str, dict[str, Any]], *, share_across_components: bool
-) -> tuple[Collector, dict[str, bytes]]:
+) -> tuple[Collector, dict[str, Skeleton]]:
     """Each component's skeleton, and the collector that assigned the slots."""
     collector = Collector(share_across_components=share_across_components)
-    skeletons: dict[str, bytes] = {}
+    skeletons: dict[str, Skeleton] = {}
     for name, sd in state.items():
         collector.next_component()
-        buf = io.BytesIO()
         try:
-            SkeletonPickler(buf, collector).dump(sd)
+            skeletons[name] = Skeleton.of(sd, collector)
         except CkptEngineError:
             raise
         except Exception as err:
@@ -147,12 +231,11 @@ def collect(
                 f"pinned_staging cannot copy the non-tensor values of component {name!r}: "
                 f"{type(err).__name__}: {err}; values must be picklable"
             ) from err
-        skeletons[name] = buf.getvalue()
     return collector, skeletons
 
 
 def staged_components(
-    skeletons: Mapping[str, bytes],
+    skeletons: Mapping[str, Skeleton],
     buffers: BufferSet,
     meshes: tuple[MeshSpec, ...],
     snapshot: Snapshot | None,
@@ -164,7 +247,6 @@ def staged_components(
     staged: dict[str, Staged] = {}
     for name, skeleton in skeletons.items():
         # With windows, the views show whichever window the set holds now: only the writer reads them.
-        tree = SkeletonUnpickler(skeleton, lambda pid: views[pid[1]]).load()
         epoch = buffers.epoch if pump is not None else None
-        staged[name] = Staged(buffers, skeleton, meshes, tree, snapshot, pump, epoch, order)
+        staged[name] = Staged(buffers, skeleton, meshes, skeleton.tree(views), snapshot, pump, epoch, order)
     return staged

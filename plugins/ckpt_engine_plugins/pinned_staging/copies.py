@@ -33,6 +33,7 @@ optimizer state that continues after ``save()`` returned:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import threading
@@ -57,6 +58,7 @@ __all__ = [
     "SnapshotChangedError",
     "StreamPool",
     "copy_now",
+    "deferrable",
     "optimizer_owned",
     "stage_copy",
     "tensor_names",
@@ -94,16 +96,26 @@ def _flat_numpy(tensor: torch.Tensor) -> np.ndarray[Any, Any] | None:
 Sample = torch.Tensor | np.ndarray[Any, Any]
 
 
+@functools.lru_cache(maxsize=4096)
+def _sample_index(numel: int) -> np.ndarray[Any, Any]:
+    """The flat indices :func:`_sample` takes from a tensor of ``numel`` elements (``numel > 0``):
+    every ``_sample_step``-th one and the last. One array per size, shared by every tensor of it."""
+    index = np.append(np.arange(0, numel, _sample_step(numel)), numel - 1)
+    index.flags.writeable = False
+    return index
+
+
 def _sample(tensor: torch.Tensor) -> Sample:
     """A copy of every ``_sample_step``-th element of a contiguous ``tensor`` and of its last one:
-    for a CPU tensor through a numpy view (a few microseconds a tensor, where four torch ops cost
-    about fifteen), for a CUDA tensor a kernel on the current stream (no host sync). With the
-    first and the last element sampled, an edit of the whole tensor that overtakes the copy is
-    caught too: the copy then reads edited bytes up to the end."""
-    if tensor.device.type == "cpu":
+    for a CPU tensor one ``take`` through a numpy view with the indices of its size (about two
+    microseconds a tensor, where four torch ops cost about fifteen), for a CUDA tensor a kernel
+    on the current stream (no host sync). With the first and the last element sampled, an edit
+    of the whole tensor that overtakes the copy is caught too: the copy then reads edited bytes
+    up to the end."""
+    if tensor.is_cpu:
         array = _flat_numpy(tensor)
         if array is not None:
-            return np.concatenate((array[:: _sample_step(array.size)], array[-1:]))
+            return array.take(_sample_index(array.size)) if array.size else array.copy()
     flat = tensor.reshape(-1)
     return torch.cat((flat[:: _sample_step(flat.numel())], flat[-1:]))
 
@@ -136,25 +148,38 @@ def optimizer_owned(optimizers: Sequence[torch.optim.Optimizer]) -> dict[TensorK
     owned: dict[TensorKey, list[torch.Tensor]] = {}
 
     def add(tensor: torch.Tensor) -> None:
-        owners = owned.setdefault(memory_key(tensor), [])
-        owners += [tensor, local_tensor(tensor)] if isinstance(tensor, DTensor) else [tensor]
+        if isinstance(tensor, DTensor):
+            owned.setdefault(memory_key(tensor), []).extend((tensor, local_tensor(tensor)))
+        else:
+            owned.setdefault(memory_key(tensor), []).append(tensor)
 
     for optimizer in optimizers:
+        state = optimizer.state
         for group in optimizer.param_groups:
             for param in group["params"]:
                 add(param)
-                for value in optimizer.state.get(param, {}).values():
+                for value in state.get(param, {}).values():
                     if isinstance(value, torch.Tensor):
                         add(value)
     return owned
 
 
-def is_owned(local: torch.Tensor, owned: Mapping[TensorKey, list[torch.Tensor]]) -> bool:
-    return memory_key(local) in owned
-
-
-def owners_of(local: torch.Tensor, owned: Mapping[TensorKey, list[torch.Tensor]]) -> list[torch.Tensor]:
-    return owned.get(memory_key(local), [])
+def deferrable(
+    sources: Sequence[torch.Tensor], owned: Mapping[TensorKey, list[torch.Tensor]]
+) -> tuple[list[int], list[list[torch.Tensor]]]:
+    """The sources an ``overlap`` copy may leave to the background, and the tensors watched for
+    each (:func:`optimizer_owned`): the contiguous views of memory only the optimizer changes. A
+    non-contiguous source is copied in ``save()``: its sample would cost a copy of its own."""
+    later: list[int] = []
+    watched: list[list[torch.Tensor]] = []
+    if not owned:
+        return later, watched
+    for i, source in enumerate(sources):
+        owners = owned.get(memory_key(source))
+        if owners is not None and source.is_contiguous():
+            later.append(i)
+            watched.append(owners)
+    return later, watched
 
 
 def tensor_names(state: Mapping[str, Any]) -> dict[int, str]:
@@ -194,7 +219,7 @@ def _by_device(
 ) -> dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]:
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for v, s in zip(views, sources, strict=True):
-        if s.device.type == "cuda":
+        if s.is_cuda:
             by_device.setdefault(s.device, []).append((v, s))
     return by_device
 
@@ -217,7 +242,7 @@ def copy_now(views: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], str
     with torch.no_grad():
         used = _queue_cuda(streams, _by_device(views, sources))
         for v, s in zip(views, sources, strict=True):
-            if s.device.type != "cuda":
+            if not s.is_cuda:
                 v.copy_(s)
         for stream in used:
             stream.synchronize()
@@ -238,9 +263,7 @@ def stage_copy(
 
     ``objects`` are the tensors met for each source (a DTensor, where ``sources`` holds its
     shard) and name the snapshot's tensors by their keys in ``state``."""
-    owned = optimizer_owned(optimizers) if overlap else {}
-    # A non-contiguous source is copied now: its sample would cost a copy of its own.
-    later = [i for i, s in enumerate(sources) if owned and is_owned(s, owned) and s.is_contiguous()]
+    later, watched = deferrable(sources, optimizer_owned(optimizers) if overlap else {})
     deferred = set(later)
     now = [i for i in range(len(sources)) if i not in deferred]
     copy_now([views[i] for i in now], [sources[i] for i in now], streams)
@@ -251,14 +274,7 @@ def stage_copy(
         by_id = tensor_names(state)
         return [by_id.get(id(objects[i]), f"tensor {i}") for i in later]
 
-    return Snapshot(
-        [views[i] for i in later],
-        [sources[i] for i in later],
-        names,
-        [owners_of(sources[i], owned) for i in later],
-        optimizers,
-        streams,
-    )
+    return Snapshot([views[i] for i in later], [sources[i] for i in later], names, watched, optimizers, streams)
 
 
 class _CopyWorker:
@@ -269,11 +285,11 @@ class _CopyWorker:
     every error of their copy, so the loop never ends; after a fork the child starts its own."""
 
     _lock = threading.Lock()
-    _queue: queue.SimpleQueue[Callable[[], None]] | None = None
+    _queue: queue.SimpleQueue[Callable[[], object]] | None = None
     _pid = -1
 
     @classmethod
-    def run(cls, job: Callable[[], None]) -> None:
+    def run(cls, job: Callable[[], object]) -> None:
         with cls._lock:
             if cls._queue is None or cls._pid != os.getpid():
                 cls._queue, cls._pid = queue.SimpleQueue(), os.getpid()
@@ -284,7 +300,7 @@ class _CopyWorker:
             cls._queue.put(job)
 
     @staticmethod
-    def _loop(jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
+    def _loop(jobs: queue.SimpleQueue[Callable[[], object]]) -> None:
         while True:
             job = jobs.get()
             # Snapshot._run turns every error into its save's failure; nothing reaches here, and
@@ -361,6 +377,11 @@ class Snapshot:
         if error is not None:
             raise error
 
+    def after_copy(self, job: Callable[[], object]) -> None:
+        """Run ``job`` on the copy thread once this snapshot's copy is done (its errors are
+        ignored there: whoever needs its result must be able to do it again)."""
+        _CopyWorker.run(job)
+
     # -- the copy thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -368,7 +389,7 @@ class Snapshot:
         try:
             with torch.no_grad():
                 for i, (v, s) in enumerate(zip(self._views, self._sources, strict=True)):
-                    if s.device.type != "cuda":
+                    if not s.is_cuda:
                         v.copy_(s)
                         self._check(i)
                         self._check_sample(i)
@@ -378,10 +399,10 @@ class Snapshot:
                 with self._lock:
                     if not self._confirmed:  # once confirmed, the step that follows changes them
                         for i, s in enumerate(self._sources):
-                            if s.device.type == "cuda":
+                            if s.is_cuda:
                                 self._check(i)
                 for i, s in enumerate(self._sources):  # the copies against save()'s samples, whenever
-                    if s.device.type == "cuda":
+                    if s.is_cuda:
                         self._check_sample(i)
         except BaseException as err:  # every failure fails this save, never the training loop
             error = (

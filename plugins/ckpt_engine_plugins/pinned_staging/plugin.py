@@ -4,9 +4,13 @@ buffers and a writer process (the package docstring says which module does what)
 The training loop pays only for copying its state into host memory; a background writer
 process serialises it with DCP and the engine commits it.
 
-**stage** (every rank, in the training thread). The state dicts are pickled once with every
-tensor replaced by a slot reference: that pickle is the *skeleton*, which holds a deep copy
-of every non-tensor value and the exact nesting, so the writer rebuilds the same keys. Each
+**stage** (every rank, in the training thread). Each state dict becomes a *skeleton*: the state
+dict with every tensor replaced by a slot reference, pickled for the writer, which holds a
+copy of every non-tensor value and the exact nesting, so the writer rebuilds the same keys. A
+state dict with anything but tensors and immutable values is pickled in ``stage`` (a deep copy);
+a flat one of tensors and numbers, strings or tuples of them (every model and flattened
+optimizer state dict) is kept as a shallow copy and pickled only for the writer (with
+``overlap``, on the copy thread after the copy). Each
 distinct tensor (by object; aliases share a slot) gets a slot in a *buffer set*; DTensors
 (FSDP2, TP) contribute their local shard, and their mesh, placements, global shape and stride
 travel in the skeleton. The tensors are copied into the set, and ``stage`` returns only when
@@ -72,6 +76,7 @@ cannot hang either.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -298,6 +303,8 @@ class PinnedStagingPlugin:
         staged = staged_components(skeletons, buffers, tuple(collector.meshes), snapshot, pump)
         with self._lock:
             self._staged = staged
+        if snapshot is not None:  # the skeletons the writer needs, pickled off save()'s path
+            snapshot.after_copy(lambda: [s.skeleton.pickled() for s in staged.values()])
         trees = {name: s.tree for name, s in staged.items()}
         return StagedState(components=trees, is_copy=True, snapshot=snapshot)
 
@@ -387,7 +394,7 @@ class PinnedStagingPlugin:
             iteration=ctx.iteration,
             component=ctx.component,
             path=ctx.path,
-            skeleton=staged.skeleton,
+            skeleton=b"",  # below: pickled now, or (overlap) once the snapshot is settled
             meshes=staged.meshes,
             planner=ctx.planner,
             thread_count=self.options.thread_count or ctx.thread_count,
@@ -397,12 +404,15 @@ class PinnedStagingPlugin:
             carry_over=ctx.carry_over,
         )
         self._pool.hold(staged.buffers, future)  # busy until the writer has read it
+        if staged.snapshot is not None:  # hand over only a complete, confirmed snapshot
+            pickled = staged.skeleton.pickled  # by the copy thread, usually, before the snapshot settles (stage)
+            staged.snapshot.when_settled(lambda error: writer.hand_over(message, future, error, self._world, pickled))
+            return future
+        message = dataclasses.replace(message, skeleton=staged.skeleton.pickled())
         if staged.pump is not None:
             self._write_windowed(staged, staged.pump, writer, message, future)
-        elif staged.snapshot is None:
+        else:
             writer.submit(message, future)
-        else:  # hand over only a complete, confirmed snapshot
-            staged.snapshot.when_settled(lambda error: writer.hand_over(message, future, error, self._world))
         return future
 
     def _write_in_process(self, ctx: WriteContext, state_dict: dict[str, Any]) -> WriteResult:

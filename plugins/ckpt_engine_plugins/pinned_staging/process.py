@@ -237,13 +237,19 @@ class WriterProcess:
             ) from err
 
     def hand_over(
-        self, message: Save, future: Future[WriteResult], error: BaseException | None, world_size: int
+        self,
+        message: Save,
+        future: Future[WriteResult],
+        error: BaseException | None,
+        world_size: int,
+        skeleton: Callable[[], bytes],
     ) -> None:
-        """Submit a settled ``overlap`` save, or (``error``: its snapshot failed) fail ``future``
-        with it and tell this rank's writer to fail the save on every rank; never raises."""
+        """Submit a settled ``overlap`` save with its ``skeleton()``, or (``error``: its snapshot
+        failed) fail ``future`` with it and tell this rank's writer to fail the save on every
+        rank (no skeleton needed); never raises: a failure fails ``future``."""
         try:
             if error is None:
-                self.submit(message, future)
+                self.submit(dataclasses.replace(message, skeleton=skeleton()), future)
                 return
             if world_size > 1:  # the other ranks' writers must fail this save too, not wait for ours
                 aborted: Future[WriteResult] = Future()
