@@ -373,6 +373,16 @@ def _interpret(data: bytes, budget: _Budget, batch: StorageBatch | None = None) 
         elif op == 0x62:  # BUILD
             state = stack.pop()
             _build(stack[-1], state)
+            if batch is not None and len(stack) == 2 and metastack and stack[1].kind == "_StorageInfo":
+                # The first storage entry of a MARK, run here (its classes and field names are
+                # new strings): if the MARK is a dict's, the batch replays the rest of it.
+                key, target = stack[0], metastack[-1][-1]
+                if type(key) is _Record and key.kind == "MetadataIndex" and type(target) is dict:
+                    end = batch.run(data, pos, target, memo, head=(key, stack[1]))
+                    if end >= 0:
+                        stack = metastack.pop()
+                        append = stack.append
+                        pos = end
         elif op == 0x4B:  # BININT1
             append(data[pos])
             pos += 1

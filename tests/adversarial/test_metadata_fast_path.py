@@ -179,19 +179,42 @@ def test_batches_and_interpreter_agree_on_every_fixture(fixtures: dict[str, byte
 # -- fuzz cases in the batched region ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fuzz_base(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, list[tuple[int, str, Any]]]:
-    """An engine ``.metadata`` of 1,100 tensors and the opcodes of its second storage batch (the
-    first holds the new strings, so the interpreter runs it; the batches run the rest)."""
-    data = engine_file(tmp_path_factory.mktemp("fuzz"), 1100)
+def small_optimizer_file(tmp_path: Path, layers: int = 20) -> bytes:
+    """The engine's ``.metadata`` of AdamW over ``layers`` linear layers: 560 entries, values then
+    tensors, in one pickle batch (so only the replay after its first entry batches them)."""
+    model = nn.Sequential(*[nn.Linear(3, 2) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with CheckpointEngine({"save_dir": str(tmp_path / f"small{layers}")}) as engine:
+        engine.save(1, model=model, optimizer=opt).result()
+    return (tmp_path / f"small{layers}" / "iter_000000001" / "optim" / ".metadata").read_bytes()
+
+
+@pytest.fixture(scope="module", params=["second batch", "first batch after its first entry"])
+def fuzz_base(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[bytes, list[tuple[int, str, Any]]]:
+    """A ``.metadata`` and the opcodes of a batched region of its storage entries: the second
+    pickle batch of an engine file of 1,100 tensors (the first holds the new strings, so the
+    interpreter runs its first entry), or the entries after the first of a file with one batch."""
+    if request.param == "second batch":
+        data = engine_file(tmp_path_factory.mktemp("fuzz"), 1100)
+    else:
+        data = small_optimizer_file(tmp_path_factory.mktemp("fuzz-head"))
     ops = [(pos or 0, op.name, arg) for op, arg, pos in pickletools.genops(data)]
     storage = next(i for i, (_, name, arg) in enumerate(ops) if name == "SHORT_BINUNICODE" and arg == "storage_data")
-    records = 0
+    meta = ops.index(next(o for o in ops[storage:] if o[2] == "storage_meta"))
+    records = builds = 0
     for i in range(storage, len(ops)):
         records += ops[i][1] == "NEWOBJ"
+        builds += ops[i][1] == "BUILD"
+        if request.param != "second batch" and builds == 2:  # the first entry's two records
+            return data, ops[i + 1 : meta]
         if ops[i][1] == "SETITEMS" and records >= 2000:  # the storage dict's first SETITEMS
-            return data, ops[i + 1 : ops.index(next(o for o in ops[i:] if o[2] == "storage_meta"))]
-    raise AssertionError("no second storage batch")
+            return data, ops[i + 1 : meta]
+    raise AssertionError("no batched region")
 
 
 # Every bit of the region (CKPT_ENGINE_SLOW_TESTS=1) is about 69,000 pairs of parses, 43 ms each here: about
@@ -293,3 +316,15 @@ def test_values_first_then_tensors_parse_in_batches(tmp_path: Path) -> None:
     assert outcome(data, batches=False)[0] == "ok"
     assert outcome(data, batches=True) == outcome(data, batches=False)
     assert batched_entries(data) > 0  # the batches ran (and did not fail over to the interpreter)
+
+
+def test_a_file_of_one_pickle_batch_is_replayed_after_its_first_entry(tmp_path: Path) -> None:
+    """Pickle writes a dict's items in batches of 1,000, and the first entry of the first batch
+    names the classes and field names (new strings, which the interpreter memoises). A component
+    of fewer entries (an optimizer of a few hundred parameters, any model) is one batch: the
+    entries after the first are replayed in bulk, values and tensors mixed."""
+    data = small_optimizer_file(tmp_path)
+    storage = pickle.loads(data).storage_data
+    assert len(storage) < 1000 and {e.offset is None for e in storage} == {True, False}  # mixed, one batch
+    assert agree(data) == ("ok", canon(pickle.loads(data)))
+    assert batched_entries(data) == len(storage) - 1
