@@ -113,7 +113,39 @@ def test_direct_read_is_bit_exact_against_dcp(tmp_path: Any, thread_count: int) 
     # Every tensor took the direct path but the one saved non-contiguous and the empty one
     # (DCP plans no read for a tensor without elements).
     assert ours_reader.stats.direct == len(_flat_tensors(state)) - 2
-    assert ours_reader.stats.fallback == 1 + 2  # "transposed" plus the two non-tensor values
+    assert ours_reader.stats.values == 2  # "text" and "nested.n": their archives read in runs
+    assert ours_reader.stats.fallback == 1  # "transposed"
+
+
+def test_values_are_read_in_runs_as_dcp_reads_them_and_a_damaged_one_names_its_file(tmp_path: Any) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckpt_engine.errors import CorruptCheckpointError
+
+    state = {"lr": 0.1, "betas": (0.9, 0.99), "big": "x" * 20_000, "w": torch.randn(3)}
+    path = str(tmp_path / "ckpt")
+    dcp.save(state, storage_writer=FileSystemWriter(path, single_file_per_rank=True))
+
+    def template() -> dict[str, Any]:
+        return {"lr": 0.0, "betas": (0.0, 0.0), "big": "", "w": torch.zeros(3)}
+
+    reader = FastFileSystemReader(path)
+    got, want = _load(path, template(), reader), _load(path, template(), FileSystemReader(path))
+    assert got["lr"] == want["lr"] == 0.1 and got["betas"] == want["betas"] == (0.9, 0.99)
+    assert got["big"] == want["big"] == state["big"] and torch.equal(got["w"], state["w"])
+    assert reader.stats.values == 2 and reader.stats.fallback == 1  # "big" is past a small item's size
+    (data_file,) = [f for f in os.listdir(path) if f.endswith(".distcp")]
+    assert reader.stats.bytes_read == os.path.getsize(os.path.join(path, data_file))  # every byte once
+
+    # The "lr" archive overwritten: torch.load's error, named by the reader with the file and key.
+    info = next(i for k, i in reader.storage_data.items() if k.fqn == "lr")
+    with open(os.path.join(path, data_file), "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"\xab" * info.length)
+    with pytest.raises(CheckpointException) as caught:  # dcp.load wraps what the reader raised
+        _load(path, template(), FastFileSystemReader(path))
+    error = caught.value.failures[0][0]
+    assert isinstance(error, CorruptCheckpointError) and f"{data_file} is corrupt: reading 'lr'" in str(error)
 
 
 def test_fallbacks_stay_bit_exact(tmp_path: Any) -> None:

@@ -8,11 +8,13 @@ re-exports) and hands it to DCP through :class:`SafeFileSystemReader`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
 import re
 import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
@@ -64,18 +66,25 @@ class SafeFileSystemReader(FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for rel, items in per_file.items():
-            try:
+            with self.naming_errors(rel, items):
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except CkptEngineError:
-                raise
-            except Exception as err:
-                mapped = _read_error(os.path.join(os.fspath(self.path), rel), items, err)
-                if mapped is err:
-                    raise
-                raise mapped from err
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    @contextlib.contextmanager
+    def naming_errors(self, rel: str, items: list[ReadItem]) -> Iterator[None]:
+        """Raise a failure to read ``items`` of data file ``rel`` as a typed error naming the
+        file (an engine error as it is; one that is no read error, such as a planner's bug, too)."""
+        try:
+            yield
+        except CkptEngineError:
+            raise
+        except Exception as err:
+            mapped = _read_error(os.path.join(os.fspath(self.path), rel), items, err)
+            if mapped is err:
+                raise
+            raise mapped from err
 
 
 def _raised_by_deserialisation(err: BaseException) -> bool:
