@@ -5,6 +5,7 @@ A torch upgrade that changes one of them fails here, by name, instead of mis-loa
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import pickle
@@ -18,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 
+from ckpt_engine._dcpio.archive_write import ARCHIVE_DTYPES, tensor_archive, tensor_data_pkl, value_archive
 from ckpt_engine._dcpio.torch_private import (
     is_storage_info,
     loads_by_copy,
@@ -26,13 +28,7 @@ from ckpt_engine._dcpio.torch_private import (
     storage_info,
     tensor_version,
 )
-from ckpt_engine._dcpio.torch_save_archive import (
-    ARCHIVE_DTYPES,
-    SavedTensorLayout,
-    parse_torch_save_tensor,
-    tensor_archive,
-    tensor_data_pkl,
-)
+from ckpt_engine._dcpio.torch_save_archive import SavedTensorLayout, parse_torch_save_tensor
 
 warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
 
@@ -276,6 +272,68 @@ def test_tensor_archive_loads_with_torch_load(dtype: torch.dtype) -> None:
     assert tensor_archive(torch.qint8, (3,)) is None
 
 
+_VALUES = [
+    1e-3, (0.9, 0.999), 7, -(2**70), None, True, "adamw", b"\x00raw", 1 + 2j,
+    {"lr": 0.1, "nested": [1, 2.5, ("x", None)]}, collections.OrderedDict(a=1), [], {},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", _VALUES, ids=repr)
+def test_value_archive_has_torch_saves_records_and_loads_as_they_do(value: Any) -> None:
+    raw = value_archive(value)
+    assert raw is not None
+    buf = io.BytesIO()
+    torch.save(value, buf)
+
+    def records(data: bytes) -> dict[str, bytes]:
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            assert zf.testzip() is None  # every CRC is right
+            return {i.filename: zf.read(i) for i in zf.infolist()}
+
+    ours, theirs = records(raw), records(buf.getvalue())
+    serial = "archive/.data/serialization_id"
+    assert ours.keys() == theirs.keys() and ours.pop(serial).isdigit()
+    theirs.pop(serial)
+    assert ours == theirs  # data.pkl byte for byte, and every other record
+    assert torch.load(io.BytesIO(raw), weights_only=False) == value
+    assert raw != value_archive(value)  # a fresh serialization id per archive, as torch.save gives
+
+
+def test_value_archive_leaves_anything_holding_a_storage_to_torch_save() -> None:
+    assert value_archive(torch.ones(2)) is None
+    assert value_archive({"t": [torch.zeros(1)]}) is None
+    assert value_archive(torch.ones(3).untyped_storage()) is None
+
+
+def test_engine_save_writes_value_archives_that_plain_dcp_loads(tmp_path: Any) -> None:
+    """The save planner takes the cached archives for plain values (no data descriptors: not
+    torch.save's streamed layout), torch.save's for a value holding a tensor, and plain
+    ``dcp.load`` (``torch.load`` per item) reads both back."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from ckpt_engine._dcpio.planner import EngineSavePlanner
+
+    planner = EngineSavePlanner()
+    item = WriteItem(index=MetadataIndex("x"), type=WriteItemType.BYTE_IO)
+
+    def flags(data: io.BytesIO) -> set[int]:
+        with zipfile.ZipFile(data) as zf:
+            return {i.flag_bits & 0x08 for i in zf.infolist()}
+
+    assert flags(planner.transform_object(item, 0.25)) == {0}  # the cached archive
+    holding = planner.transform_object(item, {"t": torch.ones(2)})
+    assert flags(holding) == {0x08}  # torch.save's own, streamed with data descriptors
+    assert torch.equal(torch.load(io.BytesIO(holding.getvalue()), weights_only=True)["t"], torch.ones(2))
+
+    state = {"lr": 0.25, "betas": (0.9, 0.95), "name": "adamw", "w": torch.ones(2)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "c"), planner=EngineSavePlanner())
+    back: dict[str, Any] = {"lr": 0.0, "betas": (0.0, 0.0), "name": "", "w": torch.zeros(2)}
+    dcp.load(back, storage_reader=FileSystemReader(str(tmp_path / "c")))
+    assert back["lr"] == 0.25 and back["betas"] == (0.9, 0.95) and back["name"] == "adamw"
+    assert torch.equal(back["w"], torch.ones(2))
+
+
 def test_torch_save_without_crc_is_still_parsed() -> None:
     """Archives torch writes with CRCs off carry 0 CRCs; the parser accepts them."""
     torch.serialization.set_crc32_options(False)
@@ -290,7 +348,7 @@ def test_torch_save_without_crc_is_still_parsed() -> None:
 
 def test_zip64_records_load_and_parse(monkeypatch: pytest.MonkeyPatch) -> None:
     """Items over 4 GiB get zip64 fields; exercised with a lowered limit."""
-    import ckpt_engine._dcpio.torch_save_archive as tp
+    import ckpt_engine._dcpio.archive_write as tp
 
     monkeypatch.setattr(tp, "_ZIP64_LIMIT", 100)
     t = torch.arange(1000.0)

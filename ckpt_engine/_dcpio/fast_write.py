@@ -4,7 +4,7 @@ DCP's writer calls ``torch.save`` once per tensor item: about 150-270 microsecon
 and zip bookkeeping per item, a CRC32 pass over every byte (``torch.save`` computes one per
 record) and a copy through the zip writer. :class:`FastFileSystemWriter` writes the same
 ``.distcp`` files, item by item in the same ``torch.save`` archive format
-(:func:`~ckpt_engine._dcpio.torch_private.tensor_archive`), but emits each dense tensor's bytes
+(:func:`~ckpt_engine._dcpio.archive_write.tensor_archive`), but emits each dense tensor's bytes
 straight from its memory between a precomputed header and trailer. The on-disk result is what
 DCP writes with ``torch.serialization.set_crc32_options(False)``: plain ``dcp.load`` and
 ``torch.load`` read it, and so does every ckpt-engine reader.
@@ -15,7 +15,7 @@ checkpoint's file of that name is carried over instead of written (:mod:`.carry`
 
 Items it does not handle the same way go through ``torch.save`` exactly as DCP does: non-tensor
 values (DCP's own pickled bytes), sparse, quantized or subclass tensors, dtypes outside
-:data:`~ckpt_engine._dcpio.torch_private.ARCHIVE_DTYPES`. Stream transforms (``_extensions``) are not
+:data:`~ckpt_engine._dcpio.archive_write.ARCHIVE_DTYPES`. Stream transforms (``_extensions``) are not
 handled here: with ``_extensions`` (or the safetensors serialization format) every item goes
 through DCP's own path.
 """
@@ -46,10 +46,10 @@ from .._format.metadata import remember_metadata
 from .._storage.writeback import Writeback
 from ..types import CarriedBy, CarryOver
 from ..types import WriteResult as ComponentWritten
+from .archive_write import tensor_archive
 from .carry import create_new, group_items, link_file
 from .fast_read import gc_paused
 from .torch_private import pickle_metadata, storage_info
-from .torch_save_archive import tensor_archive
 
 __all__ = ["FastFileSystemWriter", "MetadataFile", "write_result"]
 

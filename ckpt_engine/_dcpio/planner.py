@@ -40,6 +40,7 @@ from ..pipeline import Pipeline
 from ..report import ComponentReport, OverlapRecord, SkipRecord
 from ..staging import TensorKey, local_tensor, memory_key
 from ..types import Decision, LoadContext, PlanEntry, RemapContext, ValueSpec
+from .archive_write import value_archive
 from .plain_values import plain_value
 from .torch_private import local_chunks
 from .unsafe import unsafe_value_error, weights_only_reason
@@ -478,6 +479,15 @@ class EngineSavePlanner(DefaultSavePlanner):
             if type(obj) is torch.Tensor and not any(write_item.index.offset):
                 return obj
         return super().resolve_data(write_item)
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        # A value without tensors gets its torch.save archive from a cache of archives by pickle
+        # (about 10 instead of 100 microseconds); anything else is torch.save'd as DCP does.
+        if write_item.type == WriteItemType.BYTE_IO:
+            data = value_archive(object)
+            if data is not None:
+                return io.BytesIO(data)
+        return super().transform_object(write_item, object)
 
 
 def flat_keys(state_dict: dict[str, Any]) -> list[str]:

@@ -8,7 +8,7 @@ loudly in CI instead of silently mis-loading checkpoints.
   function returns a DTensor shard's global offsets.
 * ``torch._utils._rebuild_tensor_v2``/``_v3``: the functions a ``torch.save`` archive names to
   rebuild a tensor (:func:`rebuild_tensor_functions`). The archive format itself is a file
-  format, not an API: its reader and writer are :mod:`.torch_save_archive`.
+  format, not an API: its reader is :mod:`.torch_save_archive`, its writer :mod:`.archive_write`.
 * ``filesystem._StorageInfo``: DCP's per-item storage record (:func:`storage_info`, :func:`is_storage_info`),
   and the state its ``__getstate__`` pickles (:func:`pickle_metadata`).
 * ``Tensor._version``: the in-place version counter autograd keeps per storage (shared by views
