@@ -74,6 +74,28 @@ def test_storage_benchmark_smoke_run(tmp_path: Path) -> None:
     assert all(r["x_s3fs"] > 0 for r in rows if r["method"].startswith("ours"))
 
 
+def test_write_path_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/write_path_bench.py end to end (untimed): every method saves, nothing is left."""
+    out, work = tmp_path / "write_path.json", tmp_path / "work"
+    script = REPO / "benchmarks" / "write_path_bench.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out), "--workdir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["results"]
+    ran = {m for m, v in row["samples_s"].items() if v}
+    ours = {"ours_sync", "ours_no_writeback", "ours_no_value_cache", "ours_neither"}
+    assert ran | set(result["skipped"]) == {"raw_write", "raw_writeback", "safetensors"} | ours
+    assert {"raw_write", "ours_sync"} <= ran and all(x > 0 for v in row["samples_s"].values() for x in v)
+    assert row["ratios"]["ours_sync / raw_write"] > 0
+    assert not work.exists()
+
+
 def test_scale_bench_smoke() -> None:
     """benchmarks/scale_bench.py runs (tiny, untimed)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
