@@ -299,6 +299,20 @@ def test_value_archive_has_torch_saves_records_and_loads_as_they_do(value: Any) 
     assert raw != value_archive(value)  # a fresh serialization id per archive, as torch.save gives
 
 
+def test_a_large_value_gets_its_archive_built_not_cached() -> None:
+    from ckpt_engine._dcpio import archive_write
+
+    big = {"table": list(range(5000))}  # a pickle over the cached size
+    before = archive_write._cached_value_template.cache_info().currsize
+    raw = value_archive(big)
+    assert raw is not None and torch.load(io.BytesIO(raw), weights_only=True) == big
+    assert archive_write._cached_value_template.cache_info().currsize == before
+    hits = archive_write._cached_value_template.cache_info().hits
+    value_archive(0.0625)
+    value_archive(0.0625)  # a small one is cached: the second call is a hit
+    assert archive_write._cached_value_template.cache_info().hits == hits + 1
+
+
 def test_value_archive_leaves_anything_holding_a_storage_to_torch_save() -> None:
     assert value_archive(torch.ones(2)) is None
     assert value_archive({"t": [torch.zeros(1)]}) is None

@@ -311,10 +311,17 @@ class _ValuePickler(pickle.Pickler):
         return None
 
 
-@functools.lru_cache(maxsize=4096)
+#: Pickles up to this size get their archive cached (1,024 of them: at most about 5 MiB);
+#: a larger value's archive is built each time, still without torch.save.
+_CACHED_PICKLE_MAX = 4096
+
+
 def _value_template(data_pkl: bytes) -> tuple[bytes, int, tuple[int, int]]:
     out, _, id_at, crc_at = zip_records(torch_save_records(data_pkl, False), 0)
     return bytes(out), id_at, crc_at
+
+
+_cached_value_template = functools.lru_cache(maxsize=1024)(_value_template)
 
 
 def value_archive(obj: Any) -> bytes | None:
@@ -326,7 +333,9 @@ def value_archive(obj: Any) -> bytes | None:
         _ValuePickler(buf, protocol=2).dump(obj)  # torch.save's pickle protocol (DEFAULT_PROTOCOL)
     except _HasStorage:
         return None
-    template, id_at, crc_at = _value_template(buf.getvalue())
+    data_pkl = buf.getvalue()
+    build = _cached_value_template if len(data_pkl) <= _CACHED_PICKLE_MAX else _value_template
+    template, id_at, crc_at = build(data_pkl)
     out = bytearray(template)
     patch_serial(out, id_at, crc_at, new_serial())
     return bytes(out)
