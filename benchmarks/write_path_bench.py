@@ -42,6 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
+from _peers_measure import fsync_all  # noqa: E402
 
 MIB = 1 << 20
 METHODS = (
@@ -54,14 +55,6 @@ METHODS = (
     "safetensors",
 )
 _OURS = ("ours_sync", "ours_no_writeback", "ours_no_value_cache", "ours_neither")
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -85,7 +78,7 @@ def _raw(path: str, tensors: dict[str, torch.Tensor], writeback: bool) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_path(os.path.dirname(path))
+    fsync_all([os.path.dirname(path)])  # the folder, so the name is durable too
 
 
 class _Bench:
@@ -127,8 +120,7 @@ class _Bench:
                 from safetensors.torch import save_file
 
                 save_file(self.tensors, os.path.join(path, "state.safetensors"))
-                _fsync_path(os.path.join(path, "state.safetensors"))
-                _fsync_path(path)
+                fsync_all([os.path.join(path, "state.safetensors")])  # the file, then its folder
             return time.perf_counter() - t0
         finally:
             writeback._sync_file_range, planner.value_archive = real, value_archive
