@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngine
+from ckpt_engine._dcpio.archive_write import value_archive
 from ckpt_engine._dcpio.plain_values import plain_value
 from ckpt_engine.testing import TinyTrainingState
 
@@ -25,8 +26,11 @@ def _archive(value: Any) -> bytes:
     "value",
     [0.001, -3, 2**70, (0.9, 0.999), None, "text", True, {"a": [1, 2.0, (None, "x")]}, [], float("inf")],
 )
-def test_plain_values_read_as_torch_load_reads_them(value: Any) -> None:
-    data = _archive(value)
+@pytest.mark.parametrize("writer", ["torch.save", "value_archive"])
+def test_plain_values_read_as_torch_load_reads_them(value: Any, writer: str) -> None:
+    # both layouts: torch.save's streamed one, and the engine's own (sizes in the local headers)
+    data = _archive(value) if writer == "torch.save" else value_archive(value)
+    assert data is not None
     ok, got = plain_value(data)
     assert ok and got == value and type(got) is type(value)
     assert got == torch.load(io.BytesIO(data), weights_only=True)
