@@ -279,65 +279,55 @@ _VALUES = [
 
 
 @pytest.mark.parametrize("value", _VALUES, ids=repr)
-def test_value_archive_has_torch_saves_records_and_loads_as_they_do(value: Any) -> None:
+def test_value_archive_is_torch_saves_archive_byte_for_byte(value: Any) -> None:
     raw = value_archive(value)
     assert raw is not None
     buf = io.BytesIO()
     torch.save(value, buf)
-
-    def records(data: bytes) -> dict[str, bytes]:
-        with zipfile.ZipFile(io.BytesIO(data)) as zf:
-            assert zf.testzip() is None  # every CRC is right
-            return {i.filename: zf.read(i) for i in zf.infolist()}
-
-    ours, theirs = records(raw), records(buf.getvalue())
-    serial = "archive/.data/serialization_id"
-    assert ours.keys() == theirs.keys() and ours.pop(serial).isdigit()
-    theirs.pop(serial)
-    assert ours == theirs  # data.pkl byte for byte, and every other record
+    assert raw == buf.getvalue()  # torch.save's bytes depend on the pickle alone: a cache is exact
+    assert value_archive(value) == raw
     assert torch.load(io.BytesIO(raw), weights_only=False) == value
-    assert raw != value_archive(value)  # a fresh serialization id per archive, as torch.save gives
 
 
-def test_a_large_value_gets_its_archive_built_not_cached() -> None:
-    from ckpt_engine._dcpio import archive_write
-
-    big = {"table": list(range(5000))}  # a pickle over the cached size
-    before = archive_write._cached_value_template.cache_info().currsize
-    raw = value_archive(big)
-    assert raw is not None and torch.load(io.BytesIO(raw), weights_only=True) == big
-    assert archive_write._cached_value_template.cache_info().currsize == before
-    hits = archive_write._cached_value_template.cache_info().hits
-    value_archive(0.0625)
-    value_archive(0.0625)  # a small one is cached: the second call is a hit
-    assert archive_write._cached_value_template.cache_info().hits == hits + 1
-
-
-def test_value_archive_leaves_anything_holding_a_storage_to_torch_save() -> None:
+def test_value_archive_leaves_storages_and_large_values_to_torch_save() -> None:
     assert value_archive(torch.ones(2)) is None
     assert value_archive({"t": [torch.zeros(1)]}) is None
     assert value_archive(torch.ones(3).untyped_storage()) is None
+    assert value_archive({"table": list(range(5000))}) is None  # a pickle over the cached size
 
 
-def test_engine_save_writes_value_archives_that_plain_dcp_loads(tmp_path: Any) -> None:
-    """The save planner takes the cached archives for plain values (no data descriptors: not
-    torch.save's streamed layout), torch.save's for a value holding a tensor, and plain
-    ``dcp.load`` (``torch.load`` per item) reads both back."""
+def test_value_archive_follows_the_crc32_setting() -> None:
+    with_crc = value_archive(0.375)
+    torch.serialization.set_crc32_options(False)
+    try:
+        without = value_archive(0.375)
+        buf = io.BytesIO()
+        torch.save(0.375, buf)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert without == buf.getvalue() != with_crc
+
+
+def test_the_save_planner_torch_saves_each_distinct_plain_value_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The save planner takes cached archives for plain values and torch.save's for a value
+    holding a tensor, and plain ``dcp.load`` (``torch.load`` per item) reads both back."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
     from ckpt_engine._dcpio.planner import EngineSavePlanner
 
+    calls: list[Any] = []
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (calls.append(obj), real_save(obj, f, *a, **k))[1])
     planner = EngineSavePlanner()
     item = WriteItem(index=MetadataIndex("x"), type=WriteItemType.BYTE_IO)
-
-    def flags(data: io.BytesIO) -> set[int]:
-        with zipfile.ZipFile(data) as zf:
-            return {i.flag_bits & 0x08 for i in zf.infolist()}
-
-    assert flags(planner.transform_object(item, 0.25)) == {0}  # the cached archive
+    first = planner.transform_object(item, 0.123456789)
+    assert planner.transform_object(item, 0.123456789).getvalue() == first.getvalue()
+    assert calls == [0.123456789]  # torch.save once, then the cache
     holding = planner.transform_object(item, {"t": torch.ones(2)})
-    assert flags(holding) == {0x08}  # torch.save's own, streamed with data descriptors
+    assert len(calls) == 2  # a value holding a tensor: torch.save every time
     assert torch.equal(torch.load(io.BytesIO(holding.getvalue()), weights_only=True)["t"], torch.ones(2))
 
     state = {"lr": 0.25, "betas": (0.9, 0.95), "name": "adamw", "w": torch.ones(2)}

@@ -1,12 +1,12 @@
-"""``torch.save`` archives written without ``torch.save``: a tensor's around its bytes, a plain value's from a cache.
+"""``torch.save`` archives without a ``torch.save`` call: a tensor's around its bytes, a plain value's from a cache.
 
 The fast writer (``fast_write``) emits every item of a ``.distcp`` file as the archive DCP's
 writer would get from ``torch.save``, without calling it: :func:`tensor_archive` lays out the
 archive of one dense tensor around its data (no serialisation copy, no CRC pass over the
-data), and :func:`value_archive` the archive of a value without tensors (a learning rate,
-betas, a step count), built once per distinct pickle with only the serialization id fresh
-(about 10 microseconds against ``torch.save``'s 100; an AdamW state dict of 42 parameters has
-463 such values, per-parameter hyper-parameters that do not change between saves). This is a
+data), and :func:`value_archive` gives ``torch.save``'s own archive of a value without tensors
+(a learning rate, betas, a step count) from a cache keyed by its pickle (a few microseconds
+against ``torch.save``'s 100; an AdamW state dict of 42 parameters has 463 such values,
+per-parameter hyper-parameters that do not change between saves). This is a
 file format, not an API: its reader is :mod:`.torch_save_archive`, the one private torch name
 it needs comes from :mod:`.torch_private`, and ``tests/test_torch_private.py`` pins both
 archives against ``torch.save``/``torch.load``.
@@ -24,6 +24,7 @@ import os
 import pickle
 import struct
 import sys
+import threading
 import warnings
 import zlib
 from typing import Any
@@ -291,10 +292,11 @@ def tensor_archive(dtype: torch.dtype, size: tuple[int, ...], serial: bytes | No
 
 # -- a value without tensors --------------------------------------------------------------------
 #
-# Its records are torch.save's (the same ``data.pkl``, from the same pickler class, protocol
-# and ``persistent_id`` contract), laid out as a tensor's archive above: sizes and CRCs in the
-# local headers instead of data descriptors, which every zip reader, torch.load among them,
-# reads alike.
+# ``torch.save`` of a value that holds no storage writes bytes that depend on its pickle alone
+# (the serialization id is derived from the content: equal values give equal archives in any
+# process), so its output for one pickle is its output for every value with that pickle. The
+# cache keys on the pickle and on the two settings that change the archive (CRC32 on or off, the
+# storage alignment), and holds exactly what torch.save returned.
 
 
 class _HasStorage(Exception):
@@ -311,31 +313,35 @@ class _ValuePickler(pickle.Pickler):
         return None
 
 
-#: Pickles up to this size get their archive cached (1,024 of them: at most about 5 MiB);
-#: a larger value's archive is built each time, still without torch.save.
+#: Archives of pickles up to this size are cached (1,024 of them: about 1.3 MiB at most);
+#: a larger value goes to torch.save every time.
 _CACHED_PICKLE_MAX = 4096
-
-
-def _value_template(data_pkl: bytes) -> tuple[bytes, int, tuple[int, int]]:
-    out, _, id_at, crc_at = zip_records(torch_save_records(data_pkl, False), 0)
-    return bytes(out), id_at, crc_at
-
-
-_cached_value_template = functools.lru_cache(maxsize=1024)(_value_template)
+_cache: collections.OrderedDict[tuple[bytes, bool, int], bytes] = collections.OrderedDict()
+_CACHE_ENTRIES = 1024
+_cache_lock = threading.Lock()  # the writer's threads resolve items concurrently
 
 
 def value_archive(obj: Any) -> bytes | None:
-    """A ``torch.save`` archive of a value that holds no tensor or storage (a learning rate, a
-    step count, betas, a config dict), or ``None`` for one that does: the caller then runs
-    ``torch.save``."""
+    """``torch.save(obj)``'s bytes for a value that holds no tensor or storage (a learning rate,
+    betas, a step count, a config dict), from a cache keyed by its pickle; ``None`` for one that
+    holds a storage or pickles to more than 4 KiB: the caller then runs ``torch.save``."""
     buf = io.BytesIO()
     try:
         _ValuePickler(buf, protocol=2).dump(obj)  # torch.save's pickle protocol (DEFAULT_PROTOCOL)
     except _HasStorage:
         return None
     data_pkl = buf.getvalue()
-    build = _cached_value_template if len(data_pkl) <= _CACHED_PICKLE_MAX else _value_template
-    template, id_at, crc_at = build(data_pkl)
-    out = bytearray(template)
-    patch_serial(out, id_at, crc_at, new_serial())
-    return bytes(out)
+    if len(data_pkl) > _CACHED_PICKLE_MAX:
+        return None
+    key = (data_pkl, torch.serialization.get_crc32_options(), torch.utils.serialization.config.save.storage_alignment)
+    with _cache_lock:
+        archive = _cache.get(key)
+    if archive is None:
+        out = io.BytesIO()
+        torch.save(obj, out)
+        archive = out.getvalue()
+        with _cache_lock:
+            _cache[key] = archive
+            if len(_cache) > _CACHE_ENTRIES:
+                _cache.popitem(last=False)
+    return archive
