@@ -1,19 +1,15 @@
-"""A durable sync save, against a raw write and safetensors, with each of the write path's choices turned off.
+"""A durable sync save, against a raw write and safetensors, with and without cached value archives.
 
-Two choices of the engine's write path are measured by turning each off in turn: early
-writeback (``ckpt_engine._storage.writeback``: each data file is handed to the disk every
-16 MiB as it is written, so the fsync at the end waits for less) and cached archives for plain
-values (``ckpt_engine._dcpio.archive_write.value_archive``: no ``torch.save`` per learning rate
-and beta). This benchmark times, in one process, paired rounds with the methods in
-alternating order, each until the bytes are durable (fsynced, folders included):
+DCP ``torch.save``s every non-tensor item of a state dict (463 per save of a 42-parameter AdamW
+state: lr, betas, ... per parameter); the engine's save planner takes ``torch.save``'s archive of
+an equal pickle from a cache instead (``ckpt_engine._dcpio.archive_write.value_archive``). This
+benchmark times, in one process, paired rounds with the methods in alternating order, each until
+the bytes are durable (fsynced, folders included):
 
 * ``raw_write``: the state's tensor bytes written to one file in 1 MiB writes, then fsynced: what
-  a plain write costs on this disk (the limit the sync save was measured against until now);
-* ``raw_writeback``: the same with the engine's writeback every 16 MiB;
+  a plain write costs on this disk;
 * ``ours_sync``: ``CheckpointEngine.save`` (every component, manifest, rename, pointer);
-* ``ours_no_writeback``: the same save with the writeback turned off;
 * ``ours_no_value_cache``: the same save with every plain value ``torch.save``'d, as DCP does;
-* ``ours_neither``: both off (the engine before either);
 * ``safetensors``: ``save_file`` of the same tensors, then the file and its folder fsynced.
 
 The state is the peers benchmark's: an MLP of 1024-wide layers whose parameters and AdamW
@@ -45,16 +41,8 @@ import torch  # noqa: E402
 from _peers_measure import fsync_all  # noqa: E402
 
 MIB = 1 << 20
-METHODS = (
-    "raw_write",
-    "raw_writeback",
-    "ours_sync",
-    "ours_no_writeback",
-    "ours_no_value_cache",
-    "ours_neither",
-    "safetensors",
-)
-_OURS = ("ours_sync", "ours_no_writeback", "ours_no_value_cache", "ours_neither")
+METHODS = ("raw_write", "ours_sync", "ours_no_value_cache", "safetensors")
+_OURS = ("ours_sync", "ours_no_value_cache")
 
 
 def _tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -64,17 +52,13 @@ def _tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, 
     return out
 
 
-def _raw(path: str, tensors: dict[str, torch.Tensor], writeback: bool) -> None:
-    from ckpt_engine._storage.writeback import Writeback
-
+def _raw(path: str, tensors: dict[str, torch.Tensor]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        wb, pos = Writeback(fd, enabled=writeback), 0
         for t in tensors.values():
             view = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
             for start in range(0, len(view), MIB):
-                pos += os.write(fd, view[start : start + MIB])
-                wb.wrote(pos)
+                os.write(fd, view[start : start + MIB])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -100,19 +84,16 @@ class _Bench:
 
     def run(self, method: str) -> float:
         from ckpt_engine._dcpio import planner
-        from ckpt_engine._storage import writeback
 
-        real, value_archive = writeback._sync_file_range, planner.value_archive
+        value_archive = planner.value_archive
         path = os.path.join(self.root, method)
         os.makedirs(path, exist_ok=True)
         t0 = time.perf_counter()
         try:
-            if method in ("raw_write", "raw_writeback"):
-                _raw(os.path.join(path, "raw.bin"), self.tensors, writeback=method == "raw_writeback")
+            if method == "raw_write":
+                _raw(os.path.join(path, "raw.bin"), self.tensors)
             elif method in _OURS:
-                if method in ("ours_no_writeback", "ours_neither"):
-                    writeback._sync_file_range = None
-                if method in ("ours_no_value_cache", "ours_neither"):
+                if method == "ours_no_value_cache":
                     planner.value_archive = lambda obj: None  # every value torch.save'd, as DCP does
                 self.step += 1
                 self.engine.save(self.step, model=self.w.model, optimizer=self.w.optim)  # durable on return
@@ -123,7 +104,7 @@ class _Bench:
                 fsync_all([os.path.join(path, "state.safetensors")])  # the file, then its folder
             return time.perf_counter() - t0
         finally:
-            writeback._sync_file_range, planner.value_archive = real, value_archive
+            planner.value_archive = value_archive
             if method not in _OURS:
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -145,11 +126,6 @@ def _available(methods: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
         import safetensors  # noqa: F401
     except ImportError as err:
         skipped["safetensors"] = f"not installed: {err}"
-    from ckpt_engine._storage import writeback
-
-    if writeback._sync_file_range is None:  # not Linux: these are the same as their pairs
-        for m in ("raw_writeback", "ours_no_writeback", "ours_neither"):
-            skipped[m] = "no sync_file_range on this platform"
     return [m for m in methods if m not in skipped], skipped
 
 
@@ -178,12 +154,9 @@ def _measure(size: int, rounds: int, root: str, methods: list[str]) -> dict[str,
         "samples_s": samples,
         "median_s": {m: statistics.median(v) for m, v in samples.items()},
         "ratios": {
-            "ours_sync / ours_no_writeback": ratio("ours_sync", "ours_no_writeback"),
             "ours_sync / ours_no_value_cache": ratio("ours_sync", "ours_no_value_cache"),
-            "ours_sync / ours_neither": ratio("ours_sync", "ours_neither"),
             "ours_sync / raw_write": ratio("ours_sync", "raw_write"),
             "ours_sync / safetensors": ratio("ours_sync", "safetensors"),
-            "raw_writeback / raw_write": ratio("raw_writeback", "raw_write"),
         },
     }
 

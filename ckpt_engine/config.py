@@ -265,11 +265,7 @@ class EngineConfig(BaseModel):
         "several hosts (a shared filesystem); off on one host, where the page cache serves every rank "
         "faster than a broadcast (docs/storage.md). `LoadResult.bytes_read` says what each rank read.",
     )
-    sync_files: bool = Field(
-        default=True,
-        description="fsync checkpoint files before commit. On Linux, each data file's writeback also starts every "
-        "16 MiB as it is written, so the fsync waits only for the last chunk (docs/performance.md, early writeback).",
-    )
+    sync_files: bool = Field(default=True, description="fsync checkpoint files before commit.")
     storage: StorageOptions = Field(
         default_factory=StorageOptions,
         description="Credentials, endpoint and transfer settings for URLs; the two-tier `local_dir` (docs/storage.md).",

@@ -43,7 +43,6 @@ from torch.futures import Future
 from .._format.digests import write_part
 from .._format.hashing import new_hasher
 from .._format.metadata import remember_metadata
-from .._storage.writeback import Writeback
 from ..types import CarriedBy, CarryOver
 from ..types import WriteResult as ComponentWritten
 from .archive_write import tensor_archive
@@ -96,23 +95,18 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 class _Output:
-    """A file written sequentially, tracking its offset and hashing what it writes.
+    """A file written sequentially, tracking its offset and hashing what it writes."""
 
-    ``fsync``: the file will be fsynced when written; its writeback then starts chunk by chunk
-    as it is written (:mod:`~ckpt_engine._storage.writeback`), so the fsync waits for less."""
-
-    def __init__(self, path: str, algorithm: str | None, fsync: bool) -> None:
+    def __init__(self, path: str, algorithm: str | None) -> None:
         self.f = create_new(path)  # a new inode: never written through a carried-over link
         self.pos = 0
         self.hasher = new_hasher(algorithm) if algorithm is not None else None
-        self.writeback = Writeback(self.f.fileno(), enabled=fsync)
 
     def write(self, data: Any) -> None:
         if self.hasher is not None:
             self.hasher.update(data)
         n = self.f.write(data)
         self.pos += n if n is not None else len(memoryview(data).cast("B"))
-        self.writeback.wrote(self.pos)
 
     def digest(self) -> str | None:
         return None if self.hasher is None else self.hasher.hexdigest()
@@ -299,7 +293,7 @@ class FastFileSystemWriter(FileSystemWriter):
         if name in self._stable and self.carry_over is not None and algorithm == self.carry_over.algorithm:
             return self._carry_or_write(name, items, planner)
         results: list[WriteResult] = []
-        with _Output(os.path.join(os.fspath(self.path), name), algorithm, self.sync_files) as out:
+        with _Output(os.path.join(os.fspath(self.path), name), algorithm) as out:
             for item in _dcp_order(items):
                 offset = out.pos
                 for part in _encode(planner.resolve_data(item)):
@@ -343,7 +337,7 @@ class FastFileSystemWriter(FileSystemWriter):
             logger.warning("%s is unchanged but was written, not carried over: %s", path, reason)
             self.carried[name] = ("write", size)
         results = []
-        with _Output(path, None, self.sync_files) as out:
+        with _Output(path, None) as out:
             for item, parts in encoded:
                 offset = out.pos
                 for part in parts:
