@@ -173,16 +173,13 @@ class _Template:
 _Zip = tuple[bytearray, int, int, tuple[int, int]]
 
 
-def zip_records(records: list[tuple[str, bytes | None]], nbytes: int, zip64_limit: int | None = None) -> _Zip:
+def _zip_records(records: list[tuple[str, bytes | None]], nbytes: int, zip64_limit: int) -> _Zip:
     """The archive torch.save writes for ``records`` (one ``None``: a record of ``nbytes`` the
-    caller writes), as one buffer without that record's bytes, the offset in it where they go
-    (its length where no record is ``None``), and where the serialization id and the two copies
-    of its CRC are in the buffer. Records of ``zip64_limit`` bytes or more (default: 4 GiB) get
-    zip64 fields."""
-    if zip64_limit is None:
-        zip64_limit = _ZIP64_LIMIT
+    caller writes), as one buffer without that record's bytes, the offset in it where they go,
+    and where the serialization id and the two copies of its CRC are in the buffer. Records of
+    ``zip64_limit`` bytes or more get zip64 fields."""
     out = bytearray()
-    split = -1
+    split = 0
     pos = 0
     central: list[bytes] = []
     id_at, crc_local_at, crc_central_at = -1, -1, -1
@@ -227,19 +224,18 @@ def zip_records(records: list[tuple[str, bytes | None]], nbytes: int, zip64_limi
     out += _EOCD.pack(
         _EOCD_MAGIC, 0, 0, count, count, 0xFFFFFFFF if big else len(cd), 0xFFFFFFFF if big else cd_offset, 0
     )
-    return out, len(out) if split < 0 else split, id_at, (crc_local_at, crc_central_at)
+    return out, split, id_at, (crc_local_at, crc_central_at)
 
 
-def torch_save_records(data_pkl: bytes, with_data: bool) -> list[tuple[str, bytes | None]]:
+def _torch_save_records(data_pkl: bytes) -> list[tuple[str, bytes | None]]:
     """torch.save's records, in its order: the pickle, three constants, the one storage's data
     (a tensor's archive), the version, the serialization id (zeros here, patched per archive)."""
-    data: list[tuple[str, bytes | None]] = [("data/0", None)] if with_data else []
     return [
         ("data.pkl", data_pkl),
         (".format_version", b"1"),
         (".storage_alignment", str(_ALIGN).encode()),
         ("byteorder", sys.byteorder.encode()),
-        *data,
+        ("data/0", None),  # the tensor's bytes
         ("version", b"3\n"),
         (_SERIAL_RECORD, b"0" * _SERIAL_LEN),
     ]
@@ -248,19 +244,19 @@ def torch_save_records(data_pkl: bytes, with_data: bool) -> list[tuple[str, byte
 @functools.lru_cache(maxsize=4096)
 def _archive_template(dtype: torch.dtype, size: tuple[int, ...], zip64_limit: int) -> _Template:
     nbytes = math.prod(size) * dtype.itemsize
-    records = torch_save_records(tensor_data_pkl(dtype, size), True)
-    out, split, id_at, (crc_local, crc_central) = zip_records(records, nbytes, zip64_limit)
+    records = _torch_save_records(tensor_data_pkl(dtype, size))
+    out, split, id_at, (crc_local, crc_central) = _zip_records(records, nbytes, zip64_limit)
     crc_at = (crc_local - split, crc_central - split)
     return _Template(bytes(out[:split]), bytes(out[split:]), nbytes, id_at - split, crc_at)
 
 
-def new_serial() -> bytes:
+def _new_serial() -> bytes:
     """A fresh serialization id (40 ASCII digits), as torch.save gives every archive."""
     return f"{next(_serial):040d}"[-_SERIAL_LEN:].encode()
 
 
-def patch_serial(buf: bytearray, id_at: int, crc_at: tuple[int, int], serial: bytes) -> None:
-    """Write ``serial`` into an archive built by :func:`zip_records`, and its CRC in both places."""
+def _patch_serial(buf: bytearray, id_at: int, crc_at: tuple[int, int], serial: bytes) -> None:
+    """Write ``serial`` into an archive built by :func:`_zip_records`, and its CRC in both places."""
     crc = struct.pack("<I", zlib.crc32(serial))
     buf[id_at : id_at + _SERIAL_LEN] = serial
     for at in crc_at:
@@ -282,11 +278,11 @@ def tensor_archive(dtype: torch.dtype, size: tuple[int, ...], serial: bytes | No
     if serial == b"":
         return ArchiveParts(head=t.head, tail=t.tail, nbytes=t.nbytes)
     if serial is None:
-        serial = new_serial()
+        serial = _new_serial()
     elif len(serial) != _SERIAL_LEN or not serial.isdigit():
         raise ValueError("a serialization id is 40 ASCII digits")
     tail = bytearray(t.tail)
-    patch_serial(tail, t.id_at, t.crc_at, serial)
+    _patch_serial(tail, t.id_at, t.crc_at, serial)
     return ArchiveParts(head=t.head, tail=bytes(tail), nbytes=t.nbytes)
 
 
