@@ -248,6 +248,11 @@ class CarryOver:
     #: Storage keys expected not to change (the model's frozen parameters and its buffers): the
     #: items worth comparing. A hint only: what is carried over is decided by the bytes.
     stable: frozenset[str] = frozenset()
+    #: File name inside ``previous`` -> its version when that checkpoint was committed, where its
+    #: manifest recorded one (a local file's inode, size, mtime and ctime). A file whose version
+    #: is another now changed since its commit, or cannot be vouched for unread: it is carried
+    #: over only if its bytes, read again, still have the recorded checksum.
+    seen: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

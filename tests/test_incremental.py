@@ -306,6 +306,144 @@ def test_a_previous_file_that_does_not_match_its_manifest_is_not_linked(save_dir
     _assert_equal(_dcp_model(_ckpt(save_dir, 2), want), want)
 
 
+# -- a previous file that changed after its commit (silent wrong data before: it was linked) --------
+
+
+def _flip_in_place(path: Path) -> None:
+    """One byte in the middle of the file flipped through the same inode."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def _replace_same_size(path: Path) -> None:
+    """A new file of the same size renamed over it (another inode)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _flip_and_restore_mtime(path: Path) -> None:
+    """Flipped in place, then its mtime set back (``touch -r``): only the ctime shows it."""
+    st = path.stat()
+    _flip_in_place(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("damage", [_flip_in_place, _replace_same_size, _flip_and_restore_mtime])
+def test_a_previous_file_changed_after_its_commit_is_written_not_carried(save_dir: str, damage: Any) -> None:
+    """The newest checkpoint is never born damaged: a same-size change of the previous
+    checkpoint's file is seen (version, then checksum) and the file is written from memory."""
+    job = FineTune()
+    with CheckpointEngine(_config(save_dir)) as engine:
+        engine.save(1, **job.objects()).result()
+        victim = _base_file(_ckpt(save_dir, 1))
+        damage(victim)
+        result = engine.save(2, **job.objects()).result()
+    assert result.carried_by == "write" and result.bytes_reused < BASE * BASE * 4
+    assert Path(_ckpt(save_dir, 2), "model", victim.name).stat().st_nlink == 1
+    want = job.model_state()
+    job2 = FineTune(seed=7)
+    with CheckpointEngine({"save_dir": save_dir}) as engine:  # the default verify: sizes
+        assert engine.load(**job2.objects()).iteration == 2
+    _assert_equal(job2.model_state(), want)
+    assert verify_checkpoint(_ckpt(save_dir, 2), "checksums").verified
+
+
+def test_a_touched_file_with_its_bytes_intact_is_read_again_and_carried(save_dir: str) -> None:
+    """A version change that leaves the bytes alone (``touch``, retention removing another link)
+    costs a re-read, not a write: the bytes still have the recorded checksum."""
+    job = FineTune()
+    with CheckpointEngine(_config(save_dir)) as engine:
+        engine.save(1, **job.objects()).result()
+        victim = _base_file(_ckpt(save_dir, 1))
+        os.utime(victim)
+        result = engine.save(2, **job.objects()).result()
+    assert result.carried_by == "link" and result.bytes_reused >= BASE * BASE * 4
+    assert Path(_ckpt(save_dir, 2), "model", victim.name).stat().st_nlink == 2
+
+
+def test_retention_of_a_sharing_checkpoint_keeps_the_carry_over(save_dir: str) -> None:
+    """keep_last removes a link to the shared file after every commit (its ctime moves): every
+    later save still carries it over, read again, and every kept checkpoint stays whole."""
+    _, results, states = _save_series(save_dir, 4, keep_last=2)
+    assert [r.carried_by for r in results] == ["off", "link", "link", "link"]
+    assert all(r.bytes_reused >= BASE * BASE * 4 for r in results[1:])
+    assert sorted(os.listdir(save_dir)) == ["iter_000000003", "iter_000000004", "latest_checkpoint.txt"]
+    for it in (3, 4):
+        _assert_equal(_dcp_model(_ckpt(save_dir, it), states[it - 1]), states[it - 1])
+        assert verify_checkpoint(_ckpt(save_dir, it), "checksums").verified
+
+
+def test_a_symlink_planted_in_the_previous_checkpoint_is_written_anew(
+    save_dir: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A symlink in latest (even to a copy of the right bytes) is never linked: the file is
+    written anew and logged, and latest keeps moving (every save failed before)."""
+    job = FineTune()
+    outside = tmp_path / "outside.distcp"
+    with CheckpointEngine(_config(save_dir)) as engine:
+        engine.save(1, **job.objects()).result()
+        victim = _base_file(_ckpt(save_dir, 1))
+        outside.write_bytes(victim.read_bytes())
+        victim.unlink()
+        victim.symlink_to(outside)
+        with caplog.at_level("WARNING", logger="ckpt_engine"):
+            for it in (2, 3):
+                job.step()
+                assert engine.save(it, **job.objects()).result().succeeded
+    assert any("is a symlink" in r.getMessage() for r in caplog.records)
+    assert Path(save_dir, "latest_checkpoint.txt").read_text().strip() == "iter_000000003"
+    new = Path(_ckpt(save_dir, 2), "model", victim.name)
+    assert not new.is_symlink() and new.stat().st_nlink == 2  # written by 2, linked by 3
+    assert verify_checkpoint(_ckpt(save_dir, 3), "checksums").verified
+
+
+def test_a_manifest_without_versions_is_carried_over_after_a_read(save_dir: str) -> None:
+    """A checkpoint committed before versions were recorded: its files are vouched for by their
+    checksum, read again, then linked."""
+    import json
+
+    job = FineTune()
+    with CheckpointEngine(_config(save_dir)) as engine:
+        engine.save(1, **job.objects()).result()
+        path = Path(_ckpt(save_dir, 1), "ckpt_engine_manifest.json")
+        doc = json.loads(path.read_text())
+        assert all("seen" in e for e in doc["files"].values())
+        for e in doc["files"].values():
+            del e["seen"]
+        path.write_text(json.dumps(doc))
+        result = engine.save(2, **job.objects()).result()
+    assert result.carried_by == "link" and result.bytes_reused >= BASE * BASE * 4
+
+
+def test_a_hostile_version_in_a_manifest_is_refused(save_dir: str) -> None:
+    import json
+
+    from ckpt_engine import CorruptCheckpointError
+
+    job = FineTune()
+    with CheckpointEngine(_config(save_dir)) as engine:
+        engine.save(1, **job.objects()).result()
+    path = Path(_ckpt(save_dir, 1), "ckpt_engine_manifest.json")
+    doc = json.loads(path.read_text())
+    next(iter(doc["files"].values()))["seen"] = "x" * 100_000 + "\n"
+    path.write_text(json.dumps(doc))
+    report = verify_checkpoint(_ckpt(save_dir, 1), "sizes")
+    assert not report.verified and any("not a file version" in p for p in report.problems), report.problems
+    assert all(len(p) < 1000 for p in report.problems)
+    job2 = FineTune(seed=3)
+    with (
+        pytest.raises(CorruptCheckpointError, match="not a file version"),
+        CheckpointEngine({"save_dir": save_dir}) as e,
+    ):
+        e.load(**job2.objects())
+
+
 def test_full_save_every_bounds_what_checkpoints_share(save_dir: str) -> None:
     _, results, _ = _save_series(save_dir, 5, full_save_every=2)
     assert [r.bytes_reused > 0 for r in results] == [False, True, False, True, False]
@@ -416,9 +554,9 @@ def _s3(bucket: Any, **extra: Any) -> dict[str, Any]:
     return {"save_dir": bucket.url, "storage": dict(bucket.storage), "incremental": True, **extra}
 
 
-def _resume_model(config: dict[str, Any], path: str) -> tuple[Any, dict[str, torch.Tensor]]:
+def _resume_model(config: dict[str, Any], path: str, verify: str = "checksums") -> tuple[Any, dict[str, torch.Tensor]]:
     job = FineTune(seed=5)
-    load = {**config, "save_dir": config["save_dir"] + "-elsewhere", "load_path": path, "verify": "checksums"}
+    load = {**config, "save_dir": config["save_dir"] + "-elsewhere", "load_path": path, "verify": verify}
     load.pop("incremental", None)
     with CheckpointEngine(load) as engine:
         result = engine.load(**job.objects())
@@ -480,6 +618,54 @@ def test_two_tier_links_locally_and_copies_inside_the_store(s3_bucket: Any, tmp_
         )
         assert got_result.verified
         _assert_equal(got, states[it - 1])
+
+
+def _flip_object(bucket: Any, key: str) -> None:
+    """Replace an object of the bucket by one of the same size with one byte flipped."""
+    fs = bucket.fs()
+    data = bytearray(fs.cat_file(key))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(key, bytes(data))
+
+
+def _largest_object(bucket: Any, prefix: str) -> str:
+    fs = bucket.fs()
+    found = fs.find(prefix, detail=True)
+    return max((k for k in found if k.endswith(".distcp")), key=lambda k: found[k]["size"])
+
+
+def test_s3_an_object_changed_after_its_commit_is_uploaded_not_copied(s3_bucket: Any) -> None:
+    """On an object store the ETag recorded at commit vouches for an object: a same-size
+    replacement of the previous checkpoint's object is written again, never server-side copied."""
+    config = _s3(s3_bucket)
+    job = FineTune()
+    with CheckpointEngine(config) as engine:
+        engine.save(1, **job.objects()).result()
+        victim = _largest_object(s3_bucket, f"{s3_bucket.name}/run/iter_000000001/model")
+        _flip_object(s3_bucket, victim)
+        result = engine.save(2, **job.objects()).result()
+    assert result.bytes_reused < BASE * BASE * 4
+    _, got = _resume_model(config, f"{s3_bucket.url}/iter_000000002", verify="sizes")
+    _assert_equal(got, job.model_state())
+
+
+def test_two_tier_a_remote_object_changed_after_its_upload_is_uploaded_again(s3_bucket: Any, tmp_path: Path) -> None:
+    local = str(tmp_path / "local")
+    config = {**_s3(s3_bucket), "storage": {**s3_bucket.storage, "local_dir": local}}
+    job = FineTune()
+    with CheckpointEngine(config) as engine:
+        engine.save(1, **job.objects()).result()
+        engine.wait()
+        victim = _largest_object(s3_bucket, f"{s3_bucket.name}/run/iter_000000001/model")
+        _flip_object(s3_bucket, victim)
+        assert engine.save(2, **job.objects()).result().carried_by == "link"  # the local copy is intact
+        engine.wait()
+    import json
+
+    doc = json.loads(s3_bucket.fs().cat_file(f"{s3_bucket.name}/run/iter_000000002/ckpt_engine_manifest.json"))
+    assert all(e["seen"].startswith(("ETag:", "VersionId:")) for e in doc["files"].values())
+    _, got = _resume_model({**config, "storage": dict(s3_bucket.storage)}, f"{s3_bucket.url}/iter_000000002", "sizes")
+    _assert_equal(got, job.model_state())
 
 
 # -- what ls and inspect show ----------------------------------------------------------------------

@@ -26,19 +26,38 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import stat
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-__all__ = ["GROUP_BYTES", "FileGroup", "create_new", "group_items", "link_file"]
+from .._format.hashing import new_hasher
+from .._storage.store import local_file_version
+
+__all__ = ["GROUP_BYTES", "CarriedFile", "FileGroup", "create_new", "group_items", "link_file"]
+
+logger = logging.getLogger("ckpt_engine")
 
 #: Stable tensors of at least this size get a file of their own; smaller ones are packed in
 #: order into files of about this size (a changed one rewrites at most about this much).
 GROUP_BYTES = 64 << 20
 _BUFFER = 1 << 20
+
+
+@dataclass(frozen=True)
+class CarriedFile:
+    """A file of the previous checkpoint, as its manifest lists it: what carrying it over needs."""
+
+    size: int
+    checksum: str
+    algorithm: str
+    #: Its version at commit (:func:`.local_file_version`); ``None``: not recorded.
+    seen: str | None
 
 
 @dataclass(frozen=True)
@@ -105,31 +124,78 @@ def _runs(items: Sequence[WriteItem], nbytes: Callable[[WriteItem], int], stable
     return groups
 
 
-def link_file(source: str, target: str, size: int) -> str | None:
-    """Make ``target`` a hard link to ``source``, a committed file of ``size`` bytes.
+def link_file(source: str, target: str, expected: CarriedFile) -> str | None:
+    """Make ``target`` a hard link to ``source``, a file of the previous checkpoint that its
+    manifest lists as ``expected``, if ``source`` still holds those bytes.
+
+    It does when it is a regular file (a symlink is never followed, nor linked) of the recorded
+    size, and either its version is still the one recorded at commit (nothing wrote, replaced
+    or touched it since), or its bytes, read again, still have the recorded checksum: the
+    version also changes for what leaves the bytes alone (retention removing another link to
+    the file), and a manifest from before versions were recorded has none.
 
     Returns ``None`` on success, else why the file must be written instead (the source is gone,
-    has another size, or the filesystem refuses links: another device, no link support, too many
-    links). ``target`` is removed first if it exists (what a crashed save left)."""
+    changed, not a regular file, or the filesystem refuses links: another device, no link
+    support, too many links). ``target`` is removed first if it exists (what a crashed save left)."""
     try:
-        st = os.stat(source)
+        st = os.lstat(source)
     except FileNotFoundError:
         return f"{source} no longer exists (retention removed it?)"
     except OSError as err:
         return f"cannot stat {source}: {err.strerror or err}"
-    if st.st_size != size:
-        return f"{source} has {st.st_size} bytes, its manifest says {size}"
+    if not stat.S_ISREG(st.st_mode):
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        return f"{source} is {what}; a checkpoint's files must be its own"
+    if st.st_size != expected.size:
+        return f"{source} has {st.st_size} bytes, its manifest says {expected.size}"
+    if expected.seen is None or local_file_version(st) != expected.seen:
+        reason = _vouch_by_reading(source, st, expected)
+        if reason is not None:
+            return reason
     _remove(target)
     try:
-        os.link(source, target)
+        os.link(source, target, follow_symlinks=False)
     except FileNotFoundError:
         return f"{source} no longer exists (retention removed it?)"
     except OSError as err:
         name = errno.errorcode.get(err.errno or 0, "error")
         return f"hard links from {os.path.dirname(source)} are refused here ({name}: {err.strerror})"
-    if os.stat(target).st_size != size:  # replaced between the checks: never keep a mismatch
-        _remove(target)
+    now = os.lstat(target)
+    if (now.st_ino, now.st_size, now.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
+        _remove(target)  # replaced or written between the checks: never keep a mismatch
         return f"{source} changed while it was linked"
+    return None
+
+
+def _vouch_by_reading(source: str, st: os.stat_result, expected: CarriedFile) -> str | None:
+    """Hash ``source`` (whose ``lstat`` is ``st``) again; ``None`` when its bytes still have the
+    recorded checksum, else why it cannot be carried over."""
+    hasher = new_hasher(expected.algorithm)
+    if hasher is None:
+        return f"{source} cannot be checked: checksum algorithm {expected.algorithm!r} is not available here"
+    t = time.perf_counter()
+    try:
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        return f"cannot read {source}: {err.strerror or err}"
+    try:
+        if os.fstat(fd).st_ino != st.st_ino:
+            return f"{source} was replaced while it was checked"
+        buf = bytearray(_BUFFER * 8)
+        view = memoryview(buf)
+        with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                hasher.update(view[:n])
+    finally:
+        os.close(fd)
+    if hasher.hexdigest() != expected.checksum:
+        return f"{source} changed since its checkpoint was committed (its bytes no longer have the manifest's checksum)"
+    logger.info(
+        "%s: version changed since its commit, bytes unchanged (re-read %d bytes in %.3fs); carried over",
+        source,
+        st.st_size,
+        time.perf_counter() - t,
+    )
     return None
 
 

@@ -46,7 +46,7 @@ from .._format.metadata import remember_metadata
 from ..types import CarriedBy, CarryOver
 from ..types import WriteResult as ComponentWritten
 from .archive_write import tensor_archive
-from .carry import create_new, group_items, link_file
+from .carry import CarriedFile, create_new, group_items, link_file
 from .fast_read import gc_paused
 from .torch_private import pickle_metadata, storage_info
 
@@ -326,7 +326,8 @@ class FastFileSystemWriter(FileSystemWriter):
         previous = carry.files.get(name) if carry.previous is not None else None
         if previous is not None and (size, digest) == tuple(previous):
             assert carry.previous is not None
-            reason = None if carry.method == "copy" else link_file(os.path.join(carry.previous, name), path, size)
+            expected = CarriedFile(size, digest, carry.algorithm, carry.seen.get(name))
+            reason = None if carry.method == "copy" else link_file(os.path.join(carry.previous, name), path, expected)
             if reason is None:  # "copy": the upload copies it inside the object store
                 self.carried[name] = (carry.method, size)
                 results, offset = [], 0

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .._format.manifest import lookup_manifest
+from .._format.manifest import lookup_manifest, unchanged_files
 from .._format.pointer import read_latest
 from .._storage.store import Store
 from ..config import EngineConfig
@@ -44,14 +44,19 @@ class CarryBase:
     store: Store
     #: ``rel`` (``model/__0_0.distcp``) -> (size, checksum), from the previous manifest.
     files: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+    #: ``rel`` -> its version at commit, where the previous manifest recorded one.
+    seen: Mapping[str, str] = field(default_factory=dict)
     #: What this save's manifest records (see ``Manifest.carry_chain``).
     chain: int = 0
 
     def for_component(self, name: str, stable: frozenset[str] = frozenset()) -> CarryOver:
         prefix = name + "/"
         files = {rel[len(prefix) :]: entry for rel, entry in self.files.items() if rel.startswith(prefix)}
+        seen = {rel[len(prefix) :]: version for rel, version in self.seen.items() if rel.startswith(prefix)}
         previous = None if self.folder is None else self.store.join(self.folder, name)
-        return CarryOver(previous=previous, files=files, algorithm=self.algorithm, method=self.method, stable=stable)
+        return CarryOver(
+            previous=previous, files=files, algorithm=self.algorithm, method=self.method, stable=stable, seen=seen
+        )
 
 
 def stable_keys(
@@ -103,8 +108,25 @@ def carry_base(target: SaveTarget, config: EngineConfig, algorithm: str, iterati
     if every is not None and chain >= every:
         logger.info("iteration %d writes every file (full_save_every=%d)", iteration, every)
         return none
-    files = {rel: (e.size, e.checksum) for rel, e in manifest.files.items() if e.checksum is not None}
-    return CarryBase(folder=folder, algorithm=algorithm, method=method, store=store, files=files, chain=chain)
+    entries = manifest.files
+    if method == "copy":  # no bytes to compare here: only objects still as committed are copied
+        entries = unchanged_files(folder, store, manifest)
+        changed = sorted(rel for rel in manifest.files if rel not in entries)
+        if changed:
+            logger.warning(
+                "iteration %d writes %d file(s) of %s anew: changed since that checkpoint was committed, or "
+                "committed without a recorded version (%s%s)",
+                iteration,
+                len(changed),
+                folder,
+                ", ".join(changed[:3]),
+                ", ..." if len(changed) > 3 else "",
+            )
+    files = {rel: (e.size, e.checksum) for rel, e in entries.items() if e.checksum is not None}
+    seen = {rel: e.seen for rel, e in entries.items() if e.checksum is not None and e.seen is not None}
+    return CarryBase(
+        folder=folder, algorithm=algorithm, method=method, store=store, files=files, seen=seen, chain=chain
+    )
 
 
 def _where(target: SaveTarget) -> tuple[str, Store, Literal["link", "copy"]]:

@@ -21,6 +21,7 @@ the cleanup of an uncommitted save and the folders retention runs in. The commit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -36,17 +37,19 @@ from .._format.digests import remove_parts, written_entries
 from .._format.layout import check_complete, commit_rename, remove_checkpoint, remove_tree
 from .._format.manifest import (
     FileEntry,
+    Manifest,
     entry_doc,
     list_files,
     lookup_manifest,
     new_manifest,
     owner_rank,
     referenced_files,
+    unchanged_files,
     write_manifest,
 )
 from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, partial_dirname, replacing_dirname
 from .._storage.paths import check_local_save_dir
-from .._storage.store import FsspecStore, Store, open_store
+from .._storage.store import FsspecStore, Store, open_store, store_for
 from ..config import EngineConfig
 from ..errors import CheckpointSaveError, CkptEngineError, IncompleteCheckpointError, StorageError
 from .resave import advance_latest, promote_replacement, recover_replacements, refuse_resave
@@ -387,13 +390,19 @@ class TwoTierTarget(_CommitsLocally):
             refuse_resave(paths.iteration, [(paths.final, store)], self.config.allow_overwrite)
             if store.exists(paths.final):  # a re-save: the old marker goes first
                 remove_checkpoint(paths.final, store)
-            copies, source = self._carried_remotely(paths)
+            manifest = lookup_manifest(paths.local_final).manifest
+            if manifest is None:
+                raise IncompleteCheckpointError(f"{paths.local_final} has no manifest; it cannot be uploaded")
+            copies, source = self._carried_remotely(paths, manifest)
             rels = [rel for rel in list_files(paths.local_final) if rel not in copies]
             upload_files(store, paths.local_final, paths.final, rels)
             if copies:
                 copy_within(store, source, paths.final, copies)
-            with open(os.path.join(paths.local_final, MANIFEST_FILE), "rb") as f:
-                store.write_bytes(store.join(paths.final, MANIFEST_FILE), f.read())
+            # The local manifest, with the versions of the uploaded objects (the local ones mean
+            # nothing there): the next upload copies only objects that still have them.
+            files = with_versions(manifest.files, paths.final, store)
+            remote = dataclasses.replace(manifest, files=files)
+            store.write_bytes(store.join(paths.final, MANIFEST_FILE), remote.to_json().encode("utf-8"))
             advance_latest(self.save_dir, paths.name, store)
         except StorageError as err:
             wrapped = StorageError(f"{err}; the local copy {paths.local_final} is complete and is resumed from")
@@ -403,24 +412,26 @@ class TwoTierTarget(_CommitsLocally):
             return err
         return None
 
-    def _carried_remotely(self, paths: SavePaths) -> tuple[dict[str, int], str]:
-        """The files of an incremental save that the previous checkpoint's uploaded copy already
-        has (hard links locally, so equal bytes): copied inside the store, not uploaded again."""
-        assert paths.local_final is not None
+    def _carried_remotely(self, paths: SavePaths, manifest: Manifest) -> tuple[dict[str, int], str]:
+        """The files of an incremental save (its local ``manifest``) that the previous
+        checkpoint's uploaded copy holds unchanged (hard links locally, so equal bytes; the
+        object still has the version and checksum its manifest recorded): copied inside the
+        store, not uploaded again."""
         if paths.carry_from is None:
             return {}, ""
         source = self.store.join(self.save_dir, os.path.basename(paths.carry_from))
-        manifest = lookup_manifest(paths.local_final).manifest
-        if manifest is None:
+        try:
+            there = unchanged_files(source, self.store)
+        except CkptEngineError as err:
+            logger.warning(
+                "uploading every file of %s: the previous upload %s is unreadable (%s)", paths.final, source, err
+            )
             return {}, source
         copies = {}
         for rel, entry in manifest.files.items():
-            if entry.carried == "link":
-                try:
-                    if self.store.size(self.store.join(source, rel)) == entry.size:
-                        copies[rel] = entry.size
-                except FileNotFoundError:
-                    continue  # not uploaded there (yet): upload it
+            old = there.get(rel)
+            if entry.carried == "link" and old is not None and (old.size, old.checksum) == (entry.size, entry.checksum):
+                copies[rel] = entry.size
         return copies, source
 
     def retention_jobs(self) -> list[RetentionJob]:
@@ -473,9 +484,16 @@ def write_checked_manifest(
         expected = set(list_files(root)) | referenced_files(checked)
         entries.update(written_entries(root, expected - set(entries), algorithm))
         remove_parts(root)
-    manifest = new_manifest(iteration, world, components, algorithm, entries, carry_chain)
+    manifest = new_manifest(iteration, world, components, algorithm, with_versions(entries, root, store), carry_chain)
     write_manifest(root, manifest, store)
     return manifest.total_bytes
+
+
+def with_versions(entries: Mapping[str, FileEntry], root: str, store: Store | None) -> dict[str, FileEntry]:
+    """``entries`` with each file's version as the store shows it now (:meth:`.Store.versions`),
+    recorded in the manifest so that an incremental save can tell a file changed since."""
+    versions = store_for(root, store).versions(root)
+    return {rel: dataclasses.replace(e, seen=versions.get(rel)) for rel, e in entries.items()}
 
 
 def commit_locally(
@@ -503,24 +521,22 @@ def upload_files(store: FsspecStore, local_root: str, remote_root: str, rels: Se
 
 
 def copy_within(store: FsspecStore, source_root: str, remote_root: str, expected: Mapping[str, int]) -> None:
-    """Copy the files ``expected`` names from the previous checkpoint ``source_root`` to
-    ``remote_root`` inside the store (no bytes through this process on S3). Each source must
-    still have the size its manifest gave; one that is gone or differs fails the save (nothing
-    is committed, ``latest`` is unchanged), naming the file."""
+    """Copy the files ``expected`` names (with their sizes) from the previous checkpoint
+    ``source_root`` to ``remote_root`` inside the store (no bytes through this process on S3).
+    Each source must still be the object that checkpoint was committed with (its version, as
+    its manifest recorded it: :func:`.unchanged_files`); one that is gone or changed fails the
+    save (nothing is committed, ``latest`` is unchanged), naming the file."""
+    vouched = unchanged_files(source_root, store)
     pairs = []
     for rel in sorted(expected):
-        source = store.join(source_root, rel)
-        try:
-            size = store.size(source)
-        except FileNotFoundError:
-            size = -1
-        if size != expected[rel]:
-            state = "is gone" if size < 0 else f"has {size} bytes, its manifest says {expected[rel]}"
+        entry = vouched.get(rel)
+        if entry is None or entry.size != expected[rel]:
             raise CheckpointSaveError(
-                f"cannot carry {rel} over: {source} {state} (retention or another job changed the previous "
-                "checkpoint while this save ran); save again: the next save compares with the current latest"
+                f"cannot carry {rel} over: {store.join(source_root, rel)} is gone or changed since its checkpoint "
+                "was committed (retention or another job changed it while this save ran); save again: the next "
+                "save compares with the current latest"
             )
-        pairs.append((source, store.join(remote_root, rel)))
+        pairs.append((store.join(source_root, rel), store.join(remote_root, rel)))
     t = time.perf_counter()
     store.copy_files(pairs)
     logger.debug(

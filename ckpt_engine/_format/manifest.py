@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .._storage.store import Store, store_for
+from .._storage.store import VERSION_PATTERN, Store, store_for
 from .._version import __version__
 from ..errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, denied
 from .hashing import DEFAULT_ALGORITHM, new_hasher
@@ -62,6 +62,10 @@ class FileEntry:
     carried: str | None = None
     #: Unchanged, but written: carrying it over was refused (save-time bookkeeping, not stored).
     written_unchanged: bool = False
+    #: The file's version when the checkpoint was committed (:meth:`.Store.versions`: a local
+    #: file's inode, size, mtime and ctime; an object's version id or ETag). An incremental save
+    #: carries the file over unread only while its version is still this one; ``None``: unknown.
+    seen: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ def entry_doc(entry: FileEntry) -> dict[str, Any]:
     doc: dict[str, Any] = {"size": entry.size, "checksum": entry.checksum}
     if entry.carried is not None:
         doc["carried"] = entry.carried
+    if entry.seen is not None:
+        doc["seen"] = entry.seen
     return doc
 
 
@@ -345,14 +351,33 @@ def _chain(value: Any) -> int:
 def _file_entry(rel: Any, entry: Any) -> FileEntry:
     if not _safe_rel(rel):
         raise ValueError(f"file name {rel!r} is not a plain relative path inside the checkpoint")
-    size, checksum, carried = entry["size"], entry.get("checksum"), entry.get("carried")
+    size, checksum, carried, seen = entry["size"], entry.get("checksum"), entry.get("carried"), entry.get("seen")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise ValueError(f"size of {rel!r} is {size!r}")
     if checksum is not None and not (isinstance(checksum, str) and re.fullmatch(r"[0-9a-f]{1,128}", checksum)):
         raise ValueError(f"checksum of {rel!r} is {checksum!r}")
     if carried is not None and carried not in CARRIED:
         raise ValueError(f"carried of {rel!r} is not one of {CARRIED}")
-    return FileEntry(size=size, checksum=checksum, carried=carried)
+    if seen is not None and not (isinstance(seen, str) and VERSION_PATTERN.fullmatch(seen)):
+        raise ValueError(f"seen of {rel!r} is not a file version")
+    return FileEntry(size=size, checksum=checksum, carried=carried, seen=seen)
+
+
+def unchanged_files(
+    checkpoint_dir: str, store: Store | None = None, manifest: Manifest | None = None
+) -> dict[str, FileEntry]:
+    """The files of the committed checkpoint ``checkpoint_dir`` that are still what its manifest
+    recorded: each one's version (:meth:`.Store.versions`, one listing) is the one recorded at
+    commit. A file changed or replaced since, or one whose version was not recorded (a manifest
+    from before versions were), is left out: nothing vouches for its bytes without reading them.
+    ``manifest``: the checkpoint's, when the caller has read it already."""
+    store = store_for(checkpoint_dir, store)
+    if manifest is None:
+        manifest = lookup_manifest(checkpoint_dir, store).manifest
+    if manifest is None:
+        return {}
+    now = store.versions(checkpoint_dir)
+    return {rel: e for rel, e in manifest.files.items() if e.seen is not None and now.get(rel) == e.seen}
 
 
 def shard_files(files: Mapping[str, FileEntry], world_size: int) -> list[set[str]]:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
 import posixpath
 import random
+import re
 import shutil
 import stat
 import threading
@@ -38,12 +40,53 @@ from ..errors import ConfigError, StorageError
 from .fscheck import read_regular
 from .urls import is_url, local_path
 
-__all__ = ["FsspecStore", "LocalStore", "Store", "is_url", "local_path", "open_store", "store_for"]
+__all__ = [
+    "VERSION_PATTERN",
+    "FsspecStore",
+    "LocalStore",
+    "Store",
+    "is_url",
+    "local_file_version",
+    "local_path",
+    "open_store",
+    "store_for",
+]
 
 logger = logging.getLogger("ckpt_engine")
 
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound="ReadableFile")
+
+#: What a file version (:meth:`Store.versions`) looks like: short, and plain characters only.
+VERSION_PATTERN = re.compile(r"[A-Za-z0-9:._+=/\-]{1,160}")
+#: Object metadata that changes whenever an object's bytes are replaced, most specific first:
+#: a version id (S3 with versioning), a generation (GCS), an ETag (S3, Azure, most others).
+_OBJECT_VERSION_KEYS = ("VersionId", "generation", "ETag", "etag")
+
+
+def local_file_version(st: os.stat_result) -> str:
+    """The version of a local file (:meth:`Store.versions`) from its ``lstat``: a write changes
+    its mtime and ctime, a replacement its inode, ``utime`` its ctime; only a hard link to it or
+    the removal of one also changes the ctime."""
+    return f"i{st.st_ino}:s{st.st_size}:m{st.st_mtime_ns}:c{st.st_ctime_ns}"
+
+
+def object_version(info: Mapping[str, Any]) -> str | None:
+    """The version of an object (:meth:`Store.versions`) from the metadata a listing gives, or
+    ``None`` where the store gives nothing that changes when the object is replaced."""
+    size = info.get("size")
+    for key in _OBJECT_VERSION_KEYS:
+        value = info.get(key)
+        if value is not None and str(value) not in ("", "null"):
+            text = f"{key}:{str(value).strip(chr(34))}:s{size}"
+            if VERSION_PATTERN.fullmatch(text):
+                return text
+            return f"{key}:h{hashlib.sha256(str(value).encode()).hexdigest()[:40]}:s{size}"
+    created = info.get("created")  # fsspec's memory:// (every write creates the object anew)
+    if isinstance(created, (int, float)) and not isinstance(created, bool):
+        return f"created:{created!r}:s{size}"
+    return None
+
 
 #: Exception class names (anywhere in the MRO) that mean "try again": the network, not the request.
 _TRANSIENT_NAMES = frozenset(
@@ -132,6 +175,13 @@ class Store:
         """Every file below ``path``: ``/``-separated relative path -> size."""
         raise NotImplementedError
 
+    def versions(self, path: str) -> dict[str, str]:
+        """Every file below ``path`` (relative paths, as :meth:`list_files`) -> its *version*: a
+        short string (:data:`VERSION_PATTERN`) that changes whenever the file's bytes may have.
+        Recorded in the manifest at commit, it lets an incremental save trust a file it did not
+        read (``docs/reliability.md``). A file the store gives no version for is left out."""
+        raise NotImplementedError
+
     def remove_file(self, path: str) -> None:
         raise NotImplementedError
 
@@ -175,26 +225,33 @@ class LocalStore(Store):
         return sorted((e.name, e.is_dir()) for e in os.scandir(path))
 
     def list_files(self, path: str) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for dirpath, dirnames, filenames in os.walk(path):
-            dirnames.sort()
-            rel_dir = os.path.relpath(dirpath, path)
-            for name in sorted(filenames):
-                try:
-                    st = os.stat(os.path.join(dirpath, name))
-                except FileNotFoundError:
-                    continue  # removed since the folder was read: not there any more
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                rel = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
-                out[rel] = st.st_size
-        return out
+        return {rel: st.st_size for rel, st in _regular_files(path, follow_symlinks=True)}
+
+    def versions(self, path: str) -> dict[str, str]:
+        # lstat: a symlink has no version, so it is never trusted unread
+        return {rel: local_file_version(st) for rel, st in _regular_files(path, follow_symlinks=False)}
 
     def remove_file(self, path: str) -> None:
         os.remove(path)
 
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path)
+
+
+def _regular_files(path: str, *, follow_symlinks: bool) -> list[tuple[str, os.stat_result]]:
+    """Every regular file below ``path``, sorted: ``/``-separated relative path and its stat."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, path)
+        for name in sorted(filenames):
+            try:
+                st = os.stat(os.path.join(dirpath, name), follow_symlinks=follow_symlinks)
+            except FileNotFoundError:
+                continue  # removed since the folder was read: not there any more
+            if stat.S_ISREG(st.st_mode):
+                out.append((name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}", st))
+    return out
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -399,7 +456,9 @@ class FsspecStore(Store):
             out.append((posixpath.basename(name), entry.get("type") == "directory"))
         return sorted(set(out))
 
-    def list_files(self, path: str) -> dict[str, int]:
+    def _file_infos(self, path: str) -> dict[str, dict[str, Any]]:
+        """One listing of every object below ``path``: relative path -> its metadata."""
+
         def find() -> dict[str, dict[str, Any]]:
             with contextlib.suppress(AttributeError):
                 self.fs.invalidate_cache(path)
@@ -407,12 +466,18 @@ class FsspecStore(Store):
             return found
 
         root = self._strip(path) + "/"
-        out = {}
-        for name, info in self.call("listing", path, find).items():
-            if info.get("type") == "directory" or not name.startswith(root):
-                continue
-            out[name[len(root) :]] = int(info.get("size") or 0)
-        return dict(sorted(out.items()))
+        return {
+            name[len(root) :]: info
+            for name, info in self.call("listing", path, find).items()
+            if info.get("type") != "directory" and name.startswith(root)
+        }
+
+    def list_files(self, path: str) -> dict[str, int]:
+        return dict(sorted((rel, int(info.get("size") or 0)) for rel, info in self._file_infos(path).items()))
+
+    def versions(self, path: str) -> dict[str, str]:
+        out = {rel: object_version(info) for rel, info in self._file_infos(path).items()}
+        return {rel: version for rel, version in out.items() if version is not None}
 
     def remove_file(self, path: str) -> None:
         self.call("deleting", path, lambda: self.fs.rm_file(path))
