@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports the
     from .config import EngineConfig, PluginEntry, StorageOptions
     from .errors import (
         ArgumentTypeError,
+        CheckpointDisagreementError,
         CheckpointExistsError,
         CheckpointLoadError,
         CheckpointLockedError,
@@ -75,6 +76,7 @@ _SUBMODULES: dict[str, tuple[str, ...]] = {
     ".config": ("EngineConfig", "PluginEntry", "StorageOptions"),
     ".errors": (
         "ArgumentTypeError",
+        "CheckpointDisagreementError",
         "CheckpointExistsError",
         "CheckpointLoadError",
         "CheckpointLockedError",
@@ -122,6 +124,7 @@ _LAZY: dict[str, str] = {name: module for module, names in _SUBMODULES.items() f
 __all__ = [
     "PROJECT_NAME",
     "ArgumentTypeError",
+    "CheckpointDisagreementError",
     "CheckpointEngine",
     "CheckpointExistsError",
     "CheckpointLoadError",

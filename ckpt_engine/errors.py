@@ -90,6 +90,12 @@ class CheckpointLockedError(CheckpointLoadError, TimeoutError):
     """A checkpoint folder stayed under another process's exclusive lock longer than a load waits."""
 
 
+class CheckpointDisagreementError(CheckpointLoadError):
+    """The ranks of one load resolved different checkpoints, or different copies of one (a stale
+    ``latest_checkpoint.txt`` on one host, host-local copies that diverged, a network
+    filesystem's attribute cache); raised on every rank before anything is read."""
+
+
 class LoadStrictnessError(CheckpointLoadError):
     """Strict loading found unresolved problems; the message lists every one of them."""
 

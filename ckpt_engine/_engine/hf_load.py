@@ -22,6 +22,7 @@ from ..errors import CheckpointLoadError, CkptEngineError, ConfigError, first_fa
 from ..report import LoadReport
 from ..types import LoadResult
 from .consensus import agreed
+from .rank_views import require_one_checkpoint, safetensors_view
 from .state import TrainingObjects, apply_component, component_state_dict
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ def load_safetensors(engine: Loader, objs: TrainingObjects, path: str) -> LoadRe
         logger.info("load_path %s: model is in keys_not_to_resume; nothing loaded", path)
         return LoadResult(iteration=0, checkpoint_path=path, report=LoadReport(), source="safetensors")
     index = agreed(lambda: read_index(path))
+    require_one_checkpoint(safetensors_view(index), "load_path")
     cfg = engine.config
     sd = component_state_dict(objs, "model")
     planner = EngineLoadPlanner(

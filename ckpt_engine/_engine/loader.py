@@ -11,16 +11,12 @@ every rank.
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._dcpio import dist as _dist
 from .._dcpio.fast_load import load_state_dict
@@ -44,11 +40,10 @@ from ..errors import (
     CkptEngineError,
     ConfigError,
     IncompleteCheckpointError,
-    InvalidArgumentError,
     described,
 )
 from ..pipeline import Pipeline
-from ..report import ComponentReport, LoadReport, SkipRecord
+from ..report import ComponentReport, LoadReport
 from ..types import (
     STANDARD_COMPONENTS,
     LoadResult,
@@ -64,6 +59,8 @@ from .load_guard import (
     parse_shared_metadata,
     run_checks,
 )
+from .pth_load import load_pth
+from .rank_views import folder_view, require_one_checkpoint
 from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes
 from .state import TrainingObjects, apply_component, component_state_dict
 
@@ -139,7 +136,7 @@ class Loader:
             lp = cfg.load_path
             lp_store = open_store(lp, cfg.storage)
             if lp.endswith(".pth"):
-                return self._load_pth(objs, lp, lp_store)
+                return load_pth(objs, lp, lp_store)
             if is_safetensors_path(lp):
                 return load_safetensors(self, objs, lp)
             if not agreed(lambda: lp_store.isdir(lp)):
@@ -149,7 +146,7 @@ class Loader:
                 )
             lp = agreed(lambda: resolve_save_folder(cfg.load_path or "", lp_store)) or lp  # its latest
             wanted = components_by_rule(cfg, objs.extra, "load_path")
-            return self._load_checkpoint(objs, lp, wanted, "load_path", self.validate(lp, lp_store))
+            return self._load_checkpoint(objs, lp, wanted, "load_path", self.validate(lp, lp_store, what="load_path"))
         if cfg.load_dir and not _same_dir(cfg.load_dir, cfg.save_dir) and not agreed(lambda: store.isdir(load_dir)):
             raise CheckpointNotFoundError(
                 f"load_dir {load_dir!r} does not exist, so there is nothing to resume from; fix load_dir, or "
@@ -180,13 +177,23 @@ class Loader:
         except CkptEngineError as err:
             logger.warning("ignoring the local copy in %s: %s", local_dir, err)
             return None
+        names = _dist.all_gather_object(name, step="local copy")
+        if any(n != name for n in names):  # each host decides alike, or none reads its copy
+            if _dist.rank() == 0:
+                shown = ", ".join(f"rank {r}: {n!r}"[:100] for r, n in enumerate(names[:8]))
+                logger.warning(
+                    "the ranks' local copies name different checkpoints (%s); using %s", shown, self.save_dir
+                )
+            return None
         if name is None:
             return None
         local_iter, remote_iter = parse_iteration(name), parse_iteration(remote_latest or "")
         if local_iter is None or (remote_iter is not None and local_iter < remote_iter):
             return None
         try:
-            validated = self.validate(os.path.join(local_dir, name), open_store(local_dir), shared=False)
+            validated = self.validate(
+                os.path.join(local_dir, name), open_store(local_dir), shared=False, what="the local copy"
+            )
         except CkptEngineError as err:
             if _dist.rank() == 0:
                 logger.warning("the local copy %s cannot be resumed (%s); using %s", name, err, self.save_dir)
@@ -197,16 +204,22 @@ class Loader:
             )
         return validated
 
-    def validate(self, path: str, store: Store, missing_hint: str | None = None, *, shared: bool = True) -> Validated:
-        """Everything checked before any tensor is read, agreed by every rank: the folder exists,
-        the checkpoint is complete (DESIGN section 2) and, per ``verify``, its files match the
-        manifest (checksums split among ranks).
+    def validate(
+        self, path: str, store: Store, missing_hint: str | None = None, *, shared: bool = True, what: str = "latest"
+    ) -> Validated:
+        """Everything checked before any tensor is read, agreed by every rank: every rank is about
+        to read the same checkpoint (:mod:`.rank_views`; ``what`` names the rule that chose it),
+        the folder exists, the checkpoint is complete (DESIGN section 2) and, per ``verify``, its
+        files match the manifest (checksums split among ranks)."""
+        require_one_checkpoint(folder_view(path, store), what)
+        return self._checked(path, store, missing_hint, shared)
 
-        With several ranks and ``shared`` (a folder every rank sees, not a per-host local copy)
-        rank 0 alone lists the folder and reads each ``.metadata`` and the manifest, and
-        broadcasts the metadata's bytes, which every other rank parses: storage sees one read
-        of each file per load, not one per rank. ``verify: checksums`` still splits the
-        checksums among all ranks."""
+    def _checked(self, path: str, store: Store, missing_hint: str | None, shared: bool) -> Validated:
+        """:meth:`validate`'s checks. With several ranks and ``shared`` (a folder every rank sees,
+        not a per-host local copy) rank 0 alone lists the folder and reads each ``.metadata`` and
+        the manifest, and broadcasts the metadata's bytes, which every other rank parses: storage
+        sees one read of each file per load, not one per rank. ``verify: checksums`` still splits
+        the checksums among all ranks."""
         rank, world = _dist.rank(), _dist.world_size()
         once = shared and world > 1
 
@@ -273,7 +286,7 @@ class Loader:
         tried = []
         for path in candidates:
             try:
-                validated = self.validate(path, store)
+                validated = self.validate(path, store, what="fallback_to_last_complete")
             except CkptEngineError as cand_err:
                 tried.append(f"{os.path.basename(path)}: {type(cand_err).__name__}")
                 continue
@@ -414,54 +427,6 @@ class Loader:
                 f"loading component {name!r} from {component_dir} failed{where}: {described(err)}"
             ) from err
         return planner
-
-    def _load_pth(self, objs: TrainingObjects, path: str, store: Store) -> LoadResult:
-        if not store.exists(path) or store.isdir(path):
-            raise CheckpointNotFoundError(f"load_path {path!r} does not exist; fix load_path or unset it")
-        if not objs.modules:
-            raise InvalidArgumentError("a .pth load_path loads a model: pass model=")
-        try:
-            source: Any = io.BytesIO(store.read_bytes(path)) if store.is_object_store else path
-            loaded = torch.load(source, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise CheckpointLoadError(
-                f"cannot load {path} as a model state dict with weights_only=True: {err}"
-            ) from err
-        if isinstance(loaded, Mapping) and "model" in loaded and isinstance(loaded["model"], Mapping):
-            loaded = loaded["model"]
-        if not isinstance(loaded, Mapping):
-            raise CheckpointLoadError(f"{path} holds a {type(loaded).__name__}, not a model state dict")
-        target = component_state_dict(objs, "model")
-        converted: dict[str, Any] = {}
-        loaded_keys, skipped = [], {}
-        for key, value in loaded.items():
-            live = target.get(key)
-            if live is None:
-                continue
-            if isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor) and value.shape != live.shape:
-                skipped[key] = SkipRecord(reason=f"shape {list(value.shape)} != target {list(live.shape)}")
-                continue
-            if isinstance(live, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                value = distribute_tensor(value.to(live.dtype), live.device_mesh, live.placements)
-            converted[key] = value
-            loaded_keys.append(key)
-        for module in objs.modules:
-            set_model_state_dict(module, converted, options=StateDictOptions(strict=False))
-        report = LoadReport(
-            {
-                "model": ComponentReport(
-                    component="model",
-                    checkpoint_dir=path,
-                    loaded=tuple(loaded_keys),
-                    missing=tuple(sorted(set(target) - set(loaded))),
-                    unexpected=tuple(sorted(set(loaded) - set(target))),
-                    skipped=skipped,
-                )
-            }
-        )
-        if _dist.rank() == 0:
-            logger.info("loaded model weights from %s (non-strict)\n%s", path, report.summary())
-        return LoadResult(iteration=0, checkpoint_path=path, report=report, source="pth", components=("model",))
 
 
 def _same_dir(a: str, b: str) -> bool:
