@@ -61,6 +61,10 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[d
     stale = base / "stale"  # the run as one host saw it before iteration 20 was committed
     shutil.copytree(run, stale)
     (stale / "latest_checkpoint.txt").write_text("iter_000000010\n")
+    shutil.rmtree(stale / "iter_000000020")
+    pointer = base / "pointer"  # a stale pointer only: that host sees the committed iteration 20
+    shutil.copytree(run, pointer)
+    (pointer / "latest_checkpoint.txt").write_text("iter_000000010\n")
     diverged = base / "diverged"  # the run, with another run's iteration 20
     shutil.copytree(run, diverged)
     shutil.rmtree(diverged / "iter_000000020")
@@ -72,7 +76,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[d
     out = str(base / "out{rank}")
     cases = []
     for dedup in ("on", "off"):
-        for name, rank1 in (("stale", stale), ("diverged", diverged), ("same", run)):
+        for name, rank1 in (("stale", stale), ("diverged", diverged), ("same", run), ("pointer", pointer)):
             load_dir = _views(base, f"{name}-{dedup}", run, rank1)
             cases.append(
                 {"name": f"{name}-{dedup}", "config": {"save_dir": out, "load_dir": load_dir, "dedup_reads": dedup}}
@@ -117,6 +121,17 @@ def test_host_local_copies_of_one_iteration_that_diverged_are_refused(outcomes: 
 def test_identical_copies_on_every_host_still_load(outcomes: Any, dedup: str) -> None:
     by_case, want = outcomes
     got = by_case[f"same-{dedup}"]
+    assert [g.get("iteration") for g in got] == [20, 20], got
+    assert [g["weights"] for g in got] == [want[20]] * 2
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dedup", ["on", "off"])
+def test_a_stale_pointer_beside_the_committed_checkpoint_is_adopted_alike(outcomes: Any, dedup: str) -> None:
+    """The host whose pointer lags but which sees iteration 20 committed adopts it (a save
+    stopped before its pointer moved): the ranks agree, and load it."""
+    by_case, want = outcomes
+    got = by_case[f"pointer-{dedup}"]
     assert [g.get("iteration") for g in got] == [20, 20], got
     assert [g["weights"] for g in got] == [want[20]] * 2
 

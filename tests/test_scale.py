@@ -123,7 +123,9 @@ def test_checksums_computed_while_writing_equal_a_full_reread(tmp_path: Any) -> 
         assert not [f for f in os.listdir(os.path.join(path, "model")) if f.startswith(".ckpt_engine_part")]
         reread = hash_files(path, files, doc["checksum_algorithm"])
         for rel, entry in reread.items():
-            assert doc["files"][rel] == {"size": entry.size, "checksum": entry.checksum}, rel
+            got = doc["files"][rel]
+            assert (got["size"], got["checksum"]) == (entry.size, entry.checksum), rel
+            assert got["seen"].startswith("i")  # the version recorded at commit
 
 
 def test_commit_uses_the_streamed_digests(tmp_path: Any, monkeypatch: Any) -> None:
@@ -181,7 +183,8 @@ def test_async_saves_stream_their_checksums_too(tmp_path: Any, monkeypatch: Any)
         path = str(tmp_path / f"iter_{it:09d}")
         doc = _manifest(path)
         reread = hash_files(path, list_files(path), doc["checksum_algorithm"])
-        assert {rel: {"size": e.size, "checksum": e.checksum} for rel, e in reread.items()} == doc["files"]
+        recorded = {rel: {"size": e["size"], "checksum": e["checksum"]} for rel, e in doc["files"].items()}
+        assert {rel: {"size": e.size, "checksum": e.checksum} for rel, e in reread.items()} == recorded
     out = Bag(40, fill=0.0)
     with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
         engine.load(model=out)

@@ -61,6 +61,7 @@ from .load_guard import (
 )
 from .pth_load import load_pth
 from .rank_views import folder_view, require_one_checkpoint
+from .resave import advance_latest, newest_unnamed
 from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes
 from .state import TrainingObjects, apply_component, component_state_dict
 
@@ -118,6 +119,10 @@ class Loader:
             local = self._local_copy(latest)
             if local is not None:
                 return self._load_checkpoint(objs, local.checked.path, wanted_all, "latest", local)
+        unnamed = agreed(lambda: newest_unnamed(load_dir, store, latest))
+        adopted = None if unnamed is None else self._adopt(load_dir, store, latest, unnamed)
+        if adopted is not None:
+            return self._load_checkpoint(objs, adopted.checked.path, wanted_all, "latest", adopted)
         if latest is not None:
             path = store.join(load_dir, latest)
             try:
@@ -155,6 +160,38 @@ class Loader:
         if _dist.rank() == 0:
             logger.info("no checkpoint in %s and no load_path: starting from scratch", load_dir)
         return LoadResult(iteration=0, checkpoint_path=None, report=LoadReport(), source="scratch")
+
+    def _adopt(self, load_dir: str, store: Store, latest: str | None, name: str) -> Validated | None:
+        """The committed checkpoint ``name`` that ``latest`` does not name yet (a save stopped
+        between its commit and the pointer's move: :func:`.newest_unnamed`), validated as any
+        resume is; ``latest`` is repaired in this engine's ``save_dir``. ``None`` (logged) when it
+        does not pass the checks: the resume takes what ``latest`` names."""
+        path = store.join(load_dir, name)
+        pointer = f"{LATEST_FILE} names {latest}" if latest is not None else f"there is no {LATEST_FILE}"
+        try:
+            validated = self.validate(path, store)
+        except CkptEngineError as err:
+            if _dist.rank() == 0:
+                logger.warning(
+                    "%s holds a manifest but %s, and it fails the checks (%s); not resumed", path, pointer, err
+                )
+            return None
+        if _dist.rank() == 0:
+            repaired = ""
+            if _same_dir(load_dir, self.save_dir):
+                try:
+                    advance_latest(load_dir, name, store)
+                    repaired = f"; {LATEST_FILE} now names it"
+                except (OSError, CkptEngineError) as err:
+                    repaired = f"; {LATEST_FILE} could not be repaired ({err})"
+            logger.warning(
+                "%s is committed (its manifest is there and it passes the checks) but %s: its save was stopped "
+                "after the commit and before the pointer moved. Resuming from it%s",
+                path,
+                pointer,
+                repaired,
+            )
+        return validated
 
     def _check_keys_not_to_resume(self, objs: TrainingObjects) -> None:
         known = {*STANDARD_COMPONENTS, *objs.extra}

@@ -20,12 +20,19 @@ import logging
 import os
 
 from .._format.layout import check_complete
-from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, parse_iteration, replaced_name
-from .._format.pointer import read_latest, write_latest
+from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, parse_iteration, replaced_name
+from .._format.pointer import list_checkpoints, read_latest, write_latest
 from .._storage.store import FsspecStore, Store
 from ..errors import CheckpointExistsError, CkptEngineError
 
-__all__ = ["advance_latest", "is_committed", "promote_replacement", "recover_replacements", "refuse_resave"]
+__all__ = [
+    "advance_latest",
+    "is_committed",
+    "newest_unnamed",
+    "promote_replacement",
+    "recover_replacements",
+    "refuse_resave",
+]
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -57,6 +64,25 @@ def _never_named(path: str, iteration: int, store: Store) -> bool:
         return False  # an unreadable pointer: refuse, the user decides
     named = parse_iteration(latest) if latest is not None else None
     return named is None or named < iteration
+
+
+def newest_unnamed(save_dir: str, store: Store, latest: str | None) -> str | None:
+    """The newest checkpoint folder of ``save_dir`` newer than the one ``latest`` names (any,
+    where there is no ``latest``) that holds its manifest, or ``None``. Its commit completed (the
+    manifest is written inside the hidden folder before the rename into place, and last of all
+    on an object store) but the save was stopped before ``latest_checkpoint.txt`` moved: it is
+    the newest complete state, which a resume adopts (``Loader``) instead of redoing its
+    iterations. Checkpoints without a manifest (plain DCP, the original checkpointer) are only
+    ever resumed when ``latest`` names them, as the original does."""
+    named = parse_iteration(latest) if latest is not None else None
+    if latest is not None and named is None:
+        return None  # a pointer to a folder of another naming: the user's, left alone
+    for iteration, path in reversed(list_checkpoints(save_dir, store)):
+        if named is not None and iteration <= named:
+            return None
+        if store.exists(store.join(path, MANIFEST_FILE)):
+            return iter_dirname(iteration)
+    return None
 
 
 def refuse_resave(iteration: int, targets: list[tuple[str, Store]], allow: bool) -> None:
