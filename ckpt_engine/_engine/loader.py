@@ -82,6 +82,16 @@ def components_by_rule(config: EngineConfig, extra: Iterable[str], rule: str) ->
     return ["model"]
 
 
+def _check_keys_not_to_resume(config: EngineConfig, objs: TrainingObjects) -> None:
+    known = {*STANDARD_COMPONENTS, *objs.extra}
+    unknown = [k for k in config.keys_not_to_resume if k not in known]
+    if unknown:
+        raise ConfigError(
+            f"keys_not_to_resume names {unknown}, which are not components of this load; components: "
+            f"{', '.join(sorted(known))}. Fix the name, or pass the extra= component it refers to"
+        )
+
+
 class Loader:
     """Resumes training objects from the checkpoints of one engine's configuration."""
 
@@ -103,7 +113,7 @@ class Loader:
             return self._load(objs)
 
     def _load(self, objs: TrainingObjects) -> LoadResult:
-        self._check_keys_not_to_resume(objs)
+        _check_keys_not_to_resume(self.config, objs)
         cfg = self.config
         load_dir = cfg.resolved_load_dir
         store = open_store(load_dir, cfg.storage)
@@ -192,15 +202,6 @@ class Loader:
                 repaired,
             )
         return validated
-
-    def _check_keys_not_to_resume(self, objs: TrainingObjects) -> None:
-        known = {*STANDARD_COMPONENTS, *objs.extra}
-        unknown = [k for k in self.config.keys_not_to_resume if k not in known]
-        if unknown:
-            raise ConfigError(
-                f"keys_not_to_resume names {unknown}, which are not components of this load; components: "
-                f"{', '.join(sorted(known))}. Fix the name, or pass the extra= component it refers to"
-            )
 
     # -- load: validation and fallback -------------------------------------------------------
 
