@@ -200,3 +200,31 @@ def test_a_stopped_writer_process_is_named_by_the_other_writer_within_the_timeou
     for rank in (0, 1):
         assert steps[rank, "save_again"]["raised"] is None, steps[rank, "save_again"]
         assert steps[rank, "closed"]["raised"] is None and steps[rank, "closed"]["seconds"] < 10
+
+
+def test_a_peer_failure_wrapped_in_another_engine_error_is_found() -> None:
+    """gloo's "Connection closed by peer" inside a CheckpointSaveError (or inside DCP's
+    CheckpointException) is still a broken process group: ``bounded`` raises ProcessGroupError
+    for it, as the docs promise, instead of the wrapper around a raw RuntimeError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckpt_engine import CheckpointSaveError
+    from ckpt_engine._dcpio.watch import c10d_cause
+
+    peer = dist.DistError("Connection closed by peer [127.0.0.1]:29500")
+    try:
+        try:
+            raise peer
+        except dist.DistError as err:
+            raise CheckpointSaveError("saving iteration 3 failed: Connection closed by peer") from err
+    except CheckpointSaveError as wrapped:
+        assert c10d_cause(wrapped) is peer
+    dcp_failure = CheckpointException("save", {1: peer})
+    assert c10d_cause(CheckpointSaveError("failed")) is None
+    wrapped_dcp = CheckpointSaveError("failed")
+    wrapped_dcp.__cause__ = dcp_failure
+    assert c10d_cause(wrapped_dcp) is peer
+    looped = ValueError("a")
+    looped.__context__ = ValueError("b")
+    looped.__context__.__context__ = looped  # a cycle ends the walk
+    assert c10d_cause(looped) is None

@@ -305,6 +305,28 @@ def c10d_failure(err: BaseException) -> bool:
     )
 
 
+def c10d_cause(err: BaseException, depth: int = 8) -> BaseException | None:
+    """The :func:`c10d_failure` behind ``err``, if any: ``err`` itself, an error it was raised
+    from or during (``__cause__`` / ``__context__``), or a failed rank's error inside DCP's
+    ``CheckpointException``; ``depth`` links at most. A save that wrapped a peer's death in its
+    own error (``CheckpointSaveError`` around gloo's "Connection closed by peer") is still a
+    broken process group."""
+    from ..errors import first_failure
+
+    seen: set[int] = set()
+    todo = [err]
+    while todo and len(seen) < depth:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        inner, _ = first_failure(e)
+        if c10d_failure(inner):
+            return inner
+        todo += [x for x in (inner, e.__cause__, e.__context__) if x is not None and x is not e]
+    return None
+
+
 def _verdict_roll(verdict: str) -> list[tuple[int, str]]:
     """The roll call a ``timeout:`` verdict carries (written by :meth:`CollectiveWatch._barrier`
     of this engine on another rank of the job; anything unreadable names nobody)."""

@@ -6,8 +6,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .._dcpio.watch import CollectiveWatch, activate, active_watch, c10d_failure
-from ..errors import CkptEngineError, ProcessGroupError
+from .._dcpio.watch import CollectiveWatch, activate, active_watch, c10d_cause
+from ..errors import CollectiveError, ProcessGroupError
 
 __all__ = ["bounded", "close_watch", "watch_group"]
 
@@ -36,8 +36,9 @@ def bounded(method: _F) -> _F:
     """Run an engine method (``save``, ``load``) with the engine's watch active in this thread.
 
     A failure inside torch.distributed that reaches the caller untyped (a peer died during one of
-    DCP's own collectives) becomes a :class:`~ckpt_engine.errors.ProcessGroupError`, and any such
-    error marks the engine broken (see :func:`_engine_watch`)."""
+    DCP's own collectives), or wrapped in another engine error (a ``CheckpointSaveError`` around
+    gloo's "Connection closed by peer"), becomes a :class:`~ckpt_engine.errors.ProcessGroupError`,
+    and any such error marks the engine broken (see :func:`_engine_watch`)."""
 
     @functools.wraps(method)
     def wrapper(engine: Any, *args: Any, **kwargs: Any) -> Any:
@@ -51,9 +52,10 @@ def bounded(method: _F) -> _F:
             engine._broken = err
             raise
         except Exception as err:
-            if watch is None or isinstance(err, CkptEngineError) or not c10d_failure(err):
+            cause = None if watch is None or isinstance(err, CollectiveError) else c10d_cause(err)
+            if watch is None or cause is None:
                 raise
-            engine._broken = typed = watch.broken(method.__name__, err)
+            engine._broken = typed = watch.broken(method.__name__, cause)
             raise typed from err
 
     return wrapper  # type: ignore[return-value]
