@@ -374,3 +374,22 @@ def test_help_examples_are_indented_one_way(cli: Run) -> None:
         section = re.split(r"^examples?:\n", text, flags=re.M)[1].split("\n\n", 1)[0]
         lines = section.splitlines()
         assert lines and all(re.match(r"  ckpt-engine \S", line) for line in lines), (name, lines)
+
+
+@pytest.mark.parametrize(("out", "to"), [(".", "hf"), (".", "safetensors"), ("..", "hf")])
+def test_convert_into_the_current_folder_or_one_holding_it_is_refused(
+    cli: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, out: str, to: str
+) -> None:
+    """``convert SRC . --force`` raised a raw ``OSError [Errno 16]`` (renaming the current folder
+    aside); now a usage error names the folder and the fix, and nothing there changes."""
+    state = TinyTrainingState.create()
+    with CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}) as engine:
+        engine.save(1, **state.objects())
+    here = tmp_path / "work" / "here"
+    here.mkdir(parents=True)
+    (here / "notes.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    code, _, err = cli("convert", str(tmp_path / "ckpt" / "iter_000000001"), out, "--to", to, "--force")
+    assert code == 2, err
+    assert "current folder" in err and "Errno" not in err and "hf_model" in err
+    assert sorted(p.name for p in here.iterdir()) == ["notes.txt"]

@@ -63,7 +63,8 @@ def check_output(out: str, target: Target) -> None:
       to, its component folders, and the save folder that checkpoint is in (``iter_*`` folders
       and ``latest_checkpoint.txt``), compared by resolved real path (symbolic links followed)
       and by device and inode (bind mounts, case-insensitive filesystems);
-    * ``out`` is a save folder, a checkpoint folder or a component folder (of any run).
+    * ``out`` is a save folder, a checkpoint folder or a component folder (of any run);
+    * ``out`` is the current folder or holds it (``convert SRC . --force``).
 
     Called before anything is written; nothing is changed when it raises.
     """
@@ -82,6 +83,13 @@ def check_output(out: str, target: Target) -> None:
                 f"OUT {out} contains {folder}, which is being converted; --force would remove the "
                 f"checkpoints with it. Name a new folder for the export, e.g. {os.path.join(out, 'hf_model')}"
             )
+    cwd = os.path.realpath(os.getcwd())
+    if _is_within(cwd, out_real):
+        what = "the current folder" if _same(cwd, out_real) else "a folder that holds the current folder"
+        raise UsageError(
+            f"OUT {out} is {what}; it cannot be replaced (--force) or written as an export from inside it. "
+            f"Name a new folder for the export, e.g. {os.path.join(out, 'hf_model')}"
+        )
     holds = _holds_checkpoints(out_real)
     if holds is not None:
         raise UsageError(
