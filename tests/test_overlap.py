@@ -141,6 +141,24 @@ def test_an_edit_right_after_save_fails_that_save_with_the_key_and_the_fix(
     assert not trainer.optim._optimizer_step_pre_hooks
 
 
+def test_a_failure_seen_through_wait_staged_is_not_raised_again_by_close(tmp_path: Path) -> None:
+    """wait_staged() raising is the caller seeing the failure, as result() raising is: the saves
+    after it go on, and close() does not raise it a second time."""
+    plugin = PinnedStagingPlugin(PinnedStagingPlugin.Options(overlap=True, close_timeout_s=60))
+    engine = CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}, plugins=[plugin])
+    trainer = Trainer()
+    trainer.step()
+    handle = engine.save(1, **trainer.objects())
+    with torch.no_grad():
+        trainer.model[0].weight.mul_(2.0)
+    with pytest.raises(SnapshotChangedError):
+        handle.wait_staged()
+    trainer.step()
+    assert engine.save(2, **trainer.objects()).result(timeout=60).succeeded
+    engine.close()  # raised the SnapshotChangedError of iteration 1 again before
+    assert (tmp_path / "ckpt" / "latest_checkpoint.txt").read_text() == "iter_000000002\n"
+
+
 def test_an_edit_after_wait_staged_never_reaches_the_checkpoint(engine: CheckpointEngine, tmp_path: Path) -> None:
     trainer = Trainer()
     trainer.step()

@@ -47,7 +47,13 @@ class SaveHandle:
         with ``overlap``). Call it before changing weights outside the optimizer.
         """
         if self._snapshot is not None:
-            self._snapshot.wait(timeout)
+            try:
+                self._snapshot.wait(timeout)
+            except TimeoutError:
+                raise
+            except Exception:
+                self.reported = True  # the caller saw the failure: a later close() need not raise it again
+                raise
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """The save's :class:`SaveResult`; raises :class:`CheckpointSaveError` if it failed."""
