@@ -5,6 +5,7 @@ through the engine, tied word embeddings written once as ``save_pretrained`` wri
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,8 @@ from safetensors import safe_open
 from torch import nn
 
 from ckpt_engine import CheckpointEngine
+
+GEN = "generation_config.json"
 
 
 def _stored_keys(folder: Path) -> set[str]:
@@ -154,7 +157,7 @@ def test_hints_name_only_what_works(cli: Run, tiny_run: Path, tmp_path: Path) ->
         (lambda d: None, r"hf_base does not exist"),
         (lambda d: d.write_text("x"), r"hf_base is a file, not a folder"),
         (lambda d: d.mkdir(), r"hf_base has no config.json"),
-        (lambda d: (d.mkdir(), (d / "config.json").write_text("{nope")), r"config.json is not valid JSON"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text("{nope")), r"config.json: it is not valid JSON"),
         (lambda d: (d.mkdir(), (d / "config.json").write_text("[1]")), r"config.json holds a JSON list"),
         (lambda d: (d.mkdir(), (d / "config.json").write_text('{"vocab_size": 64}')), r"has no model_type"),
         (
@@ -163,11 +166,37 @@ def test_hints_name_only_what_works(cli: Run, tiny_run: Path, tmp_path: Path) ->
                 (d / "config.json").write_text('{"model_type": "gpt2"}'),
                 (d / "generation_config.json").write_text("{"),
             ),
-            r"generation_config.json is not valid JSON .*it is optional",
+            r"generation_config.json: it is not valid JSON .*it is optional",
+        ),
+        (lambda d: (d.mkdir(), os.mkfifo(d / "config.json")), r"config.json is a FIFO"),
+        (
+            lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "gpt2"}'), os.mkfifo(d / GEN)),
+            r"generation_config.json is a FIFO .*it is optional",
+        ),
+        (
+            lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "gpt2", "x": ' + "[" * 100_000)),
+            r"config.json: its JSON nests 100001 deep",
+        ),
+        (
+            lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "gpt2", "n": ' + "7" * 5000 + "}")),
+            r"config.json: it holds an integer of 5000 digits",
         ),
     ],
-    ids=["missing", "file", "no-config", "bad-json", "not-object", "no-model-type", "bad-generation"],
+    ids=[
+        "missing",
+        "file",
+        "no-config",
+        "bad-json",
+        "not-object",
+        "no-model-type",
+        "bad-generation",
+        "fifo-config",
+        "fifo-generation",
+        "deep",
+        "huge-int",
+    ],
 )
+@pytest.mark.timeout(60, method="thread")  # a FIFO read would block: fail, do not hang the run
 def test_a_bad_hf_config_is_a_usage_error_naming_the_file(
     cli: Run, tiny_run: Path, tmp_path: Path, setup: Callable[[Path], object], message: str
 ) -> None:

@@ -24,12 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-import numpy
 import torch
 
 from .._storage.fscheck import open_regular as fscheck_open_regular
 from .._storage.fscheck import require_regular_file
 from ..errors import SHOWN_CHARS, CorruptCheckpointError, clip
+from . import bounded_json
 
 __all__ = [
     "DTYPE_CODES",
@@ -144,67 +144,17 @@ def _raw_header(path: str) -> tuple[bytes, int, int]:
     return raw, 8 + n, size - 8 - n
 
 
-class _Refused(ValueError):
-    """JSON that no safetensors writer produces (raised from the ``json`` hooks)."""
-
-
 def parse_json(path: str, raw: bytes) -> Any:
     """``raw`` (a header or index read from ``path``) parsed as JSON, refusing what no writer
     produces: text that is not UTF-8, nesting deeper than :data:`MAX_JSON_DEPTH`, integers of more
     than :data:`MAX_INT_DIGITS` digits, ``NaN``/``Infinity``, a key twice in one object.
     Raises :class:`CorruptCheckpointError` naming ``path``."""
-    depth = _nesting(raw)
-    if depth > MAX_JSON_DEPTH:
-        raise CorruptCheckpointError(f"{path}: its JSON nests {depth} deep, more than any safetensors writer does")
     try:
-        return json.loads(
-            raw.decode("utf-8"),
-            object_pairs_hook=_unique_keys,
-            parse_int=_bounded_int,
-            parse_constant=_no_constant,
+        return bounded_json.loads(
+            raw, max_depth=MAX_JSON_DEPTH, max_int_digits=MAX_INT_DIGITS, constants=False, unique_keys=True
         )
-    except _Refused as err:
+    except bounded_json.JSONRefused as err:
         raise CorruptCheckpointError(f"{path}: {err}") from None
-    except (RecursionError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise CorruptCheckpointError(f"{path}: it is not valid JSON ({str(err)[:SHOWN_CHARS]})") from None
-
-
-_NOT_BRACKETS_OR_QUOTES = bytes(b for b in range(256) if b not in b'[]{}"')
-_LEVEL_STEP = numpy.zeros(256, dtype=numpy.int8)
-_LEVEL_STEP[list(b"[{")] = 1
-_LEVEL_STEP[list(b"]}")] = -1
-
-
-def _nesting(raw: bytes) -> int:
-    """How deep arrays and objects nest in the JSON text ``raw`` (brackets inside strings skipped).
-
-    Checked before parsing: ``json``'s C parser recurses once per level and, under a raised
-    ``sys.setrecursionlimit``, overflows the C stack on deep input. Linear and vectorised."""
-    # Escaped backslashes, then escaped quotes: runs of backslashes pair up from the left, as JSON reads them.
-    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_BRACKETS_OR_QUOTES)
-    codes = numpy.frombuffer(text, dtype=numpy.uint8)
-    outside = (numpy.cumsum(codes == ord('"'), dtype=numpy.uint8) & 1) == 0  # an even number of quotes so far
-    levels = numpy.cumsum(_LEVEL_STEP[codes] * outside, dtype=numpy.int32)
-    return int(levels.max()) if len(levels) else 0
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Refused(f"{clip(key)} is a key twice in one JSON object (a tensor or field named twice)")
-        out[key] = value
-    return out
-
-
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise _Refused(f"it holds an integer of {len(text)} digits; offsets and sizes have at most {MAX_INT_DIGITS}")
-    return int(text)
-
-
-def _no_constant(name: str) -> Any:
-    raise _Refused(f"it holds {name}, which is not JSON")
 
 
 def _show(value: Any) -> str:

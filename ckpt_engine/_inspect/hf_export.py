@@ -43,8 +43,10 @@ from typing import Any
 
 import torch
 
+from .._format import bounded_json
 from .._format.safetensors import DTYPE_CODES, INDEX_FILE, SINGLE_FILE, encode_header, read_header
-from ..errors import UsageError
+from .._storage.fscheck import read_regular
+from ..errors import CkptEngineError, UsageError
 from .reader import DEFAULT_BUDGET, ComponentReader
 
 __all__ = [
@@ -130,16 +132,28 @@ class HFConfig:
         return out
 
 
+#: Largest config file read (a config is a few KiB), deepest JSON nesting in it (transformers'
+#: configs nest a handful of levels: ``text_config.rope_scaling``) and most digits of an integer.
+MAX_CONFIG_BYTES = 16 << 20
+MAX_CONFIG_DEPTH = 64
+MAX_CONFIG_INT_DIGITS = 100
+
+
 def _read_json_object(path: str, what: str) -> tuple[dict[str, Any], bytes]:
+    """The JSON object in the config file ``path``: a regular file (a FIFO is refused, not waited
+    on), at most :data:`MAX_CONFIG_BYTES`, its nesting and integers bounded before they are parsed."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(64 << 20)  # a config is a few KiB; a huge file is not one
+        data = read_regular(path, MAX_CONFIG_BYTES, "a JSON config file")
+    except CkptEngineError as err:
+        raise HFConfigError(f"{err}; {what}") from None
     except OSError as err:
         raise HFConfigError(f"cannot read {path}: {err.strerror or err}; {what}") from err
+    if len(data) > MAX_CONFIG_BYTES:
+        raise HFConfigError(f"{path} is over {MAX_CONFIG_BYTES >> 20} MiB, too large for a config file; {what}")
     try:
-        value = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HFConfigError(f"{path} is not valid JSON ({err}); {what}") from err
+        value = bounded_json.loads(data, max_depth=MAX_CONFIG_DEPTH, max_int_digits=MAX_CONFIG_INT_DIGITS)
+    except bounded_json.JSONRefused as err:
+        raise HFConfigError(f"{path}: {err}; {what}") from None
     if not isinstance(value, dict):
         raise HFConfigError(f"{path} holds a JSON {type(value).__name__}, not an object; {what}")
     return value, data
@@ -156,7 +170,7 @@ def read_hf_config(path: str) -> HFConfig:
     if not os.path.isdir(path):
         raise HFConfigError(f"--hf-config {path} is a file, not a folder; {fix}")
     config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_path):
+    if not os.path.lexists(config_path):
         raise HFConfigError(f"--hf-config {path} has no {CONFIG_FILE}; {fix}")
     config, data = _read_json_object(config_path, fix)
     if not isinstance(config.get("model_type"), str) or not config["model_type"]:
@@ -166,7 +180,7 @@ def read_hf_config(path: str) -> HFConfig:
         )
     generation = None
     generation_path = os.path.join(path, GENERATION_CONFIG_FILE)
-    if os.path.exists(generation_path):
+    if os.path.lexists(generation_path):
         _, generation = _read_json_object(
             generation_path, f"fix or remove it (it is optional; from_pretrained reads it when present), or {fix}"
         )
