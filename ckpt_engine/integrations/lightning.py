@@ -23,17 +23,15 @@ import json
 import logging
 import os
 import re
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
+from .._format import bounded_json
 from .._format.layout import CheckpointInUseError, remove_checkpoint
 from .._format.pointer import read_latest
 from .._markers import hookimpl
@@ -51,15 +49,32 @@ from ..errors import (
     LoadStrictnessError,
 )
 from ..types import SaveResult
+from ._pointers import (
+    LAST_ALIAS,
+    POINTER_FOLDERS_FILE,
+    POINTER_FORMAT,
+    NotALightningCheckpointError,
+    Pointer,
+    PointerFolders,
+    PointerMismatchError,
+    read_pointer,
+    same_save_dir,
+    url_to_fs,
+    write_file,
+)
 from ._state_tree import dtype_name, flatten, parse_dtype, skeleton, tensor_module, unflatten
 
 __all__ = [
     "COMPONENT",
     "LAST_ALIAS",
+    "MAX_STRUCTURE_DEPTH",
+    "POINTER_FOLDERS_FILE",
     "POINTER_FORMAT",
     "EngineCheckpointIO",
     "NotALightningCheckpointError",
+    "PointerMismatchError",
     "UnsupportedStrategyError",
+    "parse_structure",
     "read_pointer",
 ]
 
@@ -69,38 +84,17 @@ logger = logging.getLogger("ckpt_engine")
 COMPONENT = "lightning"
 #: The key, in :data:`COMPONENT`, of the JSON that describes the checkpoint dict's structure.
 STRUCTURE_KEY = "__structure__"
-#: ``format`` of a pointer file (and of the structure JSON).
-POINTER_FORMAT = "ckpt-engine/lightning"
-#: The pointer refreshed after every commit in each folder Lightning saves into: it always means
-#: "the engine's latest", and its name makes ``ckpt_path="last"`` find it whatever the
-#: ``ModelCheckpoint`` settings (Lightning looks for ``last*.ckpt`` there).
-LAST_ALIAS = "last-engine.ckpt"
 _LAST_NAME = re.compile(r"^last(-\d+|-v\d+|-engine)?\.ckpt$")
 _ITER_NAME = re.compile(r"^iter_\d{9}$")
-_MAX_POINTER_BYTES = 64 * 1024
-
-
-class NotALightningCheckpointError(CkptEngineError, ValueError):
-    """The path Lightning asked to load is neither a pointer file of this integration, nor an
-    engine checkpoint with a ``lightning`` component, nor a save folder with one as its latest."""
+#: Deepest nesting of the structure JSON (each level of the checkpoint dict takes about three),
+#: checked when it is written and before it is parsed; the most digits of an integer in it.
+MAX_STRUCTURE_DEPTH = 384
+_MAX_STRUCTURE_INT_DIGITS = 4000
 
 
 class UnsupportedStrategyError(CkptEngineError, RuntimeError):
     """The strategy runs several processes: Lightning calls ``CheckpointIO`` on global rank 0
     only, while every engine save is collective (see ``docs/integrations.md``)."""
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """What a pointer file says: the engine checkpoint ``<save_dir>/<checkpoint>``."""
-
-    save_dir: str
-    checkpoint: str
-    iteration: int
-
-    @property
-    def folder(self) -> str:
-        return f"{self.save_dir.rstrip('/')}/{self.checkpoint}"
 
 
 class _Items:
@@ -129,58 +123,14 @@ class _CommitObserver:
         self._io._save_done(result)
 
 
-def _fs(path: str) -> tuple[Any, str]:
-    fs, inner = fsspec.core.url_to_fs(path)
-    return fs, inner
-
-
-def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
-    """The pointer file at ``path``, or ``None`` if there is no file there. Raises
-    :class:`NotALightningCheckpointError` for a file that is not a pointer (a ``torch.save``
-    Lightning checkpoint, say)."""
-    path = os.fspath(path)
-    fs, inner = _fs(path)
+def parse_structure(raw: str, where: str) -> Any:
+    """The structure JSON ``raw`` of the checkpoint component ``where``, parsed within bounds:
+    :class:`~ckpt_engine.CorruptCheckpointError` naming ``where`` for text nested deeper than
+    :data:`MAX_STRUCTURE_DEPTH`, an integer of thousands of digits, or text that is not JSON."""
     try:
-        with fs.open(inner, "rb") as f:
-            raw = f.read(_MAX_POINTER_BYTES + 1)
-    except (FileNotFoundError, IsADirectoryError):
-        return None
-    try:
-        data = json.loads(raw.decode("utf-8")) if len(raw) <= _MAX_POINTER_BYTES else None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        data = None
-    if not isinstance(data, dict) or data.get("format") != POINTER_FORMAT:
-        raise NotALightningCheckpointError(
-            f"{path} is not a ckpt-engine pointer file (is it a checkpoint Lightning wrote with torch.save, without "
-            "EngineCheckpointIO?); load it with a Trainer that has no EngineCheckpointIO, or pass an engine "
-            "checkpoint folder (iter_*) or save folder"
-        )
-    try:
-        pointer = Pointer(str(data["save_dir"]), str(data["checkpoint"]), int(data["iteration"]))
-    except (KeyError, TypeError, ValueError) as err:
-        raise CorruptCheckpointError(f"{path}: pointer file lacks or mangles the field {err}") from err
-    if not _ITER_NAME.match(pointer.checkpoint):
-        raise CorruptCheckpointError(f"{path}: names {pointer.checkpoint!r}, which is no checkpoint folder name")
-    return pointer
-
-
-def _write_file(path: str, data: bytes) -> None:
-    """Replace the file at ``path`` at once (a local rename; one PUT on an object store)."""
-    if is_url(path):
-        fs, inner = _fs(path)
-        fs.pipe_file(inner, data)
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".pointer-", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        return bounded_json.loads(raw, max_depth=MAX_STRUCTURE_DEPTH, max_int_digits=_MAX_STRUCTURE_INT_DIGITS)
+    except bounded_json.JSONRefused as err:
+        raise CorruptCheckpointError(f"{where}: {STRUCTURE_KEY!r} cannot be read: {err}") from None
 
 
 def _require_one_process(what: str) -> None:
@@ -201,15 +151,23 @@ class EngineCheckpointIO(CheckpointIO):
     ``config`` is what :class:`~ckpt_engine.CheckpointEngine` takes (an :class:`EngineConfig`, a
     mapping or a config file path); ``plugins`` are plugin objects registered besides the
     configured ones. The engine is created at the first save and closed by ``teardown()`` (the
-    end of ``fit``), which waits for pending async saves.
+    end of ``fit``), which waits for pending async saves. A pointer file is trusted only as far as
+    it checks out: it must name a checkpoint of this engine's ``save_dir`` (another run's only with
+    ``allow_foreign_pointers=True``, and then with a warning naming both), holding the iteration
+    it claims.
     """
 
     def __init__(
-        self, config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str], *, plugins: Sequence[Any] = ()
+        self,
+        config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        plugins: Sequence[Any] = (),
+        allow_foreign_pointers: bool = False,
     ):
         super().__init__()
         self.config = EngineConfig.coerce(config)
         self._plugins = tuple(plugins)
+        self.allow_foreign_pointers = allow_foreign_pointers
         self._engine: Any = None
         self._lock = threading.Lock()
         #: iteration -> Lightning paths whose pointer waits for that iteration's commit.
@@ -220,7 +178,8 @@ class EngineCheckpointIO(CheckpointIO):
         self._committed: set[int] = set()
         self._pointer_errors: list[str] = []
         #: Engine checkpoints whose last pointer Lightning removed, to delete once not the latest.
-        self._doomed: dict[str, tuple[Pointer, str]] = {}
+        self._doomed: dict[str, Pointer] = {}
+        self._folders = PointerFolders(self.save_dir)
 
     # -- the engine -------------------------------------------------------------------------
 
@@ -292,7 +251,10 @@ class EngineCheckpointIO(CheckpointIO):
         state_dict = state_dict if isinstance(state_dict, Mapping) else {}
         tensors = {k: v for k, v in state_dict.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
         others = {k: v for k, v in state_dict.items() if k not in tensors}
-        tree, items = flatten({"checkpoint": rest, "state_dict_other": others}, frozenset({STRUCTURE_KEY}))
+        try:
+            tree, items = flatten({"checkpoint": rest, "state_dict_other": others}, frozenset({STRUCTURE_KEY}))
+        except RecursionError:
+            tree = None
         structure = {
             "format": POINTER_FORMAT,
             "version": 1,
@@ -301,7 +263,16 @@ class EngineCheckpointIO(CheckpointIO):
             "model": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in tensors.items()},
             "tree": tree,
         }
-        items[STRUCTURE_KEY] = json.dumps(structure, separators=(",", ":"))
+        try:
+            encoded = json.dumps(structure, separators=(",", ":")) if tree is not None else ""
+        except RecursionError:
+            tree = None
+        if tree is None or bounded_json.nesting(encoded.encode()) > MAX_STRUCTURE_DEPTH:
+            raise ArgumentTypeError(
+                f"the checkpoint dict nests deeper than EngineCheckpointIO stores (about {MAX_STRUCTURE_DEPTH // 3} "
+                "levels of dicts and lists); flatten the deep part in on_save_checkpoint"
+            )
+        items[STRUCTURE_KEY] = encoded
         return tensor_module(tensors), items
 
     def _save_done(self, result: SaveResult) -> None:
@@ -326,10 +297,16 @@ class EngineCheckpointIO(CheckpointIO):
         name = f"iter_{iteration:09}"
         body = {"format": POINTER_FORMAT, "save_dir": self.save_dir, "checkpoint": name, "iteration": iteration}
         folders = {os.path.dirname(p) for p in paths}
+        try:
+            self._folders.add(folders)
+        except (CkptEngineError, OSError) as err:
+            logger.error("cannot record the pointer folders %s in %s: %s", sorted(folders), self.save_dir, err)
+            with self._lock:
+                self._pointer_errors.append(f"{self._folders.record}: {err}")
         jobs = [(p, body) for p in paths] + [(os.path.join(d, LAST_ALIAS), {**body, "latest": True}) for d in folders]
         for p, content in jobs:
             try:
-                _write_file(p, (json.dumps(content, indent=1) + "\n").encode())
+                write_file(p, (json.dumps(content, indent=1) + "\n").encode())
             except OSError as err:
                 logger.error("cannot write the Lightning pointer %s to %s: %s", p, name, err)
                 with self._lock:
@@ -361,25 +338,46 @@ class EngineCheckpointIO(CheckpointIO):
         _require_one_process("load")
         if self._engine is not None:
             self._engine.wait()  # a pending async save of this run commits before anything is read
-        save_dir, folder = self._resolve(os.fspath(path))
-        structure, checkpoint_dir = self._read_structure(save_dir, folder, where=os.fspath(path))
+        where = os.fspath(path)
+        save_dir, folder, claimed = self._resolve(where)
+        structure, checkpoint_dir, iteration = self._read_structure(save_dir, folder, where=where)
+        if claimed is not None and iteration != claimed:
+            raise PointerMismatchError(
+                f"{where} claims iteration {claimed}, but {checkpoint_dir} holds iteration {iteration}; the pointer "
+                "or the checkpoint was replaced. Load the checkpoint folder itself if it is the one you want"
+            )
         return self._read_checkpoint(structure, checkpoint_dir)
 
-    def _resolve(self, path: str) -> tuple[str, str | None]:
-        """``(save_dir, checkpoint folder)``; the folder ``None`` means the save folder's latest."""
-        fs, inner = _fs(path)
+    def _resolve(self, path: str) -> tuple[str, str | None, int | None]:
+        """``(save_dir, checkpoint folder, the iteration a pointer claims)``; the folder ``None``
+        means the save folder's latest (which is what a ``last*.ckpt`` pointer stands for)."""
+        fs, inner = url_to_fs(path)
         if not fs.exists(inner):
             raise CheckpointNotFoundError(f"{path} does not exist: no checkpoint to load")
         if fs.isdir(inner):
             trimmed = path.rstrip("/")
             if _ITER_NAME.match(os.path.basename(trimmed)):
-                return os.path.dirname(trimmed), trimmed
-            return trimmed, None
+                return os.path.dirname(trimmed), trimmed, None
+            return trimmed, None, None
         pointer = read_pointer(path)
         assert pointer is not None
+        if not same_save_dir(pointer.save_dir, self.save_dir):
+            if not self.allow_foreign_pointers:
+                raise PointerMismatchError(
+                    f"{path} names a checkpoint of {pointer.save_dir[:200]}, not of this engine's save_dir "
+                    f"{self.save_dir}; pass EngineCheckpointIO(..., allow_foreign_pointers=True) to resume another "
+                    "run's checkpoint, or load its checkpoint folder (iter_*) itself"
+                )
+            logger.warning(
+                "%s names a checkpoint of %s, not of this engine's save_dir %s; loading it "
+                "(allow_foreign_pointers=True)",
+                path,
+                pointer.save_dir[:200],
+                self.save_dir,
+            )
         if _LAST_NAME.match(os.path.basename(path)):
-            return pointer.save_dir, None
-        return pointer.save_dir, pointer.folder
+            return pointer.save_dir, None, None
+        return pointer.save_dir, pointer.folder, pointer.iteration
 
     def _reader(self, save_dir: str, folder: str | None, *, verify: str | None = None) -> Any:
         """An engine that only loads: ``folder`` exactly, or the latest of ``save_dir``. It has
@@ -399,8 +397,8 @@ class EngineCheckpointIO(CheckpointIO):
             update["verify"] = verify
         return CheckpointEngine(self.config.model_copy(update=update), plugins=self._plugins)
 
-    def _read_structure(self, save_dir: str, folder: str | None, where: str) -> tuple[dict[str, Any], str]:
-        """The checkpoint's structure JSON and folder (a first, small load of one key)."""
+    def _read_structure(self, save_dir: str, folder: str | None, where: str) -> tuple[dict[str, Any], str, int]:
+        """The checkpoint's structure JSON, folder and iteration (a first, small load of one key)."""
         probe = _Items({STRUCTURE_KEY: ""})
         verify = "sizes" if self.config.verify == "checksums" else None  # the full load verifies checksums
         try:
@@ -425,16 +423,13 @@ class EngineCheckpointIO(CheckpointIO):
                 "start without ckpt_path, or pass an existing checkpoint"
             )
         raw = probe.items.get(STRUCTURE_KEY)
-        try:
-            structure = json.loads(raw) if isinstance(raw, str) else None
-        except json.JSONDecodeError:
-            structure = None
+        structure = parse_structure(raw, f"{result.checkpoint_path}/{COMPONENT}") if isinstance(raw, str) else None
         if not isinstance(structure, dict) or structure.get("format") != POINTER_FORMAT:
             raise CorruptCheckpointError(
                 f"{result.checkpoint_path}/{COMPONENT}: {STRUCTURE_KEY!r} is not the structure "
                 "EngineCheckpointIO writes"
             )
-        return structure, result.checkpoint_path
+        return structure, result.checkpoint_path, result.iteration
 
     def _has_component(self, save_dir: str, folder: str | None) -> bool:
         if folder is None:
@@ -442,7 +437,7 @@ class EngineCheckpointIO(CheckpointIO):
             if name is None:
                 return True  # nothing to tell: let the engine's error stand
             folder = f"{save_dir.rstrip('/')}/{name}"
-        fs, inner = _fs(f"{folder}/{COMPONENT}")
+        fs, inner = url_to_fs(f"{folder}/{COMPONENT}")
         return bool(fs.exists(inner))
 
     def _read_checkpoint(self, structure: dict[str, Any], checkpoint_dir: str) -> dict[str, Any]:
@@ -480,7 +475,8 @@ class EngineCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer at ``path`` (Lightning's ``save_top_k``), and the engine checkpoint
-        it names once no pointer in that folder names it any more, unless it is the latest."""
+        it names once no pointer of this engine names it any more, in any folder this integration
+        wrote pointers into, unless it is the latest."""
         path = os.fspath(path)
         with self._lock:
             for paths in self._pending.values():
@@ -488,15 +484,16 @@ class EngineCheckpointIO(CheckpointIO):
                     paths.remove(path)
         try:
             pointer = read_pointer(path)
-        except NotALightningCheckpointError:
+        except CkptEngineError:  # not a pointer (a FIFO, a torch.save file): nothing of ours to delete
             pointer = None
-        fs, inner = _fs(path)
+        fs, inner = url_to_fs(path)
         if fs.exists(inner) and not fs.isdir(inner):
             fs.rm_file(inner)
-        if pointer is None or pointer.save_dir != self.save_dir:
+        if pointer is None or not same_save_dir(pointer.save_dir, self.save_dir):
             return
+        self._folders.add({os.path.dirname(path)}, record=False)
         with self._lock:
-            self._doomed[pointer.checkpoint] = (pointer, os.path.dirname(path))
+            self._doomed[pointer.checkpoint] = pointer
         self._remove_doomed()
 
     def _remove_doomed(self) -> None:
@@ -509,12 +506,14 @@ class EngineCheckpointIO(CheckpointIO):
             return
         store = open_store(self.save_dir, self.config.storage)
         latest = read_latest(self.save_dir, store)
-        for pointer, folder in doomed:
+        named: set[str] | None = None
+        for pointer in doomed:
             if pointer.checkpoint == latest:
                 continue
             with self._lock:
                 self._doomed.pop(pointer.checkpoint, None)
-            if self._still_named(pointer, folder):
+            named = self._folders.named() if named is None else named
+            if pointer.checkpoint in named:
                 continue
             try:
                 remove_checkpoint(pointer.folder, store)
@@ -522,21 +521,3 @@ class EngineCheckpointIO(CheckpointIO):
                 logger.warning("not removing %s: %s", pointer.folder, err)
             except FileNotFoundError:
                 pass  # the engine's own retention (keep_last) removed it first
-
-    def _still_named(self, pointer: Pointer, folder: str) -> bool:
-        fs, inner = _fs(folder)
-        try:
-            names = [str(n) for n in fs.ls(inner, detail=False)]
-        except FileNotFoundError:
-            return False
-        for name in names:
-            base = os.path.basename(name.rstrip("/"))
-            if not base.endswith(".ckpt") or base == LAST_ALIAS:
-                continue
-            try:
-                other = read_pointer(os.path.join(folder, base))
-            except CkptEngineError:
-                continue
-            if other is not None and other == pointer:
-                return True
-        return False
