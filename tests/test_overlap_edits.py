@@ -84,13 +84,31 @@ CAUGHT: dict[str, tuple[Callable[[Trainer], Any], str]] = {
     "last element through .data": (lambda t: weight(t).data.view(-1)[-1].add_(1.0), "model: 0.weight"),
 }
 
+#: Sparse edits of at least one contiguous 4 KiB page (copies.SAMPLE_SPAN), on a model whose
+#: weight rows are 1,024 fp32 (one page each, as an embedding row of that width): what
+#: sparse-embedding optimizers and a manual EMA of a few rows do. None moves a version counter.
+PAGE_RUNS: dict[str, tuple[Callable[[Trainer], Any], str]] = {
+    "one row through .data": (lambda t: weight(t).data[5].add_(1.0), "model: 0.weight"),
+    "index_add_ of two rows into .data": (
+        lambda t: weight(t).data.index_add_(0, torch.tensor([3, 17]), torch.ones(2, 1024)),
+        "model: 0.weight",
+    ),
+    "one page not aligned to a row": (lambda t: weight(t).data.view(-1)[700:1724].sub_(0.5), "model: 0.weight"),
+    "an exp_avg row through .data": (lambda t: exp_avg(t).data[9].add_(1.0), "optim: state.0.weight.exp_avg"),
+    "a row through a numpy view": (lambda t: weight(t).detach().numpy()[11].__iadd__(1.0), "model: 0.weight"),
+    "a manual EMA of two rows": (
+        lambda t: weight(t).data[20:22].mul_(0.9).add_(0.1 * torch.randn(2, 1024)),
+        "model: 0.weight",
+    ),
+}
 
-@pytest.mark.parametrize("name", list(CAUGHT))
+
+@pytest.mark.parametrize(("name", "width"), [(name, 128) for name in CAUGHT] + [(name, 1024) for name in PAGE_RUNS])
 def test_an_edit_before_the_copy_fails_the_save_never_tears_it(
-    engine: CheckpointEngine, gate: threading.Event, tmp_path: Path, name: str
+    engine: CheckpointEngine, gate: threading.Event, tmp_path: Path, name: str, width: int
 ) -> None:
-    edit, named = CAUGHT[name]
-    trainer = Trainer(width=128)
+    edit, named = CAUGHT[name] if width == 128 else PAGE_RUNS[name]
+    trainer = Trainer(width=width)
     trainer.step()
     gate.set()
     engine.save(1, **trainer.objects()).result(timeout=60)
@@ -110,7 +128,41 @@ def test_an_edit_before_the_copy_fails_the_save_never_tears_it(
     trainer.step()  # training goes on; the next save is exact
     want = trainer.snapshot()
     engine.save(3, **trainer.objects()).result(timeout=60)
-    assert_state_dicts_equal(loaded(tmp_path / "ckpt" / "iter_000000003", tmp_path, 128), want)
+    assert_state_dicts_equal(loaded(tmp_path / "ckpt" / "iter_000000003", tmp_path, width), want)
+
+
+def test_a_single_unsampled_element_is_the_documented_limit(
+    engine: CheckpointEngine, gate: threading.Event, tmp_path: Path
+) -> None:
+    """One element between two sampled ones, changed through ``.data``: nothing sees it (the
+    table's one uncaught row). The save commits, holding the edit or not: this test keeps the
+    documentation honest, and fails if the limit is ever closed without updating it."""
+    trainer = Trainer(width=1024)
+    trainer.step()
+    before = weight(trainer).detach().clone()
+    handle = engine.save(1, **trainer.objects())
+    stride = copies._sample_step(weight(trainer).numel(), 4)
+    with torch.no_grad():
+        weight(trainer).data.view(-1)[stride // 2].add_(1.0)
+    gate.set()
+    assert handle.result(timeout=60).succeeded
+    saved = loaded(tmp_path / "ckpt" / "iter_000000001", tmp_path, 1024)["model"]["0.weight"]
+    assert torch.equal(saved, before) or torch.equal(saved, weight(trainer).detach())
+
+
+@pytest.mark.parametrize(("numel", "dtype"), [(1 << 20, torch.float32), (3 << 19, torch.bfloat16), (5000, torch.int64)])
+def test_any_contiguous_page_holds_a_sampled_element(numel: int, dtype: torch.dtype) -> None:
+    """Exhaustively: every run of ``SAMPLE_SPAN`` bytes, wherever it starts, changes the sample."""
+    per_page = copies.SAMPLE_SPAN // torch.empty((), dtype=dtype).element_size()
+    index = copies._sample_index(numel, torch.empty((), dtype=dtype).element_size())
+    gaps = index[1:] - index[:-1]
+    assert index[0] == 0 and index[-1] == numel - 1 and gaps.max() <= per_page
+    t = torch.zeros(numel, dtype=dtype)
+    first = copies._sample(t)
+    for start in (0, 1, per_page // 2, numel // 3, numel - per_page):
+        edited = t.clone()
+        edited[start : start + per_page] = 1
+        assert not copies._same_bits(first, copies._sample(edited)), start
 
 
 #: edits that cannot tear the checkpoint: they never touch the memory being copied.
@@ -139,7 +191,7 @@ def test_an_edit_that_replaces_the_tensor_leaves_the_checkpoint_exact(
 def test_the_sample_takes_the_first_and_last_element_and_every_step_between() -> None:
     t = torch.arange(1000, dtype=torch.float32)
     sample = torch.as_tensor(copies._sample(t))
-    step = copies._sample_step(1000)
+    step = copies._sample_step(1000, 4)
     assert sample[0] == 0 and sample[-1] == 999
     assert torch.equal(sample[:-1], t[::step])
     assert len(sample) <= 2 * copies.SAMPLES + 1
@@ -158,11 +210,11 @@ def test_the_numpy_sample_takes_the_elements_of_the_torch_path(numel: int) -> No
     t = torch.randn(numel)
     sample = copies._sample(t)
     assert not isinstance(sample, torch.Tensor)  # the numpy path was taken
-    expected = torch.cat((t[:: copies._sample_step(numel)], t[-1:])) if numel else t
+    expected = torch.cat((t[:: copies._sample_step(numel, 4)], t[-1:])) if numel else t
     assert copies._same_bits(sample, expected)
     if numel:
         with pytest.raises(ValueError):  # the cached indices are shared by every tensor of the size
-            copies._sample_index(numel)[0] = 1
+            copies._sample_index(numel, 4)[0] = 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8])

@@ -8,13 +8,15 @@ optimizer state that continues after ``save()`` returned:
   right after its copy (an in-place edit that completed before the copy ended is caught).
 * **Edits the counter cannot see.** ``param.data.add_()``, a write through a numpy view or
   through ``untyped_storage()`` change the bytes without moving the version counter. So
-  ``save()`` also takes a *sample* of each tensor it defers: :data:`SAMPLES` elements at a fixed
-  stride (the whole tensor when it is that small), on the current stream for CUDA tensors. Each
-  copy is compared with its sample, bit for bit, once it is complete: an edit made before the
-  copy that changes a sampled element fails the save. Every whole-tensor edit (``mul_``,
-  ``add_``, ``copy_``, ``clamp_`` of every element, ``zero_``) is caught; an edit of a few
-  elements through such an alias is caught only when it touches a sampled one
-  (docs/plugins.md's table says which edits are caught how).
+  ``save()`` also takes a *sample* of each tensor it defers: one element in every
+  :data:`SAMPLE_SPAN` bytes, at least :data:`SAMPLES` a tensor (the whole tensor when it is that
+  small), and the last, on the current stream for CUDA tensors. Each copy is compared with its
+  sample, bit for bit, once it is complete: an edit made before the copy that changes a sampled
+  element fails the save. So every edit that changes a contiguous run of at least
+  ``SAMPLE_SPAN`` bytes is caught, wherever it starts: an embedding row of 1,024 fp32, rows added
+  with ``index_add_`` into ``.data``, an ``exp_avg`` row, and every whole-tensor edit (``mul_``,
+  ``add_``, ``copy_``, ``clamp_`` of every element, ``zero_``). Single scattered elements are
+  caught only where sampled (docs/reliability.md's table says which edits are caught how).
 * **CUDA**: the copies are queued on a side stream that first waits for the current stream,
   an event is recorded after them, and a thread waits for that event (never the training thread).
 * **The guard**: every optimizer passed to ``save()`` gets a step pre-hook. On CPU it waits for
@@ -64,12 +66,19 @@ __all__ = [
     "tensor_names",
 ]
 
-#: Elements sampled from each tensor an ``overlap`` save copies in the background (module docstring).
+#: The fewest elements sampled from each tensor an ``overlap`` save copies in the background.
 SAMPLES = 64
+#: At most this many bytes lie between two sampled elements (one page): any edit of a contiguous
+#: run this long changes a sampled element. About 1/1,000 of an fp32 tensor's elements.
+SAMPLE_SPAN = 4096
+#: Above this many bytes a CPU tensor is sampled with torch (whose strided copy runs on the
+#: intra-op threads) rather than with numpy's ``take`` (fewer microseconds a call below it).
+_TORCH_SAMPLE_BYTES = 64 << 20
 
 
-def _sample_step(numel: int) -> int:
-    return max(1, (numel - 1) // (SAMPLES - 1))
+def _sample_step(numel: int, element_size: int) -> int:
+    """The stride, in elements, of the sample of a tensor of ``numel`` elements."""
+    return max(1, min((numel - 1) // (SAMPLES - 1), SAMPLE_SPAN // element_size))
 
 
 #: Integer dtypes of each element size: a CPU tensor of a dtype numpy lacks (bfloat16, the
@@ -97,10 +106,10 @@ Sample = torch.Tensor | np.ndarray[Any, Any]
 
 
 @functools.lru_cache(maxsize=4096)
-def _sample_index(numel: int) -> np.ndarray[Any, Any]:
+def _sample_index(numel: int, element_size: int) -> np.ndarray[Any, Any]:
     """The flat indices :func:`_sample` takes from a tensor of ``numel`` elements (``numel > 0``):
     every ``_sample_step``-th one and the last. One array per size, shared by every tensor of it."""
-    index = np.append(np.arange(0, numel, _sample_step(numel)), numel - 1)
+    index = np.append(np.arange(0, numel, _sample_step(numel, element_size)), numel - 1)
     index.flags.writeable = False
     return index
 
@@ -112,12 +121,12 @@ def _sample(tensor: torch.Tensor) -> Sample:
     on the current stream (no host sync). With the first and the last element sampled, an edit
     of the whole tensor that overtakes the copy is caught too: the copy then reads edited bytes
     up to the end."""
-    if tensor.is_cpu:
+    if tensor.is_cpu and tensor.numel() * tensor.element_size() <= _TORCH_SAMPLE_BYTES:
         array = _flat_numpy(tensor)
         if array is not None:
-            return array.take(_sample_index(array.size)) if array.size else array.copy()
+            return array.take(_sample_index(array.size, array.itemsize)) if array.size else array.copy()
     flat = tensor.reshape(-1)
-    return torch.cat((flat[:: _sample_step(flat.numel())], flat[-1:]))
+    return torch.cat((flat[:: _sample_step(flat.numel(), flat.element_size())], flat[-1:]))
 
 
 def _bits(sample: Sample) -> bytes:
