@@ -13,8 +13,11 @@ the batch, which ``re`` matches in C.
 The batch is an exact replay of the opcodes it covers, never an approximation:
 
 * every memo reference is checked against what the opcode would find (the class tokens, the
-  field names, a string key, a ``torch.Size``) and must point before the batch; ``FRAME``
-  opcodes may sit between any two opcodes (the interpreter skips them, so does the pattern);
+  field names, a string key, a ``torch.Size``) and must point before the batch;
+* ``FRAME`` opcodes: the batch matches the bytes with the headers of the frames that follow the
+  current one removed, each where CPython's pickler writes it (exactly at the end of the frame
+  before). A ``FRAME`` anywhere else stays in the bytes, matches no pattern, and leaves the MARK
+  to the interpreter, which refuses a ``FRAME`` inside a frame;
 * the memo gets one slot per ``MEMOIZE`` in the batch, in order. The records hold the objects
   built here; the slots of the state dicts and tuples hold :data:`OPAQUE`, which no opcode and
   no builder check accepts, so a file that reuses one fails and is parsed again by the full
@@ -40,7 +43,6 @@ from __future__ import annotations
 import functools
 import re
 import struct
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -60,27 +62,27 @@ class _Opaque:
 
 OPAQUE = _Opaque()
 
-#: Any ``FRAME`` opcodes before the next opcode. Possessive where ``re`` has it (3.11+): giving a
-#: frame back can never help a match, since no opcode the patterns accept next begins with the
-#: ``FRAME`` byte (0x95), and without the backtracking state ``re`` keeps for every optional
-#: frame it matches a batch about three times faster (the batches of a 50,000-entry
-#: ``.metadata``: 0.056 s instead of 0.15 s, and the whole safe read 0.41 s instead of 0.53 s).
-_FRAMES = rb"(?:\x95[\x00-\xff]{8})*" + (b"+" if sys.version_info >= (3, 11) else b"")
+#: How many bytes past the current frame a batch looks at, first and once more: a ``SETITEMS``
+#: group of 1,000 entries is 60-150 KB. A longer batch is left to the interpreter.
+_WINDOWS = (256 << 10, 16 << 20)
+_FRAME_HEADER = 9
+#: More than any entry a batch replays takes (about 80-200 bytes).
+_ENTRY_BYTES = 4096
 _GET = rb"(?:h[\x00-\xff]|j[\x00-\xff]{4})"
 _LONG1 = b"|".join(bytes([n]) + b"[\\x00-\\xff]{%d}" % n for n in range(1, 9))
 _INT = rb"(?:K[\x00-\xff]|M[\x00-\xff]{2}|J[\x00-\xff]{4}|\x8a(?:\x00|" + _LONG1 + rb"))"
 
 
 def _op(code: bytes) -> bytes:
-    return _FRAMES + code
+    return code
 
 
 def _cap(name: str, body: bytes) -> bytes:
-    return _FRAMES + b"(?P<" + name.encode() + b">" + body + b")"
+    return b"(?P<" + name.encode() + b">" + body + b")"
 
 
 _NEW = _op(rb"\)") + _op(rb"\x81") + _op(rb"\x94") + _op(rb"\}") + _op(rb"\x94") + _op(rb"\(")
-_INTS = _INT + _FRAMES
+_INTS = _INT
 #: The offsets tuple of a ``torch.Size`` REDUCE: ``()`` (not memoised), TUPLE1-3 or MARK ... TUPLE.
 _OFFSETS = (
     rb"(?:\)|(?:"
@@ -90,11 +92,9 @@ _OFFSETS = (
     + rb"\x86|"
     + _INTS * 3
     + rb"\x87|\("
-    + _FRAMES
     + rb"(?:"
     + _INTS
     + rb")*t)"
-    + _FRAMES
     + rb"\x94)"
 )
 _REDUCE_TAIL = _op(rb"\x85") + _op(rb"\x94") + _op(rb"R") + _op(rb"\x94")
@@ -104,7 +104,7 @@ def _entry(c: dict[str, bytes] | None) -> bytes:
     """The pattern of one entry; with ``c``, the constant parts are the literals it gives."""
 
     def const(name: str) -> bytes:
-        return _cap(name, _GET) if c is None else _FRAMES + re.escape(c[name])
+        return _cap(name, _GET) if c is None else re.escape(c[name])
 
     if c is None or "tsize" in c:  # a torch.Size built here, or (any entry) one referenced
         built = const("tsize") + _cap("offs", _OFFSETS) + _REDUCE_TAIL
@@ -117,7 +117,7 @@ def _entry(c: dict[str, bytes] | None) -> bytes:
         # reference (any other reference does not match, and the interpreter runs the entry).
         koff = c["koff"] if "koff" in c else c["kpos"]
         built = _cap("tsize", _GET) + _cap("offs", _OFFSETS) + _REDUCE_TAIL
-        offset = _FRAMES + re.escape(koff) + rb"(?:" + built + rb"|" + _cap("oget", _GET) + rb")"
+        offset = re.escape(koff) + rb"(?:" + built + rb"|" + _cap("oget", _GET) + rb")"
     return (
         const("mi")
         + _NEW
@@ -161,7 +161,7 @@ _MAX_PATTERNS = 16
 @functools.lru_cache(maxsize=_MAX_PATTERNS)
 def _batch_pattern(constants: tuple[tuple[str, bytes], ...]) -> re.Pattern[bytes]:
     entry = _entry(dict(constants))
-    return re.compile(rb"(?:" + entry + rb")+" + _FRAMES + rb"u", re.DOTALL)
+    return re.compile(rb"(?:" + entry + rb")+u", re.DOTALL)
 
 
 @functools.lru_cache(maxsize=_MAX_PATTERNS)
@@ -195,9 +195,7 @@ def _offsets(raw: bytes) -> tuple[tuple[int, ...], int]:
     i, n = 0, len(raw)
     while i < n:
         op = raw[i]
-        if op == 0x95:
-            i += 9
-        elif op == 0x4B:
+        if op == 0x4B:
             out.append(raw[i + 1])
             i += 2
         elif op == 0x4D:
@@ -213,6 +211,44 @@ def _offsets(raw: bytes) -> tuple[tuple[int, ...], int]:
         else:  # TUPLE1-3, MARK, TUPLE, MEMOIZE
             i += 1
     return tuple(out), 1
+
+
+def _unframed(data: bytes, pos: int, frame_end: int, window: int) -> tuple[bytes, list[tuple[int, int]], bool]:
+    """The bytes of ``data`` from ``pos`` (inside the frame that ends at ``frame_end``) with the
+    headers of the frames that follow removed, about ``window`` bytes of them; per removed
+    header, where its frame's bytes start in the result and where that frame ends in ``data``;
+    and whether ``window`` cut the result short. Only a header exactly at the end of the frame
+    before is removed, as CPython's pickler writes them; the result ends where that chain does."""
+    n = len(data)
+    parts: list[bytes] = [data[pos:frame_end]]
+    frames: list[tuple[int, int]] = []
+    size, at = frame_end - pos, frame_end
+    while at + _FRAME_HEADER <= n and data[at] == 0x95:
+        if size >= window:
+            return b"".join(parts), frames, True
+        (length,) = _UNPACK_FRAME(data, at + 1)
+        start = at + _FRAME_HEADER
+        if start + length > n:
+            break
+        frames.append((size, start + length))
+        parts.append(data[start : start + length])
+        size += length
+        at = start + length
+    return b"".join(parts), frames, False
+
+
+def _head(data: bytes, pos: int, frame_end: int, limit: int) -> bytes:
+    """The first ``limit`` bytes of what :func:`_unframed` gives, copying no more than that."""
+    n = len(data)
+    parts, size, at = [data[pos:frame_end]], frame_end - pos, frame_end
+    while size < limit and at + _FRAME_HEADER <= n and data[at] == 0x95:
+        (length,) = _UNPACK_FRAME(data, at + 1)
+        start = at + _FRAME_HEADER
+        take = min(length, limit - size, n - start)
+        parts.append(data[start : start + take])
+        size += take
+        at = start + length
+    return b"".join(parts)
 
 
 class StorageBatch:
@@ -236,6 +272,7 @@ class StorageBatch:
         self._info_type = info_type
         self._known: set[tuple[tuple[str, bytes], ...]] = set()
         self._sizes: dict[bytes, tuple[torch.Size, int]] = {}
+        self._copied = 0
         self.entries = 0
 
     def _constants(self, m: re.Match[bytes], memo: dict[int, Any], start: int) -> tuple[tuple[str, bytes], ...] | None:
@@ -258,14 +295,55 @@ class StorageBatch:
         return tuple(found)
 
     def run(
-        self, data: bytes, pos: int, target: dict[Any, Any], memo: dict[int, Any], head: tuple[Any, Any] | None = None
-    ) -> int:
+        self,
+        data: bytes,
+        pos: int,
+        frame_end: int,
+        target: dict[Any, Any],
+        memo: dict[int, Any],
+        head: tuple[Any, Any] | None = None,
+    ) -> tuple[int, int] | None:
         """Replay ``MARK`` at ``pos - 1`` up to its ``SETITEMS`` into ``target``; the position
-        after it, or -1 (nothing changed) when the bytes are not a batch of storage entries.
+        after it and the end of the frame it is in, or ``None`` (nothing changed) when the bytes
+        are not a batch of storage entries.
 
-        ``head``: the key and value the interpreter built from the ``MARK``'s first entry
+        ``frame_end``: where the frame the interpreter is in ends (at or before ``pos``: in
+        none). ``head``: the key and value the interpreter built from the ``MARK``'s first entry
         (``pos`` is then where that entry ends): the rest of the ``MARK`` is replayed, and
         ``SETITEMS`` puts ``head`` before the replayed entries, as it would have."""
+        if frame_end < pos or (frame_end == pos and data[pos : pos + 1] != b"\x95"):
+            # outside frames: a FRAME here starts one, which the interpreter must see
+            end = self._replay(data, pos, target, memo, head)
+            return None if end < 0 else (end, frame_end)
+        # Most MARKs are no batch: tell from the first entry before copying anything more.
+        if frame_end - pos >= _ENTRY_BYTES:
+            first = _FIRST.match(data, pos, frame_end)
+        else:  # near the frame's end: the entry may go on in the next frames
+            first = _FIRST.match(_head(data, pos, frame_end, _ENTRY_BYTES))
+        if first is None:
+            return None
+        for window in _WINDOWS:
+            if self._copied > 2 * len(data) + (4 << 20):
+                return None  # a crafted file of many long failing batches: the interpreter's, linearly
+            buf, frames, cut = _unframed(data, pos, frame_end, window)
+            self._copied += len(buf)
+            end = self._replay(buf, 0, target, memo, head)
+            if end >= 0 or not cut:
+                break
+        if end < 0:
+            return None
+        done = end
+        for begins, ends in frames:  # the headers inside the batch, and the frame it ends in
+            if begins >= done:
+                break
+            frame_end = ends
+            pos += _FRAME_HEADER
+        return pos + done, frame_end
+
+    def _replay(
+        self, data: bytes, pos: int, target: dict[Any, Any], memo: dict[int, Any], head: tuple[Any, Any] | None
+    ) -> int:
+        """:meth:`run` on bytes without ``FRAME`` headers: the end, or -1."""
         first = _FIRST.match(data, pos)
         if first is None:
             return -1

@@ -317,6 +317,7 @@ def _interpret(data: bytes, budget: _Budget, batch: StorageBatch | None = None) 
     unpack_from = struct.unpack_from
     n = len(data)
     pos = 0
+    frame_end = 0  # where the current frame ends (at or before pos: outside any frame)
     append = stack.append
     key_types = _KEY_TYPES
     while True:
@@ -342,9 +343,9 @@ def _interpret(data: bytes, budget: _Budget, batch: StorageBatch | None = None) 
             pos = end
         elif op == 0x28:  # MARK
             if batch is not None and stack and type(stack[-1]) is dict:
-                end = batch.run(data, pos, stack[-1], memo)
-                if end >= 0:
-                    pos = end
+                replayed = batch.run(data, pos, frame_end, stack[-1], memo)
+                if replayed is not None:
+                    pos, frame_end = replayed
                     continue
             metastack.append(stack)
             stack = []
@@ -378,11 +379,11 @@ def _interpret(data: bytes, budget: _Budget, batch: StorageBatch | None = None) 
                 # new strings): if the MARK is a dict's, the batch replays the rest of it.
                 key, target = stack[0], metastack[-1][-1]
                 if type(key) is _Record and key.kind == "MetadataIndex" and type(target) is dict:
-                    end = batch.run(data, pos, target, memo, head=(key, stack[1]))
-                    if end >= 0:
+                    replayed = batch.run(data, pos, frame_end, target, memo, head=(key, stack[1]))
+                    if replayed is not None:
                         stack = metastack.pop()
                         append = stack.append
-                        pos = end
+                        pos, frame_end = replayed
         elif op == 0x4B:  # BININT1
             append(data[pos])
             pos += 1
@@ -445,8 +446,14 @@ def _interpret(data: bytes, budget: _Budget, batch: StorageBatch | None = None) 
             if data[pos] > 5:
                 raise PickleMalformed(f"unsupported pickle protocol {data[pos]}")
             pos += 1
-        elif op == 0x95:  # FRAME: a length hint only
+        elif op == 0x95:  # FRAME: a length hint, but only where CPython's unpicklers agree on it
+            if pos <= frame_end:  # the pure-Python one refuses it; the C one reads on, from a file differently
+                raise PickleMalformed("a FRAME inside a frame (its unread bytes would be read differently)")
+            (size,) = unpack_from("<Q", data, pos)
             pos += 8
+            if size > n - pos:
+                raise PickleMalformed("a FRAME longer than the rest of the data")
+            frame_end = pos + size
         elif op == 0x2E:  # STOP
             if len(stack) != 1 or metastack:
                 raise PickleMalformed("STOP with an unbalanced stack")
