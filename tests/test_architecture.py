@@ -214,11 +214,58 @@ def test_architecture_page_names_every_internal_module() -> None:
     line there, so the page describes what is really there."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     missing = []
-    for package in ("_engine", "_format", "_dcpio", "_storage", "_inspect", "cli", "demo"):
+    for package in ("_engine", "_format", "_dcpio", "_storage", "_inspect", "cli", "demo", "integrations"):
         for path in sorted((PACKAGE / package).glob("*.py")):
             if path.stem != "__init__" and not path.stem.startswith("_") and f"`{path.stem}`" not in text:
                 missing.append(f"{package}/{path.name}")
     assert not missing, "modules docs/architecture.md does not mention: " + ", ".join(missing)
+
+
+def _architecture_tree() -> list[str]:
+    """The lines of docs/architecture.md's first code block: the folder tree it draws."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    return text.split("```", 2)[1].splitlines()[1:]
+
+
+def test_the_architecture_tree_is_the_tree() -> None:
+    """Every file and folder the page's tree names exists, and every top-level module and
+    package of ``ckpt_engine`` is in it: a deleted module or a new package fails here."""
+    named: set[str] = set()
+    missing = []
+    for line in _architecture_tree():
+        names = re.split(r"\s{3,}", line.strip(), maxsplit=1)[0]  # names, then 3+ spaces, then what they are
+        for token in re.findall(r"[\w./]+(?:\.py|/)", names):
+            path = ROOT / token if token in ("ckpt_engine/", "plugins/ckpt_engine_plugins/") else PACKAGE / token
+            named.add(token.rstrip("/"))
+            if not path.exists():
+                missing.append(token)
+    assert not missing, f"docs/architecture.md's tree names what does not exist: {missing}"
+    actual = {p.name for p in PACKAGE.glob("*.py")} | {
+        p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()
+    }
+    assert not actual - named, f"docs/architecture.md's tree leaves out: {sorted(actual - named)}"
+
+
+def test_every_module_the_parts_table_names_exists() -> None:
+    """The "main modules" column names modules that are there (the part's own package)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## The parts", 1)[1].split("\n## ", 1)[0]
+    folders = {
+        "host": PACKAGE,
+        "built-in plugins": PLUGINS,
+        **{f"`{p.name}`": p for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()},
+    }
+    missing = []
+    rows = [line for line in table.splitlines() if line.startswith("|")][2:]  # past the header and its rule
+    assert rows, "docs/architecture.md has no parts table under '## The parts'"
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 3 and cells[0] in folders, f"a parts-table row of no known part: {row[:80]}"
+        folder = folders[cells[0]]
+        for name in re.findall(r"`([\w/]+)`", cells[2]):
+            if not ((folder / f"{name}.py").exists() or (folder / name.rstrip("/") / "__init__.py").exists()):
+                missing.append(f"{cells[0]}: {name}")
+    assert not missing, f"docs/architecture.md's parts table names modules that do not exist: {missing}"
 
 
 def test_the_engine_never_tests_the_storage_mode() -> None:
