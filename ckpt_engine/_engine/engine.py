@@ -23,7 +23,7 @@ from ..errors import ArgumentTypeError, CkptEngineError, InvalidArgumentError, c
 from ..pipeline import Pipeline
 from ..plugin_manager import build_plugin_manager
 from ..types import LoadResult
-from .collectives import bounded, close_watch
+from .collectives import EngineCollectives, bounded
 from .loader import Loader
 from .pending import SaveHandle, SaveQueue
 from .preemption import PreemptionSaver
@@ -57,7 +57,8 @@ class CheckpointEngine:
         #: The saves in flight: their handles, the commit thread, failures nobody asked about.
         self._queue = SaveQueue()
         self._closed = False
-        self._watch: Any = None  # the CollectiveWatch of collective_timeout_s (collectives.py)
+        #: ``collective_timeout_s`` around every save and load, and whether a lost rank broke them.
+        self._collectives = EngineCollectives(self.config.collective_timeout_s)
         #: Names this engine's save-plan caches (``fast_save``): one per component.
         self._plan_prefix = f"engine-{os.getpid()}-{id(self):x}:"
         #: The storage mode, chosen once: staging folder, commit, uploads, cleanup, retention.
@@ -156,7 +157,7 @@ class CheckpointEngine:
             self._queue.wait()
         finally:
             self._closed = True
-            close_watch(self)
+            self._collectives.close()
             self._queue.shutdown()
             self._saver.close()  # its plan caches and the save_dir lock
             self.pipeline.close()
