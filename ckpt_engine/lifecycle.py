@@ -16,9 +16,10 @@ True
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
-__all__ = ["BoundsPendingSaves", "Closeable", "ClosesInTwoSteps", "StartsInBackground"]
+__all__ = ["BoundsPendingSaves", "Closeable", "ClosesInTwoSteps", "SavesInBackground", "StartsInBackground"]
 
 
 @runtime_checkable
@@ -61,3 +62,24 @@ class StartsInBackground(Protocol):
     (work queues until then), useful to keep start-up out of a measurement."""
 
     def wait_ready(self, timeout: float | None = None) -> float: ...
+
+
+@runtime_checkable
+class SavesInBackground(Protocol):
+    """A plugin that provides both ``stage`` and ``write``, writes in a background process that
+    may not be ready yet (``pinned_staging``'s writer), and can also write a save synchronously.
+
+    :class:`~ckpt_engine.PreemptionSaver` uses it so that a preemption save never waits for that
+    process. Both methods are called on every rank, in the same order.
+    """
+
+    def background_ready(self) -> bool:
+        """Whether a save started now would be written in the background without waiting for the
+        background process to start. Must not block."""
+        ...
+
+    def saving_in_process(self) -> AbstractContextManager[None]:
+        """A context in which saves are written synchronously by this process, as the engine's
+        default ``write`` provider writes them: the same checkpoint layout, committed by the engine
+        before ``save()`` returns. Enter it on every rank or on none."""
+        ...

@@ -19,7 +19,7 @@ from pluggy import HookCaller
 from .defaults import DEFAULT_PLUGIN_NAME
 from .errors import CkptEngineError, HookContractError, PluginConflictError
 from .hookspecs import HOOK_KINDS
-from .lifecycle import BoundsPendingSaves, Closeable, ClosesInTwoSteps, StartsInBackground
+from .lifecycle import BoundsPendingSaves, Closeable, ClosesInTwoSteps, SavesInBackground, StartsInBackground
 from .plugin_manager import LoadedPlugins
 from .types import (
     Decision,
@@ -231,6 +231,12 @@ class Pipeline:
                 f"{self.describe(self.providers['stage'])}: max_saves_in_flight must be an int >= 1, got {limit!r}"
             )
         return limit
+
+    def saves_in_background(self) -> SavesInBackground | None:
+        """The plugin that provides both ``stage`` and ``write``, if it is a :class:`SavesInBackground`."""
+        stage = self.pm.get_plugin(self.providers["stage"])
+        write = self.pm.get_plugin(self.providers["write"])
+        return stage if stage is write and isinstance(stage, SavesInBackground) else None
 
     def wait_ready(self, timeout: float | None = None) -> float:
         """Wait for every plugin that starts in the background (:class:`StartsInBackground`);

@@ -17,10 +17,10 @@ on it across ranks (one small all-gather per call) and every rank saves the same
 
 **The grace period.** A preemption save never waits for a background writer that is not ready.
 Where the ``stage``/``write`` provider writes in a process of its own (``pinned_staging``: a
-:class:`SavesInBackground`), the same all-gather carries whether each rank's writer is ready now.
-If it is on every rank, the preemption save takes the provider's usual background path; if it is
-not on some rank (still starting, or lost and being replaced), every rank makes the save inside
-the provider's :meth:`~SavesInBackground.saving_in_process`: written synchronously in this
+:class:`~ckpt_engine.lifecycle.SavesInBackground`), the same all-gather carries whether each
+rank's writer is ready now. If it is on every rank, the preemption save takes the provider's
+usual background path; if it is not on some rank (still starting, or lost and being replaced),
+every rank makes the save inside the provider's ``saving_in_process()``: written synchronously in this
 process as the engine's default provider writes it (same files, committed before ``save()``
 returns), so it takes about as long as a synchronous save of the state. Every rank decides from
 the same gathered answers, so all ranks take the same path and their collectives match.
@@ -33,9 +33,9 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from .._dcpio import dist as _dist
 from ..errors import InvalidArgumentError
@@ -44,30 +44,9 @@ if TYPE_CHECKING:
     from .engine import CheckpointEngine
     from .pending import SaveHandle
 
-__all__ = ["PreemptionSaver", "SavesInBackground"]
+__all__ = ["PreemptionSaver"]
 
 logger = logging.getLogger("ckpt_engine")
-
-
-@runtime_checkable
-class SavesInBackground(Protocol):
-    """A plugin that provides both ``stage`` and ``write`` and writes in a background process that
-    may not be ready yet (``pinned_staging``'s writer), but can also write a save synchronously.
-
-    The :class:`PreemptionSaver` uses it so that a preemption save never waits for that process
-    (see the module docstring). Both methods are called on every rank, in the same order.
-    """
-
-    def background_ready(self) -> bool:
-        """Whether a save started now would be written in the background without waiting for the
-        background process to start. Must not block."""
-        ...
-
-    def saving_in_process(self) -> AbstractContextManager[None]:
-        """A context in which saves are written synchronously by this process, as the engine's
-        default ``write`` provider writes them: the same checkpoint layout, committed by the engine
-        before ``save()`` returns. Enter it on every rank or on none."""
-        ...
 
 
 class PreemptionSaver:
@@ -91,7 +70,7 @@ class PreemptionSaver:
         self._requested = threading.Event()
         self._previous: dict[signal.Signals, Any] = {}
         self._last_saved: int | None = None
-        self._background = _background_provider(engine)
+        self._background = engine.pipeline.saves_in_background()
 
     @property
     def requested(self) -> bool:
@@ -158,11 +137,3 @@ class PreemptionSaver:
                 )
             raise SystemExit(self.exit_code)
         return handle
-
-
-def _background_provider(engine: CheckpointEngine) -> SavesInBackground | None:
-    """The plugin that provides both ``stage`` and ``write`` when it is a :class:`SavesInBackground`."""
-    pipeline = engine.pipeline
-    stage = pipeline.pm.get_plugin(pipeline.providers["stage"])
-    write = pipeline.pm.get_plugin(pipeline.providers["write"])
-    return stage if stage is write and isinstance(stage, SavesInBackground) else None
