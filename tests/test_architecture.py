@@ -268,6 +268,21 @@ def test_every_module_the_parts_table_names_exists() -> None:
     assert not missing, f"docs/architecture.md's parts table names modules that do not exist: {missing}"
 
 
+def test_code_outside_storage_asks_what_a_store_can_do_not_what_it_is() -> None:
+    """Stores name their capabilities (``Store.capabilities``: local files, commit by rename,
+    listing first, server-side copy, hard links); outside ``_storage/`` only the choice of a save
+    target and of the object-store reader may test the kind of store (was 23 lines in 11 files)."""
+    pattern = re.compile(r"\bis_object_store\b|isinstance\([^)]*\b(?:FsspecStore|LocalStore)\b")
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")) + sorted(PLUGINS.rglob("*.py")):
+        if path.parent.name == "_storage":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line.split("#", 1)[0]):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert len(found) <= 2, "branches on the kind of store (ask store.capabilities instead):\n" + "\n".join(found)
+
+
 def test_the_engine_never_tests_the_storage_mode() -> None:
     """The storage mode is chosen once (``_engine/targets.open_target``): the facade, the save
     pipeline and the commit protocol ask their ``SaveTarget`` instead of branching on what kind of

@@ -32,12 +32,24 @@ from torch.futures import Future
 
 from .._format.metadata import _read_error, read_metadata
 from .._format.names import METADATA_FILE
-from .._storage.store import FsspecStore
+from .._storage.store import FsspecStore, Store
 from ..errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
 from .fast_read import _PREFETCH, _byte_view, _Item, contiguous_region, gc_paused
 from .torch_save_archive import SavedTensorLayout, parse_torch_save_tensor_at
 
-__all__ = ["ObjectStoreReader", "fill_item", "mostly_unneeded"]
+__all__ = ["ObjectStoreReader", "fill_item", "mostly_unneeded", "reader_for"]
+
+
+def reader_for(
+    path: str, store: Store, metadata: Metadata | None, local: Callable[[str, Metadata | None], StorageReader]
+) -> StorageReader:
+    """The DCP reader of the component folder ``path``: ``local(path, metadata)`` where the store
+    holds local files, an :class:`ObjectStoreReader` (ranged, parallel requests) otherwise."""
+    if store.capabilities.local_files:
+        return local(path, metadata)
+    assert isinstance(store, FsspecStore), store  # the one store of remote files
+    return ObjectStoreReader(path, store, metadata)
+
 
 #: Tensor items at least this big, of which a rank needs less than :data:`_RANGED_FRACTION`, are
 #: read by ranges (headers first, then only the needed rows).

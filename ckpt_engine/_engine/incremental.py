@@ -137,6 +137,6 @@ def _where(target: SaveTarget) -> tuple[str, Store, Literal["link", "copy"]]:
         from .._storage.store import open_store
 
         return local, open_store(local), "link"
-    if target.store.is_object_store:
+    if not target.store.capabilities.hard_links:  # server-side copies (docs/storage.md)
         return target.save_dir, target.store, "copy"
     return target.save_dir, target.store, "link"

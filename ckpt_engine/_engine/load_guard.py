@@ -183,8 +183,9 @@ def run_checks(
     rank, world = _dist.rank(), _dist.world_size()
     if not store.isdir(path):
         raise CheckpointNotFoundError(missing_hint or f"checkpoint folder {path} does not exist")
-    lookup = lookup_manifest(path, store) if level != "off" or store.is_object_store else None
-    if store.is_object_store and (lookup is None or lookup.manifest is None):
+    marker_commit = not store.capabilities.commit_by_rename  # the manifest is the completion marker
+    lookup = lookup_manifest(path, store) if level != "off" or marker_commit else None
+    if marker_commit and (lookup is None or lookup.manifest is None):
         raise IncompleteCheckpointError(
             f"{path} has no {MANIFEST_FILE}, its completion marker: on an object store the marker is "
             "written last, so this is an interrupted save (or a checkpoint written by another tool; copy "

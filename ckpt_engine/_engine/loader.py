@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .._dcpio import dist as _dist
 from .._dcpio.fast_load import load_state_dict
 from .._dcpio.fast_read import FastFileSystemReader, gc_paused
-from .._dcpio.object_read import ObjectStoreReader
+from .._dcpio.object_read import reader_for
 from .._dcpio.planner import EngineLoadPlanner
 from .._dcpio.unsafe import refine_unsafe
 from .._dcpio.watch import phase as publish_phase
@@ -32,7 +32,7 @@ from .._format.names import LATEST_FILE, METADATA_FILE, parse_iteration
 from .._format.not_checkpoint import resolve_save_folder
 from .._format.pointer import list_checkpoints, read_latest
 from .._format.read_lock import ReadLock
-from .._storage.store import FsspecStore, Store, open_store
+from .._storage.store import Store, open_store
 from ..config import EngineConfig
 from ..errors import (
     CheckpointLoadError,
@@ -263,7 +263,7 @@ class Loader:
 
         def check() -> Any:
             publish_phase("validate")
-            lock = ReadLock.acquire(path, local=not store.is_object_store)
+            lock = ReadLock.acquire(path, local=store.capabilities.local_files)
             try:
                 if once and rank != 0:
                     return lock
@@ -316,7 +316,11 @@ class Loader:
         """``fallback_to_last_complete``: the newest checkpoint that passes :meth:`_validate`."""
 
         def same(a: str, b: str) -> bool:
-            return a.rstrip("/") == b.rstrip("/") if store.is_object_store else os.path.abspath(a) == os.path.abspath(b)
+            return (
+                os.path.abspath(a) == os.path.abspath(b)
+                if store.capabilities.local_files
+                else a.rstrip("/") == b.rstrip("/")
+            )
 
         candidates: list[str] = _dist.broadcast_object(
             [p for _, p in reversed(list_checkpoints(load_dir, store)) if not same(p, bad)]
@@ -443,11 +447,7 @@ class Loader:
         )
         try:
             with _dist.quiet_dcp():
-                reader: Any = (
-                    ObjectStoreReader(component_dir, store, metadata)
-                    if isinstance(store, FsspecStore)
-                    else FastFileSystemReader(component_dir, metadata)
-                )
+                reader = reader_for(component_dir, store, metadata, FastFileSystemReader)
                 stats = load_state_dict(
                     sd,
                     storage_reader=reader,

@@ -37,7 +37,7 @@ def load_pth(objs: TrainingObjects, path: str, store: Store) -> LoadResult:
     if not objs.modules:
         raise InvalidArgumentError("a .pth load_path loads a model: pass model=")
     try:
-        source: Any = io.BytesIO(store.read_bytes(path)) if store.is_object_store else path
+        source: Any = path if store.capabilities.local_files else io.BytesIO(store.read_bytes(path))
         loaded = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointLoadError(f"cannot load {path} as a model state dict with weights_only=True: {err}") from err

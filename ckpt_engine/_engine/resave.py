@@ -40,7 +40,7 @@ logger = logging.getLogger("ckpt_engine")
 def is_committed(path: str, store: Store) -> bool:
     """Whether ``path`` holds a committed checkpoint: its manifest (the engine's completion
     marker), or, for a checkpoint without one (plain DCP, the original checkpointer), complete."""
-    if store.is_object_store:
+    if not store.capabilities.commit_by_rename:  # the manifest is the completion marker
         return store.exists(store.join(path, MANIFEST_FILE))
     if not os.path.isdir(path):
         return False

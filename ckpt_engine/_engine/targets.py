@@ -442,7 +442,7 @@ class TwoTierTarget(_CommitsLocally):
 def open_target(config: EngineConfig) -> SaveTarget:
     """The save target for ``config.save_dir`` and ``config.storage``, chosen once."""
     store = open_store(config.save_dir, config.storage)
-    if not store.is_object_store:
+    if store.capabilities.commit_by_rename:
         return LocalTarget(config, store)
     assert isinstance(store, FsspecStore)
     if config.storage.local_dir is not None:

@@ -95,15 +95,15 @@ def check_complete(
     if not names:
         raise IncompleteCheckpointError(f"checkpoint folder {path!r} holds no component folders")
     # One listing instead of a request per file on an object store.
-    listed = store.list_files(path) if store.is_object_store else None
+    listed = store.list_files(path) if store.capabilities.listing_first else None
     out: dict[str, Metadata] = {}
     for name in names:
         cdir = store.join(path, name)
-        if not store.is_object_store:
+        if store.capabilities.local_files:
             require_inside(path, os.path.join(cdir, METADATA_FILE))
             require_regular_file(os.path.join(cdir, METADATA_FILE), "DCP metadata")
         try:
-            md = (None if store.is_object_store else recall_metadata(cdir)) or read_metadata(
+            md = (recall_metadata(cdir) if store.capabilities.local_files else None) or read_metadata(
                 cdir, store, check_metadata_bytes
             )
         except IncompleteCheckpointError as err:
@@ -112,7 +112,7 @@ def check_complete(
             if not_checkpoint is not None:
                 raise not_checkpoint from err
             raise
-        check_component_files(cdir, md, store, listed, name, root=None if store.is_object_store else path)
+        check_component_files(cdir, md, store, listed, name, root=path if store.capabilities.local_files else None)
         out[name] = md
     return CheckedCheckpoint(path=path, components=out, listing=listed)
 
@@ -129,7 +129,7 @@ def check_component_files(
     against its data: every byte range a storage entry names exists in its data file (a regular
     file inside ``root``, the checkpoint folder, when given). ``listed``: sizes from one
     object-store listing (``name/rel -> bytes``)."""
-    if store.is_object_store and listed is None:
+    if store.capabilities.listing_first and listed is None:
         listed, name = store.list_files(cdir), ""
     needed: dict[str, int] = {}
     for index, info in (md.storage_data or {}).items():
@@ -198,7 +198,7 @@ def remove_checkpoint(path: str | os.PathLike[str], store: Store | None = None) 
     an object store (no rename) the completion marker goes first, so that a crash leaves a prefix
     the loader ignores; the next retention pass deletes the rest."""
     store = store_for(path, store)
-    if store.is_object_store:
+    if not store.capabilities.commit_by_rename:
         path = os.fspath(path)
         marker = store.join(path, MANIFEST_FILE)
         if store.exists(marker):

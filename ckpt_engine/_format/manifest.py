@@ -198,7 +198,7 @@ def hash_file(
     store = store_for(path, store)
     try:
         size: int | None = None
-        if not store.is_object_store:
+        if store.capabilities.local_files:
             st = os.stat(path)
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptCheckpointError(f"{path} is not a regular file")

@@ -51,7 +51,7 @@ _MAX_OFFSET = 1 << 62
 
 def _read_bytes(path: str, store: Store) -> bytes:
     """The bytes of ``path``, refusing anything that is not a regular file of bounded size."""
-    if store.is_object_store:
+    if not store.capabilities.local_files:
         data = store.read_bytes(path, MAX_METADATA_BYTES + 1)
     else:
         # Check the type before opening: a FIFO would block open() forever.

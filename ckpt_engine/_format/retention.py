@@ -41,7 +41,7 @@ class RetentionResult:
 
 
 def _is_complete(path: str, store: Store) -> bool:
-    if store.is_object_store:  # the completion marker is written last (docs/storage.md)
+    if not store.capabilities.commit_by_rename:  # the completion marker is written last (docs/storage.md)
         return store.exists(store.join(path, MANIFEST_FILE))
     try:
         check_complete(path)

@@ -105,7 +105,7 @@ def check_against_manifest(
         for rel in sorted(set(referenced) - set(manifest.files))
     ]
     # One listing instead of a request per object on an object store (``listing``: one just taken).
-    listed = (listing if listing is not None else store.list_files(root)) if store.is_object_store else None
+    listed = (listing if listing is not None else store.list_files(root)) if store.capabilities.listing_first else None
     sized_ok = [
         rel for rel in sorted(manifest.files) if _size_ok(store, root, rel, manifest.files[rel], listed, problems)
     ]
@@ -274,7 +274,7 @@ def _report(
 ) -> VerifyReport:
     if lookup is None:
         return VerifyReport(path, checked is not None, False, "the manifest is unreadable", problems, level=level)
-    if lookup.manifest is None and store.is_object_store:
+    if lookup.manifest is None and not store.capabilities.commit_by_rename:
         problems.append(
             f"{path} has no {MANIFEST_FILE}: on an object store that marker is written last, so the checkpoint "
             "is incomplete (an interrupted save) and the engine never loads it"

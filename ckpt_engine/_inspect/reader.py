@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .._dcpio.dist import quiet_dcp
-from .._dcpio.object_read import ObjectStoreReader
+from .._dcpio.object_read import reader_for
 from .._dcpio.unsafe import blocked_global, refine_unsafe
 from .._format.layout import check_component_files, component_dirs
 from .._format.metadata import SafeFileSystemReader, read_metadata
@@ -35,7 +35,7 @@ from .._format.names import LATEST_FILE, METADATA_FILE
 from .._format.not_checkpoint import diagnose_not_checkpoint
 from .._format.pointer import list_checkpoints, read_latest
 from .._storage.fscheck import require_regular_file
-from .._storage.store import FsspecStore, open_store, store_for
+from .._storage.store import open_store, store_for
 from ..errors import (
     CheckpointNotFoundError,
     CkptEngineError,
@@ -275,7 +275,7 @@ class ComponentReader:
 
     def __post_init__(self) -> None:
         store = open_store(self.path)
-        if not store.is_object_store:
+        if store.capabilities.local_files:
             require_regular_file(os.path.join(self.path, METADATA_FILE), "DCP metadata")
         self.metadata = read_metadata(self.path)
         # Every tensor covered exactly by chunks whose bytes exist, before anything is allocated.
@@ -291,11 +291,7 @@ class ComponentReader:
         if not template:
             return {}
         store = open_store(self.path)
-        reader: Any = (
-            ObjectStoreReader(self.path, store, self.metadata)
-            if isinstance(store, FsspecStore)
-            else SafeFileSystemReader(self.path, self.metadata)
-        )
+        reader = reader_for(self.path, store, self.metadata, SafeFileSystemReader)
         planner = _ReadPlanner(self.trust)
         try:
             with quiet_dcp():

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from ..config import StorageOptions
@@ -130,6 +131,24 @@ class ReadableFile(Protocol):
     def __exit__(self, *exc: Any) -> Any: ...
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a store can do, which the engine asks instead of what kind of store it is."""
+
+    #: Paths are files of this machine's filesystem: ``os`` calls, file types (a FIFO would block
+    #: a reader), symlinks, ``flock`` read locks and readers of local paths apply.
+    local_files: bool
+    #: A folder renames into place atomically, so a commit is a rename; otherwise it is a
+    #: completion marker (the manifest) written last, and removed first (docs/storage.md).
+    commit_by_rename: bool
+    #: One listing is cheaper than a request per file (sizes and existence come from it).
+    listing_first: bool
+    #: A file can be copied within the store without its bytes passing through this process.
+    server_side_copy: bool
+    #: A file can be hard-linked into another checkpoint (an incremental save's carry-over).
+    hard_links: bool
+
+
 class Store:
     """The operations the engine needs from a place that holds checkpoints.
 
@@ -138,8 +157,15 @@ class Store:
     ``PermissionError`` (both as for a local folder).
     """
 
-    #: False where a folder can be renamed atomically (the commit is a rename) - see docs/storage.md.
-    is_object_store = False
+    #: What this store can do (:class:`Capabilities`).
+    capabilities = Capabilities(
+        local_files=True, commit_by_rename=True, listing_first=False, server_side_copy=False, hard_links=True
+    )
+
+    @property
+    def is_object_store(self) -> bool:
+        """Whether the commit is a completion marker rather than a rename (``not commit_by_rename``)."""
+        return not self.capabilities.commit_by_rename
 
     def join(self, base: str, *parts: str) -> str:
         return os.path.join(base, *parts)
@@ -286,7 +312,9 @@ class FsspecStore(Store):
     sleeping ``backoff_s`` x 2^n (x 0.5-1.5 jitter, at most 20 s) in between.
     """
 
-    is_object_store = True
+    capabilities = Capabilities(
+        local_files=False, commit_by_rename=False, listing_first=True, server_side_copy=True, hard_links=False
+    )
 
     def __init__(
         self,
