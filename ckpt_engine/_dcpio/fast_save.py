@@ -113,6 +113,13 @@ class SavePlanCache:
     def clear(self) -> None:
         self.signature, self.digests, self.final_plan, self.metadata, self.written = None, (), None, None, None
 
+    def remember(
+        self, signature: tuple[Any, ...], digests: tuple[bytes, ...], final_plan: SavePlan, metadata: Metadata | None
+    ) -> None:
+        """A miss: keep the plan just made (``metadata`` on the coordinator only)."""
+        self.misses += 1
+        self.signature, self.digests, self.final_plan, self.metadata = signature, digests, final_plan, metadata
+
 
 _CACHES: OrderedDict[str, SavePlanCache] = OrderedDict()
 #: Every ``Metadata`` :func:`compact_metadata` made compact (by id, while it lives).
@@ -349,6 +356,65 @@ def _to_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _local_step(
+    state_dict: dict[str, Any],
+    planner: SavePlanner,
+    storage_writer: StorageWriter,
+    comm: _coordination.Comm,
+    cache: SavePlanCache | None,
+) -> tuple[tuple[Any, ...], SavePlan | None, bytes | None]:
+    """This rank's part of planning: set up, the structure's signature and, unless ``cache``
+    holds a plan for it, the local plan and its digest for finishing alone (else ``None``s)."""
+    phase("plan")
+    rank, coordinator = comm.rank, comm.rank == 0
+    planner.set_up_planner(state_dict, storage_writer.storage_meta(), coordinator)
+    storage_writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
+    flat = getattr(planner, "state_dict", {})
+    extra = (rank, comm.world, _writer_signature(storage_writer))
+    sig = structure_signature(flat, getattr(planner, "mappings", None), extra)
+    if cache is not None and cache.signature == sig and cache.final_plan is not None:
+        storage_writer.prepare_local_plan(SavePlan([]))  # the folder, the overwrite check
+        return sig, None, None
+    plan = storage_writer.prepare_local_plan(planner.create_local_plan())
+    return sig, plan, replicated_digest(planner, storage_writer, plan, comm.world)
+
+
+def _agree_on_plan(
+    comm: _coordination.Comm, cache: SavePlanCache | None, hit: bool, digest: bytes, alone_digest: bytes | None
+) -> tuple[tuple[bytes, ...], bool, bool]:
+    """``(digests, cached, alone)``: every rank's structure digest, whether every rank may take
+    the cached plan, and else whether every rank can finish a new plan alone (local_plan's module
+    docstring). Every rank must hit, with the signatures all ranks had when the plan was made: one
+    small all-gather, whose result (hence the verdict) is the same on every rank."""
+    hits = comm.all_gather("plan_check", (hit, digest, alone_digest))
+    digests = tuple(d for _, d, _ in hits)
+    cached = cache is not None and all(h for h, _, _ in hits) and digests == cache.digests
+    alone = not cached and hits[0][2] is not None and all(a == hits[0][2] for _, _, a in hits)
+    return digests, cached, alone
+
+
+def _plan_centrally(
+    comm: _coordination.Comm, planner: SavePlanner, storage_writer: StorageWriter, local_plan: SavePlan | None
+) -> tuple[SavePlan, Metadata | None]:
+    """DCP's central plan: the local plans gathered, the global plan made on the coordinator and
+    scattered; the final plan and (on the coordinator) the metadata. ``local_plan`` ``None``: this
+    rank hit the cache but another did not, so it plans after all."""
+    if local_plan is None:
+        local_plan = comm.step("plan", lambda: storage_writer.prepare_local_plan(planner.create_local_plan()))
+    metadata: Metadata | None = None
+
+    def global_step(plans: list[SavePlan]) -> list[SavePlan]:
+        nonlocal metadata
+        plans, metadata = planner.create_global_plan(plans)
+        return storage_writer.prepare_global_plan(plans)
+
+    central = comm.gather_scatter("plan", local_plan, global_step)
+    final_plan = planner.finish_plan(central)
+    if metadata is not None:
+        compact_metadata(metadata)
+    return final_plan, metadata
+
+
 def save_state_dict(
     state_dict: dict[str, Any],
     *,
@@ -366,30 +432,10 @@ def save_state_dict(
     rank, coordinator = comm.rank, comm.rank == 0
     state_dict = _to_state_dict(state_dict)
 
-    def local_step() -> tuple[tuple[Any, ...], SavePlan | None, bytes | None]:
-        phase("plan")
-        planner.set_up_planner(state_dict, storage_writer.storage_meta(), coordinator)
-        storage_writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
-        flat = getattr(planner, "state_dict", {})
-        sig = structure_signature(
-            flat, getattr(planner, "mappings", None), (rank, comm.world, _writer_signature(storage_writer))
-        )
-        if cache is not None and cache.signature == sig and cache.final_plan is not None:
-            storage_writer.prepare_local_plan(SavePlan([]))  # the folder, the overwrite check
-            return sig, None, None
-        plan = storage_writer.prepare_local_plan(planner.create_local_plan())
-        return sig, plan, replicated_digest(planner, storage_writer, plan, comm.world)
-
-    stepped = comm.step("plan", local_step)
+    stepped = comm.step("plan", lambda: _local_step(state_dict, planner, storage_writer, comm, cache))
     sig, local_plan, alone_digest = stepped if stepped is not None else ((), SavePlan([]), None)
     digest = hashlib.blake2b(pickle.dumps(sig, protocol=pickle.HIGHEST_PROTOCOL), digest_size=16).digest()
-    # Every rank must hit, with the signatures all ranks had when this plan was made: one small
-    # all-gather, whose result (hence the verdict) is the same on every rank. It also says
-    # whether every rank can finish a new plan alone (local_plan's module docstring).
-    hits = comm.all_gather("plan_check", (local_plan is None, digest, alone_digest))
-    digests = tuple(d for _, d, _ in hits)
-    cached = cache is not None and all(hit for hit, _, _ in hits) and digests == cache.digests
-    alone = not cached and hits[0][2] is not None and all(a == hits[0][2] for _, _, a in hits)
+    digests, cached, alone = _agree_on_plan(comm, cache, local_plan is None, digest, alone_digest)
     final_plan: SavePlan | None = None
     columns: PlanColumns | None = None
     metadata: Metadata | None = None
@@ -403,22 +449,10 @@ def save_state_dict(
         if cache is not None:
             cache.clear()
     else:
-        if local_plan is None:  # this rank hit, another did not: plan after all
-            local_plan = comm.step("plan", lambda: storage_writer.prepare_local_plan(planner.create_local_plan()))
-
-        def global_step(plans: list[SavePlan]) -> list[SavePlan]:
-            nonlocal metadata
-            plans, metadata = planner.create_global_plan(plans)
-            return storage_writer.prepare_global_plan(plans)
-
-        central = comm.gather_scatter("plan", local_plan, global_step)
-        final_plan = planner.finish_plan(central)
-        if metadata is not None:
-            compact_metadata(metadata)
+        final_plan, metadata = _plan_centrally(comm, planner, storage_writer, local_plan)
         if cache is not None:
-            cache.misses += 1
-            cache.signature, cache.digests, cache.final_plan = sig, digests, final_plan
-            cache.metadata, cache.written = (metadata if coordinator else None), None
+            cache.remember(sig, digests, final_plan, metadata if coordinator else None)
+            cache.written = None
 
     def write_step() -> CompactResults | tuple[CompactResults, PlanColumns]:
         nonlocal final_plan, columns
@@ -448,7 +482,6 @@ def save_state_dict(
             cache.clear()
         raise
     if alone and cache is not None:
-        cache.misses += 1
-        cache.signature, cache.digests, cache.final_plan = sig, digests, final_plan
-        cache.metadata = metadata if coordinator else None
+        assert final_plan is not None
+        cache.remember(sig, digests, final_plan, metadata if coordinator else None)
     return SaveOutcome(metadata=metadata if coordinator else None, total_bytes=total)
