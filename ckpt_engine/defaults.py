@@ -7,14 +7,11 @@ provides the hook.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from ._dcpio.dist import quiet_dcp
-from ._dcpio.fast_save import plan_cache, save_state_dict
-from ._dcpio.fast_write import FastFileSystemWriter, write_result
 from ._markers import hookimpl
+from .storage import write_component
 from .types import SaveContext, StagedState, WriteContext, WriteResult
 
 DEFAULT_PLUGIN_NAME = "ckpt_engine.defaults"
@@ -33,21 +30,13 @@ class DefaultIO:
 
     @hookimpl
     def write(self, ctx: WriteContext, state_dict: dict[str, Any]) -> WriteResult:
-        start = time.perf_counter()
-        writer = FastFileSystemWriter(
-            ctx.path,
+        return write_component(
+            state_dict,
+            component=ctx.component,
+            path=ctx.path,
+            planner=ctx.planner,
             thread_count=ctx.thread_count,
             sync_files=ctx.sync_files,
-            overwrite=True,
             carry_over=ctx.carry_over,
+            process_group=ctx.process_group,
         )
-        key = getattr(ctx.planner, "cache_key", None)
-        with quiet_dcp():
-            out = save_state_dict(
-                state_dict,
-                storage_writer=writer,
-                planner=ctx.planner,
-                process_group=ctx.process_group,
-                cache=plan_cache(key) if key is not None else None,
-            )
-        return write_result(ctx.component, out.total_bytes, writer, time.perf_counter() - start)

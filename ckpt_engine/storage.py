@@ -9,7 +9,7 @@ A provider whose own processes form a process group (one writer process per rank
 collectives as the engine bounds its own (``collective_timeout_s``, given as
 ``WriteContext.collective_timeout_s``): ``CollectiveWatch.create(timeout, who="writer rank")``
 on every process of that group at the same point (it creates a gloo group with that timeout),
-then ``with activate_watch(watch): engine_save(...)``. Each process publishes its phase in its
+then ``with activate_watch(watch): write_component(...)`` (or ``engine_save``). Each process publishes its phase in its
 group's store; a process that does not reach a collective in time makes the others raise
 :class:`~ckpt_engine.errors.CollectiveTimeoutError` naming it and its last phase. Run a
 collective of the provider's own with ``watch.barrier(step)`` first and on ``watch.group``.
@@ -17,22 +17,26 @@ collective of the provider's own with ``watch.barrier(step)`` first and on ``wat
 With ``EngineConfig.incremental``, ``WriteContext.carry_over`` says what the write may carry over
 from the previous checkpoint: ``EngineFileSystemWriter(path, carry_over=ctx.carry_over, ...)``
 lays the files out for it and carries unchanged ones over, and :func:`write_result` reports
-what it wrote and what it carried over.
+what it wrote and what it carried over. :func:`write_component` does all of it: one component
+written as the engine's own ``write`` writes it, with its ``WriteResult``.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from torch.distributed.checkpoint import StorageWriter
 from torch.distributed.checkpoint.planner import SavePlanner
 
+from ._dcpio.dist import quiet_dcp
 from ._dcpio.fast_read import FastFileSystemReader as EngineFileSystemReader
 from ._dcpio.fast_save import plan_cache, save_state_dict
 from ._dcpio.fast_write import FastFileSystemWriter as EngineFileSystemWriter
 from ._dcpio.fast_write import write_result
 from ._dcpio.watch import CollectiveWatch
 from ._dcpio.watch import activate as activate_watch
+from .types import WriteResult
 
 __all__ = [
     "CollectiveWatch",
@@ -40,6 +44,7 @@ __all__ = [
     "EngineFileSystemWriter",
     "activate_watch",
     "engine_save",
+    "write_component",
     "write_result",
 ]
 
@@ -52,3 +57,33 @@ def engine_save(
     planner carries); returns the bytes written. Same files and ``.metadata`` as ``dcp.save``."""
     cache = plan_cache(cache_key) if cache_key is not None else None
     return save_state_dict(state_dict, storage_writer=storage_writer, planner=planner, cache=cache).total_bytes
+
+
+def write_component(
+    state_dict: dict[str, Any],
+    *,
+    component: str,
+    path: str,
+    planner: SavePlanner,
+    thread_count: int = 1,
+    sync_files: bool = True,
+    carry_over: Any = None,
+    storage_writer: StorageWriter | None = None,
+    process_group: Any = None,
+) -> WriteResult:
+    """Write one component as the engine's own ``write`` does and return its ``WriteResult``: into
+    ``path`` through an :class:`EngineFileSystemWriter` (or ``storage_writer``, which must write the
+    same layout), by :func:`engine_save`'s protocol, DCP's warnings that say nothing to a user
+    silenced. The arguments are those of the ``WriteContext`` (``ctx.path``, ``ctx.planner``,
+    ``ctx.carry_over``, ...)."""
+    start = time.perf_counter()
+    writer = storage_writer or EngineFileSystemWriter(
+        path, thread_count=thread_count, sync_files=sync_files, overwrite=True, carry_over=carry_over
+    )
+    key = getattr(planner, "cache_key", None)
+    with quiet_dcp():
+        cache = plan_cache(key) if key is not None else None
+        out = save_state_dict(
+            state_dict, storage_writer=writer, planner=planner, process_group=process_group, cache=cache
+        )
+    return write_result(component, out.total_bytes, writer, time.perf_counter() - start)

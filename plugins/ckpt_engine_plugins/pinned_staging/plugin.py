@@ -81,7 +81,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
@@ -91,7 +90,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ckpt_engine import CkptEngineError, SaveContext, StagedState, WriteContext, WriteResult, hookimpl
-from ckpt_engine.storage import EngineFileSystemWriter, engine_save, write_result
+from ckpt_engine.storage import write_component
 
 from .collect import Collector, Staged, collect, staged_components
 from .copies import Snapshot, StreamPool, stage_copy
@@ -425,26 +424,17 @@ class PinnedStagingPlugin:
                 f"pinned_staging.write got the live state dict of component {ctx.component!r}, but "
                 "pinned_staging.stage did not hand it over in process; the two hooks must both come from pinned_staging"
             )
-        start = time.perf_counter()
-        storage = EngineFileSystemWriter(
-            ctx.path,
-            thread_count=self.options.thread_count or ctx.thread_count,
-            sync_files=ctx.sync_files,
-            overwrite=True,
-            carry_over=ctx.carry_over,
-        )
         # No process group given: DCP runs over the engine's (the active CollectiveWatch's, the
         # ctx.process_group the engine's own write passes), bounded by collective_timeout_s.
-        with warnings.catch_warnings():  # what the engine's own write silences too
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            warnings.filterwarnings("ignore", message="Detected an existing checkpoint in")
-            nbytes = engine_save(
-                state_dict,
-                storage_writer=storage,
-                planner=ctx.planner,
-                cache_key=getattr(ctx.planner, "cache_key", None),
-            )
-        return write_result(ctx.component, nbytes, storage, time.perf_counter() - start)
+        return write_component(
+            state_dict,
+            component=ctx.component,
+            path=ctx.path,
+            planner=ctx.planner,
+            thread_count=self.options.thread_count or ctx.thread_count,
+            sync_files=ctx.sync_files,
+            carry_over=ctx.carry_over,
+        )
 
     def _write_windowed(
         self, staged: Staged, pump: WindowPump, writer: WriterProcess, message: Save, future: Future[WriteResult]

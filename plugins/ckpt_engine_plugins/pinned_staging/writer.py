@@ -246,7 +246,7 @@ class _Writer:
         import torch
         from torch.distributed.tensor import DTensor
 
-        from ckpt_engine.storage import EngineFileSystemWriter, write_result
+        from ckpt_engine.storage import write_component
 
         window_of: dict[int, int] = {}
         slot_windows = self.windows.get(msg.set_id) if msg.epoch is not None else None
@@ -271,19 +271,17 @@ class _Writer:
             )
 
         state_dict = SkeletonUnpickler(msg.skeleton, resolve, forbid_main=True).load()
-        if slot_windows is not None and msg.epoch is not None:
-            writer: Any = self._windowed_writer(msg, window_of)
-        else:
-            writer = EngineFileSystemWriter(
-                msg.path,
-                thread_count=msg.thread_count,
-                sync_files=msg.sync_files,
-                overwrite=True,
-                carry_over=msg.carry_over,
-            )
-        t0 = time.perf_counter()
-        nbytes = _save(state_dict, writer, msg.planner)
-        return write_result(msg.component, nbytes, writer, time.perf_counter() - t0)
+        windowed = self._windowed_writer(msg, window_of) if slot_windows is not None and msg.epoch is not None else None
+        return write_component(
+            state_dict,
+            component=msg.component,
+            path=msg.path,
+            planner=msg.planner,
+            thread_count=msg.thread_count,
+            sync_files=msg.sync_files,
+            carry_over=msg.carry_over,
+            storage_writer=windowed,
+        )
 
     def _windowed_writer(self, msg: Save, window_of: dict[int, int]) -> Any:
         """The storage writer of a save staged in windows (``windows``)."""
@@ -322,23 +320,6 @@ class _Writer:
         self.slabs.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _storage_writer_class() -> Any:
-    """The storage writer the engine's own synchronous ``write`` uses, so that an async save writes
-    the same files as fast as a sync one."""
-    from ckpt_engine.storage import EngineFileSystemWriter
-
-    return EngineFileSystemWriter
-
-
-def _save(state_dict: dict[str, Any], writer: Any, planner: Any) -> int:
-    """The engine's own DCP save (planned once per structure); returns the bytes written."""
-    from ckpt_engine.storage import engine_save
-
-    return engine_save(
-        state_dict, storage_writer=writer, planner=planner, cache_key=getattr(planner, "cache_key", None)
-    )
 
 
 def _mesh_key(spec: MeshSpec) -> tuple[Any, ...]:
