@@ -67,7 +67,7 @@ class CheckpointEngine:
         self._saver = Saver(
             self.config, self.pipeline, self._target, self._queue, plan_prefix=self._plan_prefix, checksum=checksum
         )
-        self._loader = Loader(self.config, self.pipeline, self.save_dir, self._target.local_dir)
+        self._loader = Loader(self.config, self.pipeline, self.save_dir)
         self._saver.remove_leftovers_at_start()
 
     # -- context manager --------------------------------------------------------------------

@@ -14,7 +14,8 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -33,6 +34,7 @@ from .._format.not_checkpoint import resolve_save_folder
 from .._format.pointer import list_checkpoints, read_latest
 from .._format.read_lock import ReadLock
 from .._storage.store import Store, open_store
+from .._storage.urls import is_url
 from ..config import EngineConfig
 from ..errors import (
     CheckpointLoadError,
@@ -65,7 +67,15 @@ from .resave import advance_latest, newest_unnamed
 from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes
 from .state import TrainingObjects, apply_component, component_state_dict
 
-__all__ = ["Loader", "components_by_rule"]
+__all__ = [
+    "CheckpointSource",
+    "LoadSource",
+    "Loader",
+    "PthSource",
+    "SafetensorsSource",
+    "ScratchSource",
+    "components_by_rule",
+]
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -82,6 +92,62 @@ def components_by_rule(config: EngineConfig, extra: Iterable[str], rule: str) ->
     return ["model"]
 
 
+class LoadSource(Protocol):
+    """Where one load reads from, chosen once by :meth:`Loader._source`; it reads itself into the
+    training objects through the loader's services."""
+
+    def read(self, loader: Loader, objs: TrainingObjects) -> LoadResult: ...
+
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    """A checkpoint folder that passed every check (``validated``), and the rule that chose it."""
+
+    path: str
+    wanted: list[str]
+    rule: str
+    validated: Validated
+    fell_back_from: str | None = None
+
+    def read(self, loader: Loader, objs: TrainingObjects) -> LoadResult:
+        return loader.read_checkpoint(
+            objs, self.path, self.wanted, self.rule, self.validated, fell_back_from=self.fell_back_from
+        )
+
+
+@dataclass(frozen=True)
+class PthSource:
+    """A ``.pth`` model state dict (``load_path``)."""
+
+    path: str
+    store: Store
+
+    def read(self, loader: Loader, objs: TrainingObjects) -> LoadResult:
+        return load_pth(objs, self.path, self.store)
+
+
+@dataclass(frozen=True)
+class SafetensorsSource:
+    """Hugging Face safetensors weights, a file or a folder (``load_path``)."""
+
+    path: str
+
+    def read(self, loader: Loader, objs: TrainingObjects) -> LoadResult:
+        return load_safetensors(loader, objs, self.path)
+
+
+@dataclass(frozen=True)
+class ScratchSource:
+    """Nothing to resume: a fresh start."""
+
+    load_dir: str
+
+    def read(self, loader: Loader, objs: TrainingObjects) -> LoadResult:
+        if _dist.rank() == 0:
+            logger.info("no checkpoint in %s and no load_path: starting from scratch", self.load_dir)
+        return LoadResult(iteration=0, checkpoint_path=None, report=LoadReport(), source="scratch")
+
+
 def _check_keys_not_to_resume(config: EngineConfig, objs: TrainingObjects) -> None:
     known = {*STANDARD_COMPONENTS, *objs.extra}
     unknown = [k for k in config.keys_not_to_resume if k not in known]
@@ -95,12 +161,13 @@ def _check_keys_not_to_resume(config: EngineConfig, objs: TrainingObjects) -> No
 class Loader:
     """Resumes training objects from the checkpoints of one engine's configuration."""
 
-    def __init__(self, config: EngineConfig, pipeline: Pipeline, save_dir: str, local_dir: str | None) -> None:
+    def __init__(self, config: EngineConfig, pipeline: Pipeline, save_dir: str) -> None:
         self.config = config
         self.pipeline = pipeline
         self.save_dir = save_dir
-        #: The two-tier local copy's folder (``storage.local_dir``), where a resume may read first.
-        self._local_dir = local_dir
+        #: The two-tier local copy's folder, where a resume may read first: ``storage.local_dir``
+        #: of an object-store ``save_dir`` (docs/storage.md), as the configuration says.
+        self._local_dir = config.storage.local_dir if is_url(save_dir) else None
         #: Bytes of data files this rank read from storage in the current load.
         self._bytes_read = 0
 
@@ -114,6 +181,13 @@ class Loader:
 
     def _load(self, objs: TrainingObjects) -> LoadResult:
         _check_keys_not_to_resume(self.config, objs)
+        return self._source(objs).read(self, objs)
+
+    def _source(self, objs: TrainingObjects) -> LoadSource:
+        """Where this load reads from, by the rules of DESIGN section 4, chosen once: a checked
+        checkpoint folder (the two-tier local copy, a committed one ``latest`` does not name yet,
+        ``latest``, the fallback, ``load_path``), a ``.pth`` or safetensors ``load_path``, or
+        nothing (a fresh start). Nothing is read into ``objs`` here."""
         cfg = self.config
         load_dir = cfg.resolved_load_dir
         store = open_store(load_dir, cfg.storage)
@@ -124,15 +198,15 @@ class Loader:
         except CkptEngineError as err:
             if not cfg.fallback_to_last_complete:
                 raise
-            return self._load_fallback(objs, load_dir, store, latest_file, err, wanted_all)
+            return self._fallback(load_dir, store, latest_file, err, wanted_all)
         if self._local_dir is not None and load_dir == self.save_dir:
             local = self._local_copy(latest)
             if local is not None:
-                return self._load_checkpoint(objs, local.checked.path, wanted_all, "latest", local)
+                return CheckpointSource(local.checked.path, wanted_all, "latest", local)
         unnamed = agreed(lambda: newest_unnamed(load_dir, store, latest))
         adopted = None if unnamed is None else self._adopt(load_dir, store, latest, unnamed)
         if adopted is not None:
-            return self._load_checkpoint(objs, adopted.checked.path, wanted_all, "latest", adopted)
+            return CheckpointSource(adopted.checked.path, wanted_all, "latest", adopted)
         if latest is not None:
             path = store.join(load_dir, latest)
             try:
@@ -145,31 +219,35 @@ class Loader:
             except CkptEngineError as err:
                 if not cfg.fallback_to_last_complete:
                     raise
-                return self._load_fallback(objs, load_dir, store, path, err, wanted_all)
-            return self._load_checkpoint(objs, path, wanted_all, "latest", validated)
+                return self._fallback(load_dir, store, path, err, wanted_all)
+            return CheckpointSource(path, wanted_all, "latest", validated)
         if cfg.load_path:
-            lp = cfg.load_path
-            lp_store = open_store(lp, cfg.storage)
-            if lp.endswith(".pth"):
-                return load_pth(objs, lp, lp_store)
-            if is_safetensors_path(lp):
-                return load_safetensors(self, objs, lp)
-            if not agreed(lambda: lp_store.isdir(lp)):
-                raise CheckpointNotFoundError(
-                    f"load_path {lp!r} does not exist or is not a checkpoint folder (nor a .pth file); "
-                    "fix load_path, or unset it to start from scratch"
-                )
-            lp = agreed(lambda: resolve_save_folder(cfg.load_path or "", lp_store)) or lp  # its latest
-            wanted = components_by_rule(cfg, objs.extra, "load_path")
-            return self._load_checkpoint(objs, lp, wanted, "load_path", self.validate(lp, lp_store, what="load_path"))
+            return self._load_path_source(objs)
         if cfg.load_dir and not _same_dir(cfg.load_dir, cfg.save_dir) and not agreed(lambda: store.isdir(load_dir)):
             raise CheckpointNotFoundError(
                 f"load_dir {load_dir!r} does not exist, so there is nothing to resume from; fix load_dir, or "
                 "unset it to resume from save_dir (a missing checkpoint is never a silent fresh start)"
             )
-        if _dist.rank() == 0:
-            logger.info("no checkpoint in %s and no load_path: starting from scratch", load_dir)
-        return LoadResult(iteration=0, checkpoint_path=None, report=LoadReport(), source="scratch")
+        return ScratchSource(load_dir)
+
+    def _load_path_source(self, objs: TrainingObjects) -> LoadSource:
+        """``load_path`` (no ``latest`` to resume): a ``.pth`` file, safetensors weights, or a
+        checkpoint folder or save folder (its latest)."""
+        cfg = self.config
+        lp = cfg.load_path or ""
+        lp_store = open_store(lp, cfg.storage)
+        if lp.endswith(".pth"):
+            return PthSource(lp, lp_store)
+        if is_safetensors_path(lp):
+            return SafetensorsSource(lp)
+        if not agreed(lambda: lp_store.isdir(lp)):
+            raise CheckpointNotFoundError(
+                f"load_path {lp!r} does not exist or is not a checkpoint folder (nor a .pth file); "
+                "fix load_path, or unset it to start from scratch"
+            )
+        lp = agreed(lambda: resolve_save_folder(cfg.load_path or "", lp_store)) or lp  # its latest
+        wanted = components_by_rule(cfg, objs.extra, "load_path")
+        return CheckpointSource(lp, wanted, "load_path", self.validate(lp, lp_store, what="load_path"))
 
     def _adopt(self, load_dir: str, store: Store, latest: str | None, name: str) -> Validated | None:
         """The committed checkpoint ``name`` that ``latest`` does not name yet (a save stopped
@@ -304,15 +382,7 @@ class Loader:
                 lock.release()
             raise
 
-    def _load_fallback(
-        self,
-        objs: TrainingObjects,
-        load_dir: str,
-        store: Store,
-        bad: str,
-        err: CkptEngineError,
-        wanted: list[str],
-    ) -> LoadResult:
+    def _fallback(self, load_dir: str, store: Store, bad: str, err: CkptEngineError, wanted: list[str]) -> LoadSource:
         """``fallback_to_last_complete``: the newest checkpoint that passes :meth:`_validate`."""
 
         def same(a: str, b: str) -> bool:
@@ -341,13 +411,13 @@ class Loader:
                     err,
                     path,
                 )
-            return self._load_checkpoint(objs, path, wanted, "latest", validated, fell_back_from=bad)
+            return CheckpointSource(path, wanted, "latest", validated, fell_back_from=bad)
         detail = f" (refused: {'; '.join(tried)})" if tried else ""
         raise type(err)(
             f"{err}; fallback_to_last_complete found no other complete checkpoint in {load_dir}{detail}"
         ) from err
 
-    def _load_checkpoint(
+    def read_checkpoint(
         self,
         objs: TrainingObjects,
         path: str,

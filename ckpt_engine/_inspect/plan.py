@@ -183,7 +183,7 @@ def _dry_run(config: EngineConfig, target: Any, objs: TrainingObjects, wanted: l
     """The engine's own checks and per-component plans, with a reader that reads nothing."""
     loaded = build_plugin_manager(config)
     pipeline = Pipeline(loaded)
-    engine = Loader(config, pipeline, config.save_dir, None)  # the engine's own resume logic
+    engine = Loader(config, pipeline, config.save_dir)  # the engine's own resume logic
     try:
         plugins = ", ".join(loaded.order) or "(none)"
         run.lines.append(f"plugins (fold order): {plugins}; strict={config.strict}")
