@@ -19,11 +19,13 @@ from typing import Any
 import fsspec
 
 from .._format import bounded_json
-from .._storage.fscheck import read_regular
+from .._format.names import parse_iteration
+from .._storage.store import store_for
 from .._storage.urls import is_url
 from ..errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
 
 __all__ = [
+    "ITER_NAME",
     "LAST_ALIAS",
     "POINTER_FOLDERS_FILE",
     "POINTER_FORMAT",
@@ -47,7 +49,8 @@ POINTER_FORMAT = "ckpt-engine/lightning"
 LAST_ALIAS = "last-engine.ckpt"
 #: In the engine's save_dir: every folder the integration wrote pointers into.
 POINTER_FOLDERS_FILE = "lightning_pointer_folders.json"
-_ITER_NAME = re.compile(r"^iter_\d{9}$")
+#: The name of an engine checkpoint folder a pointer may name.
+ITER_NAME = re.compile(r"^iter_\d{9}$")
 _MAX_POINTER_BYTES = 64 * 1024
 _MAX_RECORD_BYTES = 1 << 20
 _MAX_DEPTH = 8
@@ -90,17 +93,6 @@ def same_save_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _read_small(path: str, limit: int, what: str) -> bytes:
-    """At most ``limit`` + 1 bytes of the file ``path``: a local one only if it is a regular file,
-    opened without blocking (a planted FIFO is a typed error, not a hang)."""
-    if not is_url(path):
-        return read_regular(path, limit, what)
-    fs, inner = url_to_fs(path)
-    with fs.open(inner, "rb") as f:
-        data: bytes = f.read(limit + 1)
-        return data
-
-
 def _small_json(raw: bytes, limit: int) -> Any:
     """``raw`` as JSON, or ``None`` when it is over ``limit`` bytes or no (bounded) JSON."""
     if len(raw) > limit:
@@ -119,7 +111,7 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
     is no regular file (a FIFO)."""
     path = os.fspath(path)
     try:
-        raw = _read_small(path, _MAX_POINTER_BYTES, "a Lightning pointer file")
+        raw = store_for(path).read_bytes(path, _MAX_POINTER_BYTES)  # a FIFO is refused, not waited on
     except (FileNotFoundError, IsADirectoryError):
         return None
     data = _small_json(raw, _MAX_POINTER_BYTES)
@@ -137,9 +129,9 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
                 "the checkpoint folder (iter_*) itself"
             )
     pointer = Pointer(data["save_dir"], data["checkpoint"], data["iteration"])
-    if not _ITER_NAME.match(pointer.checkpoint):
+    if not ITER_NAME.match(pointer.checkpoint):
         raise CorruptCheckpointError(f"{path}: names {pointer.checkpoint[:80]!r}, which is no checkpoint folder name")
-    if int(pointer.checkpoint[len("iter_") :]) != pointer.iteration:
+    if parse_iteration(pointer.checkpoint) != pointer.iteration:
         raise CorruptCheckpointError(
             f"{path}: the pointer names {pointer.checkpoint} but claims iteration {pointer.iteration}; rewrite the "
             "pointer, or load the checkpoint folder itself"
@@ -184,7 +176,7 @@ class PointerFolders:
     def recorded(self) -> set[str]:
         """The folders the record lists (none if there is no record yet)."""
         try:
-            raw = _read_small(self.record, _MAX_RECORD_BYTES, "the Lightning pointer folder record")
+            raw = store_for(self.record).read_bytes(self.record, _MAX_RECORD_BYTES)
         except FileNotFoundError:
             return set()
         data = _small_json(raw, _MAX_RECORD_BYTES)

@@ -50,6 +50,7 @@ from ..errors import (
 )
 from ..types import SaveResult
 from ._pointers import (
+    ITER_NAME,
     LAST_ALIAS,
     POINTER_FOLDERS_FILE,
     POINTER_FORMAT,
@@ -85,7 +86,6 @@ COMPONENT = "lightning"
 #: The key, in :data:`COMPONENT`, of the JSON that describes the checkpoint dict's structure.
 STRUCTURE_KEY = "__structure__"
 _LAST_NAME = re.compile(r"^last(-\d+|-v\d+|-engine)?\.ckpt$")
-_ITER_NAME = re.compile(r"^iter_\d{9}$")
 #: Deepest nesting of the structure JSON (each level of the checkpoint dict takes about three),
 #: checked when it is written and before it is parsed; the most digits of an integer in it.
 MAX_STRUCTURE_DEPTH = 384
@@ -251,23 +251,21 @@ class EngineCheckpointIO(CheckpointIO):
         state_dict = state_dict if isinstance(state_dict, Mapping) else {}
         tensors = {k: v for k, v in state_dict.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
         others = {k: v for k, v in state_dict.items() if k not in tensors}
-        try:
+        encoded: str | None = None
+        try:  # a dict nested past the recursion limit fails in flatten or in json.dumps
             tree, items = flatten({"checkpoint": rest, "state_dict_other": others}, frozenset({STRUCTURE_KEY}))
+            structure = {
+                "format": POINTER_FORMAT,
+                "version": 1,
+                "has_state_dict": "state_dict" in checkpoint,
+                "state_dict_order": [k if isinstance(k, str) else None for k in state_dict],
+                "model": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in tensors.items()},
+                "tree": tree,
+            }
+            encoded = json.dumps(structure, separators=(",", ":"))
         except RecursionError:
-            tree = None
-        structure = {
-            "format": POINTER_FORMAT,
-            "version": 1,
-            "has_state_dict": "state_dict" in checkpoint,
-            "state_dict_order": [k if isinstance(k, str) else None for k in state_dict],
-            "model": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in tensors.items()},
-            "tree": tree,
-        }
-        try:
-            encoded = json.dumps(structure, separators=(",", ":")) if tree is not None else ""
-        except RecursionError:
-            tree = None
-        if tree is None or bounded_json.nesting(encoded.encode()) > MAX_STRUCTURE_DEPTH:
+            pass
+        if encoded is None or bounded_json.nesting(encoded.encode()) > MAX_STRUCTURE_DEPTH:
             raise ArgumentTypeError(
                 f"the checkpoint dict nests deeper than EngineCheckpointIO stores (about {MAX_STRUCTURE_DEPTH // 3} "
                 "levels of dicts and lists); flatten the deep part in on_save_checkpoint"
@@ -356,7 +354,7 @@ class EngineCheckpointIO(CheckpointIO):
             raise CheckpointNotFoundError(f"{path} does not exist: no checkpoint to load")
         if fs.isdir(inner):
             trimmed = path.rstrip("/")
-            if _ITER_NAME.match(os.path.basename(trimmed)):
+            if ITER_NAME.match(os.path.basename(trimmed)):
                 return os.path.dirname(trimmed), trimmed, None
             return trimmed, None, None
         pointer = read_pointer(path)
