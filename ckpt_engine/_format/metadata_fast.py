@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -213,41 +213,46 @@ def _offsets(raw: bytes) -> tuple[tuple[int, ...], int]:
     return tuple(out), 1
 
 
-def _unframed(data: bytes, pos: int, frame_end: int, window: int) -> tuple[bytes, list[tuple[int, int]], bool]:
-    """The bytes of ``data`` from ``pos`` (inside the frame that ends at ``frame_end``) with the
-    headers of the frames that follow removed, about ``window`` bytes of them; per removed
-    header, where its frame's bytes start in the result and where that frame ends in ``data``;
-    and whether ``window`` cut the result short. Only a header exactly at the end of the frame
-    before is removed, as CPython's pickler writes them; the result ends where that chain does."""
-    n = len(data)
-    parts: list[bytes] = [data[pos:frame_end]]
-    frames: list[tuple[int, int]] = []
-    size, at = frame_end - pos, frame_end
+def _following_frames(data: bytes, frame_end: int) -> Iterator[tuple[int, int]]:
+    """Where the bytes of each frame after the one ending at ``frame_end`` start and end: only
+    headers exactly at the end of the frame before, as CPython's pickler writes them, and only
+    frames that fit in ``data``; the chain stops at the first that is not."""
+    n, at = len(data), frame_end
     while at + _FRAME_HEADER <= n and data[at] == 0x95:
-        if size >= window:
-            return b"".join(parts), frames, True
         (length,) = _UNPACK_FRAME(data, at + 1)
         start = at + _FRAME_HEADER
         if start + length > n:
-            break
-        frames.append((size, start + length))
-        parts.append(data[start : start + length])
-        size += length
+            return
+        yield start, start + length
         at = start + length
+
+
+def _unframed(data: bytes, pos: int, frame_end: int, window: int) -> tuple[bytes, list[tuple[int, int]], bool]:
+    """The bytes of ``data`` from ``pos`` (inside the frame that ends at ``frame_end``) with the
+    headers of the frames that follow removed (:func:`_following_frames`), about ``window`` bytes
+    of them; per removed header, where its frame's bytes start in the result and where that frame
+    ends in ``data``; and whether ``window`` cut the result short."""
+    parts: list[bytes] = [data[pos:frame_end]]
+    frames: list[tuple[int, int]] = []
+    size = frame_end - pos
+    for start, end in _following_frames(data, frame_end):
+        if size >= window:
+            return b"".join(parts), frames, True
+        frames.append((size, end))
+        parts.append(data[start:end])
+        size += end - start
     return b"".join(parts), frames, False
 
 
 def _head(data: bytes, pos: int, frame_end: int, limit: int) -> bytes:
     """The first ``limit`` bytes of what :func:`_unframed` gives, copying no more than that."""
-    n = len(data)
-    parts, size, at = [data[pos:frame_end]], frame_end - pos, frame_end
-    while size < limit and at + _FRAME_HEADER <= n and data[at] == 0x95:
-        (length,) = _UNPACK_FRAME(data, at + 1)
-        start = at + _FRAME_HEADER
-        take = min(length, limit - size, n - start)
+    parts, size = [data[pos:frame_end]], frame_end - pos
+    for start, end in _following_frames(data, frame_end):
+        if size >= limit:
+            break
+        take = min(end - start, limit - size)
         parts.append(data[start : start + take])
         size += take
-        at = start + length
     return b"".join(parts)
 
 
