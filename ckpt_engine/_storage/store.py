@@ -162,11 +162,6 @@ class Store:
         local_files=True, commit_by_rename=True, listing_first=False, server_side_copy=False, hard_links=True
     )
 
-    @property
-    def is_object_store(self) -> bool:
-        """Whether the commit is a completion marker rather than a rename (``not commit_by_rename``)."""
-        return not self.capabilities.commit_by_rename
-
     def join(self, base: str, *parts: str) -> str:
         return os.path.join(base, *parts)
 
