@@ -8,7 +8,7 @@ The public names resolve lazily (PEP 562): ``import ckpt_engine`` imports neithe
 fraction of a second; the first use of a name (``ckpt_engine.CheckpointEngine``, ``from
 ckpt_engine import EngineConfig``) imports the submodule that defines it. Every class keeps the
 module that defines it as its ``__module__`` (``ckpt_engine.errors.ConfigError``), so pickles are
-unchanged. ``tests/test_import_cost.py`` pins what ``import ckpt_engine`` may import.
+unchanged. ``tests/project/test_import_cost.py`` pins what ``import ckpt_engine`` may import.
 """
 
 from __future__ import annotations

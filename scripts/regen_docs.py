@@ -30,7 +30,7 @@ lines of the real output. A drifted block with elisions is regenerated as the re
 lines (as many as the page showed before the first ``...``), the ``...`` line, and its last lines
 (as many as the page showed after the last ``...``).
 
-tests/test_docs_drift.py runs :func:`check` on every page (the demo sample only with
+tests/project/test_docs_drift.py runs :func:`check` on every page (the demo sample only with
 ``CKPT_ENGINE_SLOW_TESTS=1``) and fails when a block drifted: rerun this script after changing
 what a command prints.
 """

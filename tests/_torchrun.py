@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
+#: Cleared by the conftest while a test without the ``dist`` marker runs.
+launch_allowed = True
 
 
 @dataclass
@@ -45,6 +47,8 @@ class TorchrunResult:
 
 def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 120.0) -> TorchrunResult:
     """Run ``tests/dist_scripts/<script>`` on ``nproc`` CPU ranks; fail the test on timeout."""
+    if not launch_allowed:
+        raise AssertionError(f"{script}: a torchrun launch from a test without @pytest.mark.dist (tests/conftest.py)")
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env.get("PYTHONPATH", "")])

@@ -62,14 +62,30 @@ def s3_bucket(s3_server: Any) -> Any:
     s3_server.start()
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without CUDA, ``cuda`` tests are deselected: reported as such, never counted as passed."""
+    """Every ``dist`` test belongs to the full tier (``full``), before ``-m`` selects a tier.
+    Without CUDA, ``cuda`` tests are deselected: reported as such, never counted as passed."""
+    for item in items:
+        if item.get_closest_marker("dist") is not None and item.get_closest_marker("full") is None:
+            item.add_marker(pytest.mark.full)
     if torch.cuda.is_available():
         return
     kept = [item for item in items if item.get_closest_marker("cuda") is None]
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("cuda")])
         items[:] = kept
+
+
+@pytest.fixture(autouse=True)
+def _declared_tier(request: pytest.FixtureRequest) -> Any:
+    """A torchrun launch from a test without the ``dist`` marker fails it: the fast tier
+    (``-m "not full"``) must never start ranks it was not told about."""
+    import _torchrun
+
+    _torchrun.launch_allowed = request.node.get_closest_marker("dist") is not None
+    yield
+    _torchrun.launch_allowed = True
 
 
 @pytest.fixture

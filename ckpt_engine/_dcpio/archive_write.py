@@ -8,7 +8,7 @@ data), and :func:`value_archive` gives ``torch.save``'s own archive of a value w
 against ``torch.save``'s 100; an AdamW state dict of 42 parameters has 463 such values,
 per-parameter hyper-parameters that do not change between saves). This is a
 file format, not an API: its reader is :mod:`.torch_save_archive`, the one private torch name
-it needs comes from :mod:`.torch_private`, and ``tests/test_torch_private.py`` pins both
+it needs comes from :mod:`.torch_private`, and ``tests/dcpio/test_torch_private.py`` pins both
 archives against ``torch.save``/``torch.load``.
 """
 
@@ -56,7 +56,7 @@ __all__ = ["ARCHIVE_DTYPES", "ArchiveParts", "tensor_archive", "tensor_data_pkl"
 # serialisation copy and no CRC pass over the data. The result is what ``torch.save`` writes
 # with ``torch.serialization.set_crc32_options(False)`` (a public torch option): the same record
 # names and contents, records 64-byte aligned, the data record's CRC field 0 (torch.load does
-# not check it; the small records carry real CRCs). ``tests/test_torch_private.py`` checks the
+# not check it; the small records carry real CRCs). ``tests/dcpio/test_torch_private.py`` checks the
 # pickle byte for byte against torch.save and loads every archive with torch.load.
 
 #: dtypes whose ``data.pkl`` this module reproduces (pinned against torch.save per dtype).

@@ -20,7 +20,7 @@ decisions can be made by each rank on its own when the layout says who holds wha
   writes it (its index as the local plan made it, as DCP leaves it).
 
 That is exactly DCP's plan (same items on the same ranks, same chunk numbers, same files), as
-``tests/test_local_plan.py`` checks against DCP's central plan for several layouts. Anything
+``tests/engine/test_local_plan.py`` checks against DCP's central plan for several layouts. Anything
 else (another planner or storage writer class, a process group of part of the job, a DTensor
 on a smaller mesh or with other placements, an empty shard, ranks holding different plain
 tensors) plans centrally as before.

@@ -75,7 +75,7 @@ def already_flat(state_dict: Mapping[Any, Any]) -> bool:
     ``ShardedTensor`` s, and the load's meta-tensor initialisation change nothing). Then
     ``flatten_state_dict`` maps every key to the path ``(key,)``, and both planners set up
     without DCP's generic walk, about 3 microseconds a value on every save and load of a model
-    or flattened optimizer state dict; ``tests/test_fast_paths.py`` pins the set-up against DCP's."""
+    or flattened optimizer state dict; ``tests/dcpio/test_fast_paths.py`` pins the set-up against DCP's."""
     for k, v in state_dict.items():
         if type(k) is not str:
             return False
@@ -120,7 +120,7 @@ def _whole_tensor_read(storage: str, dest: str, value: Any, md: Any) -> ReadItem
     its shape (``create_read_items_for_chunk_list`` with one local and one saved chunk, both
     covering the tensor), built directly: DCP's general resharding sweep costs about 35
     microseconds a tensor. ``None`` for anything else (DTensor, several chunks, an empty or
-    0-d tensor, another shape): DCP plans those. ``tests/test_fast_paths.py`` pins the item
+    0-d tensor, another shape): DCP plans those. ``tests/dcpio/test_fast_paths.py`` pins the item
     against DCP's."""
     if type(value) is not torch.Tensor or type(md) is not TensorStorageMetadata or len(md.chunks) != 1:
         return None
@@ -495,7 +495,7 @@ def flat_keys(state_dict: dict[str, Any]) -> list[str]:
 
     A state dict DCP leaves as it is (:func:`already_flat`: every model and flattened optimizer
     state dict) is its own flattening, so the walk over it is skipped (``save()`` calls this per
-    component on every save; ``tests/test_planner_properties.py`` pins the equivalence)."""
+    component on every save; ``tests/dcpio/test_planner_properties.py`` pins the equivalence)."""
     if already_flat(state_dict):
         return list(state_dict)
     planner = DefaultSavePlanner()

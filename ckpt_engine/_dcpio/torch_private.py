@@ -1,6 +1,6 @@
 """The one place where the engine relies on torch behaviour that is not public API.
 
-``tests/test_torch_private.py`` pins every item here, so a torch upgrade that changes one fails
+``tests/dcpio/test_torch_private.py`` pins every item here, so a torch upgrade that changes one fails
 loudly in CI instead of silently mis-loading checkpoints.
 
 * ``DTensor.__create_chunk_list__``: the protocol method DCP itself calls to learn which global

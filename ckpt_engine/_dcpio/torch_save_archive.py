@@ -6,7 +6,7 @@ into the destination with :func:`parse_torch_save_tensor_at` instead of ``torch.
 the plain values are read with the same zip parser (``plain_values``). The writer of the same
 archives is :mod:`.archive_write`. This is a file format, not an API: the one private torch name
 it needs (the rebuild functions the archive refers to) comes from :mod:`.torch_private`, and
-``tests/test_torch_private.py`` pins the format against ``torch.save``/``torch.load``.
+``tests/dcpio/test_torch_private.py`` pins the format against ``torch.save``/``torch.load``.
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ _CONFIG_INTRO = """\
 # Configuration reference
 
 <!-- Generated from the pydantic models by `ckpt-engine docs-config -o docs/configuration.md`.
-     Do not edit by hand: tests/test_cli.py fails when this file and the models disagree. -->
+     Do not edit by hand: tests/cli/test_cli.py fails when this file and the models disagree. -->
 
 `EngineConfig` holds everything the engine needs. Give `CheckpointEngine` an `EngineConfig`, a
 dict of its fields, or the path of a YAML (`.yaml`, `.yml`), TOML (`.toml`) or JSON (`.json`)

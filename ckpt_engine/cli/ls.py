@@ -12,7 +12,7 @@ from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, print_json, print_lines
 
 def cmd_ls(args: argparse.Namespace) -> int:
     # Listing reads every .metadata for its fields only: into the stand-in records, so that the
-    # command never imports torch.distributed.checkpoint (about a second; tests/test_import_cost.py).
+    # command never imports torch.distributed.checkpoint (about a second; tests/project/test_import_cost.py).
     from .._format.metadata_types import records_without_dcp
     from .._format.pointer import list_checkpoints
     from .._inspect.files import exists, is_component_dir, isdir, normalize

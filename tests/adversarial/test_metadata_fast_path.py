@@ -95,7 +95,7 @@ def _dcp_file(tmp_path: Path, name: str, state: dict[str, Any]) -> bytes:
 
 
 def varied(tmp_path: Path) -> bytes:
-    """Every dtype and odd shape of tests/test_fast_paths.py, non-tensor values, 1,200 more tensors."""
+    """Every dtype and odd shape of tests/dcpio/test_fast_paths.py, non-tensor values, 1,200 more tensors."""
     g = torch.Generator().manual_seed(0)
     state: dict[str, Any] = {
         "bf16": torch.randn(64, 8, generator=g).to(torch.bfloat16),

@@ -1,4 +1,4 @@
-"""A small training job for the outside crash-consistency tool ``ckpt-chaos`` (tests/test_chaos.py).
+"""A small training job for the outside crash-consistency tool ``ckpt-chaos`` (tests/reliability/test_chaos.py).
 
 ``python chaos_train.py --out DIR [--mode sync|pinned_staging|incremental]``: resumes from
 ``DIR/ckpt`` (printing ``resumed from step N``), trains to step 12 with a save every 4 steps,

@@ -1,4 +1,4 @@
-"""A save SIGKILLed after its commit and before ``latest_checkpoint.txt`` moves (tests/test_lost_work.py).
+"""A save SIGKILLed after its commit and before ``latest_checkpoint.txt`` moves (tests/engine/test_lost_work.py).
 
 ``python killed_before_latest.py CONFIG_JSON``: saves iteration 1, trains a step, then saves
 iteration 2 and kills itself with SIGKILL the moment the commit calls ``advance_latest`` for it:

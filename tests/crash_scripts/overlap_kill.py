@@ -1,4 +1,4 @@
-"""SIGKILL while an ``overlap`` snapshot is still being copied (run by ``tests/test_overlap.py``).
+"""SIGKILL while an ``overlap`` snapshot is still being copied (run by ``tests/plugins/test_overlap.py``).
 
 argv: save_dir. Trains a deterministic model (``state_at``), saves iteration 1 and waits for
 its commit, steps, saves iteration 2 with ``pinned_staging`` ``overlap: true`` and, right after

@@ -1,4 +1,4 @@
-"""A save to S3 that is SIGKILLed mid-upload (run by tests/test_object_store.py).
+"""A save to S3 that is SIGKILLed mid-upload (run by tests/storage/test_object_store.py).
 
 ``python s3_killed_save.py CONFIG_JSON FLAG_FILE``: saves iteration 1 completely, then starts
 iteration 2 and, once its first data object is uploaded, creates FLAG_FILE and waits to be

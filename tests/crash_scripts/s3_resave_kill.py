@@ -1,5 +1,5 @@
 """A re-save of a committed iteration on S3 (``allow_overwrite``), SIGKILLed at one of its store
-operations (run by tests/test_s3_resave.py).
+operations (run by tests/storage/test_s3_resave.py).
 
 ``python s3_resave_kill.py CONFIG_JSON KILL_AT``: re-saves iteration 1 with the state
 ``TinyTrainingState.create(seed=1, hidden=64)`` trained one step. Every operation that changes

@@ -1,6 +1,6 @@
 """SIGKILL a process at random moments while it saves checkpoints in a loop; check every restore.
 
-Run by ``tests/test_crash.py`` (and by hand: ``python tests/crash_scripts/save_loop.py --help``).
+Run by ``tests/reliability/test_crash.py`` (and by hand: ``python tests/crash_scripts/save_loop.py --help``).
 This process imports torch once, then per trial forks a child (no import cost) that:
 
 1. constructs an engine on ``--dir`` (which removes what the previous kill left behind),

@@ -1,4 +1,4 @@
-"""Ranks that resolve different checkpoints (tests/test_rank_agreement.py).
+"""Ranks that resolve different checkpoints (tests/engine/test_rank_agreement.py).
 
 argv: one JSON object ``{"cases": [{"name": ..., "config": {engine config}}, ...]}``, where every
 ``{rank}`` in a config's strings becomes this rank's number: each rank gets a folder of its own,

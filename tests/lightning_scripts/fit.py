@@ -1,4 +1,4 @@
-"""A tiny deterministic Lightning fit through ``EngineCheckpointIO`` (run by ``tests/test_lightning.py``).
+"""A tiny deterministic Lightning fit through ``EngineCheckpointIO`` (run by ``tests/integrations/test_lightning.py``).
 
 Imported by the test for in-process fits, and run as a script to be killed with SIGKILL in the
 middle of a save:

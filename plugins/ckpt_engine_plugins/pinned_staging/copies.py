@@ -52,7 +52,7 @@ from torch.utils.hooks import RemovableHandle
 from ckpt_engine import CkptEngineError
 
 # The one private torch behaviour this module relies on, behind the engine's public helper
-# (tests/test_torch_private.py pins it).
+# (tests/dcpio/test_torch_private.py pins it).
 from ckpt_engine.staging import TensorKey, local_tensor, memory_key, tensor_version
 
 __all__ = [

@@ -1,0 +1,205 @@
+"""Loads without a central plan, and ``dedup_reads``: what several ranks need is read once, then broadcast.
+
+Real ``torchrun``/gloo ranks on real checkpoints (local files and the S3-protocol server of
+tests/_s3.py): 4 ranks loading a checkpoint one process wrote read it once between them
+(``bytes_read`` sums to its data files' size; without ``dedup_reads`` each rank reads all of
+it), bit-exact; a strict mismatch raises the same error on every rank; a rank SIGKILLed or
+SIGSTOPped between two broadcasts of the shared reads is named by the others (no hang); FSDP2
+resharding (4 -> 2, 2 -> 4) is unchanged with ``dedup_reads: on`` and HSDP replicas read their
+shards once. The S3 loads and the FSDP2/HSDP loads run with
+``CKPT_ENGINE_SLOW_TESTS=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import dedup_load  # the torchrun script: its model and hashing, used here to compute the expected values
+import pytest
+import torch
+from _torchrun import run_ranks, run_torchrun
+
+from ckpt_engine import CheckpointEngine, EngineConfig
+from ckpt_engine._dcpio.coordination import Comm
+from ckpt_engine._dcpio.dedup_read import BATCH_BYTES, dedup_wanted, stripe
+from ckpt_engine._dcpio.fast_read import FastFileSystemReader
+from ckpt_engine._dcpio.object_read import ObjectStoreReader
+
+SLOW = os.environ.get("CKPT_ENGINE_SLOW_TESTS") == "1"
+ITERATION = 4
+
+
+def _saved_state(seed: int = 5) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, optim = dedup_load.replicated_state()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    return model, optim
+
+
+def _data_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*.distcp"))
+
+
+def _check_replicated(results: dict[int, list[Any]], expected: dict[str, str], total: int, world: int) -> None:
+    assert sorted(results) == list(range(world))
+    got = [results[r][0] for r in range(world)]
+    for rank, out in enumerate(got):
+        for mode in ("off", "on"):
+            assert out[mode]["iteration"] == ITERATION, (rank, mode)
+            assert out[mode]["hashes"] == expected, (rank, mode)  # bit-exact, every tensor
+        assert out["off"]["bytes_read"] >= total, rank  # alone, each rank reads the whole checkpoint
+        assert out["on"]["bytes_read"] < total, rank  # shared: a share of it
+    assert sum(out["on"]["bytes_read"] for out in got) == total  # every stored byte read once
+    assert sum(1 for out in got if out["on"]["bytes_read"]) >= 2  # striped over the ranks
+    strict = [out["strict"] for out in got]
+    assert strict[0]["type"] == "LoadStrictnessError" and strict[0]["typed"], strict[0]
+    assert "4.weight" in strict[0]["message"] and "4.bias" in strict[0]["message"]
+    assert all(s["type"] == strict[0]["type"] and s["message"] == strict[0]["message"] for s in strict)
+
+
+@pytest.mark.dist
+def test_four_ranks_read_a_one_process_checkpoint_once_between_them(tmp_path: Path) -> None:
+    model, optim = _saved_state()
+    with CheckpointEngine({"save_dir": str(tmp_path / "ck")}) as engine:
+        engine.save(ITERATION, model=model, optimizer=optim)
+    folder = tmp_path / "ck" / f"iter_{ITERATION:09}"
+    config = {"save_dir": str(tmp_path / "other"), "load_path": str(folder), "load_training_state": True}
+    run = run_torchrun("dedup_load.py", json.dumps({"mode": "replicated", "config": config}), nproc=4, timeout=180)
+    assert run.returncode == 0, run.describe()
+    _check_replicated(run.results(), dedup_load.hashes(model, optim), _data_bytes(folder), 4)
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not SLOW, reason="4 ranks against the S3 server; CKPT_ENGINE_SLOW_TESTS=1")
+def test_s3_loads_read_each_byte_once(s3_bucket: Any, tmp_path: Path) -> None:
+    model, optim = _saved_state(seed=6)
+    config: dict[str, Any] = {"save_dir": s3_bucket.url, "storage": {**s3_bucket.storage}}
+    with CheckpointEngine(config) as engine:
+        engine.save(ITERATION, model=model, optimizer=optim)
+    prefix = f"iter_{ITERATION:09}/"
+    fs = s3_bucket.fs()
+    total = sum(
+        int(fs.info(f"{s3_bucket.name}/run/{key}")["size"])
+        for key in s3_bucket.objects()
+        if key.startswith(prefix) and key.endswith(".distcp")
+    )
+    assert total > 0
+    run = run_torchrun("dedup_load.py", json.dumps({"mode": "replicated", "config": config}), nproc=4, timeout=240)
+    assert run.returncode == 0, run.describe()
+    _check_replicated(run.results(), dedup_load.hashes(model, optim), total, 4)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+def test_a_rank_lost_between_broadcasts_is_named(tmp_path: Path, sig: str) -> None:
+    model, optim = _saved_state()
+    with CheckpointEngine({"save_dir": str(tmp_path / "ck")}) as engine:
+        engine.save(ITERATION, model=model, optimizer=optim)
+    timeout_s = 6
+    config = {
+        "save_dir": str(tmp_path / "other"),
+        "load_path": str(tmp_path / "ck" / f"iter_{ITERATION:09}"),
+        "load_training_state": True,
+        "collective_timeout_s": timeout_s,
+    }
+    spec = {"mode": "fault", "config": config, "victim": 2, "at": 2, "signal": sig, "work": str(tmp_path)}
+    run = run_ranks("dedup_load.py", json.dumps(spec), nproc=4, timeout=180)
+    results = run.results()
+    for rank in (0, 1, 3):
+        assert rank in results, run.describe()
+        got = results[rank][0]["load"]
+        assert got["typed"], got
+        assert got["type"] in ("CollectiveTimeoutError", "ProcessGroupError"), got
+        assert "rank 2" in got["message"], got
+        # named within the timeout of the moment it was lost (half of it for the broadcast, the
+        # rest to call the roll), plus scheduling slack on a shared 2-core machine; before the
+        # roll call counted the broadcast's wait it took 1.5x the timeout
+        lost = float((tmp_path / "victim.lost").read_text())
+        assert got["ended"] - lost < 1.25 * timeout_s, got
+    if sig == "STOP":  # woken after the others gave up: it raises too, instead of hanging
+        assert 2 in results, run.describe()
+        assert results[2][0]["load"]["typed"], results[2]
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not SLOW, reason="FSDP2 4 -> 2, 2 -> 4 and HSDP with dedup_reads; CKPT_ENGINE_SLOW_TESTS=1")
+def test_fsdp2_resharding_is_unchanged_with_dedup_reads(tmp_path: Path) -> None:
+    def launch(mode: str, world: int, save_dir: Path, seed: int, hsdp: bool = False) -> dict[int, list[Any]]:
+        config = {"save_dir": str(save_dir), "dedup_reads": "on"}
+        spec = {"mode": mode, "config": config, "seed": seed, "iteration": ITERATION, "hsdp": hsdp}
+        run = run_torchrun("dedup_load.py", json.dumps(spec), nproc=world, timeout=240)
+        assert run.returncode == 0, run.describe()
+        return run.results()
+
+    for saver, loader in ((2, 4), (4, 2)):
+        save_dir = tmp_path / f"w{saver}"
+        saved = launch("fsdp_save", saver, save_dir, seed=1)[0][0]
+        loaded = launch("fsdp_load", loader, save_dir, seed=2)
+        for rank in range(loader):
+            got = loaded[rank][0]
+            assert got["params"] == saved["params"], (saver, loader, rank)
+            assert got["exp_avg"] == saved["exp_avg"], (saver, loader, rank)
+        if saver == 2:  # HSDP: 2 replicas of the 2-rank sharding; each pair of replicas reads its shards once
+            hsdp = launch("fsdp_load", 4, save_dir, seed=3, hsdp=True)
+            assert all(hsdp[r][0]["params"] == saved["params"] for r in range(4))
+            folder = save_dir / f"iter_{ITERATION:09}"
+            total = sum(_data_bytes(folder / name) for name in hsdp[0][0]["components"])
+            read = sum(hsdp[r][0]["bytes_read"] for r in range(4))
+            # no byte read twice; what is not read at all are the archives of empty shards (the
+            # 1-row layers saved as 1 + 0 rows), which no rank needs: 6 items of about 1.3 KiB
+            assert total - 6 * 1400 <= read <= total, (read, total)
+
+
+# -- the parts, in one process ------------------------------------------------------------------
+
+
+def test_stripe_gives_every_item_to_one_member_in_runs_of_about_equal_bytes() -> None:
+    keys = [("__0_0.distcp", i * 1000, 100 + i) for i in range(10)] + [("__1_0.distcp", 0, 5000)]
+    batches = stripe(keys, 3)
+    assert stripe(list(reversed(keys)), 3) == batches  # the same answer whatever the order given
+    owned = [[k for b in member for k in b.keys] for member in batches]
+    assert [k for member in owned for k in member] == sorted(keys)  # each item once, runs in file order
+    loads = [sum(k[2] for k in member) for member in owned]
+    total = sum(loads)
+    assert all(abs(load - total / 3) <= max(k[2] for k in keys) for load in loads), loads
+    assert [len(stripe(keys[:2], 4)[m]) for m in range(4)] == [1, 1, 0, 0]  # fewer items than members
+    big = stripe([("f", 0, BATCH_BYTES), ("f", BATCH_BYTES, 10), ("f", BATCH_BYTES + 10, 10)], 1)[0]
+    assert [b.nbytes for b in big] == [BATCH_BYTES, 20]  # batches are cut at BATCH_BYTES
+
+
+def test_dedup_reads_auto_is_on_for_object_stores_and_for_several_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    local = FastFileSystemReader.__new__(FastFileSystemReader)
+    remote = ObjectStoreReader.__new__(ObjectStoreReader)
+    assert EngineConfig(save_dir="x").dedup_reads == "auto"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert dedup_wanted("auto", remote, 4) and not dedup_wanted("auto", local, 4)
+    assert dedup_wanted("auto", local, 8)  # 8 ranks, 4 per host: a shared filesystem over the network
+    assert dedup_wanted("on", local, 4) and not dedup_wanted("off", remote, 4)
+    assert not dedup_wanted("on", local, 1) and not dedup_wanted("on", object(), 4)
+
+
+def test_one_process_settle_returns_the_value_or_raises_the_held_error() -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    comm = Comm()
+    assert comm.settle("plan", 7) == 7
+    with pytest.raises(CheckpointException) as info:
+        comm.step("plan", lambda: 1 / 0)
+    assert isinstance(info.value.failures[0], ZeroDivisionError)
+
+
+def test_a_one_process_load_reports_the_bytes_it_read(tmp_path: Path) -> None:
+    model, optim = _saved_state()
+    with CheckpointEngine({"save_dir": str(tmp_path / "ck")}) as engine:
+        engine.save(ITERATION, model=model, optimizer=optim)
+        fresh, fresh_optim = dedup_load.replicated_state()
+        result = engine.load(model=fresh, optimizer=fresh_optim)
+    assert dedup_load.hashes(fresh, fresh_optim) == dedup_load.hashes(model, optim)
+    total = _data_bytes(tmp_path / "ck" / f"iter_{ITERATION:09}")
+    # every item once, plus the archive headers the direct path reads ahead of large items
+    assert total <= result.bytes_read < total + 2 * 4096 * 40

@@ -1,0 +1,202 @@
+"""The benchmark suite runs end to end in its tiny ``--smoke`` mode (untimed: nothing is asserted
+about speed), so it cannot rot. The real run is documented in docs/performance.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _paths import ROOT
+
+pytestmark = pytest.mark.full  # every benchmark end to end in its smoke mode
+
+REPO = ROOT
+BENCH = REPO / "benchmarks" / "bench.py"
+
+
+def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--workdir", str(tmp_path / "work"), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "median s" in proc.stdout  # the table was printed
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_smoke_run_covers_every_method(tmp_path: Path) -> None:
+    result = _run(tmp_path, "--dirs", "repo", "--plot", str(tmp_path / "plot.png"))
+    rows = result["rows"]
+    errors = [(r["method"], r.get("note")) for r in rows if "median" not in r and "Skip" not in str(r.get("note"))]
+    skipped = {r["method"]: r.get("note") for r in rows if "median" not in r}
+    # only optional dependencies may be missing; nothing may fail
+    assert all(m.startswith("safetensors") for m in skipped), errors
+    measured = {r["method"] for r in rows if "median" in r}
+    for name in ("raw_write", "raw_read", "memcpy", "dcp_save", "dcp_load", "ours_save", "ours_load"):
+        assert name in measured
+    assert {"small_dcp_save", "small_dcp_load", "small_ours_save", "small_ours_load"} <= measured
+    ours_load = next(r for r in rows if r["method"] == "ours_load")
+    assert ours_load["x_limit"] > 0 and ours_load["speedup_vs_dcp"] > 0 and ours_load["peak_extra_bytes"] >= 0
+    assert result["machine"]["loadavg"] and result["rss_mode"]
+    assert not os.listdir(tmp_path / "work")  # every child cleaned up after itself
+
+
+@pytest.mark.dist
+def test_smoke_run_of_the_two_rank_rows(tmp_path: Path) -> None:
+    result = _run(tmp_path, "--dirs", "repo", "--small", "", "--methods", "raw_write")
+    dist_rows = [r for r in result["rows"] if r["method"].startswith("ours_2rank")]
+    assert {r["method"] for r in dist_rows} == {"ours_2rank_save", "ours_2rank_load_resharded"}
+    assert all(r["bit_exact"] for r in dist_rows)
+    assert result["dist_errors"] == []
+
+
+def test_storage_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/storage_bench.py end to end against its own moto server (untimed)."""
+    out = tmp_path / "storage.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "storage_bench.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["method"] for r in rows} == {"s3fs_put", "ours_save", "s3fs_cat", "ours_load"}
+    assert all(r["median_s"] > 0 and r["mb_per_s"] > 0 for r in rows)
+    assert all(r["x_s3fs"] > 0 for r in rows if r["method"].startswith("ours"))
+
+
+def test_write_path_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/write_path_bench.py end to end (untimed): every method saves, nothing is left."""
+    out, work = tmp_path / "write_path.json", tmp_path / "work"
+    script = REPO / "benchmarks" / "write_path_bench.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out), "--workdir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["results"]
+    ran = {m for m, v in row["samples_s"].items() if v}
+    assert ran | set(result["skipped"]) == {"raw_write", "ours_sync", "ours_no_value_cache", "safetensors"}
+    assert {"raw_write", "ours_sync"} <= ran and all(x > 0 for v in row["samples_s"].values() for x in v)
+    assert row["ratios"]["ours_sync / raw_write"] > 0
+    assert not work.exists()
+
+
+def test_scale_bench_smoke() -> None:
+    """benchmarks/scale_bench.py runs (tiny, untimed)."""
+    root = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "scale_bench.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "200 tensors" in out.stdout
+
+
+@pytest.mark.dist
+def test_coordination_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/coord_bench.py at 1 and 2 ranks (tiny, untimed): every op reports its phases,
+    the 2-rank run spends time in collectives and gathers bytes to rank 0, loads are bit-exact."""
+    out = tmp_path / "coord.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "coord_bench.py"), "--smoke", "--workdir", str(tmp_path)]
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| phase | 1 rank | 2 ranks |" in proc.stdout  # the tables were printed
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"1", "2"}
+    for world in res.values():
+        assert world["bit_exact"]
+        assert {"prepare", "stage", "plan", "write", "metadata", "commit"} <= set(world["save_cold"]["phases"])
+        assert {"validate", "plan", "read"} <= set(world["load"]["phases"])
+    two = res["2"]
+    assert two["save_cold"]["phases"]["plan"]["rank0_transfer_s"] > 0
+    # A first save of FSDP2's layout is planned by each rank alone (_dcpio/local_plan.py): like a
+    # warm save, its plan step gathers nothing to rank 0 (only the small all-gathered check);
+    # its final items travel to rank 0 with its write results instead.
+    cold, warm = (two[op]["bytes"] for op in ("save_cold", "save_warm"))
+    assert cold["plan"]["to_rank0"] == warm["plan"]["to_rank0"] == 0 and 0 < cold["plan"]["to_all"] < 1024
+    assert cold["write"]["to_rank0"] > warm["write"]["to_rank0"] > 0
+    # the load plans on each rank: only the fixed-size agreement (a small int per rank) is sent
+    load_plan = two["load"]["bytes"]["plan"]
+    assert load_plan["to_rank0"] == 0 and 0 < load_plan["to_all"] <= 2 * 16
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("coord-bench-")]  # cleaned up
+
+
+def test_peers_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/peers_bench.py end to end (tiny states, one round, untimed): the engine's three
+    modes and DCP's three paths run and load back what they saved (the benchmark checks each load
+    against a copy taken at the save); a peer whose package is absent is a row with the reason."""
+    out, work = tmp_path / "peers.json", tmp_path / "work"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "peers_bench.py"), "--smoke", "--workdir", str(work)]
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| save() blocks |" in proc.stdout and "Best peer against the engine" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["failed_states"] == []
+    states = result["states"]
+    assert [s["kind"] for s in states] == ["big", "small"]
+    for state in states:
+        methods, best = state["summary"]["methods"], state["summary"]["best"]
+        for name, why in result["availability"].items():
+            if why is None:  # installed here: it must have run, with no error
+                assert "not_run" not in methods[name], (name, methods[name]["not_run"], state["errors"].get(name))
+            else:  # absent: reported, never dropped
+                assert "not installed" in methods[name]["not_run"] and "not installed" in why
+        for name in ("ours_sync", "ours_pinned", "ours_overlap", "dcp", "dcp_async_thread", "dcp_async_process"):
+            m = methods[name]
+            assert m["blocking_s"] > 0 and m["durable_s"] >= m["blocking_s"] and m["disk_bytes"] > 0, (name, m)
+        for name in ("ours_sync", "dcp"):  # the readers; the other modes share them
+            assert methods[name]["load_hot_s"] > 0 and methods[name]["load_cold_s"] > 0
+        assert methods["ours_pinned"]["load_as"] == "ours_sync" and "load_hot_s" in methods["ours_pinned"]
+        assert best["blocking_s"]["engine"].startswith("ours_") and best["blocking_s"]["ratio"] > 0
+        assert not best["durable_s"]["best_peer"].startswith("ours_")
+    assert not work.exists() or not os.listdir(work)  # every checkpoint removed
+
+
+@pytest.mark.dist
+def test_peers_benchmark_two_rank_smoke(tmp_path: Path) -> None:
+    """The ``--ranks 2`` variant: two torchrun ranks with FSDP2-sharded layers run the engine and
+    DCP's asynchronous path (in a group of its own) in step, load back what they saved, and
+    report the one-process peers as not run, with the reason."""
+    out, work = tmp_path / "peers2.json", tmp_path / "work"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "peers_bench.py"), "--smoke", "--ranks", "2", "--states", "8"]
+    cmd += [
+        "--methods",
+        "ours_sync,ours_overlap,dcp_async_thread,safetensors",
+        "--workdir",
+        str(work),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["failed_states"] == []
+    (state,) = result["states"]
+    assert state["ranks"] == 2 and "2 ranks (FSDP2)" in state["label"]
+    assert len(state["state_bytes_per_rank"]) == 2 and state["state_bytes"] == sum(state["state_bytes_per_rank"])
+    methods = state["summary"]["methods"]
+    for name in ("ours_sync", "ours_overlap", "dcp_async_thread"):
+        m = methods[name]
+        assert m["blocking_s"] > 0 and m["durable_s"] >= m["blocking_s"] and m["disk_bytes"] > 0, (name, m)
+    assert methods["ours_sync"]["load_hot_s"] > 0 and methods["ours_sync"]["load_cold_s"] > 0
+    assert "2 ranks: one file from one process" in methods["safetensors"]["not_run"]
+    assert not work.exists() or not os.listdir(work)

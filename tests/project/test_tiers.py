@@ -1,0 +1,45 @@
+"""The two tiers of the suite: the fast tier (``-m "not full"``) and the full tier CI runs.
+
+Every ``dist`` test is in the full tier only, and a torchrun launch from a test that does not
+carry ``dist`` fails, so the fast tier never starts ranks (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from _paths import ROOT
+from _torchrun import run_torchrun
+
+
+def test_a_torchrun_launch_without_the_dist_marker_fails() -> None:
+    with pytest.raises(AssertionError, match=r"core_strict\.py: a torchrun launch from a test without"):
+        run_torchrun("core_strict.py")
+
+
+def test_the_fast_tier_leaves_out_dist_and_full_tests_and_keeps_the_rest() -> None:
+    def collected(*args: str) -> set[str]:
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return {line.split("::", 1)[1] for line in out.stdout.splitlines() if "::" in line}
+
+    files = ["tests/engine/test_rng.py", "tests/engine/test_incremental.py"]
+    every = collected(*files)
+    fast = collected("-m", "not full", *files)
+    left_out = every - fast
+    # The torchrun tests (dist implies full) and a benchmark run (full) are left out.
+    assert "test_two_ranks_restore_their_own_state_and_one_process_refuses_it" in left_out
+    assert {t for t in left_out if t.startswith("test_two_rank_fsdp2_with_a_frozen_part")} == {
+        "test_two_rank_fsdp2_with_a_frozen_part[sync]",
+        "test_two_rank_fsdp2_with_a_frozen_part[pinned_staging]",
+    }
+    assert "test_the_benchmark_runs_in_its_smoke_mode" in left_out
+    assert len(left_out) == 4, sorted(left_out)
+    assert "test_rng_is_off_by_default_and_its_name_is_reserved" in fast
