@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .._format.data_file import DataFile
 from .._format.digests import write_part
 from .._format.hashing import new_hasher
 from .._format.metadata import remember_metadata
@@ -92,36 +93,6 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor | None:
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     return tensor.resolve_conj().resolve_neg().contiguous()
-
-
-class _Output:
-    """A file written sequentially, tracking its offset and hashing what it writes."""
-
-    def __init__(self, path: str, algorithm: str | None) -> None:
-        self.f = create_new(path)  # a new inode: never written through a carried-over link
-        self.pos = 0
-        self.hasher = new_hasher(algorithm) if algorithm is not None else None
-
-    def write(self, data: Any) -> None:
-        if self.hasher is not None:
-            self.hasher.update(data)
-        n = self.f.write(data)
-        self.pos += n if n is not None else len(memoryview(data).cast("B"))
-
-    def digest(self) -> str | None:
-        return None if self.hasher is None else self.hasher.hexdigest()
-
-    def sync(self, fsync: bool) -> None:
-        """Flush what was written and, where ``fsync``, make it durable."""
-        self.f.flush()
-        if fsync:
-            os.fsync(self.f.fileno())
-
-    def __enter__(self) -> _Output:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.f.close()
 
 
 #: ``"storage_meta"`` as protocol 4 pickles a key of ``Metadata``'s state (SHORT_BINUNICODE).
@@ -293,7 +264,7 @@ class FastFileSystemWriter(FileSystemWriter):
         if name in self._stable and self.carry_over is not None and algorithm == self.carry_over.algorithm:
             return self._carry_or_write(name, items, planner)
         results: list[WriteResult] = []
-        with _Output(os.path.join(os.fspath(self.path), name), algorithm) as out:
+        with DataFile(create_new(os.path.join(os.fspath(self.path), name)), algorithm, self.sync_files) as out:
             for item in _dcp_order(items):
                 offset = out.pos
                 for part in _encode(planner.resolve_data(item)):
@@ -338,7 +309,7 @@ class FastFileSystemWriter(FileSystemWriter):
             logger.warning("%s is unchanged but was written, not carried over: %s", path, reason)
             self.carried[name] = ("write", size)
         results = []
-        with _Output(path, None) as out:
+        with DataFile(create_new(path), None, self.sync_files) as out:
             for item, parts in encoded:
                 offset = out.pos
                 for part in parts:

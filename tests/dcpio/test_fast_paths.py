@@ -392,9 +392,9 @@ def test_fast_writer_writes_durably_and_reports_errors(tmp_path: Any, monkeypatc
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    from ckpt_engine._dcpio import fast_write
+    from ckpt_engine._format import data_file
 
-    monkeypatch.setattr(fast_write._Output, "write", boom)  # the disk fills up mid-file
+    monkeypatch.setattr(data_file.DataFile, "write", boom)  # the disk fills up mid-file
     with pytest.raises(BaseException, match="No space left"):
         dcp.save({"w": torch.ones(3)}, storage_writer=FastFileSystemWriter(str(tmp_path / "c"), thread_count=2))
 
