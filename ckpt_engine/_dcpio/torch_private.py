@@ -19,6 +19,13 @@ loudly in CI instead of silently mis-loading checkpoints.
   ``_load_from_state_dict`` override point: what ``load_state_dict`` runs besides copying each
   tensor into its parameter or buffer (:func:`loads_by_copy`). The hooks are registered through
   public methods, but only these attributes tell whether a module has any.
+* What ``get_model_state_dict`` does beyond calling the module's ``state_dict()``
+  (``torch/distributed/checkpoint/state_dict.py``): it renames keys only through DDP, FSDP and
+  ``torch.compile`` wrappers, a module's ``_fqn_modifiers`` and the activation-checkpoint
+  wrapper's ``_checkpoint_wrapped_module`` prefix, switches FSDP modules' state-dict type, calls
+  the class's ``state_dict`` where it patched an instance's, and refuses an empty state dict or a
+  key holding ``_flat_param`` (:func:`dcp_state_dict_is_own`). Where none of these apply, its
+  result is the module's own ``state_dict()``, key for key and tensor for tensor.
 * ``distributed_c10d._get_default_store()``: the key-value store the default process group was
   created with (torchrun's rendezvous store). The engine publishes each rank's checkpoint phase
   there and runs its bounded barriers on it (``_dcpio/watch.py``); no public function returns
@@ -130,3 +137,33 @@ def loads_by_copy(module: nn.Module) -> bool:
         and not m._load_state_dict_post_hooks
         for m in module.modules()
     )
+
+
+#: The prefix DCP strips from keys (the activation-checkpoint wrapper's child), the hook name
+#: through which a module renames its children's keys for DCP, and the key part DCP refuses.
+_CHECKPOINT_CHILD = "_checkpoint_wrapped_module"
+_FQN_MODIFIERS = "_fqn_modifiers"
+_FLAT_PARAM = "_flat_param"
+
+
+def dcp_state_dict_is_own(module: nn.Module, state_dict: dict[str, Any]) -> bool:
+    """Whether ``get_model_state_dict(module)`` (default options) would return ``state_dict``,
+    the module's own ``state_dict()``, as it is: every key its own FQN and nothing gathered,
+    offloaded or refused. Decided from the module tree and the keys, without DCP's per-parameter
+    walk (its ``_verify_options`` and ``_get_fqns``: tens of microseconds a parameter on the
+    first call) and without importing ``torch._dynamo`` (no module can be compiled before it is
+    imported). ``False`` means "ask DCP", not "different"."""
+    import sys
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not state_dict or "state_dict" in vars(module):  # empty: DCP refuses; patched by DCP
+        return False
+    dynamo = sys.modules.get("torch._dynamo")
+    compiled: tuple[type, ...] = (dynamo.eval_frame.OptimizedModule,) if dynamo is not None else ()
+    wrappers = (DistributedDataParallel, FullyShardedDataParallel, *compiled)
+    for m in module.modules():
+        if isinstance(m, wrappers) or _CHECKPOINT_CHILD in m._modules or hasattr(m, _FQN_MODIFIERS):
+            return False
+    return not any(_FLAT_PARAM in key for key in state_dict)

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .._dcpio.torch_private import loads_by_copy
+from .._dcpio.torch_private import dcp_state_dict_is_own, loads_by_copy
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from ..types import STANDARD_COMPONENTS
 
@@ -184,8 +184,11 @@ def _model_state_dict(module: nn.Module) -> dict[str, Any]:
     For a module without wrappers (DDP, ``torch.compile``, activation checkpointing, FSDP) or
     DTensors, DCP's function returns the module's ``state_dict()`` after a walk over every
     parameter's fully qualified names that costs about 2.5 microseconds a tensor on each save and
-    load. The first call compares the two results; while the module's keys, value types and
-    tensor memory stay as they were then, the walk is skipped. Any change (a wrapper renames keys,
+    load, and tens of microseconds a tensor on its first call. Where the module tree shows none of
+    what that walk looks for (:func:`~ckpt_engine._dcpio.torch_private.dcp_state_dict_is_own`),
+    the module's own result is taken at once; otherwise the first call compares the two results.
+    Either way, while the module's keys, value types and tensor memory stay as they were then,
+    the walk is skipped. Any change (a wrapper renames keys,
     ``fully_shard`` swaps in DTensors, a parameter is replaced) asks DCP again; a module whose
     ``state_dict()`` differs from DCP's result keeps DCP's function from then on.
     """
@@ -196,6 +199,9 @@ def _model_state_dict(module: nn.Module) -> dict[str, Any]:
     sd: dict[str, Any] = module.state_dict()
     signature = _signature(sd)
     if signature is not None and _PLAIN.get(module) == signature:
+        return sd
+    if signature is not None and dcp_state_dict_is_own(module, sd):  # no wrapper: DCP's walk is moot
+        _PLAIN[module] = signature
         return sd
     dcp_sd = get_model_state_dict(module)
     if signature is not None and _same_state(sd, dcp_sd):

@@ -484,3 +484,112 @@ def test_load_hooks_and_overrides_are_what_loads_by_copy_sees() -> None:
     post.remove()
     assert loads_by_copy(module)
     assert not loads_by_copy(nn.Sequential(nn.BatchNorm1d(2)))  # its own _load_from_state_dict
+
+
+class _Nested(torch.nn.Module):
+    """A module tree with what plain models hold: children, buffers (one not persistent), a
+    shared parameter under two names, extra state, a parameter list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+        self.head = torch.nn.Linear(4, 2)
+        self.tied = self.head  # one module under two names: its tensors under both
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+        self.extra = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(5)) for _ in range(3)])
+
+    def get_extra_state(self) -> Any:
+        return {"seen": 3}
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return list(a) == list(b) and all(
+        type(a[k]) is type(b[k])
+        and (not isinstance(a[k], torch.Tensor) or (a[k].data_ptr() == b[k].data_ptr() and a[k].shape == b[k].shape))
+        for k in a
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.nn.Linear(3, 2),
+        lambda: torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)),
+        _Nested,
+    ],
+)
+def test_dcp_returns_a_plain_modules_own_state_dict(make: Any) -> None:
+    """Where ``dcp_state_dict_is_own`` says so, ``get_model_state_dict`` is the module's own
+    ``state_dict()``: the engine then skips DCP's walk (``_engine/state.py``)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ckpt_engine._dcpio.torch_private import dcp_state_dict_is_own
+
+    module = make()
+    own = module.state_dict()
+    assert dcp_state_dict_is_own(module, own)
+    assert _same(own, get_model_state_dict(module))
+
+
+def test_dcp_state_dict_is_own_refuses_what_dcp_renames_or_refuses(one_rank_mesh: Any) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import _patch_model_state_dict, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ckpt_engine._dcpio.torch_private import dcp_state_dict_is_own
+
+    def refused(module: torch.nn.Module) -> dict[str, Any]:
+        own = module.state_dict()
+        assert not dcp_state_dict_is_own(module, own), type(module).__name__
+        return own
+
+    # Wrappers whose keys DCP renames: its result differs from the module's own.
+    ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+    assert not _same(refused(ddp), get_model_state_dict(ddp))
+    refused(torch.nn.Sequential(checkpoint_wrapper(torch.nn.Linear(3, 2))))  # DCP strips its prefix
+    compiled = torch.nn.Sequential(torch.compile(torch.nn.Linear(3, 2)))  # compiled lazily: nothing runs
+    assert not _same(refused(compiled), get_model_state_dict(compiled))
+
+    class Renames(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(3, 2)
+
+        def _fqn_modifiers(self) -> dict[str, str]:
+            return {"inner": "inner"}
+
+    refused(torch.nn.Sequential(Renames()))
+    # FSDP2 renames nothing: its DTensors are DCP's result too (the engine still asks DCP for
+    # any state with tensor subclasses: _engine/state.py's signature refuses them first).
+    sharded = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    fully_shard(sharded, mesh=one_rank_mesh)
+    own = sharded.state_dict()
+    assert dcp_state_dict_is_own(sharded, own) and _same(own, get_model_state_dict(sharded))
+    # A state_dict DCP patched on the instance, an empty one, a key DCP refuses.
+    patched = torch.nn.Linear(3, 2)
+    _patch_model_state_dict(patched)
+    assert not dcp_state_dict_is_own(patched, torch.nn.Linear(3, 2).state_dict())
+    assert not dcp_state_dict_is_own(torch.nn.ReLU(), {})
+    flat = torch.nn.Module()
+    flat.register_parameter("my_flat_param", torch.nn.Parameter(torch.zeros(1)))
+    refused(flat)
+    with pytest.raises(RuntimeError, match="_flat_param"):
+        get_model_state_dict(flat)
+
+
+def test_engine_takes_a_plain_modules_state_dict_without_dcps_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpt_engine._engine import state
+
+    calls: list[Any] = []
+    monkeypatch.setattr(state, "get_model_state_dict", lambda m: calls.append(m) or {})
+    module = _Nested()
+    sd = state.model_state_dict([module])
+    assert calls == [] and _same(sd, module.state_dict())
+    ddp_like = torch.nn.Sequential(torch.compile(torch.nn.Linear(3, 2)))
+    state.model_state_dict([ddp_like])
+    assert calls == [ddp_like]  # a wrapper: DCP's function decides

@@ -1,6 +1,7 @@
 """Component state dicts: the model's own ``state_dict()`` stands in for DCP's
 ``get_model_state_dict``, and the optimizer's own ``state_dict()`` for
-``get_optimizer_state_dict``, only where the two were shown equal, and never after a change."""
+``get_optimizer_state_dict``, only where the two were shown equal (for a module, by its tree
+holding nothing DCP renames, or by comparing the two), and never after a change."""
 
 from __future__ import annotations
 
@@ -86,15 +87,30 @@ def test_a_wrapper_that_renames_keys_goes_to_dcp(dcp_calls: list[int]) -> None:
 def test_a_changed_module_is_shown_again(dcp_calls: list[int]) -> None:
     module = nn.Sequential(nn.Linear(3, 2))
     model_state_dict([module])
-    assert module in state_mod._PLAIN and dcp_calls == [1]
+    assert module in state_mod._PLAIN and dcp_calls == []  # nothing in its tree that DCP renames
     model_state_dict([module])
-    assert dcp_calls == [1]  # unchanged: DCP's walk skipped
-    module[0].weight = nn.Parameter(torch.zeros(2, 3))  # new memory
-    assert _same(model_state_dict([module]), get_model_state_dict(module)) and dcp_calls == [1, 1]
-    module.add_module("extra", nn.Linear(2, 2))  # new keys
-    assert _same(model_state_dict([module]), get_model_state_dict(module)) and dcp_calls == [1, 1, 1]
+    assert dcp_calls == []  # unchanged: DCP's walk skipped
+    module[0].weight = nn.Parameter(torch.zeros(2, 3))  # new memory: shown again
+    assert _same(model_state_dict([module]), get_model_state_dict(module))
+    module.add_module("extra", nn.Linear(2, 2))  # new keys: shown again
+    assert _same(model_state_dict([module]), get_model_state_dict(module))
+    module.add_module("late", torch.compile(nn.Linear(2, 2)))  # a wrapper inside: DCP decides
+    assert _same(model_state_dict([module]), get_model_state_dict(module)) and dcp_calls == [1]
     compiled = torch.compile(module)
     assert list(model_state_dict([compiled])) == list(get_model_state_dict(module))
+
+
+def test_a_module_whose_tree_dcp_cannot_vouch_for_is_compared_once(
+    dcp_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the tree check cannot tell (``dcp_state_dict_is_own`` says no), the first call
+    compares the module's own result with DCP's, and a module shown equal skips DCP after."""
+    monkeypatch.setattr(state_mod, "dcp_state_dict_is_own", lambda module, sd: False)
+    module = nn.Sequential(nn.Linear(3, 2))
+    assert _same(model_state_dict([module]), get_model_state_dict(module)) and dcp_calls == [1]
+    assert module in state_mod._PLAIN
+    model_state_dict([module])
+    assert dcp_calls == [1]
 
 
 def test_applying_a_loaded_state_fills_plain_and_wrapped_modules_alike() -> None:
