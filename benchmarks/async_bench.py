@@ -276,20 +276,33 @@ def bench_training(
     return out
 
 
-def _overlap_model(state_mib: float, width: int = 1024) -> nn.Module:
-    """An MLP whose parameters plus AdamW's two moments add up to about ``state_mib``."""
-    layers = max(1, round(state_mib * MIB / 3 / (width * width * 4)))
+def _overlap_model(state_mib: float, width: int = 1024, copies: int = 3) -> nn.Module:
+    """An MLP whose parameters plus AdamW's two moments (``copies`` 3; plain SGD: 1, the
+    parameters alone) add up to about ``state_mib``."""
+    layers = max(1, round(state_mib * MIB / copies / (width * width * 4)))
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
 def bench_overlap(
-    state_mib: float, steps: int, save_every: int, rounds: int, root: Path, log: Callable[[str], None]
+    state_mib: float,
+    steps: int,
+    save_every: int,
+    rounds: int,
+    root: Path,
+    log: Callable[[str], None],
+    optimizer: str = "adamw",
 ) -> dict[str, Any]:
-    """(e): no saves / sync / async overlap false / async overlap true, rounds alternating."""
-    root = root / f"overlap_{state_mib:g}"  # each size its own save folders and iterations
+    """(e): no saves / sync / async overlap false / async overlap true, rounds alternating.
+    ``optimizer``: ``adamw`` (the state is parameters and two moments) or ``sgd`` (plain SGD,
+    no momentum: the parameters alone make the state)."""
+    root = root / f"overlap_{state_mib:g}_{optimizer}"  # each size its own save folders and iterations
     torch.manual_seed(0)
-    model = _overlap_model(state_mib)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = _overlap_model(state_mib, copies=3 if optimizer == "adamw" else 1)
+    optim: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if optimizer == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=1e-4)
+    )
     x = torch.randn(256, 1024)
 
     def step() -> None:
@@ -364,6 +377,8 @@ def bench_overlap(
     med = statistics.median
     base = med([x["loop_s"] for x in runs["none"]])
     out: dict[str, Any] = {
+        "optimizer": optimizer,
+        "tensors": len(tensors),
         "state_mib": sum(t.nbytes for t in tensors) / MIB,
         "floor_copy_s": med(floors),
         "floor_copy_s_runs": floors,
@@ -403,7 +418,8 @@ def overlap_table(rows: list[dict[str, Any]]) -> str:
     ]
     for o in rows:
         lines.append(
-            f"  {o['state_mib']:.0f} MiB (floor {o['floor_copy_s'] * 1e3:.1f} ms, step {o['step_s'] * 1e3:.0f} ms):"
+            f"  {o['state_mib']:.0f} MiB, {o.get('optimizer', 'adamw')}, {o.get('tensors', '?')} tensors "
+            f"(floor {o['floor_copy_s'] * 1e3:.1f} ms, step {o['step_s'] * 1e3:.0f} ms):"
         )
         for name in ("sync", "async", "overlap"):
             m = o[name]
@@ -464,8 +480,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--overlap-sizes", default="256,1024", help="(e) states in MiB (params + AdamW); '' skips")
     parser.add_argument("--overlap-steps", type=int, default=12, help="(e) steps per round")
     parser.add_argument("--only-overlap", action="store_true", help="run (e) alone")
+    parser.add_argument(
+        "--overlap-optimizers", default="adamw", help="(e) adamw and/or sgd (plain SGD: parameters only)"
+    )
     args = parser.parse_args(argv)
     overlap_sizes = [float(s) for s in args.overlap_sizes.split(",") if s.strip()]
+    unknown = {o.strip() for o in args.overlap_optimizers.split(",") if o.strip()} - {"adamw", "sgd"}
+    if unknown:
+        parser.error(f"--overlap-optimizers: unknown {sorted(unknown)} (adamw, sgd)")
     if args.smoke:
         sizes, args.reps, args.rss_saves, args.train_steps, args.save_every = [2.0], 1, 3, 8, 4
         args.train_rounds, width, depth = 1, 64, 2
@@ -483,8 +505,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         overlap = []
         for size in overlap_sizes:
-            log(f"overlap comparison, {size:g} MiB")
-            overlap.append(bench_overlap(size, args.overlap_steps, max(1, args.overlap_steps // 4), 3, root, log))
+            for optimizer in [o.strip() for o in args.overlap_optimizers.split(",") if o.strip()]:
+                log(f"overlap comparison, {size:g} MiB, {optimizer}")
+                every = max(1, args.overlap_steps // 4)
+                overlap.append(bench_overlap(size, args.overlap_steps, every, 3, root, log, optimizer))
         if args.only_overlap:
             sizes = []
         per_size = []

@@ -41,8 +41,8 @@ import torch  # noqa: E402
 from _peers_measure import fsync_all  # noqa: E402
 
 MIB = 1 << 20
-METHODS = ("raw_write", "ours_sync", "ours_no_value_cache", "safetensors")
-_OURS = ("ours_sync", "ours_no_value_cache")
+METHODS = ("raw_write", "ours_sync", "ours_no_value_cache", "ours_no_early_writeback", "safetensors")
+_OURS = ("ours_sync", "ours_no_value_cache", "ours_no_early_writeback")
 
 
 def _tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -84,6 +84,7 @@ class _Bench:
 
     def run(self, method: str) -> float:
         from ckpt_engine._dcpio import planner
+        from ckpt_engine._format import data_file
 
         value_archive = planner.value_archive
         path = os.path.join(self.root, method)
@@ -95,6 +96,7 @@ class _Bench:
             elif method in _OURS:
                 if method == "ours_no_value_cache":
                     planner.value_archive = lambda obj: None  # every value torch.save'd, as DCP does
+                data_file.WRITEBACK = method != "ours_no_early_writeback"
                 self.step += 1
                 self.engine.save(self.step, model=self.w.model, optimizer=self.w.optim)  # durable on return
             else:
@@ -105,6 +107,7 @@ class _Bench:
             return time.perf_counter() - t0
         finally:
             planner.value_archive = value_archive
+            data_file.WRITEBACK = True
             if method not in _OURS:
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -118,6 +121,119 @@ class _Bench:
 
     def close(self) -> None:
         self.engine.close()
+
+
+class _Breakdown:
+    """Where a sync save's time goes: exclusive wall time per part (a part's nested parts are
+    subtracted from it), every ``os.fsync`` classed by what it makes durable. Installed by
+    wrapping the engine's own functions for the breakdown run only (never in the timed rounds)."""
+
+    #: (module, attribute path, part name): the functions whose time is a part.
+    PARTS = (
+        ("ckpt_engine._engine.saver", "Saver._prepare", "state dicts, remap, checks"),
+        ("ckpt_engine._dcpio.fast_save", "_local_step", "plan (cached after the first save)"),
+        ("ckpt_engine._dcpio.fast_write", "FastFileSystemWriter._write_file", "data files: write + checksum"),
+        ("ckpt_engine._dcpio.fast_write", "FastFileSystemWriter._publish", ".metadata files"),
+        ("ckpt_engine._engine.targets", "write_checked_manifest", "completeness check + manifest"),
+        ("ckpt_engine._engine.targets", "commit_rename", "rename into place"),
+        ("ckpt_engine._engine.targets", "advance_latest", "latest_checkpoint.txt"),
+    )
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self.fsyncs: dict[str, list[float]] = {}
+        self._stack: list[list[float]] = []
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            frame = [time.perf_counter(), 0.0]
+            self._stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._stack.pop()
+                took = time.perf_counter() - frame[0]
+                self.parts[name] = self.parts.get(name, 0.0) + took - frame[1]
+                if self._stack:
+                    self._stack[-1][1] += took
+
+        return wrapper
+
+    def _fsync(self, real: Any) -> Any:
+        def fsync(fd: int) -> None:
+            try:
+                path = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                path = "?"
+            name = os.path.basename(path)
+            kind = (
+                "data file (.distcp)"
+                if name.endswith(".distcp")
+                else ".metadata"
+                if name.startswith(".metadata")
+                else "manifest"
+                if "manifest" in name
+                else "latest_checkpoint.txt"
+                if name.startswith("latest_checkpoint")
+                else "folder"
+                if os.path.isdir(path)
+                else f"other ({name})"
+            )
+            self._timed(f"fsync: {kind}", real)(fd)
+            self.fsyncs.setdefault(kind, []).append(0.0)
+
+        return fsync
+
+    def __enter__(self) -> _Breakdown:
+        import importlib
+
+        for module, attr, name in self.PARTS:
+            owner: Any = importlib.import_module(module)
+            *path, last = attr.split(".")
+            for p in path:
+                owner = getattr(owner, p)
+            fn = getattr(owner, last)
+            self._undo.append((owner, last, fn))
+            setattr(owner, last, self._timed(name, fn))
+        self._undo.append((os, "fsync", os.fsync))
+        os.fsync = self._fsync(os.fsync)  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, last, fn in reversed(self._undo):
+            setattr(owner, last, fn)
+
+
+def breakdown(size: int, saves: int, root: str) -> dict[str, Any]:
+    """``saves`` sync saves after an untimed first one, timed per part (:class:`_Breakdown`)."""
+    bench = _Bench(size, root)
+    try:
+        bench.run("ours_sync")  # plans, creates the files once
+        total = 0.0
+        with _Breakdown() as b:
+            for _ in range(saves):
+                total += bench.run("ours_sync")
+    finally:
+        bench.close()
+    parts = {k: v / saves for k, v in sorted(b.parts.items(), key=lambda kv: -kv[1])}
+    parts["other (hooks, agreement, bookkeeping)"] = total / saves - sum(parts.values())
+    return {
+        "size_mib": size,
+        "saves": saves,
+        "save_s": total / saves,
+        "parts_s": parts,
+        "fsyncs_per_save": {k: len(v) / saves for k, v in b.fsyncs.items()},
+    }
+
+
+def _breakdown_table(result: dict[str, Any]) -> str:
+    lines = [f"| part ({result['size_mib']} MiB, {result['saves']} saves) | ms per save | share |", "|---|---|---|"]
+    for name, sec in result["parts_s"].items():
+        lines.append(f"| {name} | {sec * 1e3:.1f} | {sec / result['save_s'] * 100:.0f} % |")
+    lines.append(f"| **save** | **{result['save_s'] * 1e3:.1f}** | |")
+    fsyncs = ", ".join(f"{k}: {v:g}" for k, v in result["fsyncs_per_save"].items())
+    return "\n".join(lines) + f"\n\nfsyncs per save: {fsyncs}"
 
 
 def _available(methods: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
@@ -155,6 +271,7 @@ def _measure(size: int, rounds: int, root: str, methods: list[str]) -> dict[str,
         "median_s": {m: statistics.median(v) for m, v in samples.items()},
         "ratios": {
             "ours_sync / ours_no_value_cache": ratio("ours_sync", "ours_no_value_cache"),
+            "ours_sync / ours_no_early_writeback": ratio("ours_sync", "ours_no_early_writeback"),
             "ours_sync / raw_write": ratio("ours_sync", "raw_write"),
             "ours_sync / safetensors": ratio("ours_sync", "safetensors"),
         },
@@ -185,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workdir", default=os.path.join(HERE, ".work", "write_path"))
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--smoke", action="store_true", help="4 MiB, one round")
+    p.add_argument("--breakdown", type=int, default=0, help="also time N more saves per part (fsyncs, files, manifest)")
     args = p.parse_args(argv)
     sizes = [4] if args.smoke else [int(s) for s in args.sizes.split(",")]
     rounds = 1 if args.smoke else args.rounds
@@ -200,10 +318,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     methods, skipped = _available(METHODS)
     load_start, t0 = os.getloadavg(), time.perf_counter()
     results = []
+    breakdowns = []
     try:
         for size in sizes:
             shutil.rmtree(args.workdir, ignore_errors=True)
             results.append(_measure(size, rounds, args.workdir, methods))
+            if args.breakdown or args.smoke:
+                shutil.rmtree(args.workdir, ignore_errors=True)
+                breakdowns.append(breakdown(size, args.breakdown or 1, args.workdir))
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
         dist.destroy_process_group()
@@ -215,8 +337,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_s": time.perf_counter() - t0,
         "skipped": skipped,
         "results": results,
+        "breakdown": breakdowns,
     }
     print(_table(results))
+    for b in breakdowns:
+        print()
+        print(_breakdown_table(b))
     for m, why in skipped.items():
         print(f"{m}: not run: {why}")
     if args.out:

@@ -416,7 +416,16 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     spec.loader.exec_module(bench)
     threads = torch.get_num_threads()
     try:
-        results = bench.main(["--smoke", "--out", str(tmp_path / "r.json"), "--dir", str(tmp_path)])
+        args = [
+            "--smoke",
+            "--out",
+            str(tmp_path / "r.json"),
+            "--dir",
+            str(tmp_path),
+            "--overlap-optimizers",
+            "adamw,sgd",
+        ]
+        results = bench.main(args)
     finally:
         torch.set_num_threads(threads)
     assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(results))
@@ -427,6 +436,9 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     assert size["buffer_sets"] == 1
     training = results["training"]
     assert training["no_save_steps_per_s"] > 0 and training["async_steps_per_s"] > 0
+    adamw, sgd = results["overlap"]  # (e) with both optimizers: SGD's state is the parameters alone
+    assert (adamw["optimizer"], sgd["optimizer"]) == ("adamw", "sgd") and adamw["tensors"] > 0 and sgd["tensors"] > 0
+    assert all(o["overlap"]["blocked_over_floor"] > 0 for o in (adamw, sgd))
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # its checkpoints were cleaned up
 
 

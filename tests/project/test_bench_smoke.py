@@ -92,10 +92,34 @@ def test_write_path_benchmark_smoke_run(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     (row,) = result["results"]
     ran = {m for m, v in row["samples_s"].items() if v}
-    assert ran | set(result["skipped"]) == {"raw_write", "ours_sync", "ours_no_value_cache", "safetensors"}
+    every = {"raw_write", "ours_sync", "ours_no_value_cache", "ours_no_early_writeback", "safetensors"}
+    assert ran | set(result["skipped"]) == every
     assert {"raw_write", "ours_sync"} <= ran and all(x > 0 for v in row["samples_s"].values() for x in v)
     assert row["ratios"]["ours_sync / raw_write"] > 0
+    (parts,) = result["breakdown"]  # where a save's time goes: every part timed, fsyncs counted
+    assert parts["parts_s"]["data files: write + checksum"] > 0 and parts["save_s"] > 0
+    assert parts["fsyncs_per_save"]["data file (.distcp)"] >= 1 and parts["fsyncs_per_save"]["manifest"] == 1
     assert not work.exists()
+
+
+def test_cold_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/cold_bench.py end to end (untimed): each method in a new process, the loads
+    checked against the saved values, peak memory reported, nothing left behind."""
+    out = tmp_path / "cold.json"
+    script = REPO / "benchmarks" / "cold_bench.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out), "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert set(row["median_s"]) == {"ours_save", "ours_load", "safetensors_save", "safetensors_load"}
+    assert all(v > 0 for v in row["median_s"].values()) and all(v > 0 for v in row["ratios"].values())
+    assert row["median_peak_bytes"]["ours_load"] > 0 and row["ours_imports_s"]["ours_save"] >= 0
+    assert os.listdir(tmp_path) == ["cold.json"]
 
 
 def test_scale_bench_smoke() -> None:
