@@ -5,6 +5,9 @@
     python benchmarks/peers_bench.py --list            # every method, and whether it can run here
     python benchmarks/peers_bench.py --smoke           # tiny, one round: checks that it runs (CI)
     python benchmarks/peers_bench.py --ranks 2 --states 256,small10000   # FSDP2 over 2 gloo ranks
+    python benchmarks/peers_bench.py --full --out docs/performance-peers-results.json --plot docs/performance-peers.png
+        # the whole table: one rank (256 MiB, 1 GiB, 50,000 tensors), then two ranks (256 MiB,
+        # 10,000 tensors) into docs/performance-peers-2rank-results.json and -2rank.png
 
 Methods (benchmarks/_peers_methods.py): the engine (sync; ``pinned_staging``; ``pinned_staging``
 with ``overlap``), ``dcp.save``/``dcp.load``, ``dcp.async_save`` (thread executor; PROCESS
@@ -347,6 +350,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="tiny states, one round, one process: seconds")
     parser.add_argument("--list", action="store_true", help="list the methods and whether each can run")
     parser.add_argument("--from-json", help="print the tables (and --plot) of an earlier run's JSON; no run")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="the whole table in one command: the one-rank run, then --ranks 2 --states 256,small10000 "
+        "--rounds 2,1 into the --out/--plot names with -2rank",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -361,6 +370,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, why in availability().items():
             print(f"{name:<24} {why or 'available'}")
         return {}
+    if args.full:
+        if args.ranks != 1 or args.smoke:
+            parser.error("--full runs one rank and then two: leave out --ranks and --smoke")
+        one = _run_states(args)
+        two_rank = argparse.Namespace(**{**vars(args), "ranks": 2, "states": "256,small10000", "rounds": "2,1"})
+        two_rank.out, two_rank.plot = _two_rank_name(args.out), args.plot and _two_rank_name(args.plot)
+        log(f"two ranks: {two_rank.out}")
+        return {"one_rank": one, "two_ranks": _run_states(two_rank)}
+    return _run_states(args)
+
+
+def _two_rank_name(path: str) -> str:
+    """``docs/performance-peers-results.json`` -> ``docs/performance-peers-2rank-results.json``
+    (``x.png`` -> ``x-2rank.png``): where ``--full`` writes the two-rank run."""
+    head, tail = os.path.split(path)
+    stem, ext = os.path.splitext(tail)
+    if stem.endswith("-results"):
+        return os.path.join(head, f"{stem[: -len('-results')]}-2rank-results{ext}")
+    return os.path.join(head, f"{stem}-2rank{ext}")
+
+
+def _run_states(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every state of ``args`` (each in a child), then the report: tables, JSON, plot."""
+    from _peers_report import availability, report
+
     if args.smoke:
         args.states = args.states or "8,small300"
         args.rounds, args.steps, args.batch, args.max_loop_s = "1", 2, 8, 120.0

@@ -224,3 +224,18 @@ def test_peers_benchmark_two_rank_smoke(tmp_path: Path) -> None:
     assert methods["ours_sync"]["load_hot_s"] > 0 and methods["ours_sync"]["load_cold_s"] > 0
     assert "2 ranks: one file from one process" in methods["safetensors"]["not_run"]
     assert not work.exists() or not os.listdir(work)
+
+
+def test_peers_full_writes_the_two_rank_run_beside_the_one_rank_run() -> None:
+    """``peers_bench.py --full`` is the whole table in one command: the two-rank run's JSON and
+    plot go beside the one-rank run's, named after them; it refuses to be a smoke run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("peers_bench", REPO / "benchmarks" / "peers_bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench._two_rank_name("docs/performance-peers-results.json") == "docs/performance-peers-2rank-results.json"
+    assert bench._two_rank_name("docs/performance-peers.png") == "docs/performance-peers-2rank.png"
+    with pytest.raises(SystemExit):
+        bench.main(["--full", "--smoke"])
