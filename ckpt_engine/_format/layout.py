@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -410,13 +411,28 @@ class SaveDirLock:
                 os.close(fd)
 
 
+def _fsync_dirs(folders: list[Path]) -> None:
+    """``fsync_dir`` of every folder, concurrently; returns when all are done."""
+    threads = [threading.Thread(target=fsync_dir, args=(f,), name="ckpt-fsync") for f in folders[1:]]
+    for t in threads:
+        t.start()
+    try:
+        if folders:
+            fsync_dir(folders[0])
+    finally:
+        for t in threads:
+            t.join()
+
+
 def commit_rename(partial: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
-    """Move a fully written ``partial`` folder into place as ``final``, replacing an old one."""
+    """Move a fully written ``partial`` folder into place as ``final``, replacing an old one.
+
+    Before the rename, every folder in ``partial`` and ``partial`` itself are fsynced, all at
+    once: that makes the names of the files written there durable (their bytes were fsynced by
+    their writers), and concurrent fsyncs share one journal commit and one cache flush where
+    one after the other each may issue its own. After it, ``final``'s parent: the rename."""
     partial, final = Path(partial), Path(final)
-    for sub in partial.iterdir():
-        if sub.is_dir():
-            fsync_dir(sub)
-    fsync_dir(partial)
+    _fsync_dirs([*(sub for sub in partial.iterdir() if sub.is_dir()), partial])
     trash = None
     if final.exists():
         trash = final.with_name(f".{final.name}.replaced.{os.getpid()}")

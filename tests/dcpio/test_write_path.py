@@ -149,3 +149,27 @@ def test_saves_checksums_match_the_files_whichever_way_they_were_hashed(
     manifest = lookup_manifest(str(tmp_path / "ckpt" / "iter_000000001")).manifest
     assert manifest is not None
     assert all(e.checksum for e in manifest.files.values())
+
+
+def test_the_commit_makes_every_folder_durable_before_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every component folder and the hidden folder are fsynced (concurrently) before the rename
+    that commits; the parent after it."""
+    from ckpt_engine._format import layout
+
+    events: list[tuple[str, str]] = []
+    real_replace = os.replace
+    monkeypatch.setattr(layout, "fsync_dir", lambda p: events.append(("fsync", os.path.basename(p))))
+    monkeypatch.setattr(
+        layout.os, "replace", lambda a, b: (events.append(("rename", os.path.basename(b))), real_replace(a, b))[1]
+    )
+    partial, final = tmp_path / ".iter_000000001.partial", tmp_path / "iter_000000001"
+    for comp in ("model", "optim", "trainer"):
+        (partial / comp).mkdir(parents=True)
+        (partial / comp / ".metadata").write_bytes(b"x")
+    layout.commit_rename(partial, final)
+    rename = events.index(("rename", "iter_000000001"))
+    assert sorted(events[:rename]) == [("fsync", n) for n in (".iter_000000001.partial", "model", "optim", "trainer")]
+    assert events[rename + 1 :] == [("fsync", tmp_path.name)]
+    assert (final / "optim" / ".metadata").read_bytes() == b"x" and not partial.exists()
