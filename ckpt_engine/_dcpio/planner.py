@@ -26,12 +26,22 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
@@ -471,6 +481,18 @@ class EngineSavePlanner(DefaultSavePlanner):
                 for k, path in self.mappings.items()
             }
 
+    def create_local_plan(self) -> SavePlan:
+        # DCP's items, built once per distinct tensor description (see plain_write_items);
+        # anything but plain tensors and values takes DCP's own path.
+        items = plain_write_items(self.state_dict)
+        if items is None:
+            return super().create_local_plan()
+        plan = SavePlan(items)
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        self.plan = plan
+        return plan
+
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         # A plain tensor is written as it is: one dictionary lookup instead of DCP's generic
         # shard search per item; everything else (values, DTensor shards) takes DCP's path.
@@ -488,6 +510,46 @@ class EngineSavePlanner(DefaultSavePlanner):
             if data is not None:
                 return io.BytesIO(data)
         return super().transform_object(write_item, object)
+
+
+def plain_write_items(state_dict: Mapping[str, Any]) -> list[WriteItem] | None:
+    """DCP's local save plan items (``create_default_local_save_plan``) for a state dict of
+    plain tensors and values, equal item for item; ``None`` for anything else (a DTensor, a
+    ``ShardedTensor``, a tensor subclass, an object with its own write items).
+
+    DCP builds a ``TensorProperties`` per tensor (``is_pinned`` and five attributes), a zero
+    offset and a chunk each: a tensor's items cost about 7 microseconds on the first save of a
+    structure, and a new engine's first save of 50,000 small tensors spends a tenth of its time
+    there. Here tensors of one dtype, ``requires_grad`` and pinning share one properties object,
+    and tensors of one rank one zero offset (as ``compact_metadata`` later shares them anyway)."""
+    items: list[WriteItem] = []
+    props: dict[tuple[Any, ...], TensorProperties] = {}
+    zeros: dict[int, torch.Size] = {}
+    for fqn, value in state_dict.items():
+        if type(value) is torch.Tensor:
+            if value.layout != torch.strided:
+                return None
+            key = (value.dtype, value.requires_grad, value.is_pinned())
+            p = props.get(key)
+            if p is None:
+                p = props[key] = TensorProperties(
+                    dtype=key[0],
+                    layout=torch.strided,
+                    requires_grad=key[1],
+                    memory_format=torch.contiguous_format,
+                    pin_memory=key[2],
+                )
+            size = value.size()
+            zero = zeros.get(len(size))
+            if zero is None:
+                zero = zeros[len(size)] = torch.Size([0] * len(size))
+            data = TensorWriteData(chunk=ChunkStorageMetadata(offsets=zero, sizes=size), properties=p, size=size)
+            items.append(WriteItem(index=MetadataIndex(fqn, zero), type=WriteItemType.TENSOR, tensor_data=data))
+        elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+            return None
+        else:
+            items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+    return items
 
 
 def flat_keys(state_dict: dict[str, Any]) -> list[str]:

@@ -584,3 +584,33 @@ def test_planner_set_up_matches_dcp_for_flat_and_nested_state_dicts(one_rank_mes
         assert load.original_state_dict is sd and dcp_load.original_state_dict is sd
         assert list(load.state_dict.items()) == list(dcp_load.state_dict.items())
         assert load.mappings == dcp_load.mappings and load.metadata is None and load.is_coordinator is False
+
+
+def test_plain_write_items_are_dcps_local_plan_item_for_item(one_rank_mesh: Any) -> None:
+    """The save planner builds the local plan of plain tensors and values itself (one properties
+    object per description): equal, item for item, to DCP's ``create_default_local_save_plan``;
+    anything else is left to DCP."""
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from ckpt_engine._dcpio.planner import EngineSavePlanner, plain_write_items
+
+    state = {**_varied_state(), "grad": torch.randn(3, requires_grad=True).detach().requires_grad_()}
+    state = {k: v for k, v in state.items() if not isinstance(v, dict)}
+    state.update({"lr": 0.1, "betas": (0.9, 0.99), "none": None, "zero-dim": torch.tensor(2), "s": "x"})
+    items = plain_write_items(state)
+    assert items is not None and items == create_default_local_save_plan(state, True).items
+    f32 = [i.tensor_data.properties for i in items if i.tensor_data and i.index.fqn in ("f32", "big", "view")]
+    assert len(f32) == 3 and len({id(p) for p in f32}) == 1  # one description, one object
+    planner = EngineSavePlanner()
+    planner.set_up_planner(state, None, True)
+    reference = EngineSavePlanner()
+    reference.set_up_planner(state, None, True)
+    plan = planner.create_local_plan()
+    assert plan == super(EngineSavePlanner, reference).create_local_plan() and planner.plan is plan
+    for other in (
+        {"d": DTensor.from_local(torch.randn(4), one_rank_mesh, [Replicate()])},
+        {"p": torch.nn.Parameter(torch.randn(2))},
+        {"sparse": torch.randn(3, 3).to_sparse()},
+    ):
+        assert plain_write_items(other) is None
