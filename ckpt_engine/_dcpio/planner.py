@@ -139,13 +139,17 @@ def _whole_tensor_read(storage: str, dest: str, value: Any, md: Any) -> ReadItem
     if not shape or shape != md.size or chunk.sizes != shape or any(chunk.offsets) or not all(shape):
         return None
     zeros = _ZEROS[len(shape)] if len(shape) < len(_ZEROS) else torch.Size([0] * len(shape))
+    dest_index = MetadataIndex(dest, zeros, 0)
+    # The same key read into the same place: one index object serves both (they are immutable),
+    # one object less a tensor at 50,000 tensors; the shape is a ``torch.Size`` already.
+    same = storage == dest and chunk.offsets == zeros
     return ReadItem(
         type=LoadItemType.TENSOR,
-        dest_index=MetadataIndex(dest, zeros, 0),
+        dest_index=dest_index,
         dest_offsets=zeros,
-        storage_index=MetadataIndex(storage, chunk.offsets, 0),
+        storage_index=dest_index if same else MetadataIndex(storage, chunk.offsets, 0),
         storage_offsets=zeros,
-        lengths=torch.Size(shape),
+        lengths=shape if type(shape) is torch.Size else torch.Size(shape),
     )
 
 
