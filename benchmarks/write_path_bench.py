@@ -15,6 +15,10 @@ the bytes are durable (fsynced, folders included):
 The state is the peers benchmark's: an MLP of 1024-wide layers whose parameters and AdamW
 moments make ``--sizes`` MiB. Ratios are medians of the per-round ratios.
 
+Each sample is wall time; the JSON (and the table) also give the process's CPU time per save
+(all threads, user and system), which other processes on the machine sway less: what the save
+costs the CPUs, where the wall time also shows what a second CPU saved.
+
 Usage::
 
     python benchmarks/write_path_bench.py [--sizes 256,1024] [--rounds 9] [--out results.json]
@@ -81,6 +85,9 @@ class _Bench:
         self.root = root
         self.engine = CheckpointEngine({"save_dir": os.path.join(root, "ours")})
         self.step = 0
+        #: CPU seconds of the process (all threads) in the last ``run``: less swayed by other
+        #: processes than wall time, and what a second CPU takes off the wall time.
+        self.cpu_s = 0.0
 
     def run(self, method: str) -> float:
         from ckpt_engine._dcpio import planner
@@ -89,7 +96,7 @@ class _Bench:
         value_archive = planner.value_archive
         path = os.path.join(self.root, method)
         os.makedirs(path, exist_ok=True)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         try:
             if method == "raw_write":
                 _raw(os.path.join(path, "raw.bin"), self.tensors)
@@ -104,7 +111,9 @@ class _Bench:
 
                 save_file(self.tensors, os.path.join(path, "state.safetensors"))
                 fsync_all([os.path.join(path, "state.safetensors")])  # the file, then its folder
-            return time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.cpu_s = time.process_time() - cpu0  # every thread of the process, user + system
+            return took
         finally:
             planner.value_archive = value_archive
             data_file.WRITEBACK = True
@@ -248,6 +257,7 @@ def _available(methods: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
 def _measure(size: int, rounds: int, root: str, methods: list[str]) -> dict[str, Any]:
     bench = _Bench(size, root)
     samples: dict[str, list[float]] = {m: [] for m in methods}
+    cpu: dict[str, list[float]] = {m: [] for m in methods}
     try:
         for m in methods:  # untimed: first save (planning), files created once
             bench.run(m)
@@ -255,6 +265,7 @@ def _measure(size: int, rounds: int, root: str, methods: list[str]) -> dict[str,
             order = methods if r % 2 == 0 else methods[::-1]
             for m in order:
                 samples[m].append(bench.run(m))
+                cpu[m].append(bench.cpu_s)
     finally:
         bench.close()
 
@@ -269,6 +280,8 @@ def _measure(size: int, rounds: int, root: str, methods: list[str]) -> dict[str,
         "state_bytes": bench.bytes,
         "samples_s": samples,
         "median_s": {m: statistics.median(v) for m, v in samples.items()},
+        "cpu_samples_s": cpu,
+        "median_cpu_s": {m: statistics.median(v) for m, v in cpu.items()},
         "ratios": {
             "ours_sync / ours_no_value_cache": ratio("ours_sync", "ours_no_value_cache"),
             "ours_sync / ours_no_early_writeback": ratio("ours_sync", "ours_no_early_writeback"),
@@ -285,8 +298,11 @@ def _table(results: list[dict[str, Any]]) -> str:
         cells = []
         for r in results:
             s = r["samples_s"].get(m)
+            c = r.get("median_cpu_s", {}).get(m)
             cells.append(
-                f"{statistics.median(s) * 1e3:.0f} ms ({min(s) * 1e3:.0f}-{max(s) * 1e3:.0f})" if s else "not run"
+                f"{statistics.median(s) * 1e3:.0f} ms ({min(s) * 1e3:.0f}-{max(s) * 1e3:.0f}), CPU {c * 1e3:.0f} ms"
+                if s
+                else "not run"
             )
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     for key in results[0]["ratios"] if results else ():
