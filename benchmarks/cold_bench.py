@@ -18,7 +18,8 @@ folder), against safetensors doing the same in new interpreters:
 
 The state is the peers benchmark's small one: ``count`` parameters of 16 fp32 elements (an
 ``nn.ParameterList``). Each child also reports its peak RSS growth during the call (``VmHWM``
-reset through ``/proc/self/clear_refs`` just before it). Rounds are paired: every method once
+reset through ``/proc/self/clear_refs`` just before it) and its CPU time (all threads, user and
+system: less swayed than wall time by other processes on a shared machine). Rounds are paired: every method once
 per round, the order reversed every other round; ratios are medians of the per-round ratios.
 
     python benchmarks/cold_bench.py                                  # 20,000 and 50,000, 3 rounds
@@ -98,12 +99,12 @@ def child(method: str, count: int, folder: str) -> dict[str, Any]:
         engine = CheckpointEngine({"save_dir": folder})
         out["engine_s"] = time.perf_counter() - t0
         base = _reset_peak()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if method == "ours_save":
             engine.save(1, model=model)
         else:
             engine.load(model=model)
-        out["seconds"] = time.perf_counter() - t0
+        out["seconds"], out["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
         out["peak_bytes"] = _status("VmHWM") - base
         engine.close()
     else:
@@ -111,7 +112,7 @@ def child(method: str, count: int, folder: str) -> dict[str, Any]:
 
         path = os.path.join(folder, "model.safetensors")
         base = _reset_peak()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if method == "safetensors_save":
             os.makedirs(folder, exist_ok=True)
             save_file(model.state_dict(), path)
@@ -119,7 +120,7 @@ def child(method: str, count: int, folder: str) -> dict[str, Any]:
             _fsync(folder)
         else:
             model.load_state_dict(load_file(path))
-        out["seconds"] = time.perf_counter() - t0
+        out["seconds"], out["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
         out["peak_bytes"] = _status("VmHWM") - base
     if method.endswith("_load"):  # the values came back
         expect = SmallModel(count)
@@ -170,12 +171,15 @@ def measure(count: int, rounds: int, root: str, timeout: float) -> dict[str, Any
         "samples": samples,
         "median_s": {m: med(m, "seconds") for m in METHODS},
         "us_per_tensor": {m: med(m, "seconds") / count * 1e6 for m in METHODS},
+        "cpu_us_per_tensor": {m: med(m, "cpu_s") / count * 1e6 for m in METHODS},
         "median_peak_bytes": {m: med(m, "peak_bytes") for m in METHODS},
         "ours_engine_s": {m: med(m, "engine_s") for m in ("ours_save", "ours_load")},
         "ours_imports_s": {m: med(m, "imports_s") for m in ("ours_save", "ours_load")},
         "ratios": {
             "save time / safetensors": ratio("ours_save", "safetensors_save", "seconds"),
             "load time / safetensors": ratio("ours_load", "safetensors_load", "seconds"),
+            "save CPU / safetensors": ratio("ours_save", "safetensors_save", "cpu_s"),
+            "load CPU / safetensors": ratio("ours_load", "safetensors_load", "cpu_s"),
             "save peak RSS / safetensors": ratio("ours_save", "safetensors_save", "peak_bytes"),
             "load peak RSS / safetensors": ratio("ours_load", "safetensors_load", "peak_bytes"),
         },
@@ -185,18 +189,19 @@ def measure(count: int, rounds: int, root: str, timeout: float) -> dict[str, Any
 def table(results: list[dict[str, Any]]) -> str:
     mib = 1 << 20
     lines = [
-        "| tensors | method | median (range) | us / tensor | peak RSS growth |",
-        "|---|---|---|---|---|",
+        "| tensors | method | median (range) | us / tensor | CPU us / tensor | peak RSS growth |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         for m in METHODS:
             s = [x["seconds"] for x in r["samples"][m]]
             lines.append(
                 f"| {r['count']:,} | {m} | {statistics.median(s):.3f} s ({min(s):.3f}-{max(s):.3f}) | "
-                f"{r['us_per_tensor'][m]:.0f} | {r['median_peak_bytes'][m] / mib:.1f} MiB |"
+                f"{r['us_per_tensor'][m]:.0f} | {r['cpu_us_per_tensor'][m]:.0f} | "
+                f"{r['median_peak_bytes'][m] / mib:.1f} MiB |"
             )
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
-        lines.append(f"| {r['count']:,} | ratios | {ratios} | | |")
+        lines.append(f"| {r['count']:,} | ratios | {ratios} | | | |")
     return "\n".join(lines)
 
 
