@@ -363,8 +363,12 @@ def _initialised_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
     ``_init_optim_state``). For a stateless optimizer (plain SGD) that creates nothing, yet costs
     about two copies of the parameters in every save, bumps every parameter's version counter and
     runs the step hooks. The first call proves an optimizer stateless (its state is still empty
-    afterwards); later calls give one small parameter a zero gradient for the duration, which is
-    the condition under which DCP skips the initialisation, and take it away again.
+    afterwards); the next gives one small parameter a zero gradient for the duration, which is
+    the condition under which DCP skips the initialisation, and takes it away again. Where that
+    result is the optimizer's own ``param_groups`` flattened under its module's parameter names
+    (as for an optimizer with state, :func:`_optimizer_state_dict`), later calls build it
+    directly, without DCP's walk over every parameter's names (the bulk of an ``overlap``
+    ``save()`` with plain SGD).
     """
     if optimizer not in _STATELESS:
         sd = _dcp_optimizer_state_dict(module, optimizer)
@@ -374,12 +378,19 @@ def _initialised_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if not params or any(p.grad is not None for p in params):
         return _dcp_optimizer_state_dict(module, optimizer)
+    names = _param_names(module, optimizer)
+    ours = _flat_optimizer_state(optimizer, names) if names is not None else None
+    if ours is not None and _OWN_NAMES.get(optimizer) == (id(module), names):
+        return ours
     smallest = min(params, key=lambda p: p.numel())
     smallest.grad = torch.zeros_like(smallest)
     try:
-        return _dcp_optimizer_state_dict(module, optimizer)
+        dcp_sd = _dcp_optimizer_state_dict(module, optimizer)
     finally:
         smallest.grad = None
+    if names is not None and ours is not None and not optimizer.state and _same_flat(ours, dcp_sd):
+        _OWN_NAMES[optimizer] = (id(module), names)
+    return dcp_sd
 
 
 def trainer_state_dict(grad_scaler: Any, iteration: int) -> dict[str, Any]:

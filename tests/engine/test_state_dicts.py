@@ -313,6 +313,29 @@ def test_a_changed_optimizer_or_module_is_shown_again(dcp_optim_calls: list[int]
     assert _same_values(sd, get_optimizer_state_dict(renamed, optimizer, options=FLAT))
 
 
+def test_a_stateless_optimizer_is_flattened_without_dcp_once_shown_equal(dcp_optim_calls: list[int]) -> None:
+    """Plain SGD keeps no state: once DCP's result (taken without its fake step) was shown to be
+    its own ``param_groups`` under the module's names, later saves build that directly, touch no
+    gradient and bump no version counter."""
+    module = _WithEverything()
+    optimizer = torch.optim.SGD(_groups(module), lr=0.1)
+    first = optim_state_dict([module], [optimizer])  # DCP's state initialisation: proves it stateless
+    second = optim_state_dict([module], [optimizer])  # DCP without it: shown equal to our own
+    assert dcp_optim_calls == [1, 1] and optimizer in state_mod._OWN_NAMES
+    versions = [p._version for p in module.parameters()]
+    third = optim_state_dict([module], [optimizer])
+    assert dcp_optim_calls == [1, 1] and not optimizer.state
+    assert [p._version for p in module.parameters()] == versions and all(p.grad is None for p in module.parameters())
+    reference = get_optimizer_state_dict(module, optimizer, options=FLAT)
+    for sd in (first, second, third):
+        assert _same_values(sd, reference)
+    optimizer.param_groups[1]["lr"] = 0.25  # hyper-parameters are read on every save
+    assert optim_state_dict([module], [optimizer])["param_groups.block.1.weight.lr"] == 0.25
+    renamed = nn.ModuleDict({"inner": module})  # new names: shown again
+    sd = optim_state_dict([renamed], [optimizer])
+    assert dcp_optim_calls == [1, 1, 1] and "param_groups.inner.block.1.weight.lr" in sd
+
+
 class _Nested(torch.optim.Optimizer):
     """Per-parameter state nested two levels deep (as Shampoo keeps it), and an int key."""
 
