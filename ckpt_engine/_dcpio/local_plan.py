@@ -167,7 +167,7 @@ def finish_alone(planner: SavePlanner, storage_writer: StorageWriter, plan: Save
             if writes:
                 items.append(_hinted(item, number))
         elif rank == 0:
-            items.append(_hinted(item, 0))
+            items.append(item if item.index.index == 0 else _hinted(item, 0))
     final = SavePlan(items, storage_data=plan.storage_data, planner_data=plan.planner_data, usable=plan.usable)
     # The writer's own prefix for this rank (FileSystemWriter's numbers the plans by rank).
     return storage_writer.prepare_global_plan([final] * (rank + 1))[rank]

@@ -525,7 +525,10 @@ def plain_write_items(state_dict: Mapping[str, Any]) -> list[WriteItem] | None:
     offset and a chunk each: a tensor's items cost about 7 microseconds on the first save of a
     structure, and a new engine's first save of 50,000 small tensors spends a tenth of its time
     there. Here tensors of one dtype, ``requires_grad`` and pinning share one properties object,
-    and tensors of one rank one zero offset (as ``compact_metadata`` later shares them anyway)."""
+    and tensors of one rank one zero offset (as ``compact_metadata`` later shares them anyway).
+    Each tensor's index already carries the chunk number 0 that DCP's global plan (or
+    ``local_plan.finish_alone``) gives a plain tensor: the number is not part of an index's
+    equality or hash, and the final plan can keep the item as it is."""
     items: list[WriteItem] = []
     props: dict[tuple[Any, ...], TensorProperties] = {}
     zeros: dict[int, torch.Size] = {}
@@ -548,7 +551,7 @@ def plain_write_items(state_dict: Mapping[str, Any]) -> list[WriteItem] | None:
             if zero is None:
                 zero = zeros[len(size)] = torch.Size([0] * len(size))
             data = TensorWriteData(chunk=ChunkStorageMetadata(offsets=zero, sizes=size), properties=p, size=size)
-            items.append(WriteItem(index=MetadataIndex(fqn, zero), type=WriteItemType.TENSOR, tensor_data=data))
+            items.append(WriteItem(index=MetadataIndex(fqn, zero, 0), type=WriteItemType.TENSOR, tensor_data=data))
         elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
             return None
         else:
