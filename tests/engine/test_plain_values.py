@@ -77,6 +77,42 @@ def test_damaged_or_large_archives_are_left_to_torch_load() -> None:
     assert plain_value(_archive("x" * 70_000)) == (False, None)  # over the size limit
 
 
+def test_an_archive_read_once_is_answered_from_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An optimizer's hyper-parameters repeat per parameter: each distinct archive is read once,
+    and only an immutable answer is kept (a list or dict is read again, never shared)."""
+    from ckpt_engine._dcpio import plain_values
+
+    reads: list[int] = []
+    real = plain_values._read
+    monkeypatch.setattr(plain_values, "_answers", {})
+    monkeypatch.setattr(plain_values, "_read", lambda data: (reads.append(len(data)), real(data))[1])
+    betas = value_archive((0.9, 0.999))
+    assert betas is not None
+    answers = [plain_value(betas), plain_value(memoryview(betas)), plain_value(bytearray(betas))]
+    assert answers == [(True, (0.9, 0.999))] * 3
+    assert len(reads) == 1
+    nested = value_archive({"a": [1, 2.0]})
+    assert nested is not None
+    first, second = plain_value(nested)[1], plain_value(nested)[1]
+    assert first == second == {"a": [1, 2.0]} and first is not second and len(reads) == 3
+    damaged = bytearray(betas)
+    damaged[damaged.find(b"data.pkl") + 40] ^= 0xFF
+    assert plain_value(bytes(damaged)) == (False, None)  # other bytes: read, and refused
+    monkeypatch.setattr(plain_values, "_CACHED_ENTRIES", 2)
+    for v in (1.5, 2.5, 3.5):
+        archive = value_archive(v)
+        assert archive is not None and plain_value(archive) == (True, v)
+    assert len(plain_values._answers) <= 2  # bounded
+
+
+def test_a_tuple_shared_many_times_is_judged_in_linear_time() -> None:
+    """``((t, t), (t, t))`` sixty levels deep: 2**60 leaves from 125 pickle bytes, each tuple one
+    object; telling whether the answer may be shared looks at each object once."""
+    dag = b"\x80\x02)" + b"2\x86" * 60 + b"."  # EMPTY_TUPLE, then (DUP, TUPLE2) sixty times
+    ok, value = plain_value(_with_data_pkl(_archive(1.0), dag))
+    assert ok and type(value) is tuple and len(value) == 2 and value[0] is value[1]
+
+
 def test_an_engine_load_reads_the_optimizer_values_without_torch_load(tmp_path: Any, monkeypatch: Any) -> None:
     state = TinyTrainingState.create(seed=1, steps=2)
     with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
