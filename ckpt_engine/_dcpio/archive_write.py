@@ -46,7 +46,7 @@ from .torch_save_archive import (
     _legacy_storage_dtypes,
 )
 
-__all__ = ["ARCHIVE_DTYPES", "ArchiveParts", "tensor_archive", "tensor_data_pkl", "value_archive"]
+__all__ = ["ARCHIVE_DTYPES", "ArchiveParts", "archive_settings", "tensor_archive", "tensor_data_pkl", "value_archive"]
 
 
 # -- writing the same archive without torch.save ----------------------------------------------
@@ -317,10 +317,17 @@ _CACHE_ENTRIES = 1024
 _cache_lock = threading.Lock()  # the writer's threads resolve items concurrently
 
 
-def value_archive(obj: Any) -> bytes | None:
+def archive_settings() -> tuple[bool, int]:
+    """The two ``torch.save`` settings that change a value's archive: CRC32 records on or off,
+    the storage alignment (torch's config lookups: read once per save, not once per value)."""
+    return torch.serialization.get_crc32_options(), torch.utils.serialization.config.save.storage_alignment
+
+
+def value_archive(obj: Any, settings: tuple[bool, int] | None = None) -> bytes | None:
     """``torch.save(obj)``'s bytes for a value that holds no tensor or storage (a learning rate,
     betas, a step count, a config dict), from a cache keyed by its pickle; ``None`` for one that
-    holds a storage or pickles to more than 4 KiB: the caller then runs ``torch.save``."""
+    holds a storage or pickles to more than 4 KiB: the caller then runs ``torch.save``.
+    ``settings``: :func:`archive_settings` as the caller read them for this save (else read now)."""
     buf = io.BytesIO()
     try:
         _ValuePickler(buf, protocol=2).dump(obj)  # torch.save's pickle protocol (DEFAULT_PROTOCOL)
@@ -329,7 +336,7 @@ def value_archive(obj: Any) -> bytes | None:
     data_pkl = buf.getvalue()
     if len(data_pkl) > _CACHED_PICKLE_MAX:
         return None
-    key = (data_pkl, torch.serialization.get_crc32_options(), torch.utils.serialization.config.save.storage_alignment)
+    key = (data_pkl, *(settings or archive_settings()))
     with _cache_lock:
         archive = _cache.get(key)
     if archive is None:

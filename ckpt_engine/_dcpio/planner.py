@@ -50,7 +50,7 @@ from ..pipeline import Pipeline
 from ..report import ComponentReport, OverlapRecord, SkipRecord
 from ..staging import TensorKey, local_tensor, memory_key
 from ..types import Decision, LoadContext, PlanEntry, RemapContext, ValueSpec
-from .archive_write import value_archive
+from .archive_write import archive_settings, value_archive
 from .plain_values import plain_value
 from .torch_private import local_chunks
 from .unsafe import unsafe_value_error, weights_only_reason
@@ -461,6 +461,7 @@ class EngineSavePlanner(DefaultSavePlanner):
         self.key_map = {k: v for k, v in (key_map or {}).items() if k != v}
         self.cache_key = cache_key
         self.checksum = checksum
+        self._archive_settings: tuple[bool, int] | None = None
 
     def set_up_planner(
         self,
@@ -468,6 +469,7 @@ class EngineSavePlanner(DefaultSavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
+        self._archive_settings = archive_settings()  # torch.save's settings, as they are for this save
         if already_flat(state_dict):
             self.state_dict, self.mappings = dict(state_dict), {k: (k,) for k in state_dict}
             self.is_coordinator = is_coordinator
@@ -510,7 +512,7 @@ class EngineSavePlanner(DefaultSavePlanner):
         # A value without tensors gets its torch.save archive from a cache of archives by pickle
         # (about 10 instead of 100 microseconds); anything else is torch.save'd as DCP does.
         if write_item.type == WriteItemType.BYTE_IO:
-            data = value_archive(object)
+            data = value_archive(object, self._archive_settings)
             if data is not None:
                 return io.BytesIO(data)
         return super().transform_object(write_item, object)
