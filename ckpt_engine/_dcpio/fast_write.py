@@ -43,6 +43,7 @@ from torch.futures import Future
 from .._format.digests import write_part
 from .._format.hashing import new_hasher
 from .._format.metadata import remember_metadata
+from .._format.names import RANK_LOCAL_MARK
 from ..types import CarriedBy, CarryOver
 from ..types import WriteResult as ComponentWritten
 from .archive_write import tensor_archive
@@ -195,9 +196,14 @@ class FastFileSystemWriter(FileSystemWriter):
     #: sets this: an incremental layout then keeps that order.
     keep_item_order = False
 
-    def __init__(self, *args: Any, carry_over: CarryOver | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, carry_over: CarryOver | None = None, rank_local: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.carry_over = carry_over
+        #: A rank-local checkpoint (the node-local tier): its ``.metadata`` says so
+        #: (:data:`~ckpt_engine._format.names.RANK_LOCAL_MARK` in ``storage_meta.modules``).
+        self.rank_local = rank_local
         #: File name -> how it was carried over in the last write (``"link"``, ``"copy"``, or
         #: ``"write"``: it could have been, but carrying over was refused) and its size.
         self.carried: dict[str, tuple[CarriedBy, int]] = {}
@@ -209,6 +215,12 @@ class FastFileSystemWriter(FileSystemWriter):
         #: The ``.metadata`` the last ``finish`` wrote (on the coordinator; ``None`` before, or
         #: when DCP's own ``finish`` ran).
         self.last_metadata: MetadataFile | None = None
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        if self.rank_local and meta is not None:
+            meta.modules = [RANK_LOCAL_MARK]
+        return meta
 
     def _own_encoding(self) -> bool:
         """Whether this writer encodes the items and ``.metadata`` itself: not with stream

@@ -1,5 +1,5 @@
 """Reading Hugging Face safetensors weights through DCP: the index of a file or HF folder, and
-a ``StorageReader`` over it (``load_path`` = safetensors; the resume rule is ``_engine.hf_load``).
+a ``StorageReader`` over it (``load_path`` = safetensors; the resume rule is ``_engine.weights_load``).
 
 :class:`SafetensorsReader` serves DCP metadata built from the files' headers (each tensor one
 chunk at offset 0) and reads each read item's region with ``pread`` straight into the

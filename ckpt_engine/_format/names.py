@@ -26,6 +26,9 @@ PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
 #: Hidden lock file, used only where the filesystem refuses to lock the folder itself (NFS).
 LOCK_FILE = ".ckpt_engine.lock"
+#: In ``StorageMeta.modules`` of a rank-local checkpoint's ``.metadata`` (the node-local tier): it
+#: holds one rank's shards, so its chunks need not cover each tensor (a load checks what it reads).
+RANK_LOCAL_MARK = "ckpt_engine:rank_local"
 LEFTOVER_RE = re.compile(r"^\.(iter_\d{9,})(\.partial|\.deleting|\.replaced\.\d+)$")
 #: Suffix of the prefix an object-store re-save uploads to before it replaces the committed copy.
 REPLACING_SUFFIX = ".replacing"
