@@ -103,8 +103,9 @@ class _Output:
         self.pos = 0
         self.hasher = new_hasher(algorithm) if algorithm is not None else None
 
-    def write(self, data: Any) -> None:
-        if self.hasher is not None:
+    def write(self, data: Any, *, hashed: bool = False) -> None:
+        """Append ``data`` (``hashed``: already hashed into :attr:`hasher` by whoever made it)."""
+        if self.hasher is not None and not hashed:
             self.hasher.update(data)
         n = self.f.write(data)
         self.pos += n if n is not None else len(memoryview(data).cast("B"))
@@ -306,10 +307,14 @@ class FastFileSystemWriter(FileSystemWriter):
             return self._carry_or_write(name, items, planner)
         results: list[WriteResult] = []
         with _Output(os.path.join(os.fspath(self.path), name), algorithm) as out:
+            # A rank-local checkpoint's archives get serialization ids derived from the content
+            # (the digest so far, hashed once either way): equal state gives equal bytes, which a
+            # peer holding the same shards (a data-parallel replica) links instead of receiving.
+            hasher = out.hasher if self.rank_local else None
             for item in _dcp_order(items):
                 offset = out.pos
-                for part in _encode(planner.resolve_data(item)):
-                    out.write(part)
+                for part in _encode(planner.resolve_data(item), hasher):
+                    out.write(part, hashed=hasher is not None)
                 results.append(self._result(item, name, offset, out.pos - offset))
             out.sync(self.sync_files)
         return results, (out.pos, out.digest())

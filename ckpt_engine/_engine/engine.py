@@ -66,7 +66,11 @@ class CheckpointEngine:
         self._target = open_target(self.config)
         checksum = DEFAULT_ALGORITHM if self.config.save_checksums else None
         #: The node-local tier, where every save is committed too (None: none configured).
-        self._local = LocalTier.open(self.config, self.pipeline)
+        try:
+            self._local = LocalTier.open(self.config, self.pipeline)
+        except BaseException:
+            self.pipeline.close()  # a plugin that started something (a writer process) stops it
+            raise
         self._saver = Saver(
             self.config,
             self.pipeline,

@@ -39,9 +39,9 @@ from .._tier.topology import Topology
 from ..config import EngineConfig
 from ..errors import ConfigError, SaveDirLockedError
 from ..pipeline import Pipeline
-from ..types import CarryOver, StagedState, WriteContext, WriteResult
+from ..types import StagedState, WriteContext, WriteResult
 from .commit import CommitPhase, wait_writes
-from .incremental import CarryBase, carry_base_in
+from .incremental import carry_base_in
 from .resave import refuse_resave
 from .targets import SavePaths, commit_locally
 
@@ -175,16 +175,17 @@ class LocalTier:
         *,
         plan_prefix: str,
         checksum: str,
+        stable: frozenset[str],
     ) -> tuple[SavePaths, list[WriteResult | Future[WriteResult]]]:
         """Hand each component to the ``write`` provider as a rank-local write; returns the paths
         (with what an incremental save carries over from this rank's previous checkpoint) and the
         outcomes.
 
-        Every file is laid out as an incremental save lays out its stable files, with each
-        archive's serialization id derived from the content: equal state gives equal bytes, so a
-        peer that holds the same shards (a data-parallel replica) or the previous step's unchanged
-        files links them instead of receiving them. With ``incremental``, unchanged files are also
-        linked from this rank's previous checkpoint instead of written."""
+        Each archive's serialization id is derived from its content (the writer does it for a
+        rank-local write): equal state gives equal bytes, so a peer that holds the same shards (a
+        data-parallel replica) or the previous step's unchanged files links them instead of
+        receiving them. With ``incremental``, the files are laid out and unchanged ones linked from
+        this rank's previous checkpoint as in ``save_dir`` (``stable``: the model's frozen keys)."""
         carry = None
         if self.config.incremental:
             carry = carry_base_in(self.folder, open_store(self.folder), "link", self.config, checksum, paths.iteration)
@@ -210,7 +211,9 @@ class LocalTier:
                 thread_count=self.config.thread_count,
                 sync_files=self.config.sync_files,
                 process_group=RANK_LOCAL,
-                carry_over=self._layout(carry, name, frozenset(key_maps[name].values()), checksum),
+                carry_over=None
+                if carry is None
+                else carry.for_component(name, stable if name == "model" else frozenset()),
                 rank_local=True,
             )
             out = pipeline.write(ctx, state)
@@ -218,14 +221,6 @@ class LocalTier:
                 out = out.result()  # the live state: must be written before save() returns
             outcomes.append(out)
         return paths, outcomes
-
-    @staticmethod
-    def _layout(carry: CarryBase | None, name: str, keys: frozenset[str], checksum: str) -> CarryOver:
-        """What a rank-local write of component ``name`` (storage ``keys``) may carry over: every
-        key is laid out and compared as a stable one; files are carried from ``carry`` if any."""
-        if carry is not None:
-            return carry.for_component(name, keys)
-        return CarryOver(previous=None, algorithm=checksum, stable=keys)
 
     # -- the commit -----------------------------------------------------------------------------
 
@@ -260,8 +255,11 @@ class LocalTier:
         return phase
 
     def _retain(self) -> None:
+        """``local_keep_last`` in this rank's folder; a checkpoint a replication round may still
+        send is kept until that round has finished (the next retention removes it)."""
+        in_use = self._replicator.in_flight() if self._replicator is not None else frozenset()
         try:
-            apply_retention(self.folder, self.config.local_keep_last)
+            apply_retention(self.folder, self.config.local_keep_last, in_use=in_use)
         except Exception:
             logger.warning(
                 "local tier: retention in %s failed; retrying after the next save", self.folder, exc_info=True

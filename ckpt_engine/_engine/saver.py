@@ -31,6 +31,7 @@ from ..errors import (
     CheckpointSaveError,
     CkptEngineError,
     CollectiveError,
+    ConfigError,
     SaveDirLockedError,
     described,
 )
@@ -237,13 +238,14 @@ class Saver:
         self, paths: SavePaths, writes: SaveWrites, components: tuple[str, ...], err: Exception, clock: SaveClock
     ) -> Exception:
         """Report a save that failed before any write, and return the error ``save()`` raises:
-        refusals and timeouts as they are, anything else as a :class:`CheckpointSaveError`."""
+        refusals, timeouts and configurations that cannot work as they are, anything else as a
+        :class:`CheckpointSaveError`."""
         if writes.round is not None:
             writes.round.set_result(None)
         self.committer.report(paths, writes, components, clock, err, cleanup=False)
         if isinstance(err, CollectiveError):
             err.committed = False
-        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveError)):
+        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveError, ConfigError)):
             return err
         detail = str(err) if isinstance(err, CkptEngineError) else described(err)
         return CheckpointSaveError(f"saving iteration {paths.iteration} to {paths.final} failed: {detail}")
@@ -291,7 +293,13 @@ class Saver:
             if self.local is not None and writes.local is not None:
                 assert self.checksum is not None
                 writes.local, writes.local_outcomes = self.local.write(
-                    self.pipeline, writes.local, staged, key_maps, plan_prefix=self.plan_prefix, checksum=self.checksum
+                    self.pipeline,
+                    writes.local,
+                    staged,
+                    key_maps,
+                    plan_prefix=self.plan_prefix,
+                    checksum=self.checksum,
+                    stable=stable,
                 )
         except (Exception, CheckpointException) as exc:
             cause, ranks = unwrap(exc)

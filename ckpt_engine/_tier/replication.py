@@ -110,7 +110,8 @@ class Replicator:
         self._sync = sync_files
         self._queue: queue.Queue[_Round | None] = queue.Queue()
         self._cond = threading.Condition()
-        self._pending = 0
+        #: The iterations of the announced rounds that have not finished, oldest first.
+        self._rounds: list[int] = []
         self._errors: list[str] = []
         #: Why replication stopped for good (the process group failed), once it did.
         self._broken: str | None = None
@@ -125,18 +126,24 @@ class Replicator:
         resolved in every case: the peers wait for this rank's round."""
         committed: Future[Manifest | None] = Future()
         with self._cond:
-            self._pending += 1
+            self._rounds.append(iteration)
         self._queue.put(_Round(iteration, committed))
         return committed
+
+    def in_flight(self) -> frozenset[int]:
+        """The iterations whose rounds have not finished: this rank may still send their files."""
+        with self._cond:
+            return frozenset(self._rounds)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every announced round has finished; raise :class:`ReplicationError` for the
         failures since the last call (or when rounds are still running after ``timeout``)."""
         with self._cond:
-            done = self._cond.wait_for(lambda: self._pending == 0, timeout)
+            done = self._cond.wait_for(lambda: not self._rounds, timeout)
             errors, self._errors = self._errors, []
+            running = len(self._rounds)
         if not done:
-            errors.append(f"{self._pending} replication round(s) still running after {timeout}s")
+            errors.append(f"{running} replication round(s) still running after {timeout}s")
         if errors:
             shown = "; ".join(errors[:4]) + (f"; and {len(errors) - 4} more" if len(errors) > 4 else "")
             raise ReplicationError(f"rank {self._rank}: peer replication failed: {shown}")
@@ -170,7 +177,7 @@ class Replicator:
                 self._record(f"replication stopped at {self._broken}")
             finally:
                 with self._cond:
-                    self._pending -= 1
+                    self._rounds.remove(job.iteration)
                     self._cond.notify_all()
 
     def _record(self, error: str) -> None:
