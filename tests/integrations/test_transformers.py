@@ -3,9 +3,10 @@
 Every run is a real ``Trainer.train`` on the CPU (tiny GPT-2, Llama or GPT-2 with a ``peft`` LoRA
 adapter, built from a config, dropout on; ``tests/hf_scripts/hf_train.py``): 14 steps, a
 checkpoint every 3, across an epoch boundary. Here the interrupted run and its resume run in this
-process with fresh objects; ``test_transformers_processes.py`` runs them in new processes, kills
-them with SIGKILL mid-save and runs them on two ranks. A resumed run must end bit for bit where
-the uninterrupted run ends: parameters, optimizer state and every logged loss.
+process with fresh objects (a background save and an object-store save_dir in the full tier);
+``test_transformers_processes.py`` runs them in new processes, kills them with SIGKILL mid-save
+and runs them on two ranks. A resumed run must end bit for bit where the uninterrupted run ends:
+parameters, optimizer state and every logged loss.
 """
 
 from __future__ import annotations
@@ -241,6 +242,7 @@ def test_lora_with_incremental_writes_only_the_adapter_and_its_optimizer_state_a
     assert cli(["verify", str(tmp_path / CKPT), "--level", "checksums"]) == 0
 
 
+@pytest.mark.full  # two pinned_staging writer start-ups (about 20 s on 2 cores)
 def test_pinned_staging_saves_in_the_background_and_resumes_bit_identical(
     tmp_path: Path, reference: dict[str, dict[str, Any]]
 ) -> None:
@@ -250,6 +252,7 @@ def test_pinned_staging_saves_in_the_background_and_resumes_bit_identical(
     assert _latest(tmp_path) == "iter_000000014"
 
 
+@pytest.mark.full  # the S3 server and a few hundred requests (about 10 s)
 def test_object_storage_save_dir(s3_bucket: Any, tmp_path: Path, reference: dict[str, dict[str, Any]]) -> None:
     engine = {"save_dir": s3_bucket.url, "storage": dict(s3_bucket.storage)}
     resumed = _stop_then_resume_remote(tmp_path, engine)
