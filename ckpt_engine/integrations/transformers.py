@@ -71,6 +71,7 @@ else:  # at run time the mixin is a plain class, so it composes with any Trainer
 
 __all__ = [
     "COMPONENT",
+    "TRAINER_METHODS",
     "EngineTrainer",
     "EngineTrainerMixin",
     "NotATrainerCheckpointError",
@@ -148,7 +149,7 @@ def _require_mixin_first(cls: type) -> None:
         )
 
 
-def engine_config_for(config: EngineConfigLike | None, output_dir: str | None) -> EngineConfig:
+def _engine_config_for(config: EngineConfigLike | None, output_dir: str | None) -> EngineConfig:
     """The engine config of a trainer: ``config`` (``None``, or a mapping without ``save_dir``:
     ``<output_dir>/checkpoints``), with ``rng`` off (the trainer saves the random state itself,
     to restore it when the Trainer does) and no ``load_path`` (a resume names its checkpoint)."""
@@ -202,7 +203,7 @@ class EngineTrainerMixin(_TrainerBase):
                 "trainer.push_to_hub() after training"
             )
         super().__init__(*args, **kwargs)
-        self.engine_config = engine_config_for(engine_config, self.args.output_dir)
+        self.engine_config = _engine_config_for(engine_config, self.args.output_dir)
         self.engine_plugins = tuple(engine_plugins)
         self.save_results: list[SaveResult] = []
         self._engine: CheckpointEngine | None = None
