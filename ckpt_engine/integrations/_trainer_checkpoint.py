@@ -12,16 +12,13 @@ once the Trainer has built its optimizer and scheduler.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from .._dcpio import dist as _dist
 from .._engine.rng import RNG_COMPONENT, RngState
@@ -49,7 +46,6 @@ __all__ = [
     "Resume",
     "StateItems",
     "apply_save_total_limit",
-    "empty_groups_aside",
     "newer_checkpoints",
     "open_resume",
     "read_training_state",
@@ -212,7 +208,7 @@ def read_training_state(
     kwargs = {k: v for k, v in objects.items() if k == "model" or _COMPONENT_OF.get(k) in wanted}
     extra = {RNG_COMPONENT: resume.rng} if RNG_COMPONENT in wanted else {}
     reader = reader_engine(config, plugins, resume.checkpoint, tuple(extra))
-    with reader, empty_groups_aside(kwargs.get("optimizer")):
+    with reader:
         result = reader.load(**kwargs, extra=extra)
     if result.checkpoint_path is None or result.iteration != resume.iteration:
         raise CorruptCheckpointError(
@@ -233,30 +229,6 @@ def _lacking_component(config: EngineConfig, folder: str | None) -> str | None:
         return None if store.exists(store.join(checkpoint, COMPONENT)) else checkpoint
     except (OSError, CkptEngineError):
         return None
-
-
-@contextlib.contextmanager
-def empty_groups_aside(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
-    """The optimizer without its parameter groups that hold no parameters while the engine loads
-    into it, then with them back in their places.
-
-    torch's flattened optimizer state dict (``flatten_optimizer_state_dict=True``, the engine's
-    ``optim`` format) keys a group's hyper-parameters by the group's first parameter, so a group
-    without parameters has no keys, and ``set_optimizer_state_dict`` fails on it (``IndexError``
-    in ``_unflatten_optim_state_dict``). The Trainer makes one whenever every bias and norm weight
-    is frozen (its no-decay group under LoRA). Such a group holds no state, so nothing of it is lost.
-    """
-    aside = [] if optimizer is None else [(i, g) for i, g in enumerate(optimizer.param_groups) if not g["params"]]
-    if optimizer is None or not aside:
-        yield
-        return
-    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
-    try:
-        yield
-    finally:
-        groups = optimizer.param_groups  # a new list once load_state_dict ran
-        for index, group in aside:
-            groups.insert(index, group)
 
 
 _COMPONENT_OF = {"optimizer": "optim", "scheduler": "scheduler", "grad_scaler": "trainer"}
