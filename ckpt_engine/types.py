@@ -362,7 +362,9 @@ class LoadResult:
     #: Bytes of data files this rank read from storage (with ``dedup_reads``, its share of what
     #: several ranks need; the rest came by broadcast). 0 for a ``.pth``, safetensors or fresh start.
     bytes_read: int = 0
-    #: Bytes this rank took from each source: ``"local"`` (its node-local tier), ``"peer"`` (a
-    #: replica another rank sent over the process group, checksummed on arrival) and
-    #: ``"durable"`` (``save_dir`` or ``load_path``); sources it took nothing from are left out.
+    #: Bytes this rank took from each source: ``"local"`` (its node-local tier, or the two-tier
+    #: local copy), ``"peer"`` (a replica another rank sent over the process group, checksummed on
+    #: arrival: the bytes of the files received) and ``"durable"`` (``save_dir`` or ``load_path``);
+    #: sources it took nothing from are left out. What was read from storage counts as
+    #: :attr:`bytes_read` does (archive headers read ahead included).
     bytes_by_source: Mapping[str, int] = field(default_factory=dict)

@@ -55,8 +55,11 @@ class LocalTierSource:
             if _dist.rank() == 0:
                 logger.warning("the local tier cannot serve this job (%s); resuming from save_dir", err)
             return loader.durable_source(objs).read(loader, objs)
-        peer = self.recovered.bytes_received
-        by_source = {"local": max(0, result.bytes_read - peer), "peer": peer}
+        recovered = self.recovered
+        if recovered.source == _dist.rank():  # on its own node: everything read came from there
+            by_source = {"local": result.bytes_read}
+        else:  # received from a peer into this node (and what this node had of it, linked)
+            by_source = {"local": recovered.bytes_linked, "peer": recovered.bytes_received}
         return dataclasses.replace(result, bytes_by_source={k: v for k, v in by_source.items() if v})
 
 

@@ -66,7 +66,10 @@ class Recovered:
     path: str
     #: The rank this rank's part came from (itself: it was on its own node).
     source: int
-    bytes_received: int
+    #: Bytes of its files received from ``source`` (0 when it was on its own node).
+    bytes_received: int = 0
+    #: Bytes of its files that were on its own node already (linked) when it came from a peer.
+    bytes_linked: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,13 +96,13 @@ def recover(local_dir: str, topology: Topology, durable: int | None, *, keep_las
         if newly:
             refused |= newly
             continue
-        received, failed = _transfers(local_dir, plan, mine, rank, keep_last=keep_last, sync=sync)
+        received, linked, failed = _transfers(local_dir, plan, mine, rank, keep_last=keep_last, sync=sync)
         newly = _everyone(failed, "local tier: transfers")
         if newly:
             refused |= newly
             continue
         path = os.path.join(rank_folder(local_dir, rank), iter_dirname(plan.iteration))
-        return Recovered(plan.iteration, path, plan.source[rank], received)
+        return Recovered(plan.iteration, path, plan.source[rank], received, linked)
     return None
 
 
@@ -156,26 +159,26 @@ def _everyone(copies: list[Copy], step: str) -> set[Copy]:
 
 def _transfers(
     local_dir: str, plan: _Plan, mine: dict[int, dict[int, Held]], rank: int, *, keep_last: int, sync: bool
-) -> tuple[int, list[Copy]]:
+) -> tuple[int, int, list[Copy]]:
     """Every part that is not on its owner's node, sent by its source: pair by pair in owner order
-    (each rank waits only in its own pairs). Returns the bytes this rank received and the copies
-    that failed here."""
+    (each rank waits only in its own pairs). Returns the bytes this rank received and linked from
+    its own node, and the copies that failed here."""
     watch = active_watch()
     group = watch.group if watch is not None else None
     if watch is not None:
         watch.barrier("local tier: transfers")
-    received, failed = 0, []
+    received, linked, failed = 0, 0, []
     for owner, holder in sorted(plan.source.items()):
         if holder == owner or rank not in (owner, holder):
             continue
         if rank == holder:
             _send(group, mine[owner][plan.iteration], owner)
             continue
-        got, ok = _receive(group, local_dir, holder, plan.iteration, keep_last=keep_last, sync=sync)
-        received += got
+        got, kept, ok = _receive(group, local_dir, holder, plan.iteration, keep_last=keep_last, sync=sync)
+        received, linked = received + got, linked + kept
         if not ok:
             failed.append((holder, owner, plan.iteration))
-    return received, failed
+    return received, linked, failed
 
 
 def _send(group: Any, held: Held, owner: int) -> None:
@@ -195,9 +198,9 @@ def _send(group: Any, held: Held, owner: int) -> None:
 
 def _receive(
     group: Any, local_dir: str, holder: int, iteration: int, *, keep_last: int, sync: bool
-) -> tuple[int, bool]:
+) -> tuple[int, int, bool]:
     """Receive this rank's part of ``iteration`` from ``holder`` into its own folder and commit it;
-    returns the bytes received and whether it is committed."""
+    returns the bytes received, the bytes linked from its own node, and whether it is committed."""
     rank = _dist.rank()
     raw = exchange_bytes(group, None, b"", holder, MAX_MANIFEST_BYTES) or b""
     partial, needed = "", {}
@@ -213,7 +216,7 @@ def _receive(
         if partial:
             abandon_copy(partial)
         exchange_bytes(group, holder, b"[]", None, 0)
-        return 0, False
+        return 0, 0, False
     exchange_bytes(group, holder, json.dumps(sorted(needed)).encode(), None, 0)
     files = [(rel, e.size, e.checksum or "") for rel, e in sorted(needed.items())]
     outcome = exchange_files(group, None, Incoming(holder, partial, files, manifest.algorithm, sync))
@@ -224,7 +227,7 @@ def _receive(
     except (OSError, CkptEngineError) as err:
         logger.warning("local tier: the part rank %d sent of rank %d is refused: %s", holder, rank, clip(str(err), 300))
         abandon_copy(partial)
-        return outcome.bytes_received, False
+        return outcome.bytes_received, 0, False
     logger.info(
         "local tier: rank %d rebuilt its iteration %d from rank %d's replica (%.1f MB received, %d file(s) linked)",
         rank,
@@ -233,4 +236,5 @@ def _receive(
         outcome.bytes_received / 1e6,
         len(manifest.files) - len(needed),
     )
-    return outcome.bytes_received, True
+    linked = sum(e.size for rel, e in manifest.files.items() if rel not in needed)
+    return outcome.bytes_received, linked, True

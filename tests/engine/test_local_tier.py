@@ -322,3 +322,26 @@ def test_a_local_write_that_fails_fails_the_save_and_leaves_nothing(tmp_path: Pa
         assert not (folder / ".iter_000000002.partial").exists()
         assert (folder / "latest_checkpoint.txt").read_text().strip() == "iter_000000001"
         assert engine.save(3, **state.objects()).result().succeeded  # the next save is not blocked
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("plugins", [[], ["pinned_staging"]], ids=["sync", "pinned_staging"])
+def test_cuda_state_saves_to_the_local_tier_and_resumes_bit_exact(tmp_path: Path, plugins: list[str]) -> None:
+    """On a GPU: CUDA parameters and AdamW state into the local tier (pinned host buffers and a
+    side stream with pinned_staging), resumed into a fresh CUDA model bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    config = _config(tmp_path, persist_every=10, plugins=plugins)
+    with CheckpointEngine(config) as engine:
+        assert engine.save(1, model=model, optimizer=opt).result().tier == "local"
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    with CheckpointEngine(config) as engine:
+        result = engine.load(model=fresh, optimizer=fresh_opt)
+    assert (result.iteration, set(result.bytes_by_source)) == (1, {"local"})
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert b.is_cuda and torch.equal(a, b)
+        assert torch.equal(opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"])

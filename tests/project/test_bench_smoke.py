@@ -200,3 +200,24 @@ def test_peers_benchmark_two_rank_smoke(tmp_path: Path) -> None:
     assert methods["ours_sync"]["load_hot_s"] > 0 and methods["ours_sync"]["load_cold_s"] > 0
     assert "2 ranks: one file from one process" in methods["safetensors"]["not_run"]
     assert not work.exists() or not os.listdir(work)
+
+
+@pytest.mark.dist
+def test_tier_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/tier_bench.py end to end: 2 ranks as 2 nodes, the three phases, the S3 server (untimed)."""
+    out = tmp_path / "tier.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "tier_bench.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (result,) = json.loads(out.read_text())["results"]
+    assert {"blocked", "step", "recover"} <= set(result)
+    assert result["blocked"]["local_s"] > 0 and result["blocked"]["floor_s"] > 0
+    sources = result["recover"]["bytes_by_source"]
+    assert [set(s) for s in sources["restart"]] == [{"local"}, {"local"}]
+    assert [set(s) for s in sources["node_loss"]] == [{"local"}, {"peer"}]  # rank 1's node was wiped
+    assert [set(s) for s in sources["durable_s3"]] == [{"durable"}, {"durable"}]
