@@ -45,7 +45,8 @@ class LocalTierSource:
     wanted: list[str]
 
     def read(self, loader: Loader, objs: TrainingObjects) -> LoadResult:
-        # The recovery read every file it uses and compared its checksum: sizes are enough now.
+        # The recovery checked the sizes (and per verify, checksums) of every copy it uses, and
+        # every byte received from a peer: the sizes are checked once more as the load opens it.
         validated = loader.validate_rank_local(self.recovered.path)
         try:
             result = loader.read_checkpoint(
@@ -73,7 +74,14 @@ def local_tier_source(config: EngineConfig, durable: int | None, wanted: list[st
         if _dist.rank() == 0:
             logger.warning("not resuming from the local tier: %s", err)
         return None
-    recovered = recover(config.local_dir, topology, durable, keep_last=config.local_keep_last, sync=config.sync_files)
+    recovered = recover(
+        config.local_dir,
+        topology,
+        durable,
+        keep_last=config.local_keep_last,
+        sync=config.sync_files,
+        checksums=config.verify == "checksums",
+    )
     if recovered is None:
         if _dist.rank() == 0:
             logger.info("the local tier holds no step newer than save_dir's complete on every rank")

@@ -9,12 +9,15 @@ Run by every rank inside a load, before anything is read:
    rank's checkpoint is held for somewhere (a step only some ranks hold, or a replica still in
    flight, never counts), each rank's part taken from the rank itself if it holds it, else from
    the first holder of a replica (:meth:`.Topology.holders` order);
-3. each rank reads every checkpoint it is about to use or send and compares its checksums; a
-   damaged one is dropped from the plan on every rank and the plan is made again (step 2);
+3. with ``verify: checksums``, each rank reads its own copy and compares its checksums before
+   anything is loaded (with ``sizes``, the default, the sizes were checked in step 1, as a load
+   from ``save_dir`` checks them); a damaged one is dropped from the plan on every rank and the
+   plan is made again (step 2);
 4. each rank that lacks its part receives it from its source over the process group
-   (:mod:`.transfer`: JSON manifest, raw bytes, checksums checked on arrival, nothing unpickled),
-   into its own node's folder, so the node's tier is rebuilt; a transfer that fails drops that
-   source and the plan is made again.
+   (:mod:`.transfer`: JSON manifest, raw bytes, every checksum checked on arrival whatever
+   ``verify`` says, nothing unpickled), into its own node's folder, so the node's tier is
+   rebuilt; a transfer that fails (a damaged replica among them) drops that source and the plan
+   is made again.
 
 It returns ``None`` when no step at least as new as ``durable`` is complete in the local tier (the
 load then reads ``save_dir``). Every collective is bounded by ``collective_timeout_s`` (the
@@ -79,7 +82,9 @@ class _Plan:
     source: dict[int, int]
 
 
-def recover(local_dir: str, topology: Topology, durable: int | None, *, keep_last: int, sync: bool) -> Recovered | None:
+def recover(
+    local_dir: str, topology: Topology, durable: int | None, *, keep_last: int, sync: bool, checksums: bool
+) -> Recovered | None:
     """The step this rank resumes from the local tier and its folder, or ``None`` (see the module)."""
     rank = _dist.rank()
     mine = _holdings(local_dir, topology, rank, durable)
@@ -91,7 +96,8 @@ def recover(local_dir: str, topology: Topology, durable: int | None, *, keep_las
         plan = _plan(announced, refused, topology, durable)
         if plan is None:
             return None
-        bad = [(rank, owner, plan.iteration) for owner in _served(plan, rank) if _damaged(mine[owner][plan.iteration])]
+        own = checksums and plan.source[rank] == rank
+        bad = [(rank, rank, plan.iteration)] if own and _damaged(mine[rank][plan.iteration]) else []
         newly = _everyone(bad, "local tier: checks")
         if newly:
             refused |= newly
@@ -138,11 +144,6 @@ def _plan(
         else:
             return _Plan(iteration, source)
     return None
-
-
-def _served(plan: _Plan, rank: int) -> list[int]:
-    """The owners whose part this rank provides in ``plan`` (itself included)."""
-    return [owner for owner, holder in plan.source.items() if holder == rank]
 
 
 def _damaged(held: Held) -> bool:

@@ -10,12 +10,14 @@ items are further config fields (``plugins=pinned_staging``, ``incremental=1``,
 waits to be killed while that step replicates (``<base>/holding`` says it is there).
 
 ``resume KIND:BASE [KIND:BASE ...]``: for each base in turn, a fresh model of that kind resumed
-through a new engine; reports the iteration, the bytes by source, the path and whether its state
-equals that step's ``expected_<rank>_<step>.pt`` bit for bit (``null`` where the kinds differ).
+through a new engine (with the config fields in ``<base>/resume.json``, if any); reports the
+iteration, the bytes by source, the path and whether its state equals that step's
+``expected_<rank>_<step>.pt`` bit for bit (``null`` where the kinds differ).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -87,7 +89,12 @@ def resume(targets: list[str], rank: int) -> None:
         with open(os.path.join(base, "kind")) as f:
             trained = f.read().strip()
         model, optim = build(kind)
-        with CheckpointEngine(config(base, rank)) as engine:
+        extra_path = os.path.join(base, "resume.json")  # config fields of this resume only
+        extra: dict[str, Any] = {}
+        if os.path.exists(extra_path):
+            with open(extra_path) as f:
+                extra = json.load(f)
+        with CheckpointEngine(config(base, rank, **extra)) as engine:
             result = engine.load(model=model, optimizer=optim)
         same = None
         if kind == trained:

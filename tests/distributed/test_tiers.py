@@ -87,12 +87,14 @@ def test_replicated_model_restart_node_loss_both_nodes_and_damaged_copies(tmp_pa
     node_lost = _copy(trained, tmp_path / "node_lost", "node1")
     both_lost = _copy(trained, tmp_path / "both_lost", "node0", "node1")
     damaged_own = _copy(trained, tmp_path / "damaged_own")
-    # Rank 0's own copy of the last step damaged (its node holds no other copy of it): rank 0
-    # takes its part from the replica on node 1.
+    # Rank 0's own copy of the last step damaged (its node holds no other copy of it), resumed
+    # with verify: checksums: rank 0 takes its part from the replica on node 1.
     _flip(damaged_own / "node0/rank_00000/iter_000000005/model/__0_0.distcp")
+    (damaged_own / "resume.json").write_text('{"verify": "checksums"}')
     damaged_replica = _copy(trained, tmp_path / "damaged_replica", "node1")
-    # Node 1 lost and the only replica of rank 3's last step damaged: that step is complete for
-    # no rank set any more, so the step before it is resumed, rank 3's from its older replica.
+    # Node 1 lost and the only replica of rank 3's last step damaged: its checksums fail on
+    # arrival, that step is complete for no rank set any more, so the step before it is resumed,
+    # rank 3's from its older replica.
     replica_file = damaged_replica / "node0/rank_00003/iter_000000005/trainer/__0_0.distcp"
     replica_file.write_bytes(replica_file.read_bytes())  # its own inode: the damage stays in the replica
     _flip(replica_file)

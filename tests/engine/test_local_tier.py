@@ -151,7 +151,7 @@ def test_a_local_step_that_fails_its_sizes_is_not_resumed(tmp_path: Path) -> Non
 
 
 def test_a_damaged_local_step_is_found_by_its_checksums_and_not_resumed(tmp_path: Path) -> None:
-    config = _config(tmp_path, persist_every=3)
+    config = _config(tmp_path, persist_every=3, verify="checksums")
     saved = _save_steps(config, range(1, 6))
     data = next((tmp_path / "local/rank_00000/iter_000000005/optim").glob("*.distcp"))
     raw = bytearray(data.read_bytes())
