@@ -345,3 +345,47 @@ def test_cuda_state_saves_to_the_local_tier_and_resumes_bit_exact(tmp_path: Path
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert b.is_cuda and torch.equal(a, b)
         assert torch.equal(opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"])
+
+
+def test_an_object_store_save_dir_with_a_local_tier(tmp_path: Path, s3_bucket: Any) -> None:
+    """Local saves never reach the store; durable ones are committed there as always; a resume
+    takes the local step, and after the local tier is lost the store's."""
+    config = {
+        "save_dir": s3_bucket.url,
+        "storage": s3_bucket.storage,
+        "local_dir": str(tmp_path / "local"),
+        "persist_every": 2,
+    }
+    saved = _save_steps(config, range(1, 4))
+    assert [saved[i]["result"].tier for i in (1, 2, 3)] == ["local", "durable", "local"]
+    assert {k.split("/")[0] for k in s3_bucket.objects()} == {"iter_000000002", "latest_checkpoint.txt"}
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (3, {"local"})
+    assert_state_dicts_equal(got, saved[3]["state"])
+    for path in sorted((tmp_path / "local").rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (2, {"durable"})
+    assert_state_dicts_equal(got, saved[2]["state"])
+
+
+@pytest.mark.full  # three writer-process start-ups
+def test_overlapped_async_saves_to_the_local_tier_keep_their_snapshot(tmp_path: Path) -> None:
+    """pinned_staging with overlap: the snapshot copy runs after save() returns, and both the
+    durable and the local write wait for it; a resume is the state of the step saved."""
+    plugin = {"name": "pinned_staging", "options": {"overlap": True}}
+    config = _config(tmp_path, persist_every=2, plugins=[plugin])
+    state = TinyTrainingState.create(seed=1)
+    expected = {}
+    with CheckpointEngine(config) as engine:
+        for it in range(1, 4):
+            handle = engine.save(it, **state.objects())
+            expected[it] = _snapshot(state)
+            state.train(1, seed=it)  # the next step, while the copy may still run
+            assert handle.result().tier == ("durable" if it % 2 == 0 else "local")
+    result, got = _resume(config)
+    assert result.iteration == 3
+    assert_state_dicts_equal(got, expected[3])
+    durable, got = _resume({**config, "local_dir": str(tmp_path / "elsewhere")})
+    assert durable.iteration == 2
+    assert_state_dicts_equal(got, expected[2])
