@@ -31,7 +31,6 @@ from ..errors import (
     CheckpointSaveError,
     CkptEngineError,
     CollectiveError,
-    ConfigError,
     SaveDirLockedError,
     described,
 )
@@ -238,14 +237,13 @@ class Saver:
         self, paths: SavePaths, writes: SaveWrites, components: tuple[str, ...], err: Exception, clock: SaveClock
     ) -> Exception:
         """Report a save that failed before any write, and return the error ``save()`` raises:
-        refusals, timeouts and configurations that cannot work as they are, anything else as a
-        :class:`CheckpointSaveError`."""
+        refusals and timeouts as they are, anything else as a :class:`CheckpointSaveError`."""
         if writes.round is not None:
             writes.round.set_result(None)
         self.committer.report(paths, writes, components, clock, err, cleanup=False)
         if isinstance(err, CollectiveError):
             err.committed = False
-        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveError, ConfigError)):
+        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveError)):
             return err
         detail = str(err) if isinstance(err, CkptEngineError) else described(err)
         return CheckpointSaveError(f"saving iteration {paths.iteration} to {paths.final} failed: {detail}")

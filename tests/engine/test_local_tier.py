@@ -1,6 +1,6 @@
 """The node-local tier in one process: which saves go where, what a resume picks, the rank-local
 format, and every refusal of a configuration that cannot work (the multi-rank behaviour, peer
-replicas and the recovery planner, is tests/distributed/test_tiers.py's)."""
+replicas and the recovery planner, is tests/distributed/test_node_tiers.py's)."""
 
 from __future__ import annotations
 

@@ -213,7 +213,7 @@ def test_a_local_dir_shared_between_nodes_is_refused_at_the_first_save(tmp_path:
     assert run.returncode == 0, run.describe()
     for rank in (0, 1):
         (outcome,) = run.results()[rank]
-        assert outcome["raised"] == "ConfigError", outcome
+        assert outcome["raised"] == "CheckpointSaveError", outcome
         assert (
             "is not node-local as ranks_per_node=1 says: rank 0 sees the local_dir of ranks [0, 1]"
             in outcome["message"]
