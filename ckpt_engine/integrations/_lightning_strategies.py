@@ -15,7 +15,7 @@ once, how the IO runs under it:
   ``load_checkpoint`` call the IO on every rank; every rank gives its checkpoint dict, and the
   engine writes what is replicated once, from global rank 0, so the checkpoint holds rank 0's
   values as Lightning's own would;
-* ``ModelParallelStrategy``, FSDP2 and tensor parallelism (:class:`ModelParallel`): the same, the
+* ``ModelParallelStrategy``, FSDP2 and DTensor (:class:`ModelParallel`): the same, the
   DTensors written as each rank's shards; a load reads into the live model's and optimizers'
   DTensors and sets them (``set_model_state_dict``, ``set_optimizer_state_dict``), as
   Lightning's own sharded load does;
@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.strategies import (
     DDPStrategy,
@@ -107,6 +108,7 @@ class DataParallel(Connection):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """``Strategy.load_checkpoint`` on every rank, from global rank 0's path."""
+        torch.cuda.empty_cache()  # as Lightning's own does before it reads a checkpoint
         return self.calls.load(self.strategy.broadcast(checkpoint_path), None)
 
     def _any(self, flag: bool) -> bool:

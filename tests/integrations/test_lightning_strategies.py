@@ -140,6 +140,28 @@ def test_the_strategies_it_runs_under_are_built_and_other_trainers_are_untouched
     assert strategy.checkpoint_io is io
 
 
+def test_model_parallel_teardown_tears_the_io_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModelParallelStrategy.teardown never calls its CheckpointIO's (Strategy.teardown does): the
+    end of fit would not wait for a background save of the last step, nor close the engine."""
+    torn: list[str] = []
+
+    class Recording(EngineCheckpointIO):
+        def teardown(self) -> None:
+            torn.append("io")
+            super().teardown()
+
+    trainer = L.Trainer(
+        strategy=ModelParallelStrategy(),
+        accelerator="cpu",
+        devices=2,
+        plugins=[Recording({"save_dir": str(tmp_path)})],
+        logger=False,
+    )
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the cluster environment's teardown removes it
+    trainer.strategy.teardown()
+    assert torn == ["io"]
+
+
 def test_lightnings_private_settings_read_as_constructed() -> None:
     """Pins the two private Lightning attributes the refusal reads (``_lightning_strategies``)."""
     for method in ("popen", "spawn", "fork", "forkserver"):
