@@ -226,22 +226,26 @@ def connect(strategy: Strategy, calls: IOCalls) -> Connection:
 class _ConnectingProperty(property):
     """``Strategy.checkpoint_io`` whose setter also tells the integration (see :func:`install`)."""
 
+    #: Lightning's own property, which this one wraps.
+    original: property
+
 
 def install(on_connect: Callable[[Strategy, CheckpointIO], None]) -> None:
     """Make every ``strategy.checkpoint_io = io`` (how Lightning connects ``plugins=[io]``, or a
     strategy's ``checkpoint_io=io``, while the ``Trainer`` is built) also call
-    ``on_connect(strategy, io)``. Idempotent; the property otherwise behaves as Lightning's."""
+    ``on_connect(strategy, io)``. Installing again replaces the callback (a reloaded module);
+    the property otherwise behaves as Lightning's."""
     current = Strategy.__dict__["checkpoint_io"]
-    if isinstance(current, _ConnectingProperty):
-        return
-    assert isinstance(current, property) and current.fset is not None, "Lightning's Strategy.checkpoint_io changed"
-    setter = current.fset
+    original = current.original if isinstance(current, _ConnectingProperty) else current
+    assert isinstance(original, property) and original.fset is not None, "Lightning's Strategy.checkpoint_io changed"
+    setter = original.fset
 
     def connecting_setter(strategy: Strategy, io: CheckpointIO) -> None:
         setter(strategy, io)
         on_connect(strategy, io)
 
-    connecting = _ConnectingProperty(current.fget, connecting_setter, current.fdel, current.__doc__)
+    connecting = _ConnectingProperty(original.fget, connecting_setter, original.fdel, original.__doc__)
+    connecting.original = original
     setattr(Strategy, "checkpoint_io", connecting)  # noqa: B010
 
 

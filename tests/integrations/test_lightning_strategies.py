@@ -41,7 +41,7 @@ from lightning.pytorch.strategies import (
 )
 
 from ckpt_engine.cli import main as cli
-from ckpt_engine.integrations._lightning_strategies import saves_sharded, start_method
+from ckpt_engine.integrations._lightning_strategies import install, saves_sharded, start_method
 from ckpt_engine.integrations._state_tree import flatten, skeleton
 from ckpt_engine.integrations.lightning import LAST_ALIAS, EngineCheckpointIO, UnsupportedStrategyError, read_pointer
 
@@ -138,6 +138,20 @@ def test_the_strategies_it_runs_under_are_built_and_other_trainers_are_untouched
     strategy = SingleDeviceStrategy()
     strategy.checkpoint_io = io  # the wrapped setter still sets
     assert strategy.checkpoint_io is io
+
+
+def test_installing_again_wraps_lightnings_setter_once(tmp_path: Path) -> None:
+    """A reloaded integration module installs its own callback, never a wrapper of a wrapper."""
+    connected: list[Strategy] = []
+    prop = Strategy.__dict__["checkpoint_io"]
+    try:
+        install(lambda strategy, io: connected.append(strategy))
+        assert Strategy.__dict__["checkpoint_io"].original is prop.original
+        strategy = DDPStrategy()
+        strategy.checkpoint_io = _io(tmp_path)
+        assert connected == [strategy] and "save_checkpoint" not in vars(strategy)  # only the new callback ran
+    finally:
+        setattr(Strategy, "checkpoint_io", prop)  # noqa: B010
 
 
 def test_model_parallel_teardown_tears_the_io_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
