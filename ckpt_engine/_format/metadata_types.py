@@ -131,6 +131,9 @@ class Size(tuple[int, ...]):
 
     __slots__ = ()
 
+    def __repr__(self) -> str:
+        return f"torch.Size({list(self)})"
+
 
 class _Named:
     """A torch value known by its name: ``str()`` and ``repr()`` as torch's (``torch.<name>``).

@@ -39,7 +39,23 @@ CliError = UsageError  # the name this module used before UsageError joined the 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}{did_you_mean(message)}\n")
+
+
+def did_you_mean(message: str) -> str:
+    """``"; did you mean 'ls'?"`` for argparse's "invalid choice" of a command (or any choice), when
+    one of the choices is close to what was typed; else ``""``."""
+    import difflib
+    import re
+
+    m = re.search(r"invalid choice: '?(.*?)'? \(choose from (.*)\)$", message)
+    if m is None:
+        return ""
+    typed, listed = m.group(1), [c.strip().strip("'") for c in m.group(2).split(",")]
+    if message.startswith("argument COMMAND:"):
+        listed = [c.name for c in COMMANDS if not c.hidden]
+    close = difflib.get_close_matches(typed, listed, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _add(sub: Any, command: Command, common: argparse.ArgumentParser) -> None:
