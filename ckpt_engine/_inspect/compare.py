@@ -8,6 +8,7 @@ components: those are listed as not compared, and are no difference."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -116,6 +117,8 @@ def compare_checkpoints(
     :class:`UsageError` for a component neither checkpoint has."""
     result = CheckpointDiff(a, b)
     new_meter: MeterFactory = meter or (lambda _name, _total: _NoMeter())
+    if components:  # a side that holds one state dict stands for the component asked for
+        a, b = _named(a, components), _named(b, components)
     for name in components or sorted(set(a.components) | set(b.components)):
         if name not in a.components or name not in b.components:
             side = "a" if name in a.components else "b" if name in b.components else None
@@ -128,6 +131,13 @@ def compare_checkpoints(
         ra, rb = open_component(a, name, trust), open_component(b, name, trust)
         result.components.append(_compare_component(name, ra, rb, keys, atol, budget, new_meter))
     return result
+
+
+def _named(target: Target, components: Sequence[str]) -> Target:
+    """``target``, its one state dict named as the component asked for when it holds one."""
+    if not target.single or len(components) != 1 or components[0] in target.components:
+        return target
+    return dataclasses.replace(target, components={components[0]: next(iter(target.components.values()))})
 
 
 def _compare_component(

@@ -38,10 +38,6 @@ MAX_PICKLE_BYTES = 1 << 30
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 
 
-class NotTorchSaveError(CorruptCheckpointError):
-    """The bytes are not a ``torch.save`` zip archive (damaged, truncated, or another format)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Record:
     """One stored (uncompressed) zip record: where its bytes lie in the archive, and its CRC-32."""
@@ -67,8 +63,8 @@ class PtArchive:
         return self.records.get(f"{self.prefix}/data/{key}")
 
 
-def _bad(path: str, what: str) -> NotTorchSaveError:
-    return NotTorchSaveError(f"{path}: {what}; it is not a valid torch.save file (truncated or damaged?)")
+def _bad(path: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: {what}; it is not a valid torch.save file (truncated or damaged?)")
 
 
 def open_pt_file(path: str) -> PtArchive:
@@ -93,7 +89,7 @@ def _records(path: str, f: IO[bytes], size: int) -> tuple[PtArchive, bytes]:
         zf = zipfile.ZipFile(f)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as err:
         if head[:1] == b"\x80":
-            raise NotTorchSaveError(
+            raise CorruptCheckpointError(
                 f"{path} is a torch.save file in the legacy format (before torch 1.6), which only torch.load "
                 "reads; load it and save it again with a current torch"
             ) from None

@@ -10,6 +10,7 @@ compares the file with ``optim``).
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ KIND_NAMES = {
     "hf": "a Hugging Face safetensors folder",
     "torch": "a torch.save file",
 }
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 #: The kinds that are files.
 FILE_KINDS = ("safetensors", "torch")
 
@@ -78,6 +80,11 @@ def sniff_file(path: str) -> str | None:
     """``safetensors`` or ``torch`` by the file's first bytes (a ``torch.save`` zip, or a header
     length followed by JSON), ``torch`` for a legacy ``torch.save`` pickle, else ``None``."""
     try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the open: its reader refuses it, naming it
+            return (
+                "safetensors" if path.endswith(".safetensors") else "torch" if path.endswith(_TORCH_SUFFIXES) else None
+            )
         with open(path, "rb") as f:
             head = f.read(9)
             size = os.fstat(f.fileno()).st_size
@@ -89,7 +96,7 @@ def sniff_file(path: str) -> str | None:
         return "safetensors"
     if path.endswith(".safetensors"):
         return "safetensors"  # damaged: its reader says how
-    if path.endswith((".pt", ".pth", ".bin", ".ckpt")):
+    if path.endswith(_TORCH_SUFFIXES):
         return "torch"
     return None
 
