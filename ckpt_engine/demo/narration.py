@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 from .._format.names import iter_dirname
-from .._inspect.files import human_bytes
 from ..errors import CkptEngineError, UsageError
 from .job import parameter_count
 from .plot import plot_losses
@@ -44,6 +43,8 @@ def _ms(seconds: float) -> str:
 def save_line(ev: dict[str, Any], nbytes: int | None = None) -> str:
     """The line of one save event: committed (with its size, ``nbytes`` or what the save wrote, in
     the unit ``ckpt-engine ls`` uses, and its times) or failed."""
+    from .._inspect.files import human_bytes
+
     if not ev["succeeded"]:
         return f"   step {ev['iteration']:>4}: save FAILED: {ev['error']}"
     size = human_bytes(ev["bytes"] if nbytes is None else nbytes)
@@ -253,6 +254,8 @@ class Narrator:
             calls = sorted(t[0] for t in times)
             totals = sorted(t[1] for t in times)
             median_call, median_total = calls[len(calls) // 2], totals[len(totals) // 2]
+            from .._inspect.files import human_bytes
+
             size = human_bytes(sum(checkpoint_bytes(self.save_dir, ev) for ev in good) // len(good))
             print(
                 f"Saves: {len(good)} committed, {size} each. "
