@@ -63,8 +63,8 @@ assert main(["convert", save_dir, sys.argv[3]]) == 0
 _CLI = "import sys; from ckpt_engine.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
-def _env(pythonpath: str | None) -> dict[str, str]:
-    env = dict(os.environ)
+def _env(pythonpath: str | None, cwd: str) -> dict[str, str]:
+    env = dict(os.environ, CLI_BENCH_CWD=cwd)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
     return env
@@ -73,7 +73,9 @@ def _env(pythonpath: str | None) -> dict[str, str]:
 def _time_once(argv: list[str], env: dict[str, str], failed: set[str] | None = None, name: str = "") -> float:
     """Wall seconds of one fresh run; a command that fails (an older checkout without it) is noted in ``failed``."""
     start = time.perf_counter()
-    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # In the benchmark's own empty folder: `python -c` puts the working folder first on sys.path,
+    # where a checkout's ckpt_engine/ would shadow the one measured.
+    proc = subprocess.run(argv, env=env, cwd=env["CLI_BENCH_CWD"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if proc.returncode != 0 and failed is not None:
         failed.add(name)
     return time.perf_counter() - start
@@ -102,6 +104,7 @@ def _make(tmp: Path, env: dict[str, str]) -> dict[str, str]:
     subprocess.run(
         [sys.executable, "-c", _MAKE, str(save_dir), str(CHECKPOINTS), str(weights)],
         env=env,
+        cwd=tmp,
         check=True,
         stdout=subprocess.DEVNULL,
     )
@@ -147,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="one round: checks the benchmark runs, times mean nothing")
     args = ap.parse_args(argv)
     rounds = 1 if args.smoke else args.rounds
-    env = _env(args.pythonpath)
     py = sys.executable
     with tempfile.TemporaryDirectory(prefix="cli-bench-") as tmp:
+        env = _env(args.pythonpath, tmp)
         paths = _make(Path(tmp), env)
         cli = {
             "--help": ["--help"],
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         commands.update({f"ckpt-engine {name}": ([py, "-c", _CLI, *a], env) for name, a in cli.items()})
         if args.before:
-            before = _env(args.before)
+            before = _env(args.before, tmp)
             commands.update({f"ckpt-engine {name}{BEFORE}": ([py, "-c", _CLI, *a], before) for name, a in cli.items()})
         times, failed = paired_rounds(commands, rounds)
     ok = _report(times, failed, rounds)

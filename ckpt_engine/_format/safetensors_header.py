@@ -266,7 +266,7 @@ def read_weights_folder(path: str) -> WeightsFolder:
             "missing shard(s) again (or the whole folder)"
         )
     headers: list[RawHeader] = []
-    tensors: dict[str, RawEntry] = {}
+    found: dict[str, RawEntry] = {}
     unlisted: list[tuple[str, str]] = []
     for file, names in sorted(by_file.items()):
         header = read_raw_header(os.path.join(path, file))
@@ -277,9 +277,12 @@ def read_weights_folder(path: str) -> WeightsFolder:
                 "does not hold them; the folder mixes files of different versions: download it again"
             )
         headers.append(header)
-        tensors.update({n: header.tensors[n] for n in names})
+        found.update({n: header.tensors[n] for n in names})
         named = set(names)
         unlisted += [(file, n) for n in header.tensors if n not in named]
+    # In the order the bytes were written (shard by shard, by offset): a writer's model order,
+    # where the index lists names sorted.
+    tensors = dict(sorted(found.items(), key=lambda item: (item[1].file, item[1].begin)))
     return WeightsFolder(path, tuple(headers), tensors, index_file, tuple(unlisted))
 
 

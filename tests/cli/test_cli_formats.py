@@ -307,3 +307,9 @@ def test_the_pickle_reader_names_objects_and_calls_nothing(tmp_path: Path) -> No
     buf = io.BytesIO()
     torch.save(torch.ones(2), buf)
     assert decode_value(buf.getvalue())[0] is False  # a tensor value: torch reads it
+
+
+def test_trust_reads_the_objects_of_a_torch_save_file(cli: Run, tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=0.5)}, tmp_path / "run.pt")
+    assert _keys(cli, tmp_path / "run.pt")["args"]["value"].startswith("<not readable with weights_only")
+    assert _keys(cli, tmp_path / "run.pt", "--trust")["args"]["value"] == "Namespace(lr=0.5)"
