@@ -105,6 +105,7 @@ class CheckpointContents:
     def to_json(self) -> dict[str, Any]:
         return {
             "checkpoint": self.target.checkpoint,
+            "format": self.target.kind,
             "complete": self.complete,
             "bytes": self.total_bytes,
             "written_bytes": self.total_bytes - self.reused_bytes,

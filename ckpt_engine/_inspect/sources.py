@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from .._format.layout import check_component_files
 from .._format.metadata_read import read_metadata
@@ -99,19 +100,37 @@ class DcpSource:
         return self.reader.read(keys)
 
     def small_values(self, keys: Sequence[str]) -> dict[str, Any]:
+        # Compressed values (transforms) are DCP's reader's to undo.
+        plain = [k for k in keys if k in self._values and not self._values[k].transform_descriptors]
         out: dict[str, Any] = {}
-        store = open_store(self.path)
-        for key in keys:
-            info = self._values.get(key)
-            if info is None or info.transform_descriptors:
-                continue  # compressed: DCP's reader undoes the transform
-            data = store.read_range(store.join(self.path, info.relative_path), info.offset, info.offset + info.length)
+        for key, data in zip(plain, self._stored_bytes(plain), strict=True):
             ok, value = decode_value(data)
             if ok:
                 out[key] = value
         rest = [k for k in keys if k not in out]
         if rest:  # a tensor value, an object weights_only judges, a compressed value: torch reads them
             out.update(self.reader.read(rest))
+        return out
+
+    def _stored_bytes(self, keys: Sequence[str]) -> list[bytes]:
+        """The stored bytes of the values ``keys``: each data file opened once locally; on an
+        object store, several range requests at a time."""
+        store = open_store(self.path)
+        infos = [self._values[k] for k in keys]
+        spans = [(store.join(self.path, i.relative_path), i.offset, i.offset + i.length) for i in infos]
+        if not store.capabilities.local_files:
+            with ThreadPoolExecutor(min(16, max(len(spans), 1)), thread_name_prefix="ckpt-inspect") as pool:
+                return list(pool.map(lambda span: store.read_range(*span), spans))
+        out: list[bytes] = []
+        files: dict[str, BinaryIO] = {}
+        try:
+            for path, start, end in spans:
+                f = files.get(path) or files.setdefault(path, open_regular(path, "a DCP data file"))
+                f.seek(start)
+                out.append(f.read(end - start))
+        finally:
+            for f in files.values():
+                f.close()
         return out
 
 

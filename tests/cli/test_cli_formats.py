@@ -313,3 +313,37 @@ def test_trust_reads_the_objects_of_a_torch_save_file(cli: Run, tmp_path: Path) 
     torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=0.5)}, tmp_path / "run.pt")
     assert _keys(cli, tmp_path / "run.pt")["args"]["value"].startswith("<not readable with weights_only")
     assert _keys(cli, tmp_path / "run.pt", "--trust")["args"]["value"] == "Namespace(lr=0.5)"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        # Python 3.11's argparse quotes the choices; 3.12.8 and later do not
+        "argument COMMAND: invalid choice: 'inspec' (choose from 'ls', 'inspect', 'verify', 'docs-config')",
+        "argument COMMAND: invalid choice: 'inspec' (choose from ls, inspect, verify, docs-config)",
+    ],
+)
+def test_did_you_mean_reads_both_forms_of_argparse_messages(message: str) -> None:
+    from ckpt_engine.cli import did_you_mean
+
+    assert did_you_mean(message) == "; did you mean 'inspect'?"
+    assert did_you_mean(message.replace("'inspec'", "'zzz'").replace(" inspec ", " zzz ")) == ""
+    assert did_you_mean("argument --level: invalid choice: 'checksum' (choose from 'sizes', 'checksums')") == (
+        "; did you mean 'checksums'?"
+    )
+    assert did_you_mean("unrecognized arguments: --jsn") == ""
+
+
+def test_inspect_json_names_the_format(cli: Run, files: dict[str, Any]) -> None:
+    formats = {}
+    for name in ("ckpt", "model.safetensors", "hf", "model.pt", "dcp"):
+        code, out, _ = cli("inspect", str(files["root"] / name), "--json")
+        assert code == 0, name
+        formats[name] = json.loads(out)["format"]
+    assert formats == {
+        "ckpt": "engine",
+        "model.safetensors": "safetensors",
+        "hf": "hf",
+        "model.pt": "torch",
+        "dcp": "dcp",
+    }
