@@ -86,16 +86,17 @@ def _records(path: str, f: IO[bytes], size: int) -> tuple[PtArchive, bytes]:
     head = f.read(4)
     f.seek(0)
     try:
-        zf = zipfile.ZipFile(f)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as err:
+        with zipfile.ZipFile(f) as zf:
+            records = {i.filename: _record(path, f, i, size) for i in zf.infolist()}
+    except CorruptCheckpointError:
+        raise
+    except _ZIP_ERRORS as err:  # what zipfile raises for damage, as it finds it
         if head[:1] == b"\x80":
             raise CorruptCheckpointError(
                 f"{path} is a torch.save file in the legacy format (before torch 1.6), which only torch.load "
                 "reads; load it and save it again with a current torch"
             ) from None
-        raise _bad(path, f"no zip archive ({clip(str(err))})") from None
-    with zf:
-        records = {i.filename: _record(path, f, i, size) for i in zf.infolist()}
+        raise _bad(path, f"no readable zip archive ({type(err).__name__}: {clip(str(err))})") from None
     pickles = [name for name in records if name.endswith("/data.pkl") and name.count("/") == 1]
     if len(pickles) != 1:
         raise _bad(path, f"{len(pickles)} data.pkl records (torch.save writes one)")
@@ -108,10 +109,26 @@ def _records(path: str, f: IO[bytes], size: int) -> tuple[PtArchive, bytes]:
     return PtArchive(path, size, prefix, records, None, byteorder or "little"), _pread(f, pkl.offset, pkl.size)
 
 
+#: What :mod:`zipfile` raises on a damaged archive (a bad magic number, a version it does not know,
+#: an offset past the file or too large to seek to).
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    ValueError,
+    OSError,
+    EOFError,
+    NotImplementedError,
+    OverflowError,
+    struct.error,
+)
+
+
 def _record(path: str, f: IO[bytes], info: zipfile.ZipInfo, size: int) -> Record:
     """Where the record's bytes start: after its local header, which must agree with the directory."""
     if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
         raise _bad(path, f"record {clip(info.filename)} is compressed or encrypted (torch.save stores records)")
+    if not 0 <= info.header_offset < size:
+        raise _bad(path, f"record {clip(info.filename)} starts at byte {info.header_offset} of {size}")
     f.seek(info.header_offset)
     raw = f.read(_LOCAL_HEADER.size)
     if len(raw) < _LOCAL_HEADER.size or raw[:4] != b"PK\x03\x04":
