@@ -1,7 +1,9 @@
 """``ckpt-engine``: look at, check, compare, convert and dry-run-load checkpoints; run the demo.
 
-Every command parses metadata without pickle and reads values with ``weights_only=True``:
-looking at an untrusted checkpoint never runs code from it. Errors are one readable line and a
+Every command parses metadata without pickle, a ``torch.save`` file's ``data.pkl`` with the
+engine's closed-vocabulary interpreter, and other values with ``weights_only=True``: looking at
+an untrusted checkpoint never runs code from it. ``ls``, ``inspect`` and ``verify --level sizes``
+import no torch; commands that read values import it when they run. Errors are one readable line and a
 non-zero exit code; ``--debug`` shows the traceback.
 
 Exit codes: 0 success; 1 the command ran and found a problem (``verify`` failed, ``diff`` found
