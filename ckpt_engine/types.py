@@ -13,9 +13,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.checkpoint.planner import SavePlanner
 
     from .report import LoadReport

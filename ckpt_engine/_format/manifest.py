@@ -23,8 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .._storage.store import VERSION_PATTERN, Store, store_for
 from .._version import __version__
 from ..errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, clip, denied
@@ -144,6 +142,8 @@ def new_manifest(
     carry_chain: int = 0,
     rank: int | None = None,
 ) -> Manifest:
+    import torch  # here, not at the top: reading a manifest (ckpt-engine ls) imports no torch
+
     return Manifest(
         iteration=iteration,
         world_size=world_size,

@@ -16,8 +16,6 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy
-
 from .._storage.store import Store, store_for
 from ..errors import (
     CheckpointLoadError,
@@ -264,6 +262,8 @@ def _any_overlap(boxes: list[Box], shape: tuple[int, ...], budget: list[int], wh
         return len(set(starts)) != len(starts)
     cells = math.prod(len(ln) - 1 for ln in lines)
     if cells <= _MAX_GRID_CELLS:
+        import numpy  # here: listings of regular layouts (ckpt-engine ls) never pay its import
+
         grid = numpy.zeros([len(ln) - 1 for ln in lines], dtype=numpy.bool_)
         for lo, hi in zip(starts, ends, strict=True):
             region = grid[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]

@@ -221,3 +221,18 @@ def test_tier_benchmark_smoke_run(tmp_path: Path) -> None:
     assert [set(s) for s in sources["restart"]] == [{"local"}, {"local"}]
     assert [set(s) for s in sources["node_loss"]] == [{"local"}, {"peer"}]  # rank 1's node was wiped
     assert [set(s) for s in sources["durable_s3"]] == [{"durable"}, {"durable"}]
+
+
+def test_cli_bench_smoke_run() -> None:
+    """``benchmarks/cli_bench.py --smoke``: one round of every command, each must run (exit 0)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "cli_bench.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for row in ("ckpt-engine ls SAVE_DIR (10 checkpoints)", "ckpt-engine inspect model.safetensors", "import torch"):
+        assert row in proc.stdout
+    assert "failed" not in proc.stdout
