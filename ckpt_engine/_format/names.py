@@ -61,3 +61,17 @@ def parse_iteration(name: str) -> int | None:
 def is_part(rel: str) -> bool:
     """Whether ``rel`` (a path inside a checkpoint) is a digest part, engine bookkeeping."""
     return rel.rsplit("/", 1)[-1].startswith(PART_PREFIX)
+
+
+_RANK_DIR = re.compile(r"^rank_(\d{5,9})$")
+
+
+def rank_dirname(rank: int) -> str:
+    """The folder of rank ``rank``'s checkpoints in the node-local tier (``local_dir``)."""
+    return f"rank_{rank:05d}"
+
+
+def parse_rank_dirname(name: str) -> int | None:
+    """The rank a ``rank_*`` folder name of the node-local tier stands for, else ``None``."""
+    match = _RANK_DIR.match(name)
+    return int(match.group(1)) if match else None

@@ -19,13 +19,12 @@ from dataclasses import dataclass
 
 from .._format.layout import cleanup_leftovers, commit_rename, remove_tree
 from .._format.manifest import FileEntry, Manifest, lookup_manifest, unchanged_files, write_manifest
-from .._format.names import iter_dirname, partial_dirname
+from .._format.names import iter_dirname, partial_dirname, rank_dirname
 from .._format.pointer import advance_latest, list_checkpoints
 from .._format.retention import apply_retention
 from .._format.verify import check_against_manifest
 from .._storage.store import open_store
 from ..errors import CkptEngineError
-from .topology import rank_dirname
 
 __all__ = [
     "Held",

@@ -11,26 +11,12 @@ same three numbers, so nothing about placement is exchanged.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..errors import ConfigError
 
-__all__ = ["Topology", "parse_rank_dirname", "rank_dirname"]
-
-_RANK_DIR = re.compile(r"^rank_(\d{5,9})$")
-
-
-def rank_dirname(rank: int) -> str:
-    """The folder of rank ``rank``'s local-tier checkpoints inside ``local_dir``."""
-    return f"rank_{rank:05d}"
-
-
-def parse_rank_dirname(name: str) -> int | None:
-    """The rank a ``rank_*`` folder name stands for, else ``None``."""
-    match = _RANK_DIR.match(name)
-    return int(match.group(1)) if match else None
+__all__ = ["Topology"]
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     save_dir = normalize(args.save_dir)
     check_save_dir(save_dir)
+    tier = None
     with records_without_dcp():
         listing = list_save_dir(save_dir, verify=args.verify)
+        if args.local_dir is not None:
+            from .._inspect.tier_listing import list_local_tier
+
+            tier = list_local_tier(normalize(args.local_dir), listing, verify=args.verify)
     if args.json:
-        print_json(_json(listing))
+        doc = _json(listing)
+        if tier is not None:
+            doc["local_tier"] = {"local_dir": tier.local_dir, "iterations": tier.rows, "warnings": tier.warnings}
+            doc["ok"] = doc["ok"] and not tier.problem
+        print_json(doc)
     else:
-        print_lines(*_text(listing, verify=args.verify))
-    return EXIT_PROBLEM if listing.problem else EXIT_OK
+        lines = _text(listing, verify=args.verify)
+        if tier is not None:
+            from .._inspect.tier_listing import local_tier_table
+
+            lines += ["", *local_tier_table(tier)]
+        print_lines(*lines)
+    return EXIT_PROBLEM if listing.problem or (tier is not None and tier.problem) else EXIT_OK
 
 
 def check_save_dir(save_dir: str) -> None:
@@ -113,13 +127,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify", action="store_true", help="also check checksums against the manifest (reads all data)"
     )
+    parser.add_argument(
+        "--local-dir",
+        metavar="LOCAL_DIR",
+        help="also list this node's local tier (EngineConfig.local_dir): each iteration, the ranks whose "
+        "checkpoints are here, and whether save_dir holds it too (durable)",
+    )
     parser.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 COMMAND = Command(
     name="ls",
     summary="list the checkpoints of a save folder",
-    example="ckpt-engine ls runs/exp1/checkpoints\n  ckpt-engine ls runs/exp1/checkpoints --verify --json",
+    example="ckpt-engine ls runs/exp1/checkpoints\n  ckpt-engine ls runs/exp1/checkpoints --verify --json\n"
+    "  ckpt-engine ls runs/exp1/checkpoints --local-dir /local_nvme/exp1/tier",
     description="One row per checkpoint: iteration, components, size, file count, status (complete, "
     "verified, INCOMPLETE, CORRUPT, or uncommitted for an interrupted save) and which one "
     "latest_checkpoint.txt names.",

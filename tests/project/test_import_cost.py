@@ -138,6 +138,10 @@ def holdings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     with CheckpointEngine({"save_dir": str(root / "ckpt")}) as engine:
         engine.save(1, **TinyTrainingState.create().objects())
     out = {"ckpt": root / "ckpt", "checkpoint": root / "ckpt" / "iter_000000001"}
+    tiered = {"save_dir": str(root / "tiered"), "local_dir": str(root / "local")}
+    with CheckpointEngine(tiered) as engine:
+        engine.save(1, **TinyTrainingState.create().objects())
+    out["tiered"], out["local"], out["rank_folder"] = root / "tiered", root / "local", root / "local" / "rank_00000"
     for name, extra in (("model.safetensors", []), ("hf", ["--to", "hf", "--max-shard-size", "1KB"]), ("model.pt", [])):
         assert main(["convert", str(root / "ckpt"), str(root / name), *extra]) == 0
         out[name] = root / name
@@ -152,6 +156,8 @@ def holdings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 TORCH_FREE = [
     ("ls", "ckpt"),
     ("ls", "ckpt", "--verify", "--json"),
+    ("ls", "tiered", "--local-dir", "local"),  # the node-local tier, rank-local metadata included
+    ("ls", "rank_folder"),
     ("inspect", "ckpt"),
     ("inspect", "checkpoint", "--json"),
     ("verify", "ckpt", "--level", "sizes"),
