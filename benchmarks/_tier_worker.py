@@ -7,9 +7,10 @@
 secret, bucket; or null), ``phases`` (of ``blocked``, ``step``, ``recover``).
 
 * ``blocked``: ``save()``'s blocked seconds of an async durable save (``pinned_staging`` to
-  ``save_dir``) and of a local-tier save (``pinned_staging`` to ``local_dir``, replicated), in
-  alternating rounds (the replicas of each round copied before the next, untimed), and the copy
-  floor (the same bytes into preallocated buffers);
+  ``save_dir``), of a local-tier save (``pinned_staging`` to ``local_dir``, replicated) and of a
+  local-tier save with the default synchronous write, in alternating rounds (the replicas of
+  each round copied before the next, untimed), and the copy floor (the same bytes into
+  preallocated buffers);
 * ``step``: a training loop whose step computes for ``compute_ms`` and then waits ``idle_ms``
   (standing for time on an accelerator: CPU to spare), a local-tier save every ``save_every``
   steps, without and with peer replicas in alternating blocks: the step time of each;
@@ -95,20 +96,22 @@ def blocked(spec: dict[str, Any]) -> dict[str, Any]:
     model, opt = _state(spec["mib"], seed=dist.get_rank())
     async_cfg = _config(spec, "blocked-durable", local=False, plugins=["pinned_staging"], keep_last=1)
     local_cfg = _config(spec, "blocked-local", local=True, plugins=["pinned_staging"], persist_every=10**6, keep_last=1)
-    durable, local = CheckpointEngine(async_cfg), CheckpointEngine(local_cfg)
+    sync_cfg = _config(spec, "blocked-sync", local=True, persist_every=10**6)
+    durable, local, sync = CheckpointEngine(async_cfg), CheckpointEngine(local_cfg), CheckpointEngine(sync_cfg)
     durable.wait_ready()
     local.wait_ready()
-    out: dict[str, list[float]] = {"durable_async": [], "local": []}
+    out: dict[str, list[float]] = {"durable_async": [], "local": [], "local_sync": []}
+    engines = (("durable_async", durable), ("local", local), ("local_sync", sync))
     for it in range(1, spec["rounds"] + 2):  # round 1: buffers allocated, writers warm (untimed)
-        for name, engine in (("durable_async", durable), ("local", local)):
+        for name, engine in engines:
             _train(model, opt)
             dist.barrier()
             result = engine.save(it, model=model, optimizer=opt).result()
             engine.wait_replicated()
             if it > 1:
                 out[name].append(_slowest(result.blocked_seconds))
-    durable.close()
-    local.close()
+    for _, engine in engines:
+        engine.close()
     floor = _slowest(copy_floor(model, opt, spec["rounds"]))
     return {"floor_s": floor, **{f"{k}_s": statistics.median(v) for k, v in out.items()}, "runs": out}
 

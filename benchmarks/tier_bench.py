@@ -8,6 +8,7 @@ Two ranks under torchrun, each a node of its own (``ranks_per_node: 1``, ``local
 
 (a) ``save()``'s blocked seconds, ``pinned_staging`` to the local tier / ``pinned_staging`` to
     ``save_dir`` (the async durable save), and each / the copy floor        target <= 1.1
+    (and, for reference, a local-tier save with the default synchronous write)
 (b) a training step with CPU to spare (``--compute-ms`` of compute, ``--idle-ms`` waiting, as on an
     accelerator), a local-tier save every ``--save-every`` steps: with peer replicas / without
                                                                             target <= 1.05
@@ -74,13 +75,17 @@ def run_size(mib: float, args: argparse.Namespace, s3: dict[str, Any] | None) ->
 
 
 def report(results: list[dict[str, Any]]) -> None:
-    print(f"{'MiB/rank':>9} {'floor':>8} {'async':>8} {'local':>8} {'local/async':>11} {'local/floor':>11}")
+    print(
+        f"{'MiB/rank':>9} {'floor':>8} {'async':>8} {'local':>8} {'local/async':>11} {'local/floor':>11} "
+        f"{'local, sync write':>17}"
+    )
     for r in results:
         b = r.get("blocked")
         if b:
             print(
                 f"{r['mib']:>9g} {b['floor_s']:>8.4f} {b['durable_async_s']:>8.4f} {b['local_s']:>8.4f} "
-                f"{b['local_s'] / b['durable_async_s']:>11.2f} {b['local_s'] / b['floor_s']:>11.2f}"
+                f"{b['local_s'] / b['durable_async_s']:>11.2f} {b['local_s'] / b['floor_s']:>11.2f} "
+                f"{b['local_sync_s']:>17.4f}"
             )
     print(f"\n{'MiB/rank':>9} {'step, no replicas':>18} {'with replicas':>14} {'slowdown':>9}")
     for r in results:
