@@ -305,7 +305,9 @@ def read_weight_map(index_file: str) -> dict[str, str]:
 def _read_index_file(index_file: str) -> bytes:
     """The bytes of the index: a regular file of at most :data:`MAX_INDEX_BYTES`."""
     what = "a safetensors index (JSON)"
-    too_large = f"{index_file} is over {MAX_INDEX_BYTES} bytes, far more than any model's index; download it again"
+    too_large = (
+        f"{index_file} is larger than {MAX_INDEX_BYTES} bytes, far more than any model's index; download it again"
+    )
     try:
         require_regular_file(index_file, what)
         if os.path.getsize(index_file) > MAX_INDEX_BYTES:
