@@ -266,6 +266,49 @@ class EngineConfig(BaseModel):
         "faster than a broadcast (docs/storage.md). `LoadResult.bytes_read` says what each rank read.",
     )
     sync_files: bool = Field(default=True, description="fsync checkpoint files before commit.")
+    local_dir: str | None = Field(
+        default=None,
+        description="The node-local tier: a folder on fast node-local storage (tmpfs, local NVMe; the same path "
+        "on every node, different storage on each). Every save is committed there, rank by rank, with the same "
+        "hidden-folder commit, manifest and checksums as `save_dir`; only every `persist_every`-th save is also "
+        "written to `save_dir`. Peer ranks on other nodes keep replicas (`peer_replicas`), and a resume takes the "
+        "newest iteration complete across all ranks in any tier, reading each rank's part from its own node, a "
+        "peer, or `save_dir` (docs/reliability.md, Tiers). Not with `storage.local_dir`.",
+    )
+    persist_every: int = Field(
+        default=1,
+        ge=1,
+        description="With `local_dir`: a save whose iteration is a multiple of N is also committed to `save_dir` "
+        "(durable); the others live in the local tier and its peer replicas only. `save(..., durable=True)` "
+        "forces one.",
+    )
+    peer_replicas: int | None = Field(
+        default=None,
+        ge=0,
+        description="With `local_dir`: how many ranks on other nodes hold a copy of each rank's local-tier "
+        "checkpoints (0: none). Files a peer already holds with the same checksum (data-parallel replicas, "
+        "unchanged files of its previous copy) are linked there, not sent. Default: 1 where the job has another "
+        "node, else 0; more than the other nodes can hold is an error.",
+    )
+    ranks_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        description="With `local_dir`: ranks that share one node (one failure domain, one `local_dir`). Replicas "
+        "go to ranks `ranks_per_node` apart. Default: torchrun's `LOCAL_WORLD_SIZE` (1 without it).",
+    )
+    local_keep_last: int = Field(
+        default=2,
+        ge=1,
+        description="With `local_dir`: local-tier checkpoints kept per rank folder (its own and each replica). "
+        "2 keeps the previous step complete on every node while the next one replicates.",
+    )
+    peer_bandwidth_mb_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="With `local_dir`: cap on each rank's replication traffic in MB/s, so that it leaves the "
+        "network and the CPU to training. None: as fast as the process group goes (in chunks of 16 MiB, in a "
+        "background thread).",
+    )
     storage: StorageOptions = Field(
         default_factory=StorageOptions,
         description="Credentials, endpoint and transfer settings for URLs; the two-tier `local_dir` (docs/storage.md).",
@@ -294,7 +337,16 @@ class EngineConfig(BaseModel):
                 f"invalid config:\n{describe_validation_error(err, cls)}"
             ) from err
 
-    @field_validator("keep_last", "keep_every", "thread_count", mode="before")
+    @field_validator(
+        "keep_last",
+        "keep_every",
+        "thread_count",
+        "persist_every",
+        "peer_replicas",
+        "ranks_per_node",
+        "local_keep_last",
+        mode="before",
+    )
     @classmethod
     def _no_bool_counts(cls, v: Any) -> Any:
         # pydantic takes true as 1 and "2" as 2: `keep_last: true` would silently keep one
@@ -321,6 +373,13 @@ class EngineConfig(BaseModel):
             raise ValueError(f"plugin(s) {dupes} listed more than once; list each plugin once")
         missing_defaults = [PluginEntry(name=n) for n in DEFAULT_PLUGINS if n not in names]
         return (*missing_defaults, *v)
+
+    @field_validator("local_dir")
+    @classmethod
+    def _local_tier_path(cls, v: str | None) -> str | None:
+        if v is not None and v.startswith("file://"):
+            v = local_path(v)
+        return os.path.expanduser(v) if v is not None and not is_url(v) else v
 
     @field_validator("save_dir", "load_dir", "load_path")
     @classmethod
@@ -364,12 +423,43 @@ class EngineConfig(BaseModel):
                 "incremental is set with save_checksums false; an incremental save compares each file's checksum "
                 "with the previous manifest's: set save_checksums true (or incremental false)"
             )
+        self._check_local_tier()
         if self.keep_every is not None and self.keep_last is None:
             raise ValueError(
                 "keep_every is set without keep_last; keep_every only spares checkpoints from keep_last's "
                 "deletions: set keep_last too (or unset keep_every to keep everything)"
             )
         return self
+
+    def _check_local_tier(self) -> None:
+        if self.local_dir is None:
+            unset = [
+                name
+                for name, default in (
+                    ("persist_every", 1),
+                    ("peer_replicas", None),
+                    ("ranks_per_node", None),
+                    ("peer_bandwidth_mb_s", None),
+                )
+                if getattr(self, name) != default
+            ]
+            if unset:
+                raise ValueError(
+                    f"{', '.join(unset)} set without local_dir; they configure the node-local tier: set local_dir "
+                    "too (or remove them)"
+                )
+            return
+        if is_url(self.local_dir):
+            raise ValueError(
+                f"local_dir {self.local_dir[:100]!r} is a URL; the local tier is a folder on node-local storage "
+                "(tmpfs or NVMe): give a path"
+            )
+        if self.storage.local_dir is not None:
+            raise ValueError(
+                "local_dir and storage.local_dir are both set; storage.local_dir is the two-tier copy one host (or "
+                "a shared filesystem) keeps of an object store, local_dir the node-local tier with peer replicas: "
+                "set only one (local_dir does both jobs on several nodes)"
+            )
 
     @property
     def resolved_load_dir(self) -> str:

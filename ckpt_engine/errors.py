@@ -96,6 +96,11 @@ class CheckpointDisagreementError(CheckpointLoadError):
     filesystem's attribute cache); raised on every rank before anything is read."""
 
 
+class RankLocalCoverageError(CheckpointLoadError):
+    """A rank-local checkpoint of the node-local tier does not hold every element this rank's
+    state needs (it was saved with another sharding): a resume then reads ``save_dir`` instead."""
+
+
 class LoadStrictnessError(CheckpointLoadError):
     """Strict loading found unresolved problems; the message lists every one of them."""
 
@@ -199,6 +204,12 @@ class ProcessGroupError(CollectiveError):
 class StorageError(CkptEngineError):
     """The storage behind a save or load directory failed (an object store unreachable after
     every retry, a request it refused); the message names the object and never a credential."""
+
+
+class ReplicationError(CkptEngineError):
+    """Copying a rank's local-tier checkpoint to its peer replicas failed (the local checkpoint
+    itself stays committed): raised by ``CheckpointEngine.wait_replicated()``, naming the
+    iteration, the ranks and the cause."""
 
 
 class IntegrityError(CorruptCheckpointError):

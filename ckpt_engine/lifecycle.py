@@ -19,7 +19,14 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
-__all__ = ["BoundsPendingSaves", "Closeable", "ClosesInTwoSteps", "SavesInBackground", "StartsInBackground"]
+__all__ = [
+    "BoundsPendingSaves",
+    "Closeable",
+    "ClosesInTwoSteps",
+    "SavesInBackground",
+    "StartsInBackground",
+    "WritesRankLocal",
+]
 
 
 @runtime_checkable
@@ -83,3 +90,18 @@ class SavesInBackground(Protocol):
         default ``write`` provider writes them: the same checkpoint layout, committed by the engine
         before ``save()`` returns. Enter it on every rank or on none."""
         ...
+
+
+@runtime_checkable
+class WritesRankLocal(Protocol):
+    """A ``write`` provider that can write the node-local tier (``EngineConfig.local_dir``).
+
+    A write with ``WriteContext.rank_local`` set writes this rank's state alone: every item it
+    holds into ``ctx.path`` with a ``.metadata`` of its own, and no collective at all
+    (``ckpt_engine.storage.write_component(..., process_group=ctx.process_group)`` does it, as
+    ``ctx.process_group`` is then :data:`ckpt_engine.storage.RANK_LOCAL`). The engine's default
+    ``write`` can; a ``write`` provider that does not implement this protocol (or returns False)
+    is refused when the engine is created with a ``local_dir``, naming the plugin.
+    """
+
+    def writes_rank_local(self) -> bool: ...

@@ -19,7 +19,14 @@ from pluggy import HookCaller
 from .defaults import DEFAULT_PLUGIN_NAME
 from .errors import CkptEngineError, HookContractError, PluginConflictError
 from .hookspecs import HOOK_KINDS
-from .lifecycle import BoundsPendingSaves, Closeable, ClosesInTwoSteps, SavesInBackground, StartsInBackground
+from .lifecycle import (
+    BoundsPendingSaves,
+    Closeable,
+    ClosesInTwoSteps,
+    SavesInBackground,
+    StartsInBackground,
+    WritesRankLocal,
+)
 from .plugin_manager import LoadedPlugins
 from .types import (
     Decision,
@@ -237,6 +244,17 @@ class Pipeline:
         stage = self.pm.get_plugin(self.providers["stage"])
         write = self.pm.get_plugin(self.providers["write"])
         return stage if stage is write and isinstance(stage, SavesInBackground) else None
+
+    def rank_local_writer(self) -> str | None:
+        """``None`` when the ``write`` provider can write the node-local tier (the default, or a
+        :class:`WritesRankLocal` that says so); else its description, for the error."""
+        name = self.providers["write"]
+        provider = self.pm.get_plugin(name)
+        if name == DEFAULT_PLUGIN_NAME or (
+            isinstance(provider, WritesRankLocal) and provider.writes_rank_local() is True
+        ):
+            return None
+        return self.describe(name)
 
     def wait_ready(self, timeout: float | None = None) -> float:
         """Wait for every plugin that starts in the background (:class:`StartsInBackground`);

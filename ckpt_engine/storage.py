@@ -19,6 +19,11 @@ from the previous checkpoint: ``EngineFileSystemWriter(path, carry_over=ctx.carr
 lays the files out for it and carries unchanged ones over, and :func:`write_result` reports
 what it wrote and what it carried over. :func:`write_component` does all of it: one component
 written as the engine's own ``write`` writes it, with its ``WriteResult``.
+
+With ``EngineConfig.local_dir``, the engine also asks for rank-local writes
+(``WriteContext.rank_local``): ``process_group`` is then :data:`RANK_LOCAL`, and
+:func:`write_component` given it writes every item this rank holds, with a ``.metadata`` of its
+own, and runs no collective (a provider declares it can: ``ckpt_engine.lifecycle.WritesRankLocal``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 from torch.distributed.checkpoint import StorageWriter
 from torch.distributed.checkpoint.planner import SavePlanner
 
+from ._dcpio.coordination import RANK_LOCAL
 from ._dcpio.dist import quiet_dcp
 from ._dcpio.fast_read import FastFileSystemReader as EngineFileSystemReader
 from ._dcpio.fast_save import plan_cache, save_state_dict
@@ -39,6 +45,7 @@ from ._dcpio.watch import activate as activate_watch
 from .types import WriteResult
 
 __all__ = [
+    "RANK_LOCAL",
     "CollectiveWatch",
     "EngineFileSystemReader",
     "EngineFileSystemWriter",
@@ -78,7 +85,12 @@ def write_component(
     ``ctx.carry_over``, ...)."""
     start = time.perf_counter()
     writer = storage_writer or EngineFileSystemWriter(
-        path, thread_count=thread_count, sync_files=sync_files, overwrite=True, carry_over=carry_over
+        path,
+        thread_count=thread_count,
+        sync_files=sync_files,
+        overwrite=True,
+        carry_over=carry_over,
+        rank_local=process_group is RANK_LOCAL,
     )
     key = getattr(planner, "cache_key", None)
     with quiet_dcp():

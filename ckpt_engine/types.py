@@ -13,9 +13,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.checkpoint.planner import SavePlanner
 
     from .report import LoadReport
@@ -278,6 +277,12 @@ class WriteContext:
     collective_timeout_s: float | None = None
     #: Set when ``EngineConfig.incremental`` is on: what this write may carry over.
     carry_over: CarryOver | None = None
+    #: A write of the node-local tier (``EngineConfig.local_dir``): this rank writes every item
+    #: it holds, replicated or not, with a ``.metadata`` of its own, and runs no collective at
+    #: all (``process_group`` is :data:`ckpt_engine.storage.RANK_LOCAL`; ``path`` is in this
+    #: rank's own folder). A provider that cannot write so declares it (see
+    #: :class:`ckpt_engine.lifecycle.WritesRankLocal`).
+    rank_local: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -325,6 +330,10 @@ class SaveResult:
     #: Seconds the background copy of parameters and optimizer state took after ``save()``
     #: returned (``overlap`` only; a copy made inside ``save()`` is part of ``staging_seconds``).
     background_copy_seconds: float = 0.0
+    #: Where this save was committed: ``"durable"`` (``save_dir``; with a local tier, there too),
+    #: or ``"local"`` (only the node-local tier and its peer replicas: ``EngineConfig.local_dir``,
+    #: a save between two ``persist_every`` iterations). ``path`` is then this rank's local folder.
+    tier: Literal["durable", "local"] = "durable"
 
     @property
     def loop_wait_seconds(self) -> float:
@@ -352,3 +361,9 @@ class LoadResult:
     #: Bytes of data files this rank read from storage (with ``dedup_reads``, its share of what
     #: several ranks need; the rest came by broadcast). 0 for a ``.pth``, safetensors or fresh start.
     bytes_read: int = 0
+    #: Bytes this rank took from each source: ``"local"`` (its node-local tier, or the two-tier
+    #: local copy), ``"peer"`` (a replica another rank sent over the process group, checksummed on
+    #: arrival: the bytes of the files received) and ``"durable"`` (``save_dir`` or ``load_path``);
+    #: sources it took nothing from are left out. What was read from storage counts as
+    #: :attr:`bytes_read` does (archive headers read ahead included).
+    bytes_by_source: Mapping[str, int] = field(default_factory=dict)

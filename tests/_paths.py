@@ -14,3 +14,5 @@ CRASH_SCRIPTS = TESTS / "crash_scripts"
 DIST_SCRIPTS = TESTS / "dist_scripts"
 #: The Lightning fits the integration tests run.
 LIGHTNING_SCRIPTS = TESTS / "lightning_scripts"
+#: The Hugging Face Trainer runs the ``transformers`` integration tests start, stop and kill.
+HF_SCRIPTS = TESTS / "hf_scripts"

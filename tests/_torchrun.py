@@ -45,13 +45,21 @@ class TorchrunResult:
         return f"rc={self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
 
 
+def launch_env() -> dict[str, str]:
+    """The environment of a torchrun launch of ``tests/dist_scripts`` (CPU, one thread, unbuffered)."""
+    if not launch_allowed:
+        raise AssertionError("a torchrun launch from a test without @pytest.mark.dist (tests/conftest.py)")
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env.get("PYTHONPATH", "")])
+    return env
+
+
 def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 120.0) -> TorchrunResult:
     """Run ``tests/dist_scripts/<script>`` on ``nproc`` CPU ranks; fail the test on timeout."""
     if not launch_allowed:
         raise AssertionError(f"{script}: a torchrun launch from a test without @pytest.mark.dist (tests/conftest.py)")
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env.get("PYTHONPATH", "")])
+    env = launch_env()
     results_dir = tempfile.mkdtemp(prefix="ckpt-torchrun-results-")
     env["CKPT_TEST_RESULTS_DIR"] = results_dir
     cmd = [

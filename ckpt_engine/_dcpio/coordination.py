@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .fast_read import gc_paused
 from .watch import active_watch
 
-__all__ = ["Comm"]
+__all__ = ["RANK_LOCAL", "Comm"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -60,21 +60,40 @@ def _raise_failures(step: str, values: list[Any]) -> None:
         raise CheckpointException(step, failures)  # type: ignore[arg-type]
 
 
+class _RankLocal:
+    """The type of :data:`RANK_LOCAL` (one object, pickled by name)."""
+
+    def __repr__(self) -> str:
+        return "RANK_LOCAL"
+
+    def __reduce__(self) -> str:
+        return "RANK_LOCAL"
+
+
+#: A ``process_group`` value: this rank saves (or loads) alone, with no collective at all, as one
+#: process without a process group does, also where the job has one. Its checkpoint holds this
+#: rank's state only (every item it holds, replicated or not) with a ``.metadata`` of its own:
+#: the node-local tier's rank-local checkpoints (``EngineConfig.local_dir``).
+RANK_LOCAL: Any = _RankLocal()
+
+
 class Comm:
-    """The collectives of one DCP save or load over ``group`` (default: the default group)."""
+    """The collectives of one DCP save or load over ``group`` (default: the default group;
+    :data:`RANK_LOCAL`: none, this rank alone)."""
 
     def __init__(self, group: Any = None) -> None:
-        watch = active_watch()
+        self._held: _Failed | None = None
+        alone = group is RANK_LOCAL
+        watch = None if alone else active_watch()
         if watch is not None and group is not None and group is not watch.group:
             watch = None  # a group of the caller's own: not the watch's to bound
         self.watch = watch
         if watch is not None:
             group = watch.group
-        self.group = group
-        self._held: _Failed | None = None
-        self.dist = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if self.dist else 0
-        self.world = dist.get_world_size(group) if self.dist else 1
+        self.group = None if alone else group
+        self.dist = not alone and dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(self.group) if self.dist else 0
+        self.world = dist.get_world_size(self.group) if self.dist else 1
 
     def _bound(self, name: str) -> None:
         """The watch's bounded barrier before collective ``name`` (nothing without a watch)."""

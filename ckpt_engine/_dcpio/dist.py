@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..errors import ProcessGroupError, clip
 from .watch import active_watch, c10d_failure
 
 
@@ -23,6 +25,21 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if initialized() else 1
+
+
+def new_gloo_group(timeout_s: float) -> Any:
+    """A gloo group of every rank whose operations time out after ``timeout_s`` (collective: every
+    rank creates it at the same point); a failure because a rank is gone is a typed error."""
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    except Exception as err:
+        if not c10d_failure(err):
+            raise
+        raise ProcessGroupError(
+            f"rank {dist.get_rank()}: could not create a process group ({type(err).__name__}: {clip(str(err), 200)}): "
+            "a rank of this job died or is stopped. Restart the job",
+            step="new_group",
+        ) from err
 
 
 def barrier() -> None:

@@ -44,6 +44,7 @@ from .._format.data_file import DataFile
 from .._format.digests import write_part
 from .._format.hashing import new_hasher
 from .._format.metadata import remember_metadata
+from .._format.names import RANK_LOCAL_MARK
 from ..types import CarriedBy, CarryOver
 from ..types import WriteResult as ComponentWritten
 from .archive_write import tensor_archive
@@ -166,9 +167,14 @@ class FastFileSystemWriter(FileSystemWriter):
     #: sets this: an incremental layout then keeps that order.
     keep_item_order = False
 
-    def __init__(self, *args: Any, carry_over: CarryOver | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, carry_over: CarryOver | None = None, rank_local: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.carry_over = carry_over
+        #: A rank-local checkpoint (the node-local tier): its ``.metadata`` says so
+        #: (:data:`~ckpt_engine._format.names.RANK_LOCAL_MARK` in ``storage_meta.modules``).
+        self.rank_local = rank_local
         #: File name -> how it was carried over in the last write (``"link"``, ``"copy"``, or
         #: ``"write"``: it could have been, but carrying over was refused) and its size.
         self.carried: dict[str, tuple[CarriedBy, int]] = {}
@@ -180,6 +186,12 @@ class FastFileSystemWriter(FileSystemWriter):
         #: The ``.metadata`` the last ``finish`` wrote (on the coordinator; ``None`` before, or
         #: when DCP's own ``finish`` ran).
         self.last_metadata: MetadataFile | None = None
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        if self.rank_local and meta is not None:
+            meta.modules = [RANK_LOCAL_MARK]
+        return meta
 
     def _own_encoding(self) -> bool:
         """Whether this writer encodes the items and ``.metadata`` itself: not with stream
@@ -264,10 +276,15 @@ class FastFileSystemWriter(FileSystemWriter):
         if name in self._stable and self.carry_over is not None and algorithm == self.carry_over.algorithm:
             return self._carry_or_write(name, items, planner)
         results: list[WriteResult] = []
-        with DataFile(create_new(os.path.join(os.fspath(self.path), name)), algorithm, self.sync_files) as out:
+        # A rank-local checkpoint's archives get serialization ids derived from the content (the
+        # digest so far, hashed once either way): equal state gives equal bytes, which a peer
+        # holding the same shards (a data-parallel replica) links instead of receiving.
+        path = os.path.join(os.fspath(self.path), name)
+        with DataFile(create_new(path), algorithm, self.sync_files, hashed_by_caller=self.rank_local) as out:
+            hasher = out.hasher if self.rank_local else None
             for item in _dcp_order(items):
                 offset = out.pos
-                for part in _encode(planner.resolve_data(item)):
+                for part in _encode(planner.resolve_data(item), hasher):
                     out.write(part)
                 results.append(self._result(item, name, offset, out.pos - offset))
             out.sync(self.sync_files)

@@ -1,5 +1,5 @@
 """Reading Hugging Face safetensors weights through DCP: the index of a file or HF folder, and
-a ``StorageReader`` over it (``load_path`` = safetensors; the resume rule is ``_engine.hf_load``).
+a ``StorageReader`` over it (``load_path`` = safetensors; the resume rule is ``_engine.weights_load``).
 
 :class:`SafetensorsReader` serves DCP metadata built from the files' headers (each tensor one
 chunk at offset 0) and reads each read item's region with ``pread`` straight into the
@@ -47,14 +47,12 @@ from torch.futures import Future
 
 from .._format.safetensors import (
     INDEX_FILE,
-    MAX_INDEX_BYTES,
     SINGLE_FILE,
     TensorEntry,
     open_regular,
-    parse_json,
     read_header,
 )
-from .._storage.fscheck import read_regular, require_regular_file
+from .._format.safetensors_header import read_weight_map
 from .._storage.urls import is_url
 from ..errors import (
     CheckpointNotFoundError,
@@ -117,7 +115,7 @@ def read_index(path: str) -> SafetensorsIndex:
     if not os.path.exists(index_file):
         single = os.path.join(path, SINGLE_FILE)
         return SafetensorsIndex(path, (single,), read_header(single).tensors)
-    weight_map = _weight_map(index_file)
+    weight_map = read_weight_map(index_file)
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)
@@ -144,44 +142,6 @@ def read_index(path: str) -> SafetensorsIndex:
             )
         tensors.update({n: header.tensors[n] for n in names})
     return SafetensorsIndex(path, tuple(files), tensors)
-
-
-def _weight_map(index_file: str) -> dict[str, str]:
-    index = parse_json(index_file, _read_index_file(index_file))
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise CorruptCheckpointError(f"{index_file}: no `weight_map` mapping tensor names to file names")
-    for file in set(weight_map.values()):
-        if os.path.basename(file) != file or file in ("", ".", "..") or "\0" in file:
-            raise CorruptCheckpointError(
-                f"{index_file}: weight_map names {clip(file)}, which is not a file name in the folder"
-            )
-    return weight_map
-
-
-def _read_index_file(index_file: str) -> bytes:
-    """The bytes of the index: a regular file of at most :data:`MAX_INDEX_BYTES` (checked before
-    it is opened, and again on what is read)."""
-    what = "a safetensors index (JSON)"
-    try:
-        require_regular_file(index_file, what)
-        if os.path.getsize(index_file) > MAX_INDEX_BYTES:
-            raise CorruptCheckpointError(_too_large(index_file))
-        data = read_regular(index_file, MAX_INDEX_BYTES, what)
-    except OSError as err:
-        raise CorruptCheckpointError(f"{index_file}: cannot read it: {err.strerror or err}") from err
-    if len(data) > MAX_INDEX_BYTES:
-        raise CorruptCheckpointError(_too_large(index_file))
-    return data
-
-
-def _too_large(index_file: str) -> str:
-    return (
-        f"{index_file} is larger than {MAX_INDEX_BYTES} bytes, far more than the index of any model needs; "
-        "it is not a safetensors index: download it again"
-    )
 
 
 def _tensor_metadata(entry: TensorEntry) -> TensorStorageMetadata:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 from typing import Any
 
 from .torch_save_archive import _central_directory, _read_record
@@ -61,6 +62,22 @@ class _NoGlobals(pickle.Unpickler):
         raise pickle.UnpicklingError("a persistent id (a tensor storage)")
 
 
+def _memo_bounded(raw: bytes) -> bool:
+    """Whether every memo index ``raw`` stores under is one a pickle of its size can need.
+
+    The C unpickler sizes its memo to the largest index a ``PUT`` names: 12 bytes of
+    ``LONG_BINPUT 2**30`` would make it allocate (and zero) gigabytes. No pickle stores more
+    objects than it has bytes, so a larger index means a crafted pickle: ``torch.load``'s own
+    unpickler (pure Python, a dict for its memo) then judges it. A few microseconds a value."""
+    try:
+        for op, arg, _ in pickletools.genops(raw):
+            if op.code in "pqr" and isinstance(arg, int) and arg > len(raw):
+                return False
+    except ValueError:  # not a pickle genops can walk: torch.load's to judge
+        return False
+    return True
+
+
 def plain_value(data: bytes | memoryview) -> tuple[bool, Any]:
     """``(True, value)`` for an archive of a plain value, else ``(False, None)``."""
     length = len(data)
@@ -94,7 +111,7 @@ def _read(data: bytes | memoryview) -> tuple[bool, Any]:
     if len(pkl) != 1 or any(b"/data/" in name for name in entries):  # a storage record: a tensor
         return False, None
     raw = _read_record(pread, pkl[0], entries[pkl[0]], length)
-    if raw is None:
+    if raw is None or not _memo_bounded(raw):
         return False, None
     try:
         return True, _NoGlobals(io.BytesIO(raw)).load()

@@ -45,7 +45,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from ..errors import LoadStrictnessError, UnsafeCheckpointError
+from .._format.metadata_read import is_rank_local
+from ..errors import LoadStrictnessError, RankLocalCoverageError, UnsafeCheckpointError, clip
 from ..pipeline import Pipeline
 from ..report import ComponentReport, OverlapRecord, SkipRecord
 from ..staging import TensorKey, local_tensor, memory_key
@@ -233,6 +234,8 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         tied = self._ties(entries)
         self._apply_strictness(entries, unexpected, tied)
         items = self._read_items(entries)
+        if is_rank_local(self.metadata):  # one rank's shards: what this rank needs must be there
+            _require_cover(items, entries, self.state_dict, self._aliases, self.checkpoint_dir)
         report = self._build_report(entries, unexpected, tied)
         self.report = dataclasses.replace(report, notes=tuple(remap_ctx.notes), tied=tied)
         return LoadPlan(items)
@@ -559,6 +562,33 @@ def plain_write_items(state_dict: Mapping[str, Any]) -> list[WriteItem] | None:
         else:
             items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
     return items
+
+
+def _require_cover(
+    items: list[ReadItem],
+    entries: tuple[PlanEntry, ...],
+    state_dict: Mapping[str, Any],
+    aliases: Mapping[str, list[str]],
+    where: str,
+) -> None:
+    """Every tensor a load of a rank-local checkpoint reads gets every element of its local part
+    from the items: a checkpoint saved with another sharding holds other elements, and the rest
+    would keep their initial values silently. Raises :class:`RankLocalCoverageError`."""
+    read: dict[str, int] = {}
+    for item in items:
+        if item.type != LoadItemType.BYTE_IO:
+            read[item.dest_index.fqn] = read.get(item.dest_index.fqn, 0) + int(torch.Size(item.lengths).numel())
+    filled = {a for targets in aliases.values() for a in targets}
+    for e in entries:
+        value = state_dict[e.dest_key]
+        if e.decision is not Decision.LOAD or e.dest_key in filled or not isinstance(value, torch.Tensor):
+            continue
+        needed = sum(int(torch.Size(c.sizes).numel()) for c in local_chunks(value))
+        if read.get(e.dest_key, 0) != needed:
+            raise RankLocalCoverageError(
+                f"{where}: this rank's checkpoint of the local tier holds {read.get(e.dest_key, 0)} of the {needed} "
+                f"elements of {clip(e.dest_key)} this rank needs: it was saved with another sharding"
+            )
 
 
 def flat_keys(state_dict: dict[str, Any]) -> list[str]:

@@ -36,7 +36,7 @@ from ..types import CarriedBy
 from .consensus import agree, unwrap
 from .targets import SavePaths, SaveTarget
 
-__all__ = ["CommitPhase", "run_commit"]
+__all__ = ["CommitPhase", "run_commit", "wait_writes"]
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -51,6 +51,18 @@ class CommitPhase:
     reused: int = 0
     carried_by: CarriedBy = "off"
     write_end: float = 0.0
+
+    def plus(self, other: CommitPhase) -> CommitPhase:
+        """This commit and ``other`` (a save's local-tier commit) as one outcome: the first error,
+        the bytes of both, the later end of the writes."""
+        ways = {self.carried_by, other.carried_by} - {"off"}
+        return CommitPhase(
+            error=self.error or other.error,
+            nbytes=self.nbytes + other.nbytes,
+            reused=self.reused + other.reused,
+            carried_by=next((w for w in ("link", "copy", "write") if w in ways), "off"),
+            write_end=max(self.write_end, other.write_end),
+        )
 
 
 def run_commit(
@@ -69,7 +81,7 @@ def run_commit(
     phase = CommitPhase()
     if collective:
         publish_phase("commit")
-    _wait_writes(pipeline, outcomes, phase)
+    wait_writes(pipeline, outcomes, phase)
     world = _dist.world_size()
     entries: dict[str, FileEntry] = {}
     if target.ranks_publish_files or (collective and world > 1):
@@ -119,7 +131,8 @@ def _say_committed(err: CollectiveError, committed: bool | None, paths: SavePath
         err.args = (f"{err.args[0]}; {what}", *err.args[1:])
 
 
-def _wait_writes(pipeline: Pipeline, outcomes: Sequence[Any], phase: CommitPhase) -> None:
+def wait_writes(pipeline: Pipeline, outcomes: Sequence[Any], phase: CommitPhase) -> None:
+    """Wait for every write of ``outcomes``; their bytes, or the first failure, into ``phase``."""
     try:
         results = [pipeline.check_write_result(o.result() if isinstance(o, Future) else o) for o in outcomes]
         phase.nbytes = sum(r.bytes_written for r in results)

@@ -25,6 +25,7 @@ from ..plugin_manager import build_plugin_manager
 from ..types import LoadResult
 from .collectives import EngineCollectives, bounded
 from .loader import Loader
+from .local_tier import LocalTier
 from .pending import SaveHandle, SaveQueue
 from .preemption import PreemptionSaver
 from .rng import with_rng
@@ -64,8 +65,20 @@ class CheckpointEngine:
         #: The storage mode, chosen once: staging folder, commit, uploads, cleanup, retention.
         self._target = open_target(self.config)
         checksum = DEFAULT_ALGORITHM if self.config.save_checksums else None
+        #: The node-local tier, where every save is committed too (None: none configured).
+        try:
+            self._local = LocalTier.open(self.config, self.pipeline)
+        except BaseException:
+            self.pipeline.close()  # a plugin that started something (a writer process) stops it
+            raise
         self._saver = Saver(
-            self.config, self.pipeline, self._target, self._queue, plan_prefix=self._plan_prefix, checksum=checksum
+            self.config,
+            self.pipeline,
+            self._target,
+            self._queue,
+            plan_prefix=self._plan_prefix,
+            checksum=checksum,
+            local=self._local,
         )
         self._loader = Loader(self.config, self.pipeline, self.save_dir)
         self._saver.remove_leftovers_at_start()
@@ -108,12 +121,17 @@ class CheckpointEngine:
         scheduler: Any = None,
         grad_scaler: Any = None,
         extra: Mapping[str, Any] | None = None,
+        durable: bool = False,
     ) -> SaveHandle:
         """Save the training state as ``<save_dir>/iter_{iteration:09}/``.
 
         Returns once the checkpoint's content is fixed: later in-place updates never leak into
         it. With the default (synchronous) providers the checkpoint is also committed; with a
         background writer, ``handle.result()`` or :meth:`wait` waits for the commit.
+
+        With a node-local tier every save is committed there, and only one whose
+        iteration is a multiple of ``persist_every``, or with ``durable=True``, also to
+        ``save_dir`` (``SaveResult.tier`` says which).
         """
         self._check_open()
         extra = with_rng(extra, self.config.rng)
@@ -126,7 +144,9 @@ class CheckpointEngine:
         objs = TrainingObjects.from_args(model, optimizer, scheduler, grad_scaler, extra)
         if not objs.modules:
             raise InvalidArgumentError("save() needs model=: a module or a list of modules")
-        return self._saver.save(iteration, objs)
+        if not isinstance(durable, bool):
+            raise ArgumentTypeError(f"durable must be a bool, got {type(durable).__name__}")
+        return self._saver.save(iteration, objs, durable=durable)
 
     def save_on_preemption(self, *, every: int | None = None, exit_code: int = 0) -> PreemptionSaver:
         """A context manager turning SIGTERM into a save at the next ``step_done()`` and a clean
@@ -143,6 +163,15 @@ class CheckpointEngine:
         """Block until every pending save is committed; raise if one failed."""
         self._queue.wait()
 
+    def wait_replicated(self, timeout: float | None = None) -> None:
+        """Block until every save so far is committed and its peer replicas (``peer_replicas``)
+        are copied; raise :class:`~ckpt_engine.errors.ReplicationError` for copies that failed
+        since the last call (the local checkpoints themselves stay committed). Returns at once
+        without a local tier or peers."""
+        self._queue.wait()
+        if self._local is not None:
+            self._local.wait_replicated(timeout)
+
     def close(self) -> None:
         """Wait for pending saves, then release workers and plugin resources. Idempotent.
 
@@ -157,10 +186,14 @@ class CheckpointEngine:
             self._queue.wait()
         finally:
             self._closed = True
-            self._collectives.close()
-            self._queue.shutdown()
-            self._saver.close()  # its plan caches and the save_dir lock
-            self.pipeline.close()
+            try:
+                if self._local is not None:
+                    self._local.close()  # the replication rounds, bounded by collective_timeout_s
+            finally:
+                self._collectives.close()
+                self._queue.shutdown()
+                self._saver.close()  # its plan caches and the save_dir lock
+                self.pipeline.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -28,7 +28,7 @@ from ..staging import memory_key
 from ..types import CarryOver
 from .targets import SaveTarget
 
-__all__ = ["CarryBase", "carry_base", "stable_keys"]
+__all__ = ["CarryBase", "carry_base", "carry_base_in", "stable_keys"]
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -78,6 +78,14 @@ def carry_base(target: SaveTarget, config: EngineConfig, algorithm: str, iterati
     """The carry-over base of the save of ``iteration`` into ``target`` (every rank decides the
     same from the same committed files; a base that cannot be read means a full write)."""
     root, store, method = _where(target)
+    return carry_base_in(root, store, method, config, algorithm, iteration)
+
+
+def carry_base_in(
+    root: str, store: Store, method: Literal["link", "copy"], config: EngineConfig, algorithm: str, iteration: int
+) -> CarryBase:
+    """The carry-over base of the save of ``iteration``: the checkpoint ``latest_checkpoint.txt``
+    in ``root`` names (a save folder, or a rank's folder of the local tier), carried ``method``."""
     none = CarryBase(folder=None, algorithm=algorithm, method=method, store=store)
     try:
         name = read_latest(root, store)

@@ -52,7 +52,6 @@ from ..types import (
 )
 from .collectives import watch_group
 from .consensus import agreed, unwrap
-from .hf_load import is_safetensors_path, load_safetensors
 from .load_guard import (
     Validated,
     check_share,
@@ -61,11 +60,12 @@ from .load_guard import (
     parse_shared_metadata,
     run_checks,
 )
-from .pth_load import load_pth
+from .local_sources import local_tier_source, two_tier_copy
 from .rank_views import folder_view, require_one_checkpoint
 from .resave import advance_latest, newest_unnamed
 from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes
 from .state import TrainingObjects, apply_component, component_state_dict
+from .weights_load import is_safetensors_path, load_pth, load_safetensors
 
 __all__ = [
     "CheckpointSource",
@@ -108,11 +108,17 @@ class CheckpointSource:
     rule: str
     validated: Validated
     fell_back_from: str | None = None
+    #: Where its bytes come from (``LoadResult.bytes_by_source``): ``save_dir``, or the two-tier
+    #: local copy on this host.
+    tier: str = "durable"
 
     def read(self, loader: Loader, objs: TrainingObjects) -> LoadResult:
-        return loader.read_checkpoint(
+        result = loader.read_checkpoint(
             objs, self.path, self.wanted, self.rule, self.validated, fell_back_from=self.fell_back_from
         )
+        if self.tier == "durable" or not result.bytes_read:
+            return result
+        return dataclasses.replace(result, bytes_by_source={self.tier: result.bytes_read})
 
 
 @dataclass(frozen=True)
@@ -183,7 +189,7 @@ class Loader:
         _check_keys_not_to_resume(self.config, objs)
         return self._source(objs).read(self, objs)
 
-    def _source(self, objs: TrainingObjects) -> LoadSource:
+    def _source(self, objs: TrainingObjects, *, local_tier: bool = True) -> LoadSource:
         """Where this load reads from, by the rules of DESIGN section 4, chosen once: a checked
         checkpoint folder (the two-tier local copy, a committed one ``latest`` does not name yet,
         ``latest``, the fallback, ``load_path``), a ``.pth`` or safetensors ``load_path``, or
@@ -200,10 +206,15 @@ class Loader:
                 raise
             return self._fallback(load_dir, store, latest_file, err, wanted_all)
         if self._local_dir is not None and load_dir == self.save_dir:
-            local = self._local_copy(latest)
+            local = two_tier_copy(self, self._local_dir, latest)
             if local is not None:
-                return CheckpointSource(local.checked.path, wanted_all, "latest", local)
+                return CheckpointSource(local.checked.path, wanted_all, "latest", local, tier="local")
         unnamed = agreed(lambda: newest_unnamed(load_dir, store, latest))
+        if local_tier and cfg.local_dir is not None and _same_dir(load_dir, self.save_dir):
+            durable = max((it for it in map(_iteration, (latest, unnamed)) if it is not None), default=None)
+            tier = local_tier_source(cfg, durable, wanted_all)
+            if tier is not None:
+                return tier
         adopted = None if unnamed is None else self._adopt(load_dir, store, latest, unnamed)
         if adopted is not None:
             return CheckpointSource(adopted.checked.path, wanted_all, "latest", adopted)
@@ -283,43 +294,6 @@ class Loader:
 
     # -- load: validation and fallback -------------------------------------------------------
 
-    def _local_copy(self, remote_latest: str | None) -> Validated | None:
-        """Two-tier: the local copy to resume from, if its ``latest`` is complete and at least as
-        new as the object store's; ``None`` (logged) otherwise."""
-        assert self._local_dir is not None
-        local_dir = self._local_dir
-        try:
-            name = agreed(lambda: read_latest(local_dir))
-        except CkptEngineError as err:
-            logger.warning("ignoring the local copy in %s: %s", local_dir, err)
-            return None
-        names = _dist.all_gather_object(name, step="local copy")
-        if any(n != name for n in names):  # each host decides alike, or none reads its copy
-            if _dist.rank() == 0:
-                shown = ", ".join(f"rank {r}: {n!r}"[:100] for r, n in enumerate(names[:8]))
-                logger.warning(
-                    "the ranks' local copies name different checkpoints (%s); using %s", shown, self.save_dir
-                )
-            return None
-        if name is None:
-            return None
-        local_iter, remote_iter = parse_iteration(name), parse_iteration(remote_latest or "")
-        if local_iter is None or (remote_iter is not None and local_iter < remote_iter):
-            return None
-        try:
-            validated = self.validate(
-                os.path.join(local_dir, name), open_store(local_dir), shared=False, what="the local copy"
-            )
-        except CkptEngineError as err:
-            if _dist.rank() == 0:
-                logger.warning("the local copy %s cannot be resumed (%s); using %s", name, err, self.save_dir)
-            return None
-        if _dist.rank() == 0:
-            logger.info(
-                "resuming from the local copy %s (the object store's latest: %s)", validated.checked.path, remote_latest
-            )
-        return validated
-
     def validate(
         self, path: str, store: Store, missing_hint: str | None = None, *, shared: bool = True, what: str = "latest"
     ) -> Validated:
@@ -330,7 +304,18 @@ class Loader:
         require_one_checkpoint(folder_view(path, store), what)
         return self._checked(path, store, missing_hint, shared)
 
-    def _checked(self, path: str, store: Store, missing_hint: str | None, shared: bool) -> Validated:
+    def durable_source(self, objs: TrainingObjects) -> LoadSource:
+        """Where this load reads from without the node-local tier (``save_dir`` and the rules)."""
+        return self._source(objs, local_tier=False)
+
+    def validate_rank_local(self, path: str) -> Validated:
+        """:meth:`validate`'s checks of this rank's own checkpoint of the local tier (each rank reads
+        another folder; its step was agreed by the recovery, which compared every checksum)."""
+        return self._checked(path, open_store(path), None, False, self.config.model_copy(update={"verify": "sizes"}))
+
+    def _checked(
+        self, path: str, store: Store, missing_hint: str | None, shared: bool, config: EngineConfig | None = None
+    ) -> Validated:
         """:meth:`validate`'s checks. With several ranks and ``shared`` (a folder every rank sees,
         not a per-host local copy) rank 0 alone lists the folder and reads each ``.metadata`` and
         the manifest, and broadcasts the metadata's bytes, which every other rank parses: storage
@@ -346,7 +331,7 @@ class Loader:
                 if once and rank != 0:
                     return lock
                 raw: dict[str, bytes] = {}
-                validated = run_checks(self.config, path, store, missing_hint, raw if once else None)
+                validated = run_checks(config or self.config, path, store, missing_hint, raw if once else None)
                 return dataclasses.replace(validated, lock=lock), raw
             except BaseException:
                 if lock is not None:
@@ -426,6 +411,7 @@ class Loader:
         validated: Validated,
         *,
         fell_back_from: str | None = None,
+        dedup_reads: str | None = None,
     ) -> LoadResult:
         checked = validated.checked
         self._bytes_read = 0
@@ -450,7 +436,13 @@ class Loader:
                 sd = component_state_dict(objs, name, 0)
                 template = tuple(sd.values())
                 planner = self._load_component(
-                    name, validated.store.join(path, name), sd, checked.components[name], objs, validated.store
+                    name,
+                    validated.store.join(path, name),
+                    sd,
+                    checked.components[name],
+                    objs,
+                    validated.store,
+                    dedup_reads or self.config.dedup_reads,
                 )
                 assert planner.report is not None
                 reports[name] = planner.report
@@ -473,6 +465,7 @@ class Loader:
             verified=validated.verified,
             fell_back_from=fell_back_from,
             bytes_read=self._bytes_read,
+            bytes_by_source={"durable": self._bytes_read} if self._bytes_read else {},
         )
 
     def _absent_component(
@@ -499,6 +492,7 @@ class Loader:
         metadata: Any,
         objs: TrainingObjects,
         store: Store,
+        dedup_reads: str,
     ) -> EngineLoadPlanner:
         planner = EngineLoadPlanner(
             component=name,
@@ -523,7 +517,7 @@ class Loader:
                     storage_reader=reader,
                     planner=planner,
                     process_group=watch_group(),
-                    dedup_reads=self.config.dedup_reads,
+                    dedup_reads=dedup_reads,
                 )
                 self._bytes_read += stats.bytes_read
         except (Exception, CheckpointException) as exc:
@@ -540,3 +534,7 @@ class Loader:
 def _same_dir(a: str, b: str) -> bool:
     """Whether two configured folders are one (a fresh run's ``load_dir`` may be its ``save_dir``)."""
     return a.rstrip("/") == b.rstrip("/") or ("://" not in a and os.path.abspath(a) == os.path.abspath(b))
+
+
+def _iteration(name: str | None) -> int | None:
+    return parse_iteration(name) if name is not None else None

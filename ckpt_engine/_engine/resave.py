@@ -21,7 +21,7 @@ import os
 
 from .._format.layout import check_complete
 from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, parse_iteration, replaced_name
-from .._format.pointer import list_checkpoints, read_latest, write_latest
+from .._format.pointer import advance_latest, list_checkpoints, read_latest
 from .._storage.store import FsspecStore, Store
 from ..errors import CheckpointExistsError, CkptEngineError
 
@@ -108,28 +108,6 @@ def refuse_resave(iteration: int, targets: list[tuple[str, Store]], allow: bool)
             f"iteration {iteration} is already committed at {path}; refusing to replace it. Save under a new "
             "iteration, delete the old checkpoint, or set allow_overwrite=True to replace it"
         )
-
-
-def advance_latest(save_dir: str, name: str, store: Store | None = None) -> bool:
-    """Point ``latest_checkpoint.txt`` at ``name`` unless it names a newer iteration already;
-    returns whether it moved. An unreadable pointer is replaced."""
-    new = parse_iteration(name)
-    try:
-        current = read_latest(save_dir, store)
-    except CkptEngineError:
-        current = None
-    old = parse_iteration(current) if current is not None else None
-    if new is not None and old is not None and old > new:
-        logger.warning(
-            "committed %s, but latest_checkpoint.txt in %s names the newer %s: it is left there (latest never "
-            "moves to an older iteration)",
-            name,
-            save_dir,
-            current,
-        )
-        return False
-    write_latest(save_dir, name, store)
-    return True
 
 
 def promote_replacement(store: FsspecStore, staging: str, final: str) -> None:

@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -442,7 +443,8 @@ def apply_component(
             _set_model_state_dict(module, keep, in_place=in_place)
     elif component == "optim":
         for module, optim in zip(objs.modules, objs.optimizers, strict=True):
-            set_optimizer_state_dict(module, optim, optim_state_dict=sd, options=_OPTIM_OPTIONS)
+            with _empty_groups_aside(optim):
+                set_optimizer_state_dict(module, optim, optim_state_dict=sd, options=_OPTIM_OPTIONS)
     elif component == "scheduler":
         objs.scheduler.load_state_dict(sd)
     elif component == "trainer":
@@ -450,3 +452,28 @@ def apply_component(
             objs.grad_scaler.load_state_dict(sd["grad_scaler"])
     else:
         objs.extra[component].load_state_dict(sd)
+
+
+@contextlib.contextmanager
+def _empty_groups_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """``optimizer`` without its parameter groups that hold no parameters while its state is set,
+    then with them back in their places.
+
+    The flattened optimizer state dict (``flatten_optimizer_state_dict=True``, the ``optim``
+    format) keys a group's hyper-parameters by the group's first parameter, so a group without
+    parameters has no keys, and ``set_optimizer_state_dict`` fails on it (an ``IndexError`` in
+    torch's ``_unflatten_optim_state_dict``). Such groups are common (the Hugging Face Trainer's
+    no-decay group when every bias and norm is frozen, as under LoRA); they hold no state, so
+    nothing of them is lost.
+    """
+    aside = [(i, g) for i, g in enumerate(optimizer.param_groups) if not g["params"]]
+    if not aside:
+        yield
+        return
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+    try:
+        yield
+    finally:
+        groups = optimizer.param_groups  # a new list once load_state_dict ran
+        for index, group in aside:
+            groups.insert(index, group)

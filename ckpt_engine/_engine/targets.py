@@ -459,9 +459,10 @@ def write_checked_manifest(
     entries: dict[str, FileEntry],
     world: int,
     carry_chain: int = 0,
+    rank: int | None = None,
 ) -> int:
-    """Rank 0: check the checkpoint under ``root`` is complete, then write its manifest; returns
-    the bytes the manifest covers.
+    """Rank 0 (``rank``: the rank of a rank-local checkpoint, which writes its own): check the
+    checkpoint under ``root`` is complete, then write its manifest; returns the bytes it covers.
 
     Locally (``store`` ``None``) into the uncommitted folder, checksumming what no rank did. On an
     object store, after every rank uploaded: the DCP metadata is checked against one listing of
@@ -484,7 +485,9 @@ def write_checked_manifest(
         expected = set(list_files(root)) | referenced_files(checked)
         entries.update(written_entries(root, expected - set(entries), algorithm))
         remove_parts(root)
-    manifest = new_manifest(iteration, world, components, algorithm, with_versions(entries, root, store), carry_chain)
+    manifest = new_manifest(
+        iteration, world, components, algorithm, with_versions(entries, root, store), carry_chain, rank
+    )
     write_manifest(root, manifest, store)
     return manifest.total_bytes
 
@@ -497,13 +500,19 @@ def with_versions(entries: Mapping[str, FileEntry], root: str, store: Store | No
 
 
 def commit_locally(
-    paths: SavePaths, components: tuple[str, ...], algorithm: str | None, entries: dict[str, FileEntry], world: int
+    paths: SavePaths,
+    components: tuple[str, ...],
+    algorithm: str | None,
+    entries: dict[str, FileEntry],
+    world: int,
+    rank: int | None = None,
 ) -> int:
-    """Rank 0: the manifest into the hidden folder, the rename into place, then ``latest`` in
-    that folder's save directory; returns the bytes the manifest covers."""
+    """Rank 0 (or, ``rank``, each rank its own rank-local checkpoint): the manifest into the
+    hidden folder, the rename into place, then ``latest`` in that folder's save directory;
+    returns the bytes the manifest covers."""
     assert paths.local_final is not None
     covered = write_checked_manifest(
-        paths.partial, None, paths.iteration, components, algorithm, entries, world, paths.carry_chain
+        paths.partial, None, paths.iteration, components, algorithm, entries, world, paths.carry_chain, rank
     )
     commit_rename(paths.partial, paths.local_final)
     advance_latest(os.path.dirname(paths.local_final), paths.name)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy
-
 from ..errors import SHOWN_CHARS, clip
 
 __all__ = ["JSONRefused", "loads", "nesting"]
@@ -25,20 +23,43 @@ class JSONRefused(ValueError):
 
 
 _NOT_BRACKETS_OR_QUOTES = bytes(b for b in range(256) if b not in b'[]{}"')
-_LEVEL_STEP = numpy.zeros(256, dtype=numpy.int8)
-_LEVEL_STEP[list(b"[{")] = 1
-_LEVEL_STEP[list(b"]}")] = -1
+#: Below this many brackets and quotes a plain loop counts them (no numpy import: a safetensors
+#: header of thousands of tensors); above, one vectorised pass.
+_SCALAR_LIMIT = 1 << 16
 
 
 def nesting(raw: bytes) -> int:
     """How deep arrays and objects nest in the JSON text ``raw`` (brackets inside strings skipped).
-    Linear and vectorised."""
+    Linear; vectorised for long texts."""
     # Escaped backslashes, then escaped quotes: runs of backslashes pair up from the left, as JSON reads them.
     text = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_BRACKETS_OR_QUOTES)
+    if len(text) <= _SCALAR_LIMIT:
+        return _nesting_loop(text)
+    import numpy
+
+    step = numpy.zeros(256, dtype=numpy.int8)
+    step[list(b"[{")] = 1
+    step[list(b"]}")] = -1
     codes = numpy.frombuffer(text, dtype=numpy.uint8)
     outside = (numpy.cumsum(codes == ord('"'), dtype=numpy.uint8) & 1) == 0  # an even number of quotes so far
-    levels = numpy.cumsum(_LEVEL_STEP[codes] * outside, dtype=numpy.int32)
+    levels = numpy.cumsum(step[codes] * outside, dtype=numpy.int32)
     return int(levels.max()) if len(levels) else 0
+
+
+def _nesting_loop(text: bytes) -> int:
+    """:func:`nesting` of ``text`` (only brackets and quotes left), one character at a time."""
+    depth = deepest = 0
+    inside = False
+    for c in text:
+        if c == 0x22:  # "
+            inside = not inside
+        elif not inside:
+            if c in (0x5B, 0x7B):
+                depth += 1
+                deepest = max(deepest, depth)
+            else:
+                depth -= 1
+    return deepest
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -166,13 +166,18 @@ class DataFile:
     thread where a second CPU is there: :class:`_BackgroundHash`; else each megabyte is hashed
     right before it is written, while it is in the CPU's cache)."""
 
-    def __init__(self, f: BinaryIO, algorithm: str | None, durable: bool = False) -> None:
+    def __init__(
+        self, f: BinaryIO, algorithm: str | None, durable: bool = False, *, hashed_by_caller: bool = False
+    ) -> None:
         """``f``: the file, opened for writing (buffered by at most 1 MiB) and closed with this
-        object; ``durable``: it will be fsynced once written (:meth:`sync`)."""
+        object; ``durable``: it will be fsynced once written (:meth:`sync`); ``hashed_by_caller``:
+        the caller updates :attr:`hasher` with every part before it writes it (it needs the
+        digest so far as it goes), so :meth:`write` only writes."""
         self.f = f
         self.pos = 0
         self.hasher = new_hasher(algorithm) if algorithm is not None else None
-        self._behind = _BackgroundHash(self.hasher) if self.hasher is not None and _SPARE_CPU else None
+        self._hashing = None if hashed_by_caller else self.hasher
+        self._behind = _BackgroundHash(self._hashing) if self._hashing is not None and _SPARE_CPU else None
         self._writeback = _Writeback(self.f.fileno()) if durable and WRITEBACK and _sync_file_range else None
 
     def write(self, data: Any) -> None:
@@ -181,14 +186,14 @@ class DataFile:
         if self._behind is not None:
             self._behind.add(view, nbytes)
             self.f.write(view)
-        elif self.hasher is not None and nbytes > _HASH_BATCH:
+        elif self._hashing is not None and nbytes > _HASH_BATCH:
             for start in range(0, nbytes, _HASH_BATCH):
                 chunk = view[start : start + _HASH_BATCH]
-                self.hasher.update(chunk)
+                self._hashing.update(chunk)
                 self.f.write(chunk)
         else:
-            if self.hasher is not None:
-                self.hasher.update(view)
+            if self._hashing is not None:
+                self._hashing.update(view)
             self.f.write(view)
         self.pos += nbytes
         if self._writeback is not None and nbytes >= _BUFFER:  # a large write is in the kernel's hands

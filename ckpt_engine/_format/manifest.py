@@ -23,11 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .._storage.store import VERSION_PATTERN, Store, store_for
 from .._version import __version__
-from ..errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, denied
+from ..errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, clip, denied
+from . import bounded_json
 from .hashing import DEFAULT_ALGORITHM, new_hasher
 from .layout import CheckedCheckpoint
 from .names import MANIFEST_FILE, RANK_PART_PREFIX, is_part
@@ -37,6 +36,7 @@ __all__ = [
     "MANIFEST_FILE",
     "FileEntry",
     "Manifest",
+    "parse_manifest",
 ]
 
 MANIFEST_FORMAT = "ckpt-engine-manifest"
@@ -85,6 +85,9 @@ class Manifest:
     #: Saves since the last full write whose files this one may share (``incremental``; 0: it
     #: shares none with an older checkpoint). Bounded by ``EngineConfig.full_save_every``.
     carry_chain: int = 0
+    #: A rank-local checkpoint of the node-local tier (``EngineConfig.local_dir``): the rank whose
+    #: state it holds (``world_size`` is then the job's). ``None``: a checkpoint of the whole job.
+    rank: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -114,6 +117,7 @@ class Manifest:
             "checksum_algorithm": self.algorithm,
             "total_bytes": self.total_bytes,
             "carry_chain": self.carry_chain,
+            **({} if self.rank is None else {"rank": self.rank}),
             "files": {rel: entry_doc(e) for rel, e in sorted(self.files.items())},
         }
         return json.dumps(doc, indent=1) + "\n"
@@ -136,7 +140,10 @@ def new_manifest(
     algorithm: str | None,
     files: Mapping[str, FileEntry],
     carry_chain: int = 0,
+    rank: int | None = None,
 ) -> Manifest:
+    import torch  # here, not at the top: reading a manifest (ckpt-engine ls) imports no torch
+
     return Manifest(
         iteration=iteration,
         world_size=world_size,
@@ -147,6 +154,7 @@ def new_manifest(
         torch_version=str(torch.__version__),
         created_unix=time.time(),
         carry_chain=carry_chain,
+        rank=rank,
     )
 
 
@@ -301,6 +309,24 @@ def lookup_manifest(checkpoint_dir: str | os.PathLike[str], store: Store | None 
         raise CorruptCheckpointError(f"{path} is malformed: {err}") from err
 
 
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """A manifest's bytes from elsewhere (a peer rank's replica), parsed within fixed bounds
+    (nesting, integer digits, size) and validated as :func:`lookup_manifest` validates a file;
+    anything else raises :class:`CorruptCheckpointError` naming ``where``. Nothing executes."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: {len(raw)} bytes is larger than a manifest may be")
+    try:
+        doc = bounded_json.loads(raw, max_depth=8, max_int_digits=24, constants=False, unique_keys=True)
+    except bounded_json.JSONRefused as err:
+        raise CorruptCheckpointError(f"{where}: the manifest is refused: {err}") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or doc.get("version") != MANIFEST_VERSION:
+        raise CorruptCheckpointError(f"{where} is not a version {MANIFEST_VERSION} ckpt-engine manifest")
+    try:
+        return _manifest_from_doc(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CorruptCheckpointError(f"{where}: the manifest is malformed: {clip(str(err), 200)}") from None
+
+
 def _read_manifest_bytes(store: Store, path: str) -> bytes | None:
     """The manifest's bytes, or None when there is none; a file that cannot be read raises."""
     try:
@@ -339,12 +365,17 @@ def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
         torch_version=str(doc.get("torch_version", "")),
         created_unix=float(doc.get("created_unix", 0.0)),
         carry_chain=_chain(doc.get("carry_chain", 0)),
+        rank=None if doc.get("rank") is None else _count("rank", doc["rank"]),
     )
 
 
 def _chain(value: Any) -> int:
+    return _count("carry_chain", value)
+
+
+def _count(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 31:
-        raise ValueError(f"carry_chain is not a count (a {type(value).__name__})")
+        raise ValueError(f"{name} is not a count (a {type(value).__name__})")
     return value
 
 

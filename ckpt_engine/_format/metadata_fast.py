@@ -44,9 +44,10 @@ import functools
 import re
 import struct
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["OPAQUE", "StorageBatch"]
 
@@ -260,8 +261,8 @@ class StorageBatch:
     """The super-instruction for one parse: ``run(data, pos, target, memo)`` at a ``MARK``.
 
     ``is_token(value, kind)`` says whether a memo value is the parse's token for a global;
-    ``charge(items, what)`` charges the budget; ``index_type`` / ``info_type`` are the classes to
-    build (DCP's or the stand-ins).
+    ``charge(items, what)`` charges the budget; ``index_type`` / ``info_type`` / ``size_type`` are
+    the classes to build (DCP's or the stand-ins; ``torch.Size`` when ``size_type`` is not given).
     """
 
     def __init__(
@@ -270,7 +271,13 @@ class StorageBatch:
         charge: Callable[[int, str], None],
         index_type: Any,
         info_type: Any,
+        size_type: Any = None,
     ) -> None:
+        if size_type is None:
+            import torch
+
+            size_type = torch.Size
+        self._size_type = size_type
         self._is_token = is_token
         self._charge = charge
         self._index_type = index_type
@@ -388,7 +395,7 @@ class StorageBatch:
         got = self._sizes.get(raw)
         if got is None:
             ints, memoised = _offsets(raw)
-            got = (torch.Size(ints), memoised)
+            got = (self._size_type(ints), memoised)
             if len(self._sizes) < 4096:
                 self._sizes[raw] = got
         return got
@@ -438,7 +445,7 @@ class StorageBatch:
             elif i_oget >= 0 and row[i_oget]:
                 slot = _index(row[i_oget])
                 offset = get(slot) if slot < start else None
-                if type(offset) is not torch.Size:
+                if type(offset) is not self._size_type:
                     return None
                 slots += (key, OPAQUE, value, OPAQUE)
             else:

@@ -47,14 +47,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ..errors import SHOWN_CHARS
 from ..errors import clip as _clip
 from .metadata_fast import StorageBatch
-from .metadata_types import RecordTypes, dcp_types
+from .metadata_types import RecordTypes, Vocabulary, dcp_types
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -109,15 +108,8 @@ _GLOBALS: dict[tuple[str, str], str] = {
     ("pathlib", "_local.WindowsPath"): "path",
 }
 
-#: ``torch.<name>`` globals that are plain values (dtypes and layouts), not callables.
-_TORCH_VALUES: dict[str, Any] = {
-    name: value for name in dir(torch) if isinstance(value := getattr(torch, name, None), (torch.dtype, torch.layout))
-}
-_LAYOUTS: dict[str, torch.layout] = {
-    f"torch.{name}": value for name, value in _TORCH_VALUES.items() if isinstance(value, torch.layout)
-}
-#: DCP's ``_MEM_FORMAT_ENCODING`` values (``TensorProperties.__getstate__``).
-_MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
+# ``torch.<name>`` globals that are values (dtypes and layouts), DCP's memory-format codes and
+# ``torch.Size`` come from the ``Vocabulary`` of the record types (torch's, or torch-free stand-ins).
 
 
 @dataclass(eq=False, slots=True)
@@ -197,7 +189,7 @@ def _refuse(what: str) -> PickleRefused:
     return PickleRefused(f"asks for {what}, which DCP metadata never contains")
 
 
-def _call(token: Any, args: Any, budget: _Budget) -> Any:
+def _call(token: Any, args: Any, budget: _Budget, vocab: Vocabulary) -> Any:
     """``REDUCE``: the few constructors DCP metadata uses, each with checked arguments; every
     copy a constructor makes is charged to ``budget`` (a memoised tuple may be passed many times)."""
     if not isinstance(token, _Token) or type(args) is not tuple:
@@ -211,15 +203,16 @@ def _call(token: Any, args: Any, budget: _Budget) -> Any:
             bad = next(d for d in args[0] if type(d) is not int)
             raise PickleMalformed(f"torch.Size of a tuple holding {_describe(bad)}; it takes ints")
         try:
-            return torch.Size(args[0])
+            return vocab.size_type(args[0])
         except (TypeError, OverflowError, RuntimeError) as err:
             raise PickleMalformed(f"torch.Size of {len(args[0])} ints: {str(err)[:_SHOWN]}") from err
     if kind == "get_layout":
-        if len(args) != 1 or type(args[0]) is not str or args[0] not in _LAYOUTS:
+        layout = vocab.layout(args[0]) if len(args) == 1 and type(args[0]) is str else None
+        if layout is None:
             raise PickleMalformed(f"unknown tensor layout: {_describe(args[0]) if len(args) == 1 else 'no name'}")
-        return _LAYOUTS[args[0]]
+        return layout
     if kind == "mem_format":
-        if len(args) != 1 or not _is_int(args[0]) or args[0] not in _MEMORY_FORMATS:
+        if len(args) != 1 or not _is_int(args[0]) or args[0] not in vocab.memory_formats:
             shown = str(args[0]) if len(args) == 1 and _is_int(args[0]) else _describe(args)
             raise PickleMalformed(f"unknown memory-format encoding {shown[:_SHOWN]}")
         return _MemFormat(args[0])
@@ -303,7 +296,7 @@ def _text_line(data: bytes, pos: int) -> tuple[str, int]:
         raise PickleMalformed("non-ASCII text argument") from err
 
 
-def _interpret(data: bytes, budget: _Budget, batch: StorageBatch | None = None) -> Any:
+def _interpret(data: bytes, budget: _Budget, vocab: Vocabulary, batch: StorageBatch | None = None) -> Any:
     """Run the opcodes of ``data`` and return the value STOP leaves (copies charged to ``budget``).
 
     Kept as one loop with the opcodes ordered by how often DCP metadata uses them: this is the hot
@@ -411,7 +404,7 @@ def _interpret(data: bytes, budget: _Budget, batch: StorageBatch | None = None) 
             append(tuple(items))
         elif op == 0x52:  # REDUCE
             args = stack.pop()
-            stack[-1] = _call(stack[-1], args, budget)
+            stack[-1] = _call(stack[-1], args, budget, vocab)
         elif op == 0x4E:  # NONE
             append(None)
         elif op == 0x88:  # NEWTRUE
@@ -437,11 +430,11 @@ def _interpret(data: bytes, budget: _Budget, batch: StorageBatch | None = None) 
             module = stack.pop()
             if not isinstance(module, str) or not isinstance(name, str):
                 raise PickleMalformed("STACK_GLOBAL needs two strings")
-            append(_resolve(module, name))
+            append(_resolve(module, name, vocab))
         elif op == 0x63:  # GLOBAL
             module, pos = _text_line(data, pos)
             name, pos = _text_line(data, pos)
-            append(_resolve(module, name))
+            append(_resolve(module, name, vocab))
         elif op == 0x80:  # PROTO
             if data[pos] > 5:
                 raise PickleMalformed(f"unsupported pickle protocol {data[pos]}")
@@ -609,9 +602,11 @@ def _parse_int(text: str) -> int:
         raise PickleMalformed(f"bad integer {text[:40]!r}") from err
 
 
-def _resolve(module: str, name: str) -> Any:
-    if module == "torch" and name in _TORCH_VALUES:
-        return _TORCH_VALUES[name]
+def _resolve(module: str, name: str, vocab: Vocabulary) -> Any:
+    if module == "torch":
+        value = vocab.value(name)
+        if value is not None:
+            return value
     kind = _GLOBALS.get((module, name))
     if kind is None:
         raise PickleRefused(f"references {module[:_SHOWN]}.{name[:_SHOWN]}, a global DCP metadata never contains")
@@ -657,7 +652,10 @@ class _Builder:
         self.budget.charge(1, where)
         if depth > 32:
             raise PickleMalformed(f"{where} is nested too deeply")
-        if value is None or type(value) in (bool, int, float, str, bytes, torch.Size, torch.dtype, torch.layout):
+        vocab = self.types.vocab
+        if value is None or type(value) in (bool, int, float, str, bytes, vocab.size_type, vocab.dtype_type):
+            return value
+        if isinstance(value, vocab.layout_type):
             return value
         if isinstance(value, pathlib.PurePath):
             return pathlib.Path(value)
@@ -746,7 +744,7 @@ class _Builder:
             self.budget.charge(len(chunks), f"the chunks of {_clip(key)}")
             out: TensorStorageMetadata = self.types.TensorStorageMetadata(
                 properties=self.properties(st.get("properties"), key),
-                size=_size(st.get("size"), f"the size of {_clip(key)}"),
+                size=_size(st.get("size"), f"the size of {_clip(key)}", self.types.vocab.size_type),
                 chunks=[self.chunk(c, key) for c in chunks],
             )
             return out
@@ -757,13 +755,14 @@ class _Builder:
         rec = self.record(value, "TensorProperties", f"the properties of {_clip(key)}")
 
         def make(st: dict[str, Any]) -> TensorProperties:
-            dtype, layout, mem = st.get("dtype"), st.get("layout", torch.strided), st.get("memory_format")
-            if not isinstance(dtype, torch.dtype) or not isinstance(layout, torch.layout):
+            vocab = self.types.vocab
+            dtype, layout, mem = st.get("dtype"), st.get("layout", vocab.strided), st.get("memory_format")
+            if not isinstance(dtype, vocab.dtype_type) or not isinstance(layout, vocab.layout_type):
                 raise PickleMalformed(f"the dtype or layout of {_clip(key)} is not one torch knows")
             flags = [st.get("requires_grad", False), st.get("pin_memory", False)]
             if not all(type(f) is bool for f in flags):
                 raise PickleMalformed(f"the flags of {_clip(key)} are not bools")
-            fmt = _MEMORY_FORMATS[mem.value] if isinstance(mem, _MemFormat) else torch.contiguous_format
+            fmt = vocab.memory_formats[mem.value] if isinstance(mem, _MemFormat) else vocab.contiguous_format
             if mem is not None and not isinstance(mem, _MemFormat):
                 raise PickleMalformed(f"the memory format of {_clip(key)} is not DCP's encoding")
             out: TensorProperties = self.types.TensorProperties(
@@ -778,8 +777,8 @@ class _Builder:
         return self.cached(  # type: ignore[no-any-return]
             rec,
             lambda st: self.types.ChunkStorageMetadata(
-                offsets=_size(st.get("offsets"), f"a chunk offset of {_clip(key)}"),
-                sizes=_size(st.get("sizes"), f"a chunk size of {_clip(key)}"),
+                offsets=_size(st.get("offsets"), f"a chunk offset of {_clip(key)}", self.types.vocab.size_type),
+                sizes=_size(st.get("sizes"), f"a chunk size of {_clip(key)}", self.types.vocab.size_type),
             ),
         )
 
@@ -787,6 +786,7 @@ class _Builder:
         rec = self.record(value, "MetadataIndex", "a storage_data key")
 
         def make(st: dict[str, Any]) -> MetadataIndex:
+            size_type = self.types.vocab.size_type
             fqn, offset, index = st.get("fqn"), st.get("offset"), st.get("index")
             if not isinstance(fqn, str):
                 raise PickleMalformed("a storage_data key has no string fqn")
@@ -794,7 +794,7 @@ class _Builder:
                 raise PickleMalformed(f"the storage index of {_clip(fqn)} is not an int")
             out: MetadataIndex = self.types.MetadataIndex(
                 fqn=fqn,
-                offset=None if offset is None else _size(offset, f"a storage offset of {_clip(fqn)}"),
+                offset=None if offset is None else _size(offset, f"a storage offset of {_clip(fqn)}", size_type),
                 index=index,
             )
             return out
@@ -849,8 +849,8 @@ def _key(k: Any) -> str:
     return k
 
 
-def _size(value: Any, where: str) -> torch.Size:
-    if type(value) is not torch.Size:
+def _size(value: Any, where: str, size_type: type[torch.Size]) -> torch.Size:
+    if type(value) is not size_type:
         raise PickleMalformed(f"{where} is a {type(value).__name__}, not a torch.Size")
     return value
 
@@ -862,7 +862,7 @@ def _is_token(value: Any, kind: str) -> bool:
 def _parse(data: bytes, types: RecordTypes, budget: _Budget, batch: StorageBatch | None) -> Metadata:
     """One parse of ``data``; with ``batch``, storage entries are replayed in bulk."""
     try:
-        root = _interpret(data, budget, batch)
+        root = _interpret(data, budget, types.vocab, batch)
     except (PickleRefused, PickleMalformed):
         raise
     except (IndexError, KeyError) as err:  # a GET of an unset memo slot, a pop from an empty stack
@@ -897,7 +897,7 @@ def parse_metadata(data: bytes, types: RecordTypes | None = None, *, batches: bo
         if not batches:
             return _parse(data, types, _Budget(len(data)), None)
         budget = _Budget(len(data))
-        batch = StorageBatch(_is_token, budget.charge, types.MetadataIndex, types.StorageInfo)
+        batch = StorageBatch(_is_token, budget.charge, types.MetadataIndex, types.StorageInfo, types.vocab.size_type)
         try:
             return _parse(data, types, budget, batch)
         except (PickleRefused, PickleMalformed):

@@ -16,8 +16,6 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy
-
 from .._storage.store import Store, store_for
 from ..errors import (
     CheckpointLoadError,
@@ -30,7 +28,7 @@ from ..errors import (
 )
 from .metadata_parser import PickleMalformed, PickleRefused, parse_metadata
 from .metadata_types import current_types, dcp_types, plain_types
-from .names import METADATA_FILE
+from .names import METADATA_FILE, RANK_LOCAL_MARK
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -126,12 +124,21 @@ def read_metadata(
     return md
 
 
+def is_rank_local(md: Any) -> bool:
+    """Whether ``md`` is the ``.metadata`` of a rank-local checkpoint (the node-local tier): one
+    rank's shards, marked so in ``storage_meta.modules``."""
+    modules = getattr(getattr(md, "storage_meta", None), "modules", None)
+    return isinstance(modules, list) and RANK_LOCAL_MARK in modules
+
+
 def validate_metadata(md: Metadata, path: str) -> None:
     """Check the rules between the fields of ``md`` before anything relies on them.
 
     Every tensor's shape is non-negative; its chunks lie inside it, do not overlap and cover it
-    exactly; every chunk and every non-tensor value has a storage entry; every storage entry names
-    a plain file in the component folder with a non-negative offset and length. Raises
+    exactly (a rank-local checkpoint's, :func:`is_rank_local`, need not cover it: it holds one
+    rank's shards, and its loads check that they read every element they need); every chunk and
+    every non-tensor value has a storage entry; every storage entry names a plain file in the
+    component folder with a non-negative offset and length. Raises
     :class:`CorruptCheckpointError` naming ``path`` and the key. ``md`` may be built of DCP's
     classes or of the stand-ins (:mod:`.metadata_types`).
     """
@@ -152,6 +159,7 @@ def validate_metadata(md: Metadata, path: str) -> None:
     budget = [max(_MIN_COMPARISONS, _COMPARISONS_PER_COORD * coords)]
     #: per distinct tensor description (DCP shares one among equal tensors): (offsets, bytes needed)
     needs: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+    partial = is_rank_local(md)
     for key, item in items.items():
         if isinstance(item, bytes_type):
             if (key, None) not in stored:
@@ -159,7 +167,7 @@ def validate_metadata(md: Metadata, path: str) -> None:
             continue
         need = needs.get(id(item))
         if need is None:
-            _check_chunks(key, item, path, budget)
+            _check_chunks(key, item, path, budget, partial)
             itemsize = item.properties.dtype.itemsize
             need = needs[id(item)] = [(tuple(c.offsets), math.prod(c.sizes) * itemsize) for c in item.chunks]
         for offsets, needed in need:
@@ -192,8 +200,9 @@ def _name_bad_entry(storage: dict[Any, Any], path: str) -> None:
             )
 
 
-def _check_chunks(key: str, item: TensorStorageMetadata, path: str, budget: list[int]) -> None:
-    """The chunks of ``item`` tile its shape exactly: inside it, disjoint, covering every element."""
+def _check_chunks(key: str, item: TensorStorageMetadata, path: str, budget: list[int], partial: bool = False) -> None:
+    """The chunks of ``item`` tile its shape exactly: inside it, disjoint, covering every element
+    (``partial``: some elements may be left out)."""
     shape = tuple(item.size)
     if len(shape) > _MAX_DIMS or any(d < 0 or d >= _MAX_OFFSET for d in shape):
         raise CorruptCheckpointError(f"{path}: tensor {clip(key)} has an impossible shape ({len(shape)} dimensions)")
@@ -211,7 +220,9 @@ def _check_chunks(key: str, item: TensorStorageMetadata, path: str, budget: list
             covered += volume
             boxes.append((off, sz))
     total = math.prod(shape)
-    if covered != total or (len(boxes) > 1 and _any_overlap(boxes, shape, budget, where)):
+    if (covered > total if partial else covered != total) or (
+        len(boxes) > 1 and _any_overlap(boxes, shape, budget, where)
+    ):
         raise CorruptCheckpointError(
             f"{where}: its stored chunks {'overlap' if covered >= total else 'do not cover it'} "
             f"({covered} of {total} elements stored); the metadata is damaged or crafted"
@@ -251,6 +262,8 @@ def _any_overlap(boxes: list[Box], shape: tuple[int, ...], budget: list[int], wh
         return len(set(starts)) != len(starts)
     cells = math.prod(len(ln) - 1 for ln in lines)
     if cells <= _MAX_GRID_CELLS:
+        import numpy  # here: listings of regular layouts (ckpt-engine ls) never pay its import
+
         grid = numpy.zeros([len(ln) - 1 for ln in lines], dtype=numpy.bool_)
         for lo, hi in zip(starts, ends, strict=True):
             region = grid[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]

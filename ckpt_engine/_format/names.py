@@ -26,6 +26,9 @@ PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
 #: Hidden lock file, used only where the filesystem refuses to lock the folder itself (NFS).
 LOCK_FILE = ".ckpt_engine.lock"
+#: In ``StorageMeta.modules`` of a rank-local checkpoint's ``.metadata`` (the node-local tier): it
+#: holds one rank's shards, so its chunks need not cover each tensor (a load checks what it reads).
+RANK_LOCAL_MARK = "ckpt_engine:rank_local"
 LEFTOVER_RE = re.compile(r"^\.(iter_\d{9,})(\.partial|\.deleting|\.replaced\.\d+)$")
 #: Suffix of the prefix an object-store re-save uploads to before it replaces the committed copy.
 REPLACING_SUFFIX = ".replacing"
@@ -58,3 +61,17 @@ def parse_iteration(name: str) -> int | None:
 def is_part(rel: str) -> bool:
     """Whether ``rel`` (a path inside a checkpoint) is a digest part, engine bookkeeping."""
     return rel.rsplit("/", 1)[-1].startswith(PART_PREFIX)
+
+
+_RANK_DIR = re.compile(r"^rank_(\d{5,9})$")
+
+
+def rank_dirname(rank: int) -> str:
+    """The folder of rank ``rank``'s checkpoints in the node-local tier (``local_dir``)."""
+    return f"rank_{rank:05d}"
+
+
+def parse_rank_dirname(name: str) -> int | None:
+    """The rank a ``rank_*`` folder name of the node-local tier stands for, else ``None``."""
+    match = _RANK_DIR.match(name)
+    return int(match.group(1)) if match else None

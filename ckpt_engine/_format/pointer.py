@@ -3,13 +3,16 @@ the list of its ``iter_*`` checkpoints."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 from .._storage.store import Store, store_for
-from ..errors import CheckpointPermissionError, CorruptCheckpointError, denied
+from ..errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, denied
 from .names import LATEST_FILE, parse_iteration
 
-__all__ = ["list_checkpoints", "read_latest", "write_latest"]
+__all__ = ["advance_latest", "list_checkpoints", "read_latest", "write_latest"]
+
+logger = logging.getLogger("ckpt_engine")
 
 
 def read_latest(load_dir: str | os.PathLike[str], store: Store | None = None) -> str | None:
@@ -52,6 +55,28 @@ def write_latest(save_dir: str | os.PathLike[str], name: str, store: Store | Non
     save_dir = os.fspath(save_dir)
     store = store_for(save_dir, store)
     store.write_bytes(store.join(save_dir, LATEST_FILE), f"{name}\n".encode())
+
+
+def advance_latest(save_dir: str, name: str, store: Store | None = None) -> bool:
+    """Point ``latest_checkpoint.txt`` at ``name`` unless it names a newer iteration already;
+    returns whether it moved. An unreadable pointer is replaced."""
+    new = parse_iteration(name)
+    try:
+        current = read_latest(save_dir, store)
+    except CkptEngineError:
+        current = None
+    old = parse_iteration(current) if current is not None else None
+    if new is not None and old is not None and old > new:
+        logger.warning(
+            "committed %s, but latest_checkpoint.txt in %s names the newer %s: it is left there (latest never "
+            "moves to an older iteration)",
+            name,
+            save_dir,
+            current,
+        )
+        return False
+    write_latest(save_dir, name, store)
+    return True
 
 
 def list_checkpoints(save_dir: str | os.PathLike[str], store: Store | None = None) -> list[tuple[int, str]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .._storage.store import Store, store_for
@@ -81,11 +82,17 @@ def plan_retention(
 
 
 def apply_retention(
-    save_dir: str, keep_last: int, keep_every: int | None = None, store: Store | None = None
+    save_dir: str,
+    keep_last: int,
+    keep_every: int | None = None,
+    store: Store | None = None,
+    *,
+    in_use: Collection[int] = (),
 ) -> RetentionResult:
-    """Delete what :func:`plan_retention` names, and finish deletions an earlier run left
-    half-done (``.iter_*.deleting``). Failures are logged and returned, never raised: retention
-    is a best-effort side job, and the next commit retries."""
+    """Delete what :func:`plan_retention` names (but the iterations ``in_use``: still being read,
+    e.g. sent to a peer replica), and finish deletions an earlier run left half-done
+    (``.iter_*.deleting``). Failures are logged and returned, never raised: retention is a
+    best-effort side job, and the next commit retries."""
     store = store_for(save_dir, store)
     result = RetentionResult()
     for leftover in find_leftovers(save_dir):
@@ -103,6 +110,8 @@ def apply_retention(
         logger.warning("retention skipped in %s: %s", save_dir, err)
         return result
     for path in doomed:
+        if parse_iteration(os.path.basename(path.rstrip("/"))) in in_use:
+            continue
         try:
             remove_checkpoint(path, store)
         except FileNotFoundError:

@@ -1,16 +1,22 @@
 """Two checkpoints compared component by component and key by key, streamed (one batch of A,
-then the same keys of B): what ``ckpt-engine diff`` prints, computed as data."""
+then the same keys of B): what ``ckpt-engine diff`` prints, computed as data.
+
+Either side may be of any format the command line reads (:mod:`.sources`): an engine checkpoint
+against its Hugging Face export compares its ``model`` with the export's tensors. A side that
+holds one state dict (a file, a DCP folder) has nothing to compare with the other side's other
+components: those are listed as not compared, and are no difference."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
 from ..errors import UsageError
-from .reader import DEFAULT_BUDGET, ComponentReader, Target, Unreadable, batches, match_keys, summarize_value
+from .keys import DEFAULT_BUDGET, Unreadable, batches, match_keys, summarize_value
+from .sources import ComponentSource, open_component
+from .target import KIND_NAMES, Target
 
 __all__ = ["CheckpointDiff", "ComponentDiff", "compare_checkpoints"]
 
@@ -42,6 +48,8 @@ class ComponentDiff:
 
     name: str
     only_in: str | None = None
+    #: Why a component only one side has is not compared (the other side holds one state dict).
+    not_compared: str | None = None
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
     #: ``(key, spec in a, spec in b)`` of keys whose kind, shape or dtype changed.
@@ -56,11 +64,13 @@ class ComponentDiff:
 
     @property
     def differs(self) -> bool:
+        if self.not_compared:
+            return False
         return bool(self.only_in or self.only_a or self.only_b or self.changed or self.diffs or self.value_changes)
 
     def to_json(self) -> dict[str, Any]:
         if self.only_in is not None:
-            return {"only_in": self.only_in}
+            return {"only_in": self.only_in, **({"not_compared": self.not_compared} if self.not_compared else {})}
         return {
             "only_in_a": self.only_a,
             "only_in_b": self.only_b,
@@ -107,22 +117,33 @@ def compare_checkpoints(
     :class:`UsageError` for a component neither checkpoint has."""
     result = CheckpointDiff(a, b)
     new_meter: MeterFactory = meter or (lambda _name, _total: _NoMeter())
+    if components:  # a side that holds one state dict stands for the component asked for
+        a, b = _named(a, components), _named(b, components)
     for name in components or sorted(set(a.components) | set(b.components)):
         if name not in a.components or name not in b.components:
             side = "a" if name in a.components else "b" if name in b.components else None
             if side is None:
                 raise UsageError(f"neither checkpoint has component {name!r}")
-            result.components.append(ComponentDiff(name, only_in=side))
+            other = b if side == "a" else a
+            why = f"{'b' if side == 'a' else 'a'} is {KIND_NAMES[other.via]}: one state dict" if other.single else None
+            result.components.append(ComponentDiff(name, only_in=side, not_compared=why))
             continue
-        ra, rb = ComponentReader(a.components[name], trust), ComponentReader(b.components[name], trust)
+        ra, rb = open_component(a, name, trust), open_component(b, name, trust)
         result.components.append(_compare_component(name, ra, rb, keys, atol, budget, new_meter))
     return result
 
 
+def _named(target: Target, components: Sequence[str]) -> Target:
+    """``target``, its one state dict named as the component asked for when it holds one."""
+    if not target.single or len(components) != 1 or components[0] in target.components:
+        return target
+    return dataclasses.replace(target, components={components[0]: next(iter(target.components.values()))})
+
+
 def _compare_component(
     name: str,
-    ra: ComponentReader,
-    rb: ComponentReader,
+    ra: ComponentSource,
+    rb: ComponentSource,
     patterns: Sequence[str],
     atol: float,
     budget: int,
@@ -141,7 +162,7 @@ def _compare_component(
         if ia.is_tensor != ib.is_tensor or ia.shape != ib.shape:
             out.changed.append((k, ia.spec(), ib.spec()))
         else:
-            if ia.dtype != ib.dtype:
+            if ia.dtype_name != ib.dtype_name:
                 out.changed.append((k, ia.spec(), ib.spec()))
             comparable.append(k)
     bar = meter(name, sum(ra.keys[k].nbytes for k in comparable))
@@ -154,8 +175,8 @@ def _compare_component(
 
 
 def _compare_values(
-    ra: ComponentReader,
-    rb: ComponentReader,
+    ra: ComponentSource,
+    rb: ComponentSource,
     comparable: list[str],
     atol: float,
     budget: int,
@@ -181,6 +202,8 @@ def _compare_values(
 def max_abs_diff(a: Any, b: Any) -> float:
     """The largest ``|a - b|`` of two same-shape tensors (NaN where both are NaN counts as equal,
     NaN on one side as infinitely far; booleans differ by 1)."""
+    import torch
+
     if torch.equal(a, b):
         return 0.0
     if a.dtype == torch.bool or b.dtype == torch.bool:
@@ -207,6 +230,8 @@ def same_value(x: Any, y: Any, stored_x: bytes | None, stored_y: bytes | None) -
 
 
 def _values_equal(x: Any, y: Any) -> bool:
+    import torch
+
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
     try:

@@ -1,5 +1,9 @@
 """What a checkpoint holds, key by key (dtype, shape, shards, bytes, small values) with totals per
-component and per top-level prefix: what ``ckpt-engine inspect`` prints, computed as data."""
+component and per top-level prefix: what ``ckpt-engine inspect`` prints, computed as data.
+
+Torch-free for every format (keys from metadata and headers, plain values decoded without
+``pickle``); a value only ``torch.load`` reads (a tensor stored as a value, an object of another
+class, a compressed item) imports torch for that value alone."""
 
 from __future__ import annotations
 
@@ -7,8 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._format.verify import verify_checkpoint
-from .reader import ComponentReader, KeyInfo, Target, Unreadable, match_keys, prefix_of, summarize_value
+from .keys import KeyInfo, Unreadable, match_keys, prefix_of, summarize_value
+from .sources import open_component
+from .target import Target
+from .verification import verify_target
 
 __all__ = ["CheckpointContents", "ComponentContents", "PrefixTotals", "read_contents"]
 
@@ -99,6 +105,7 @@ class CheckpointContents:
     def to_json(self) -> dict[str, Any]:
         return {
             "checkpoint": self.target.checkpoint,
+            "format": self.target.kind,
             "complete": self.complete,
             "bytes": self.total_bytes,
             "written_bytes": self.total_bytes - self.reused_bytes,
@@ -113,7 +120,7 @@ def read_contents(
     """The keys of ``target`` matching the globs ``keys`` (all when empty); with ``read_values``
     the small non-tensor values too (a damaged data file makes them :class:`Unreadable`, the
     metadata is still shown). Checks sizes against the manifest, never checksums."""
-    report = verify_checkpoint(target.checkpoint, level="sizes")
+    report = verify_target(target, "sizes")
     contents = CheckpointContents(
         target,
         report.complete,
@@ -122,24 +129,24 @@ def read_contents(
         reused_bytes=report.reused_bytes,
         reused_files=report.reused_files,
     )
-    for name, cdir in target.components.items():
-        contents.components.append(_component_contents(name, cdir, keys, read_values, trust))
+    for name in target.components:
+        contents.components.append(_component_contents(target, name, keys, read_values, trust))
     return contents
 
 
 def _component_contents(
-    name: str, cdir: str, patterns: Sequence[str], read_values: bool, trust: bool
+    target: Target, name: str, patterns: Sequence[str], read_values: bool, trust: bool
 ) -> ComponentContents:
-    reader = ComponentReader(cdir, trust)
-    keys = match_keys(reader.keys, patterns)
+    source = open_component(target, name, trust)
+    keys = match_keys(source.keys, patterns)
     values: dict[str, Any] = {}
-    small = [k for k in keys if not reader.keys[k].is_tensor and reader.keys[k].stored_bytes <= SMALL_VALUE_BYTES]
+    small = [k for k in keys if not source.keys[k].is_tensor and source.keys[k].stored_bytes <= SMALL_VALUE_BYTES]
     if small and read_values:
         try:
-            values = reader.read(small)
-        except Exception as err:  # a damaged data file: still show the metadata
+            values = source.small_values(small)
+        except Exception as err:  # a damaged or crafted data file: still show the metadata
             values = dict.fromkeys(small, Unreadable(_first_line(err), needs_trust=False))
-    return ComponentContents(name, cdir, [reader.keys[k] for k in keys], values)
+    return ComponentContents(name, target.components[name], [source.keys[k] for k in keys], values)
 
 
 def _first_line(err: BaseException) -> str:

@@ -32,7 +32,7 @@ from ..errors import CheckpointLoadError, CkptEngineError, LoadStrictnessError, 
 from ..pipeline import Pipeline
 from ..plugin_manager import build_plugin_manager
 from ..report import ComponentReport, LoadReport
-from .reader import resolve
+from .target import resolve
 
 
 class NoReadReader(SafeFileSystemReader):
@@ -116,7 +116,7 @@ def load_rule(config: EngineConfig, checkpoint: str) -> str:
     if not config.load_path or config.load_path.endswith(".pth"):
         return "latest"
     try:
-        named = resolve(config.load_path).checkpoint
+        named = resolve(config.load_path, files=False).checkpoint
     except CkptEngineError:
         return "latest"
     same = named == checkpoint if is_url(named) else os.path.abspath(named) == os.path.abspath(checkpoint)
@@ -137,7 +137,7 @@ class _DryRun:
 def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
     """``ckpt-engine plan``: what ``load()`` of ``args.checkpoint`` into ``objs`` would do;
     prints it (text or ``--json``) and returns the exit code (1: the load would fail)."""
-    target = resolve(args.checkpoint)
+    target = resolve(args.checkpoint, files=False)
     if args.config:
         config = EngineConfig.from_file(args.config)
     else:

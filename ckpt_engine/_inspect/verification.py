@@ -1,5 +1,14 @@
-"""Verifying what a path names, one checkpoint or every checkpoint of a save folder, with
-checksums failing closed: what ``ckpt-engine verify`` prints, computed as data."""
+"""Verifying what a path names, with checksums failing closed: one engine checkpoint or every
+checkpoint of a save folder, or a DCP folder, safetensors file, Hugging Face folder or
+``torch.save`` file; what ``ckpt-engine verify`` prints, computed as data.
+
+Nothing here imports torch: engine checkpoints are checked against their manifest
+(:func:`ckpt_engine._format.verify.verify_checkpoint`, ``.metadata`` read into torch-free
+records), safetensors headers must describe every byte of their files, and a ``torch.save``
+file's records are checked against its pickle and, at ``checksums``, against the CRC-32 its zip
+directory records. A format without checksums (safetensors, a DCP folder without the engine's
+manifest) is complete at best: at ``checksums`` it fails unless ``allow_unverified``.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +17,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .._engine.load_guard import fail_unverified
-from .._format.layout import component_dirs
+from .._format.layout import check_component_files, component_dirs
+from .._format.metadata_read import read_metadata
+from .._format.metadata_types import records_without_dcp
 from .._format.names import LATEST_FILE
 from .._format.pointer import list_checkpoints, read_latest
+from .._format.safetensors_header import is_weights_folder, read_weights_folder
 from .._format.verify import VerifyLevel, VerifyReport, verify_checkpoint
 from .._storage.store import open_store
-from ..errors import CheckpointNotFoundError, UsageError
-from .reader import exists, is_component_dir, is_save_dir, isdir
+from .._storage.urls import is_url
+from ..errors import CheckpointNotFoundError, CkptEngineError, CorruptCheckpointError, UsageError
+from .files import exists, is_component_dir, isdir
+from .pt_file import crc_problems, read_pt_file, tensor_problems
+from .target import KIND_NAMES, Target, inside_checkpoint, is_save_dir, sniff_file
 
-__all__ = ["PathVerification", "verify_path"]
+__all__ = ["PathVerification", "verify_path", "verify_target"]
 
 
 class Meter(Protocol):
@@ -40,6 +54,8 @@ class PathVerification:
     path: str
     reports: list[VerifyReport] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: report path -> ``engine`` or the single target's kind (``safetensors``, ``hf``, ``torch``, ``dcp``).
+    kinds: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -53,45 +69,139 @@ def verify_path(
     allow_unverified: bool = False,
     meter: MeterFactory | None = None,
 ) -> PathVerification:
-    """Verify the checkpoint folder ``path``, or every checkpoint of the save folder ``path``.
-    At ``level="checksums"`` a checkpoint whose checksums cannot be checked fails unless
-    ``allow_unverified``. Raises :class:`CheckpointNotFoundError` for a path that is no
-    checkpoint and :class:`UsageError` for a component folder."""
+    """Verify what ``path`` names: a checkpoint folder, every checkpoint of a save folder, or one
+    file or folder of another format. At ``level="checksums"`` a checkpoint whose checksums cannot
+    be checked fails unless ``allow_unverified``. Raises :class:`CheckpointNotFoundError` for a path
+    that is none of these and :class:`UsageError` for a component folder."""
     result = PathVerification(path)
-    paths = _checkpoints_of(path, result.problems)
-    reports = [_verify_one(p, level, meter) for p in paths]
-    result.reports = [fail_unverified(r, allow_unverified) for r in reports]  # checksums fail closed
+    for p, kind in _checkpoints_of(path, result.problems):
+        result.kinds[p] = kind
+        report = _verify_one(p, kind, level, meter)
+        result.reports.append(fail_unverified(report, allow_unverified) if level == "checksums" else report)
     return result
 
 
-def _checkpoints_of(path: str, problems: list[str]) -> list[str]:
-    """The checkpoint folders ``path`` names; a save folder's own problems go to ``problems``."""
+def fail_unverified(report: VerifyReport, allow: bool) -> VerifyReport:
+    """``report`` failed when its checksums could not be checked, unless ``allow``: the load's own
+    rule (``load_guard.fail_unverified``), imported only when it applies (it imports torch)."""
+    if report.level != "checksums" or report.verified or not report.ok or allow:
+        return report
+    from .._engine.load_guard import fail_unverified as load_rule
+
+    return load_rule(report, allow)
+
+
+def verify_target(target: Target, level: VerifyLevel = "sizes") -> VerifyReport:
+    """The report of the checkpoint ``target`` resolved to (``inspect``'s completeness line)."""
+    return _verify_one(target.checkpoint, target.kind, level, None)
+
+
+def _checkpoints_of(path: str, problems: list[str]) -> list[tuple[str, str]]:
+    """``(path, kind)`` of what ``path`` names; a save folder's own problems go to ``problems``."""
     if not exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist")
     if not isdir(path):
-        raise CheckpointNotFoundError(f"{path} is a file, not a checkpoint folder")
+        kind = None if is_url(path) else sniff_file(path)
+        if kind is None:
+            raise CheckpointNotFoundError(
+                f"{path} is a file, but neither a safetensors file nor a torch.save file; verify reads those, "
+                "DCP folders and engine checkpoints"
+            )
+        return [(path, kind)]
     if is_component_dir(path):
-        raise UsageError(f"{path} is one component; verify its checkpoint: ckpt-engine verify {os.path.dirname(path)}")
+        if inside_checkpoint(path):
+            raise UsageError(
+                f"{path} is one component; verify its checkpoint: ckpt-engine verify {os.path.dirname(path)}"
+            )
+        return [(path, "dcp")]
     if is_save_dir(path):
-        paths = [p for _, p in list_checkpoints(path)]
+        paths = [(p, "engine") for _, p in list_checkpoints(path)]
         latest = read_latest(path)
         if latest is not None and not isdir(os.path.join(path, latest)):
             problems.append(f"{os.path.join(path, LATEST_FILE)} names {latest!r}, which does not exist")
         return paths
     if not open_store(path).list_dir(path):
         raise CheckpointNotFoundError(f"{path} is empty: not a checkpoint")
+    if not is_url(path) and is_weights_folder(path) and not component_dirs(path):
+        return [(path, "hf")]
     if not component_dirs(path):
         raise CheckpointNotFoundError(
             f"{path} is not a checkpoint: it has no component folders (model/, optim/, ...) and no iter_* checkpoints"
         )
-    return [path]
+    return [(path, "engine")]
 
 
-def _verify_one(path: str, level: VerifyLevel, meter: MeterFactory | None) -> VerifyReport:
-    if meter is None:
-        return verify_checkpoint(path, level=level)
-    bar = meter(path)
+def _verify_one(path: str, kind: str, level: VerifyLevel, meter: MeterFactory | None) -> VerifyReport:
+    bar = meter(path) if meter is not None else None
     try:
-        return verify_checkpoint(path, level=level, progress=bar.update)
+        if kind == "engine":  # it reads fields and hands nothing to DCP: the torch-free records serve
+            with records_without_dcp():
+                return verify_checkpoint(path, level=level, progress=bar.update if bar else None)
+        try:
+            return _VERIFIERS[kind](path, level, bar)
+        except CkptEngineError as err:  # the format's own check failed: damage, not a usage error
+            why = "damaged" if isinstance(err, CorruptCheckpointError) else "incomplete"
+            corrupt = isinstance(err, CorruptCheckpointError)
+            return VerifyReport(path, False, False, why, [str(err)], level=level, corrupt=corrupt)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
+
+
+def _verify_dcp(path: str, level: VerifyLevel, bar: Meter | None) -> VerifyReport:
+    """A DCP folder the engine did not write: complete when every byte range its ``.metadata``
+    names exists; there is no manifest to verify against."""
+    store = open_store(path)
+    with records_without_dcp():
+        md = read_metadata(path, store)
+    check_component_files(path, md, store)
+    infos = list((md.storage_data or {}).values())
+    nbytes = sum(int(i.length) for i in infos)
+    return VerifyReport(
+        path, True, False, f"{KIND_NAMES['dcp']} without the engine's manifest", [],
+        len({i.relative_path for i in infos}) + 1, nbytes, level,
+    )  # fmt: skip
+
+
+def _verify_weights(path: str, level: VerifyLevel, bar: Meter | None) -> VerifyReport:
+    """Safetensors: every header checked, describing every byte of its file (a truncated file
+    fails); an index naming shards that exist and hold what it says. The format holds no checksums."""
+    folder = read_weights_folder(path)
+    problems = [
+        f"{folder.index}: {file} holds {name}, which the index does not name (no loader reads it)"
+        for file, name in folder.unlisted
+    ]
+    files = len(folder.headers) + (folder.index is not None)
+    nbytes = sum(h.file_size for h in folder.headers)
+    if bar is not None:
+        bar.update(nbytes, nbytes)
+    checked = level == "sizes" and not problems
+    reason = "the safetensors format holds no checksums; --level sizes checks all it has" if not checked else None
+    return VerifyReport(path, True, checked, reason, problems, files, nbytes, level)
+
+
+def _verify_torch(path: str, level: VerifyLevel, bar: Meter | None) -> VerifyReport:
+    """A ``torch.save`` file: its zip records, each tensor's storage present and large enough, and at
+    ``checksums`` every record's CRC-32 against the zip directory."""
+    pt = read_pt_file(path)
+    problems = tensor_problems(pt)
+    total = sum(r.size for r in pt.archive.records.values())
+    if level == "checksums" and not problems:
+        done = [0]
+
+        def tick(n: int) -> None:
+            done[0] += n
+            if bar is not None:
+                bar.update(done[0], total)
+
+        problems += crc_problems(pt.archive, tick)
+    reason = f"{len(problems)} problem(s) found" if problems else None
+    return VerifyReport(path, True, not problems, reason, problems, len(pt.archive.records), pt.archive.size, level)
+
+
+_VERIFIERS: dict[str, Callable[[str, VerifyLevel, Meter | None], VerifyReport]] = {
+    "dcp": _verify_dcp,
+    "safetensors": _verify_weights,
+    "hf": _verify_weights,
+    "torch": _verify_torch,
+}

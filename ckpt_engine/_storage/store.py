@@ -36,7 +36,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from ..config import StorageOptions
 from ..errors import ConfigError, StorageError
 from .fscheck import read_regular
 from .urls import is_url, local_path
@@ -577,6 +576,8 @@ def open_store(path: str, settings: Any = None) -> Store:
         return _LOCAL
     protocol = path.split("://", 1)[0].lower()
     if settings is None:
+        from ..config import StorageOptions  # here: local paths (every CLI listing) never import pydantic
+
         settings = StorageOptions()
     options = settings.fsspec_options(protocol)
     # The key holds the secrets themselves (SecretStr dumps as '****'): other credentials, other store.

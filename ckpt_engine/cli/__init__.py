@@ -1,7 +1,9 @@
 """``ckpt-engine``: look at, check, compare, convert and dry-run-load checkpoints; run the demo.
 
-Every command parses metadata without pickle and reads values with ``weights_only=True``:
-looking at an untrusted checkpoint never runs code from it. Errors are one readable line and a
+Every command parses metadata without pickle, a ``torch.save`` file's ``data.pkl`` with the
+engine's closed-vocabulary interpreter, and other values with ``weights_only=True``: looking at
+an untrusted checkpoint never runs code from it. ``ls``, ``inspect`` and ``verify --level sizes``
+import no torch; commands that read values import it when they run. Errors are one readable line and a
 non-zero exit code; ``--debug`` shows the traceback.
 
 Exit codes: 0 success; 1 the command ran and found a problem (``verify`` failed, ``diff`` found
@@ -39,7 +41,23 @@ CliError = UsageError  # the name this module used before UsageError joined the 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}{did_you_mean(message)}\n")
+
+
+def did_you_mean(message: str) -> str:
+    """``"; did you mean 'ls'?"`` for argparse's "invalid choice" of a command (or any choice), when
+    one of the choices is close to what was typed; else ``""``."""
+    import difflib
+    import re
+
+    m = re.search(r"invalid choice: '?(.*?)'? \(choose from (.*)\)$", message)
+    if m is None:
+        return ""
+    typed, listed = m.group(1), [c.strip().strip("'") for c in m.group(2).split(",")]
+    if message.startswith("argument COMMAND:"):
+        listed = [c.name for c in COMMANDS if not c.hidden]
+    close = difflib.get_close_matches(typed, listed, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _add(sub: Any, command: Command, common: argparse.ArgumentParser) -> None:

@@ -34,7 +34,7 @@ class Progress:
             self.total = total
         now = time.monotonic()
         if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
-            from .._inspect.reader import human_bytes
+            from .._inspect.files import human_bytes
 
             self._last = now
             frac = min(self.done / self.total, 1.0) if self.total else 1.0

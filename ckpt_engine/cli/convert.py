@@ -18,7 +18,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
     from .._inspect.convert import ConvertError, check_output, convert_component, require_safetensors
-    from .._inspect.reader import human_bytes
+    from .._inspect.files import human_bytes
 
     fmt = args.to or _SUFFIXES.get(os.path.splitext(args.out)[1].lower())
     if fmt == "hf":
@@ -103,8 +103,8 @@ def _convert_hf(args: argparse.Namespace) -> int:
 
     from .._format.safetensors import INDEX_FILE, SINGLE_FILE
     from .._inspect.convert import check_output
+    from .._inspect.files import human_bytes
     from .._inspect.hf_export import DTYPE_ALIASES, export_hf, read_hf_config
-    from .._inspect.reader import human_bytes
 
     if args.hf_config is not None and args.component in _NOT_A_MODEL:
         raise UsageError(
@@ -203,7 +203,7 @@ def _component_keys(args: argparse.Namespace) -> tuple[Any, Any, list[str]]:
     parent = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(parent):
         raise UsageError(f"the folder of {args.out} does not exist: {parent}")
-    target = resolve(args.checkpoint, [args.component])
+    target = resolve(args.checkpoint, [args.component], files=False)
     check_complete(target.checkpoint)
     reader = ComponentReader(target.components[args.component])
     keys = match_keys(reader.keys, args.keys or ())

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from .._inspect.compare import compare_checkpoints
-    from .._inspect.reader import resolve
+    from .._inspect.target import resolve
 
     a, b = resolve(args.a), resolve(args.b)
     result = compare_checkpoints(
@@ -34,13 +34,18 @@ def cmd_diff(args: argparse.Namespace) -> int:
         lines = [f"a: {a.describe()}", f"b: {b.describe()}"]
         for comp in result.components:
             lines += ["", *_component_text(comp, args.limit)]
-        print_lines(*lines, "", "the checkpoints are identical" if result.identical else "the checkpoints differ")
+        skipped = [c.name for c in result.components if c.not_compared]
+        same = "the checkpoints are identical"
+        if skipped:
+            same = f"the checkpoints are identical in what both hold (not compared: {', '.join(skipped)})"
+        print_lines(*lines, "", same if result.identical else "the checkpoints differ")
     return EXIT_OK if result.identical else EXIT_PROBLEM
 
 
 def _component_text(comp: ComponentDiff, limit: int) -> list[str]:
     if comp.only_in is not None:
-        return [f"{comp.name}: only in {comp.only_in}"]
+        why = f"; not compared ({comp.not_compared})" if comp.not_compared else ""
+        return [f"{comp.name}: only in {comp.only_in}{why}"]
     ndiff = len(comp.diffs) + len(comp.value_changes)
     counts = [
         (len(comp.only_a), "only in a"),
@@ -81,13 +86,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 COMMAND = Command(
     name="diff",
-    summary="compare two checkpoints key by key (streamed)",
-    example="ckpt-engine diff runs/exp1/checkpoints/iter_000000010 runs/exp1/checkpoints/iter_000000020",
+    summary="compare two checkpoints key by key (streamed), of any format inspect reads",
+    example="ckpt-engine diff runs/exp1/checkpoints/iter_000000010 runs/exp1/checkpoints/iter_000000020\n"
+    "ckpt-engine diff runs/exp1/checkpoints hf_model/     # a checkpoint against its Hugging Face export",
     description="Per component: keys only in A, only in B, shape or dtype changed, and for common keys "
     "the largest absolute difference; other values compare by their stored bytes, then by value. "
     "Reads one batch of tensors at a time from A, then the same from B: memory is bounded "
-    "by the largest tensor, never a whole checkpoint. Exit code 0 when identical, "
-    "1 when they differ.",
+    "by the largest tensor, never a whole checkpoint. A or B may be of any format inspect reads; one that "
+    "holds one state dict (a file, a Hugging Face or DCP folder) is compared with the other's model "
+    "component (--component names another), and the other's other components are listed as not "
+    "compared. Exit code 0 when identical, 1 when they differ.",
     add_arguments=add_arguments,
     run=cmd_diff,
 )

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .._inspect.contents import read_contents
-    from .._inspect.reader import resolve
+    from .._inspect.target import resolve
 
     target = resolve(args.checkpoint, args.component or ())
     contents = read_contents(target, args.keys or (), read_values=not args.no_values, trust=args.trust)
@@ -27,7 +27,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _text(contents: CheckpointContents, patterns: Sequence[str], *, summary: bool) -> list[str]:
-    from .._inspect.reader import human_bytes
+    from .._inspect.files import human_bytes
 
     lines = [f"checkpoint {contents.target.describe()}"]
     if contents.reused_bytes:
@@ -53,7 +53,8 @@ def _text(contents: CheckpointContents, patterns: Sequence[str], *, summary: boo
 
 
 def _key_table(comp: ComponentContents) -> list[str]:
-    from .._inspect.reader import human_bytes, summarize_value, table
+    from .._inspect.files import human_bytes, table
+    from .._inspect.keys import summarize_value
 
     rows = [
         [
@@ -70,7 +71,7 @@ def _key_table(comp: ComponentContents) -> list[str]:
 
 def _prefix_line(comp: ComponentContents) -> list[str]:
     """``by prefix:`` totals, when there is more than one prefix and one of them groups keys."""
-    from .._inspect.reader import human_bytes
+    from .._inspect.files import human_bytes
 
     prefixes = comp.prefixes
     grouped = {p for p in prefixes if any(i.key.startswith(p + ".") for i in comp.infos)}
@@ -95,12 +96,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 COMMAND = Command(
     name="inspect",
-    summary="every key of a checkpoint: dtype, shape, shards, bytes",
-    example="ckpt-engine inspect runs/exp1/checkpoints/iter_000000020 --component model --keys '*.weight'",
+    summary="every key of a checkpoint, safetensors, Hugging Face or torch.save file: dtype, shape, bytes",
+    example="ckpt-engine inspect runs/exp1/checkpoints/iter_000000020 --component model --keys '*.weight'\n"
+    "ckpt-engine inspect model.safetensors      # also a Hugging Face folder, a .pt file, a DCP folder",
     description="Every key with dtype, global shape, number of stored shards and bytes; small non-tensor "
     "values shown (a value weights_only refuses as a short placeholder; --trust reads it); totals "
     "per component and per top-level prefix. CHECKPOINT may be a checkpoint folder, "
-    "one component folder, or a save folder (its latest checkpoint).",
+    "one component folder, or a save folder (its latest checkpoint); or a DCP folder the engine did not "
+    "write, a safetensors file, a Hugging Face folder (one file, or shards and their index) or a torch.save "
+    "file (.pt, .pth, .bin), read without torch and without unpickling.",
     add_arguments=add_arguments,
     run=cmd_inspect,
 )

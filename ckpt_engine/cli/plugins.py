@@ -13,7 +13,7 @@ from ._user_code import make_cwd_importable
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     from .._inspect.describe import describe_plugins, hook_kind
-    from .._inspect.reader import table
+    from .._inspect.files import table
 
     infos = describe_plugins()
     enabled: dict[str, Any] | None = None

@@ -7,14 +7,15 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ._command import Command
-from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, Progress, print_json, print_lines
+from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, Progress, plural, print_json, print_lines
 
 if TYPE_CHECKING:
+    from .._format.verify import VerifyReport
     from .._inspect.verification import PathVerification
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .._inspect.reader import normalize
+    from .._inspect.files import normalize
     from .._inspect.verification import verify_path
 
     path = normalize(args.checkpoint)
@@ -37,6 +38,7 @@ def _json(result: PathVerification) -> dict[str, Any]:
         "checkpoints": [
             {
                 "path": r.path,
+                "format": result.kinds.get(r.path, "engine"),
                 "ok": r.ok,
                 "complete": r.complete,
                 "verified": r.verified,
@@ -52,20 +54,18 @@ def _json(result: PathVerification) -> dict[str, Any]:
 
 
 def _text(result: PathVerification, level: str) -> list[str]:
-    from .._inspect.reader import human_bytes
-
     lines: list[str] = []
     for r in result.reports:
         if not r.ok:
             lines += [f"FAILED  {r.path}", *(f"  {p}" for p in r.problems or [r.unverified_reason or "incomplete"])]
         elif r.verified:
-            what = "checksums" if level == "checksums" else "sizes"
+            lines.append(f"ok      {r.path}: complete, {_verified(result.kinds.get(r.path, 'engine'), level, r)}")
+        elif result.kinds.get(r.path, "engine") == "engine":
             lines.append(
-                f"ok      {r.path}: complete, {what} match the manifest ({r.files} files, {human_bytes(r.bytes)})"
+                f"ok      {r.path}: complete (not verified against a manifest: {r.unverified_reason or 'no manifest'})"
             )
         else:
-            why = r.unverified_reason or "no manifest"
-            lines.append(f"ok      {r.path}: complete (not verified against a manifest: {why})")
+            lines.append(f"ok      {r.path}: complete (checksums not checked: {r.unverified_reason})")
     lines += [f"FAILED  {p}" for p in result.problems]
     reports = result.reports
     if not reports:
@@ -74,6 +74,21 @@ def _text(result: PathVerification, level: str) -> list[str]:
         bad = sum(not r.ok for r in reports)
         lines.append(f"{len(reports) - bad} of {len(reports)} checkpoints ok" + (f", {bad} failed" if bad else ""))
     return lines
+
+
+def _verified(kind: str, level: str, r: VerifyReport) -> str:
+    """What a verified report checked, by format."""
+    from .._inspect.files import human_bytes
+
+    size = human_bytes(r.bytes)
+    if kind == "torch":
+        if level == "checksums":
+            return f"every record matches the CRC-32 of its zip directory ({plural(r.files, 'record')}, {size})"
+        return f"every tensor's storage record is there, as large as it needs ({plural(r.files, 'record')}, {size})"
+    if kind in ("safetensors", "hf"):
+        return f"the headers describe every byte of the files ({plural(r.files, 'file')}, {size})"
+    what = "checksums" if level == "checksums" else "sizes"
+    return f"{what} match the manifest ({r.files} files, {size})"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +115,10 @@ COMMAND = Command(
     "ckpt-engine verify runs/exp1/checkpoints      # every checkpoint in the folder",
     description="Checks completeness (every component's .metadata and every byte range it names) and, "
     "where the engine's manifest exists, file sizes and checksums. Exit code 0 only when everything "
-    "checks. CHECKPOINT may be a save folder: then every checkpoint in it is verified.",
+    "checks. CHECKPOINT may be a save folder: then every checkpoint in it is verified. It may also be a "
+    "DCP folder, a safetensors file, a Hugging Face folder or a torch.save file (.pt, .pth, .bin): headers "
+    "and records are checked against the file's size, and a torch.save file's CRC-32 checksums at --level "
+    "checksums (safetensors holds none: --level sizes, or --allow-unverified).",
     add_arguments=add_arguments,
     run=cmd_verify,
 )

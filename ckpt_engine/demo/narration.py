@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import UsageError
+from .._format.names import iter_dirname
+from ..errors import CkptEngineError, UsageError
 from .job import parameter_count
 from .plot import plot_losses
 from .settings import ASYNC_PLUGIN, Settings, check_settings, settings_from_args
@@ -39,8 +40,27 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms"
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
+def save_line(ev: dict[str, Any], nbytes: int | None = None) -> str:
+    """The line of one save event: committed (with its size, ``nbytes`` or what the save wrote, in
+    the unit ``ckpt-engine ls`` uses, and its times) or failed."""
+    from .._inspect.files import human_bytes
+
+    if not ev["succeeded"]:
+        return f"   step {ev['iteration']:>4}: save FAILED: {ev['error']}"
+    size = human_bytes(ev["bytes"] if nbytes is None else nbytes)
+    return f"   step {ev['iteration']:>4}: committed iter_{ev['iteration']:09}  {size}, " + describe_save_times(ev)
+
+
+def checkpoint_bytes(save_dir: str, ev: dict[str, Any]) -> int:
+    """The size ``ckpt-engine ls`` shows for the checkpoint a save event committed: its manifest's
+    files, data and metadata of every rank; what rank 0 wrote when there is no manifest."""
+    from .._format.manifest import lookup_manifest
+
+    try:
+        manifest = lookup_manifest(os.path.join(save_dir, iter_dirname(int(ev["iteration"])))).manifest
+    except CkptEngineError:
+        manifest = None
+    return manifest.total_bytes if manifest is not None else int(ev["bytes"])
 
 
 def save_times(ev: dict[str, Any]) -> tuple[float, float, float]:
@@ -176,15 +196,8 @@ class Narrator:
                 f"({ev['files']} data file(s) on disk) -> SIGKILL"
             )
 
-    @staticmethod
-    def _show_save(ev: dict[str, Any]) -> None:
-        if ev["succeeded"]:
-            print(
-                f"   step {ev['iteration']:>4}: committed iter_{ev['iteration']:09}  {_mb(ev['bytes'])}, "
-                + describe_save_times(ev)
-            )
-        else:
-            print(f"   step {ev['iteration']:>4}: save FAILED: {ev['error']}")
+    def _show_save(self, ev: dict[str, Any]) -> None:
+        print(save_line(ev, checkpoint_bytes(self.save_dir, ev) if ev["succeeded"] else None))
 
     # -- 3: the resume -------------------------------------------------------------------------------
 
@@ -241,8 +254,11 @@ class Narrator:
             calls = sorted(t[0] for t in times)
             totals = sorted(t[1] for t in times)
             median_call, median_total = calls[len(calls) // 2], totals[len(totals) // 2]
+            from .._inspect.files import human_bytes
+
+            size = human_bytes(sum(checkpoint_bytes(self.save_dir, ev) for ev in good) // len(good))
             print(
-                f"Saves: {len(good)} committed, {_mb(int(sum(ev['bytes'] for ev in good) / len(good)))} each. "
+                f"Saves: {len(good)} committed, {size} each. "
                 f"Median: save() blocked training {_ms(median_call)}, committed {_ms(median_total)} after the "
                 "call began"
                 + (

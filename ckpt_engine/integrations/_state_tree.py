@@ -7,10 +7,10 @@ dict keys into strings on the way. :func:`flatten` therefore describes the struc
 JSON that keeps key types, container kinds, scalars and every tensor's dtype and shape, and
 lists the tensors and other objects as flat items (readable keys such as
 ``optimizer_states.0.state.0.exp_avg``). :func:`skeleton` rebuilds empty tensors of the right
-dtype and shape from that JSON, so a load needs no live objects; :func:`unflatten` puts the
-loaded items back. :func:`tensor_module` holds a flat tensor mapping as an ``nn.Module`` whose
-state dict is that mapping, so a model state dict can be saved and loaded as the engine's
-``model`` component.
+dtype and shape from that JSON, so a load needs no live objects (where it is given them, the
+DTensors of a sharded model, it reads into those); :func:`unflatten` puts the loaded items
+back. :func:`tensor_module` holds a flat tensor mapping as an ``nn.Module`` whose state dict is
+that mapping, so a model state dict can be saved and loaded as the engine's ``model`` component.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import ArgumentTypeError, CorruptCheckpointError
 
-__all__ = ["dtype_name", "flatten", "parse_dtype", "skeleton", "tensor_module", "unflatten"]
+__all__ = ["dtype_name", "flatten", "live_target", "parse_dtype", "skeleton", "tensor_module", "unflatten"]
 
 #: The JSON node kinds: a dict, an ordered dict, a list, a tuple, an inline scalar, a tensor item,
 #: an object item (any other value, stored by DCP as bytes and read with ``weights_only``).
@@ -104,29 +104,49 @@ def _either(node: dict[str, Any], first: str, second: str) -> Any:
     return node[first] if first in node else node[second]
 
 
-def _walk_items(node: Any, out: dict[str, Any], where: str) -> None:
+def live_target(like: Any, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """``like`` itself where it is a tensor of ``dtype`` and ``shape`` (a live DTensor: a load
+    reads this rank's shard into it), else an empty tensor of that dtype and shape."""
+    if isinstance(like, torch.Tensor) and like.dtype == dtype and list(like.shape) == shape:
+        return like
+    return torch.empty(shape, dtype=dtype)
+
+
+def _child(like: Any, key: Any) -> Any:
+    if isinstance(like, Mapping):
+        return like.get(key)
+    if isinstance(like, (list, tuple)) and isinstance(key, int) and 0 <= key < len(like):
+        return like[key]
+    return None
+
+
+def _walk_items(node: Any, out: dict[str, Any], where: str, like: Any) -> None:
     if not isinstance(node, dict) or not node:
         raise CorruptCheckpointError(f"{where}: malformed structure node {str(node)[:80]!r}")
     if _TENSOR in node:
         shape = node.get("shape")
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise CorruptCheckpointError(f"{where}: item {node[_TENSOR]!r} has a malformed shape {shape!r}")
-        out[node[_TENSOR]] = torch.empty(shape, dtype=parse_dtype(str(node.get("dtype")), where))
+        out[node[_TENSOR]] = live_target(like, parse_dtype(str(node.get("dtype")), where), shape)
     elif _OBJECT in node:
         out[node[_OBJECT]] = None
     elif _DICT in node or _ODICT in node:
         for pair in _either(node, _DICT, _ODICT):
-            _walk_items(pair[1], out, where)
+            key = pair[0][0] if isinstance(pair[0], list) and pair[0] else None
+            _walk_items(pair[1], out, where, _child(like, key))
     elif _LIST in node or _TUPLE in node:
-        for child in _either(node, _LIST, _TUPLE):
-            _walk_items(child, out, where)
+        for i, child in enumerate(_either(node, _LIST, _TUPLE)):
+            _walk_items(child, out, where, _child(like, i))
 
 
-def skeleton(structure: Any, where: str) -> dict[str, Any]:
+def skeleton(structure: Any, where: str, like: Any = None) -> dict[str, Any]:
     """What a DCP load of the items of ``structure`` reads into: an empty tensor of the stored
-    dtype and shape per tensor item, ``None`` per object item."""
+    dtype and shape per tensor item, ``None`` per object item. ``like`` is a value shaped as the
+    saved tree (or a part of it): where it holds a tensor of the stored dtype and shape at an
+    item's place, that tensor is the item's target, read in place (the live optimizer state of
+    a sharded model, into whose DTensors each rank reads its own shard)."""
     out: dict[str, Any] = {}
-    _walk_items(structure, out, where)
+    _walk_items(structure, out, where, like)
     return out
 
 

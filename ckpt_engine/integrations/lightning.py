@@ -13,7 +13,13 @@ and object storage as configured), with these components:
 At the path Lightning chose (``epoch=1-step=8.ckpt``, ``last.ckpt``) a small JSON *pointer file*
 names the engine checkpoint; it is written once the checkpoint is committed. Loading a pointer
 named ``last*.ckpt`` (what ``ckpt_path="last"`` resolves to) resumes from the engine's
-``latest_checkpoint.txt``; any other pointer loads the checkpoint it names. ``docs/integrations.md``
+``latest_checkpoint.txt``; any other pointer loads the checkpoint it names.
+
+It runs under a single-device strategy, under DDP (``strategy="ddp"``) and under
+``ModelParallelStrategy`` (FSDP2, DTensor): when Lightning connects the IO to its strategy,
+while the ``Trainer`` is built, the strategy is made to save and load through the IO on every
+rank (an engine save is collective; Lightning would call a ``CheckpointIO`` on rank 0 alone), and
+any other strategy is refused there (``_lightning_strategies``). ``docs/integrations.md``
 describes the mapping and its limits.
 """
 
@@ -22,14 +28,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.strategies import Strategy
 
 from .._format import bounded_json
 from .._format.layout import CheckpointInUseError, remove_checkpoint
@@ -38,19 +43,18 @@ from .._markers import hookimpl
 from .._storage.store import open_store
 from .._storage.urls import is_url
 from ..config import EngineConfig
-from ..errors import (
-    ArgumentTypeError,
-    CheckpointLoadError,
-    CheckpointNotFoundError,
-    CheckpointSaveError,
-    CkptEngineError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    LoadStrictnessError,
-)
+from ..errors import ArgumentTypeError, CheckpointSaveError, CkptEngineError
 from ..types import SaveResult
+from ._lightning_read import (
+    COMPONENT,
+    MAX_STRUCTURE_DEPTH,
+    STRUCTURE_KEY,
+    CheckpointReader,
+    Items,
+    parse_structure,
+)
+from ._lightning_strategies import Connection, IOCalls, UnsupportedStrategyError, connect, install
 from ._pointers import (
-    ITER_NAME,
     LAST_ALIAS,
     POINTER_FOLDERS_FILE,
     POINTER_FORMAT,
@@ -63,7 +67,7 @@ from ._pointers import (
     url_to_fs,
     write_file,
 )
-from ._state_tree import dtype_name, flatten, parse_dtype, skeleton, tensor_module, unflatten
+from ._state_tree import dtype_name, flatten, tensor_module
 
 __all__ = [
     "COMPONENT",
@@ -81,34 +85,6 @@ __all__ = [
 
 logger = logging.getLogger("ckpt_engine")
 
-#: The engine component that holds everything of a Lightning checkpoint but the model weights.
-COMPONENT = "lightning"
-#: The key, in :data:`COMPONENT`, of the JSON that describes the checkpoint dict's structure.
-STRUCTURE_KEY = "__structure__"
-_LAST_NAME = re.compile(r"^last(-\d+|-v\d+|-engine)?\.ckpt$")
-#: Deepest nesting of the structure JSON (each level of the checkpoint dict takes about three),
-#: checked when it is written and before it is parsed; the most digits of an integer in it.
-MAX_STRUCTURE_DEPTH = 384
-_MAX_STRUCTURE_INT_DIGITS = 4000
-
-
-class UnsupportedStrategyError(CkptEngineError, RuntimeError):
-    """The strategy runs several processes: Lightning calls ``CheckpointIO`` on global rank 0
-    only, while every engine save is collective (see ``docs/integrations.md``)."""
-
-
-class _Items:
-    """A flat mapping as an engine ``extra=`` component (``Stateful``)."""
-
-    def __init__(self, items: dict[str, Any]) -> None:
-        self.items = items
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.items
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.items = dict(state_dict)
-
 
 class _CommitObserver:
     """An engine plugin: writes the pointer files of a save once the engine has committed it."""
@@ -123,26 +99,15 @@ class _CommitObserver:
         self._io._save_done(result)
 
 
-def parse_structure(raw: str, where: str) -> Any:
-    """The structure JSON ``raw`` of the checkpoint component ``where``, parsed within bounds:
-    :class:`~ckpt_engine.CorruptCheckpointError` naming ``where`` for text nested deeper than
-    :data:`MAX_STRUCTURE_DEPTH`, an integer of thousands of digits, or text that is not JSON."""
-    try:
-        return bounded_json.loads(raw, max_depth=MAX_STRUCTURE_DEPTH, max_int_digits=_MAX_STRUCTURE_INT_DIGITS)
-    except bounded_json.JSONRefused as err:
-        raise CorruptCheckpointError(f"{where}: {STRUCTURE_KEY!r} cannot be read: {err}") from None
-
-
-def _require_one_process(what: str) -> None:
+def _world() -> tuple[int, int]:
+    """``(global rank, world size)`` of the default process group; ``(0, 1)`` without one."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-        if world > 1:
-            raise UnsupportedStrategyError(
-                f"EngineCheckpointIO cannot {what} under a strategy with {world} processes: Lightning calls a "
-                "CheckpointIO on global rank 0 only, and every engine save is collective over all ranks. Use a "
-                "single-device strategy, or call CheckpointEngine.save()/load() on every rank from your own "
-                "callback (docs/integrations.md)"
-            )
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _alone(flag: bool) -> bool:
+    return flag
 
 
 class EngineCheckpointIO(CheckpointIO):
@@ -155,6 +120,10 @@ class EngineCheckpointIO(CheckpointIO):
     it checks out: it must name a checkpoint of this engine's ``save_dir`` (another run's only with
     ``allow_foreign_pointers=True``, and then with a warning naming both), holding the iteration
     it claims.
+
+    Under DDP and ``ModelParallelStrategy`` every rank saves and loads (the strategy calls the IO
+    on every rank); global rank 0 writes the pointer files and removes what Lightning no longer
+    keeps. Any other strategy with several processes is refused when the ``Trainer`` is built.
     """
 
     def __init__(
@@ -169,11 +138,16 @@ class EngineCheckpointIO(CheckpointIO):
         self._plugins = tuple(plugins)
         self.allow_foreign_pointers = allow_foreign_pointers
         self._engine: Any = None
+        #: How the IO runs under the strategy Lightning connected it to (none: called directly).
+        self._connection: Connection | None = None
         self._lock = threading.Lock()
-        #: iteration -> Lightning paths whose pointer waits for that iteration's commit.
+        #: iteration -> Lightning paths whose pointer waits for that iteration's commit (rank 0).
         self._pending: dict[int, list[str]] = {}
         #: Iterations this object saved (or is saving) and those committed: Lightning saves one
         #: step under several names (a top-k file, then ``last.ckpt``); the engine writes it once.
+        #: The same on every rank, so that every rank makes the same call to the collective save:
+        #: a background save that failed stays in it (the engine raises its failure on every rank),
+        #: so that no rank's commit thread makes it save again a step the other ranks skip.
         self._saved: set[int] = set()
         self._committed: set[int] = set()
         self._pointer_errors: list[str] = []
@@ -181,7 +155,7 @@ class EngineCheckpointIO(CheckpointIO):
         self._doomed: dict[str, Pointer] = {}
         self._folders = PointerFolders(self.save_dir)
 
-    # -- the engine -------------------------------------------------------------------------
+    # -- the engine and the strategy --------------------------------------------------------
 
     @property
     def save_dir(self) -> str:
@@ -205,18 +179,45 @@ class EngineCheckpointIO(CheckpointIO):
             engine.close()
         self._raise_pointer_errors()
 
+    def _connect(self, strategy: Strategy) -> None:
+        """Lightning connected this IO to ``strategy`` (the ``Trainer`` is being built): run under
+        it, or raise :class:`UnsupportedStrategyError` naming the fix."""
+        self._connection = connect(strategy, IOCalls(save=self._save, load=self._load, teardown=self.teardown))
+
+    def _check_world(self, what: str) -> None:
+        if self._connection is not None and self._connection.collective:
+            return
+        world = _world()[1]
+        if world > 1:
+            raise UnsupportedStrategyError(
+                f"EngineCheckpointIO cannot {what} from one rank of a job of {world} processes: every engine save "
+                "and load is collective over all ranks. Give it to the Trainer (plugins=[io]) with strategy='ddp' or "
+                "ModelParallelStrategy, which call it on every rank (docs/integrations.md)"
+            )
+
     # -- save -------------------------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Save ``checkpoint`` as engine checkpoint ``iter_{global_step:09}``; the pointer at
         ``path`` is written once it is committed (at once for a synchronous save)."""
+        self._check_world("save")
+        self._save(checkpoint, path, storage_options, _alone)
+
+    def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, agree: Callable[[bool], bool]) -> None:
+        """One save, on every rank of the job alike; ``agree(flag)``: ``flag`` on any rank."""
         if storage_options is not None:
             raise ArgumentTypeError(
                 "EngineCheckpointIO takes no storage_options: storage is configured in the engine config "
                 "(save_dir, storage); remove storage_options from trainer.save_checkpoint()"
             )
-        _require_one_process("save")
-        self._raise_pointer_errors()
+        with self._lock:
+            failed = bool(self._pointer_errors)
+        if agree(failed):  # every rank stops here, not only global rank 0, which holds the errors
+            self._raise_pointer_errors()
+            raise CheckpointSaveError(
+                "global rank 0 could not write the Lightning pointer file of a checkpoint the engine committed (its "
+                f"error names the file); resume with ckpt_path='last' or with the checkpoint folder in {self.save_dir}"
+            )
         if not isinstance(checkpoint, Mapping):
             raise ArgumentTypeError(f"checkpoint must be a dict, got {type(checkpoint).__name__}")
         step = checkpoint.get("global_step")
@@ -225,19 +226,20 @@ class EngineCheckpointIO(CheckpointIO):
                 f"the checkpoint's 'global_step' is {step!r}; EngineCheckpointIO names engine checkpoints by it "
                 "and needs a non-negative int"
             )
+        rank = _world()[0]
         target = os.fspath(path)
         with self._lock:
             again, committed = step in self._saved, step in self._committed
-            if not committed:
+            if not committed and rank == 0:
                 self._pending.setdefault(step, []).append(target)
             self._saved.add(step)
         if again:  # the same step under another name: point at the one engine checkpoint
-            if committed:
+            if committed and rank == 0:
                 self._write_pointers(step, [target])
             return
         model, items = self._split(checkpoint)
         try:
-            self.engine.save(step, model=model, extra={COMPONENT: _Items(items)})
+            self.engine.save(step, model=model, extra={COMPONENT: Items(items)})
         except BaseException:
             with self._lock:
                 self._pending.pop(step, None)
@@ -245,7 +247,13 @@ class EngineCheckpointIO(CheckpointIO):
             raise
 
     def _split(self, checkpoint: Mapping[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
-        """The model module (the state dict's tensors) and the ``lightning`` component's items."""
+        """The model module (the state dict's tensors) and the ``lightning`` component's items.
+
+        Under DDP and ``ModelParallelStrategy`` every rank gives its own checkpoint dict (so all
+        ranks fail together on a bad one). What several ranks give under one key (the replicated
+        model and optimizer of DDP, the loops, the structure) the engine writes once, from the
+        lowest rank that gives it (``dedup_save_to_lowest_rank``): the checkpoint holds global
+        rank 0's values, as Lightning's would. DTensors are written as each rank's shard."""
         rest = dict(checkpoint)
         state_dict = rest.pop("state_dict", None)
         state_dict = state_dict if isinstance(state_dict, Mapping) else {}
@@ -278,8 +286,6 @@ class EngineCheckpointIO(CheckpointIO):
             paths = self._pending.pop(result.iteration, [])
             if result.succeeded:
                 self._committed.add(result.iteration)
-            else:
-                self._saved.discard(result.iteration)
         if result.succeeded and paths:
             self._write_pointers(result.iteration, paths)
         if result.succeeded:
@@ -333,141 +339,17 @@ class EngineCheckpointIO(CheckpointIO):
         (``map_location`` and ``weights_only`` are not needed: Lightning copies the tensors
         into the model and optimizers on their devices).
         """
-        _require_one_process("load")
+        self._check_world("load")
+        return self._load(path, None)
+
+    def _load(self, path: Any, like: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The load on every rank alike; ``like``: live tensors to read into (a sharded model's)."""
         if self._engine is not None:
             self._engine.wait()  # a pending async save of this run commits before anything is read
-        where = os.fspath(path)
-        save_dir, folder, claimed = self._resolve(where)
-        structure, checkpoint_dir, iteration = self._read_structure(save_dir, folder, where=where)
-        if claimed is not None and iteration != claimed:
-            raise PointerMismatchError(
-                f"{where} claims iteration {claimed}, but {checkpoint_dir} holds iteration {iteration}; the pointer "
-                "or the checkpoint was replaced. Load the checkpoint folder itself if it is the one you want"
-            )
-        return self._read_checkpoint(structure, checkpoint_dir)
-
-    def _resolve(self, path: str) -> tuple[str, str | None, int | None]:
-        """``(save_dir, checkpoint folder, the iteration a pointer claims)``; the folder ``None``
-        means the save folder's latest (which is what a ``last*.ckpt`` pointer stands for)."""
-        fs, inner = url_to_fs(path)
-        if not fs.exists(inner):
-            raise CheckpointNotFoundError(f"{path} does not exist: no checkpoint to load")
-        if fs.isdir(inner):
-            trimmed = path.rstrip("/")
-            if ITER_NAME.match(os.path.basename(trimmed)):
-                return os.path.dirname(trimmed), trimmed, None
-            return trimmed, None, None
-        pointer = read_pointer(path)
-        assert pointer is not None
-        if not same_save_dir(pointer.save_dir, self.save_dir):
-            if not self.allow_foreign_pointers:
-                raise PointerMismatchError(
-                    f"{path} names a checkpoint of {pointer.save_dir[:200]}, not of this engine's save_dir "
-                    f"{self.save_dir}; pass EngineCheckpointIO(..., allow_foreign_pointers=True) to resume another "
-                    "run's checkpoint, or load its checkpoint folder (iter_*) itself"
-                )
-            logger.warning(
-                "%s names a checkpoint of %s, not of this engine's save_dir %s; loading it "
-                "(allow_foreign_pointers=True)",
-                path,
-                pointer.save_dir[:200],
-                self.save_dir,
-            )
-        if _LAST_NAME.match(os.path.basename(path)):
-            return pointer.save_dir, None, None
-        return pointer.save_dir, pointer.folder, pointer.iteration
-
-    def _reader(self, save_dir: str, folder: str | None, *, verify: str | None = None) -> Any:
-        """An engine that only loads: ``folder`` exactly, or the latest of ``save_dir``. It has
-        the configured load plugins, not ``pinned_staging`` (it never saves)."""
-        from .._engine.engine import CheckpointEngine
-
-        update: dict[str, Any] = {
-            "plugins": tuple(p for p in self.config.plugins if p.name != "pinned_staging"),
-            "keys_not_to_resume": tuple(k for k in self.config.keys_not_to_resume if k != COMPONENT),
-        }
-        if folder is None:
-            update |= {"load_dir": save_dir, "load_path": None}
-        else:
-            update |= {"load_dir": folder, "load_path": folder, "load_training_state": True}
-            update["only_load_scheduler_state"] = False
-        if verify is not None:
-            update["verify"] = verify
-        return CheckpointEngine(self.config.model_copy(update=update), plugins=self._plugins)
-
-    def _read_structure(self, save_dir: str, folder: str | None, where: str) -> tuple[dict[str, Any], str, int]:
-        """The checkpoint's structure JSON, folder and iteration (a first, small load of one key)."""
-        probe = _Items({STRUCTURE_KEY: ""})
-        verify = "sizes" if self.config.verify == "checksums" else None  # the full load verifies checksums
-        try:
-            with self._reader(save_dir, folder, verify=verify) as reader:
-                result = reader.load(extra={COMPONENT: probe})
-        except IncompleteCheckpointError as err:
-            if self._has_component(save_dir, folder):
-                raise
-            raise NotALightningCheckpointError(
-                f"{where}: the checkpoint has no {COMPONENT!r} component, so it was not saved by EngineCheckpointIO; "
-                f"load its model weights with CheckpointEngine.load(model=...) instead ({err})"
-            ) from err
-        except LoadStrictnessError as err:
-            raise NotALightningCheckpointError(
-                f"{where}: the checkpoint has no {COMPONENT!r} component with a {STRUCTURE_KEY!r} key, so it was not "
-                "saved by EngineCheckpointIO; load its model weights with CheckpointEngine.load(model=...) "
-                f"instead ({err})"
-            ) from err
-        if result.checkpoint_path is None:
-            raise CheckpointNotFoundError(
-                f"{where}: {save_dir} has no committed checkpoint yet (no latest_checkpoint.txt); "
-                "start without ckpt_path, or pass an existing checkpoint"
-            )
-        raw = probe.items.get(STRUCTURE_KEY)
-        structure = parse_structure(raw, f"{result.checkpoint_path}/{COMPONENT}") if isinstance(raw, str) else None
-        if not isinstance(structure, dict) or structure.get("format") != POINTER_FORMAT:
-            raise CorruptCheckpointError(
-                f"{result.checkpoint_path}/{COMPONENT}: {STRUCTURE_KEY!r} is not the structure "
-                "EngineCheckpointIO writes"
-            )
-        return structure, result.checkpoint_path, result.iteration
-
-    def _has_component(self, save_dir: str, folder: str | None) -> bool:
-        if folder is None:
-            name = read_latest(save_dir, open_store(save_dir, self.config.storage))
-            if name is None:
-                return True  # nothing to tell: let the engine's error stand
-            folder = f"{save_dir.rstrip('/')}/{name}"
-        fs, inner = url_to_fs(f"{folder}/{COMPONENT}")
-        return bool(fs.exists(inner))
-
-    def _read_checkpoint(self, structure: dict[str, Any], checkpoint_dir: str) -> dict[str, Any]:
-        where = f"{checkpoint_dir}/{COMPONENT}"
-        try:
-            model_spec = {
-                k: torch.empty(shape, dtype=parse_dtype(d, where)) for k, (d, shape) in structure["model"].items()
-            }
-            items = _Items({STRUCTURE_KEY: "", **skeleton(structure["tree"], where)})
-        except (KeyError, TypeError, ValueError) as err:
-            raise CorruptCheckpointError(f"{where}: malformed structure ({err})") from err
-        module = tensor_module(model_spec)
-        with self._reader(os.path.dirname(checkpoint_dir), checkpoint_dir) as reader:
-            result = reader.load(model=module if model_spec else None, extra={COMPONENT: items})
-        skipped = set(result.report["model"].skipped) if model_spec else set()
-        value = unflatten(structure["tree"], items.items, where)
-        checkpoint: dict[str, Any] = value["checkpoint"]
-        if structure.get("has_state_dict", True):
-            others = value["state_dict_other"]
-            state_dict: OrderedDict[Any, Any] = OrderedDict()
-            for key in structure.get("state_dict_order", []):
-                if key in model_spec and key not in skipped:
-                    state_dict[key] = model_spec[key]
-            for key, other in others.items():
-                state_dict[key] = other
-            checkpoint["state_dict"] = state_dict
-        if checkpoint.get("global_step", result.iteration) != result.iteration:
-            raise CheckpointLoadError(
-                f"{checkpoint_dir}: global_step {checkpoint.get('global_step')} differs from the engine iteration "
-                f"{result.iteration}"
-            )
-        return checkpoint
+        reader = CheckpointReader(
+            self.config, self._plugins, self.save_dir, allow_foreign_pointers=self.allow_foreign_pointers
+        )
+        return reader.read(os.fspath(path), like)
 
     # -- remove -----------------------------------------------------------------------------
 
@@ -519,3 +401,11 @@ class EngineCheckpointIO(CheckpointIO):
                 logger.warning("not removing %s: %s", pointer.folder, err)
             except FileNotFoundError:
                 pass  # the engine's own retention (keep_last) removed it first
+
+
+def _on_connect(strategy: Strategy, io: CheckpointIO) -> None:
+    if isinstance(io, EngineCheckpointIO):
+        io._connect(strategy)
+
+
+install(_on_connect)

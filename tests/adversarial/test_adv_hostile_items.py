@@ -6,11 +6,17 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import struct
+import subprocess
+import sys
+import textwrap
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _paths import TESTS
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from adversarial._adv import ckpt, load, rehash, save
@@ -79,3 +85,52 @@ def test_blocked_global_detection_reads_both_torch_wordings() -> None:
     old = pickle.UnpicklingError("Unsupported global: GLOBAL fractions.Fraction was not an allowed global")
     assert blocked_global(new, blocked_only=True) == "posix.system"
     assert blocked_global(old) == "fractions.Fraction" and blocked_global(old, blocked_only=True) is None
+
+
+_HUGE_MEMO = textwrap.dedent(
+    """
+    import resource, sys
+    sys.path.insert(0, sys.argv[2])
+    from adversarial._adv import load
+    result, _ = load(sys.argv[1])
+    print(result.iteration, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+    """
+)
+
+
+def _value_archive(pickled: bytes, length: int) -> bytes:
+    """A torch.save-like archive holding ``pickled`` as its data.pkl, ``length`` bytes long (a
+    padding record makes up the difference)."""
+
+    def build(pad: int) -> bytes:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
+            zf.writestr("archive/data.pkl", pickled)
+            zf.writestr("archive/byteorder", b"little")
+            zf.writestr("archive/version", b"3\n")
+            zf.writestr("archive/padding", b"\0" * pad)
+        return buf.getvalue()
+
+    archive = build(length - len(build(0)))
+    assert len(archive) == length
+    return archive
+
+
+def test_a_value_whose_pickle_names_a_huge_memo_index_loads_in_bounded_memory(save_dir: str, tmp_path: Path) -> None:
+    """12 bytes of ``LONG_BINPUT 2**29`` in a stored value would make the C unpickler allocate
+    and zero a 4 GiB memo; the engine leaves such a pickle to torch.load's own unpickler, whose
+    memo is a dict. A subprocess loads it and reports its peak memory."""
+    save(save_dir, 1)
+    component = ckpt(save_dir, 1) / "trainer"
+    md = read_metadata(component)
+    assert md.storage_data is not None
+    info = md.storage_data[MetadataIndex("iteration")]
+    pickled = b"\x80\x02K\x01r" + struct.pack("<I", 2**29) + b"."  # the int 1, memoized at 2**29
+    _replace_item(component, "iteration", _value_archive(pickled, info.length))
+    out = subprocess.run(
+        [sys.executable, "-c", _HUGE_MEMO, save_dir, str(TESTS)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    iteration, peak_mib = map(int, out.stdout.split())
+    assert iteration == 1
+    assert peak_mib < 2048, f"peak RSS {peak_mib} MiB: the memo was allocated"

@@ -18,6 +18,9 @@ loads the checkpoint with ``verify="checksums"`` in a fresh engine and checks:
 * every component equals, bit for bit, the state of iteration k (never a partial checkpoint);
 * ``verify_checkpoint`` of the loaded checkpoint finds no problem.
 
+With ``--local-dir``, every save is committed to that node-local tier and only every
+``--persist-every``-th also to ``--dir``: the resume takes the newest complete step of either.
+
 With ``--incremental``, the engine saves incrementally and the model gains a frozen part that
 never changes (a 4 MB weight with ``requires_grad`` off), so that every save carries files over
 by hard link; then every kept checkpoint, not only the loaded one, must pass
@@ -193,6 +196,8 @@ def trial(n: int, config: dict[str, Any], rng: random.Random, max_delay: float, 
     os.close(r)
     record["armed_after_s"] = round(armed - t0, 2)
     record["left_behind"] = leftovers(save_dir)
+    if config.get("local_dir"):  # the local tier's uncommitted folders are this rank's
+        record["left_behind"] += leftovers(os.path.join(config["local_dir"], "rank_00000"))
     record["total_s"] = round(time.monotonic() - t0, 2)
     record["delay"] = round(delay, 3)
     errors = [line for line in lines if line.startswith("ERROR")]
@@ -211,6 +216,7 @@ def trial(n: int, config: dict[str, Any], rng: random.Random, max_delay: float, 
         k, got, result = restore({**config, "verify": "checksums"})
         record["loaded"] = k
         record["verified"] = bool(result.verified)
+        record["from"] = sorted(result.bytes_by_source)
         floor = max(committed, default=resumed[0] if resumed else 0)
         ceiling = max(started, default=floor)
         if not floor <= k <= ceiling:
@@ -261,6 +267,8 @@ def main() -> int:
     parser.add_argument("--keep-last", type=int, default=3, help="retention during the run (0: off)")
     parser.add_argument("--incremental", action="store_true", help="incremental saves, with a frozen component")
     parser.add_argument("--plugin", action="append", default=[], help="plugins to enable (e.g. an async writer)")
+    parser.add_argument("--local-dir", help="a node-local tier (local_dir): every save is committed there")
+    parser.add_argument("--persist-every", type=int, default=3, help="with --local-dir: durable every N saves")
     parser.add_argument(
         "--arm-after",
         choices=["RESUMED", "COMMITTED"],
@@ -274,6 +282,8 @@ def main() -> int:
     config: dict[str, Any] = {"save_dir": args.dir, "plugins": args.plugin, "incremental": args.incremental}
     if args.keep_last:
         config["keep_last"] = args.keep_last
+    if args.local_dir:
+        config.update(local_dir=args.local_dir, persist_every=args.persist_every)
     rng = random.Random(args.seed)
     failed = 0
     mid_save = 0

@@ -493,3 +493,28 @@ def test_summary_collapses_large_skip_groups_and_keeps_small_ones() -> None:
     ]
     assert "  skipped by engine: head.w: fresh head" in lines
     assert len(lines) == 3
+
+
+def test_an_optimizer_with_a_parameter_group_that_holds_no_parameters_round_trips(save_dir: str) -> None:
+    """A group without parameters (the Hugging Face Trainer's no-decay group when every bias is
+    frozen) has no keys in the flattened optimizer state: it is kept, with its settings, and the
+    other groups' state loads (torch's unflattening alone raises an IndexError on it)."""
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.AdamW([{"params": list(model.parameters())}, {"params": [], "weight_decay": 0.0}], lr=0.1)
+        return model, opt
+
+    model, opt = make()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    with CheckpointEngine({"save_dir": save_dir}) as engine:
+        engine.save(1, model=model, optimizer=opt)
+    model2, opt2 = make()
+    with CheckpointEngine({"save_dir": save_dir}) as engine:
+        assert engine.load(model=model2, optimizer=opt2).iteration == 1
+    assert [len(g["params"]) for g in opt2.param_groups] == [2, 0]
+    assert opt2.param_groups[1]["weight_decay"] == 0.0
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])

@@ -193,6 +193,7 @@ def test_private_torch_names_only_in_the_seam() -> None:
         ("ckpt_engine._storage", "ckpt_engine._format"),
         ("ckpt_engine._format", "ckpt_engine._engine"),
         ("ckpt_engine._dcpio", "ckpt_engine._engine"),
+        ("ckpt_engine._tier", "ckpt_engine._engine"),
     ],
 )
 def test_layers(importer: str, forbidden: str) -> None:
@@ -214,7 +215,7 @@ def test_architecture_page_names_every_internal_module() -> None:
     line there, so the page describes what is really there."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     missing = []
-    for package in ("_engine", "_format", "_dcpio", "_storage", "_inspect", "cli", "demo", "integrations"):
+    for package in ("_engine", "_format", "_dcpio", "_storage", "_tier", "_inspect", "cli", "demo", "integrations"):
         for path in sorted((PACKAGE / package).glob("*.py")):
             if path.stem != "__init__" and not path.stem.startswith("_") and f"`{path.stem}`" not in text:
                 missing.append(f"{package}/{path.name}")
@@ -289,7 +290,7 @@ def test_the_engine_never_tests_the_storage_mode() -> None:
     storage they have."""
     pattern = re.compile(r"is_object_store|\blocal_dir\b|isinstance\([^)]*Store\b|isinstance\([^)]*Target\b")
     bad = []
-    for rel in ("_engine/engine.py", "_engine/saver.py", "_engine/commit.py"):
+    for rel in ("_engine/engine.py", "_engine/saver.py", "_engine/committer.py", "_engine/commit.py"):
         path = PACKAGE / rel
         with tokenize.open(path) as f:
             lines = f.read().splitlines()
@@ -302,14 +303,14 @@ def test_the_engine_never_tests_the_storage_mode() -> None:
 
 def test_one_builder_makes_every_save_result() -> None:
     """Every outcome of a save, from a refusal before any write to a commit on the commit thread,
-    gets its ``SaveResult`` from one builder (``_engine/saver.Saver._report``), so the outcomes
-    cannot drift apart in what they report."""
+    gets its ``SaveResult`` from one builder (``_engine/committer.SaveCommitter.report``), so the
+    outcomes cannot drift apart in what they report."""
     built = []
     for name, path in modules(PACKAGE).items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "SaveResult":
                 built.append(f"{name}:{node.lineno}")
-    assert len(built) == 1 and built[0].startswith("ckpt_engine._engine.saver:"), built
+    assert len(built) == 1 and built[0].startswith("ckpt_engine._engine.committer:"), built
 
 
 #: Functions longer than ``MAX_FUNCTION_LINES`` may stay long only with a reason here.

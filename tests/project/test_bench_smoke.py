@@ -239,3 +239,39 @@ def test_peers_full_writes_the_two_rank_run_beside_the_one_rank_run() -> None:
     assert bench._two_rank_name("docs/performance-peers.png") == "docs/performance-peers-2rank.png"
     with pytest.raises(SystemExit):
         bench.main(["--full", "--smoke"])
+
+
+@pytest.mark.dist
+def test_tier_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/tier_bench.py end to end: 2 ranks as 2 nodes, the three phases, the S3 server (untimed)."""
+    out = tmp_path / "tier.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "tier_bench.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (result,) = json.loads(out.read_text())["results"]
+    assert {"blocked", "step", "recover"} <= set(result)
+    assert result["blocked"]["local_s"] > 0 and result["blocked"]["floor_s"] > 0
+    sources = result["recover"]["bytes_by_source"]
+    assert [set(s) for s in sources["restart"]] == [{"local"}, {"local"}]
+    assert [set(s) for s in sources["node_loss"]] == [{"local"}, {"peer"}]  # rank 1's node was wiped
+    assert [set(s) for s in sources["durable_s3"]] == [{"durable"}, {"durable"}]
+
+
+def test_cli_bench_smoke_run() -> None:
+    """``benchmarks/cli_bench.py --smoke``: one round of every command, each must run (exit 0)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "cli_bench.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for row in ("ckpt-engine ls SAVE_DIR (10 checkpoints)", "ckpt-engine inspect model.safetensors", "import torch"):
+        assert row in proc.stdout
+    assert "failed" not in proc.stdout

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from _paths import ROOT
 
 from ckpt_engine.cli import main
 from ckpt_engine.demo import add_demo_arguments, check_settings, settings_from_args
@@ -70,7 +73,11 @@ def test_fast_demo_kills_mid_save_and_resumes_bit_identically(
     assert [int(r[0]) for r in rows] == list(range(resumed + 1, 13))
     assert all(r[1] == r[2] and r[3] == "same" for r in rows)
     assert f"OK: all {12 - resumed} steps after the resume are bit-identical to the uninterrupted run." in out
-    assert re.search(r"Saves: 4 committed, [\d.]+ MB each\. Median: save\(\) blocked training \d+ ms", out)
+    assert re.search(r"Saves: 4 committed, [\d.]+ (KiB|MiB) each\. Median: save\(\) blocked training \d+ ms", out)
+    # One checkpoint, one size, one unit: its save line and its row of the `ckpt-engine ls` table.
+    saved_as = re.search(rf"committed iter_{resumed:09}  ([\d.]+ \w+), ", out)
+    listed_as = re.search(rf"^ +{resumed} +iter_{resumed:09} +\S+ +([\d.]+ \w+) ", out, re.M)
+    assert saved_as and listed_as and saved_as.group(1) == listed_as.group(1), out
     # On disk: the resumed run re-saved what was lost; nothing is left uncommitted.
     assert (save_dir / "latest_checkpoint.txt").read_text() == "iter_000000012\n"
     assert sorted(p.name for p in save_dir.iterdir() if p.name.startswith((".iter", "iter"))) == [
@@ -155,3 +162,82 @@ def test_two_rank_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "(torchrun agent, ranks, writers)" in out
     assert "OK: all 6 steps after the resume are bit-identical" in out
     assert _processes_mentioning(str(tmp_path / "demo")) == []
+
+
+#: Import names of the ``test`` extra's distributions where they differ from the distribution name.
+_IMPORT_NAMES = {"pytest-timeout": "pytest_timeout", "pytest-xdist": "xdist", "types-PyYAML": None, "moto": "moto"}
+
+
+def _test_only_modules() -> list[str]:
+    """The top-level modules of pyproject's ``test`` extra that the engine's own dependencies lack."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {re.split(r"[\s<>=!;\[]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    out = []
+    for dist in project["optional-dependencies"]["test"]:
+        name = re.split(r"[\s<>=!;\[]", dist, maxsplit=1)[0]
+        module = _IMPORT_NAMES.get(name, name.replace("-", "_"))
+        if module and name.lower() not in core:
+            out.append(module)
+    return out
+
+
+def test_demo_sh_installs_the_demo_extra_and_ci_the_test_extra() -> None:
+    demo = (ROOT / "scripts" / "demo.sh").read_text()
+    assert '-e ".[demo]"' in demo and "[test" not in demo.split("pip install", 1)[1].split("\n", 1)[0]
+    assert '".[test]"' in (ROOT / ".ci" / "run").read_text()
+    assert {"pytest", "moto", "lightning", "transformers", "mypy", "safetensors"} <= set(_test_only_modules())
+
+
+@pytest.mark.parametrize(
+    "ranks",
+    [
+        "1",
+        pytest.param(
+            "2",
+            marks=[
+                pytest.mark.dist,
+                pytest.mark.slow,
+                pytest.mark.skipif(
+                    not os.environ.get("CKPT_ENGINE_SLOW_TESTS"),
+                    reason="about 45 s on 2 CPU cores: set CKPT_ENGINE_SLOW_TESTS=1",
+                ),
+            ],
+        ),
+    ],
+)
+def test_the_demo_needs_nothing_from_the_test_extra(tmp_path: Path, ranks: str) -> None:
+    """scripts/demo.sh installs only the ``demo`` extra: the demo, its worker processes and (with
+    ``--ranks 2``) torchrun's ranks run with every ``test``-extra module hidden, as if not installed."""
+    hidden = _test_only_modules()
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "from importlib.machinery import PathFinder\n"
+        f"HIDDEN = {set(hidden)!r}\n"
+        "class _Hiding:\n"  # the path finder, blind to the hidden packages: find_spec says None, as uninstalled
+        "    @staticmethod\n"
+        "    def find_spec(name, path=None, target=None):\n"
+        "        return None if name.split('.')[0] in HIDDEN else PathFinder.find_spec(name, path, target)\n"
+        "    @staticmethod\n"
+        "    def invalidate_caches():\n"
+        "        PathFinder.invalidate_caches()\n"
+        "    find_distributions = PathFinder.find_distributions\n"  # entry points: the built-in plugins
+        "sys.meta_path[:] = [_Hiding if f is PathFinder else f for f in sys.meta_path]\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "ckpt_engine", "demo", "--fast", "--no-plot", "--ranks", ranks]
+    proc = subprocess.run(
+        [*argv, "--out", str(tmp_path / "demo")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bit-identical to the uninterrupted run" in proc.stdout
+    probe = subprocess.run(
+        [sys.executable, "-c", "import pytest"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert probe.returncode != 0 and "No module named 'pytest'" in probe.stderr  # the hiding works

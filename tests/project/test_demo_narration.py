@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_engine.demo.narration import describe_save_times, save_times
+from ckpt_engine._inspect.listing import SaveDirListing, listing_table
+from ckpt_engine.demo.narration import describe_save_times, save_line, save_times
 
 
 def test_a_save_that_waited_for_the_previous_one_commits_after_it_returned() -> None:
@@ -39,3 +40,24 @@ def test_a_synchronous_save_commits_inside_the_call() -> None:
 def test_the_commit_is_never_before_the_return(ev: dict[str, float]) -> None:
     call, committed, _ = save_times(ev)
     assert committed >= call
+
+
+def test_a_save_line_and_the_ls_table_show_one_size_in_one_unit() -> None:
+    """The demo printed one checkpoint as "19.8 MB" in its save line and "18.9 MiB" in the ``ls``
+    table under it: both now say what ``ckpt-engine ls`` says, in binary units."""
+    nbytes = 19_800_000
+    ev = {"iteration": 10, "succeeded": True, "bytes": nbytes, "call": 0.048, "blocked": 0.040, "total": 0.221}
+    row = {
+        "iteration": 10,
+        "name": "iter_000000010",
+        "components": ["model"],
+        "bytes": nbytes,
+        "files": 2,
+        "status": "verified",
+        "latest": True,
+        "reused": 0,
+    }
+    table = listing_table(SaveDirListing("runs/demo/checkpoints", "iter_000000010", [row]))
+    assert save_line(ev).startswith("   step   10: committed iter_000000010  18.9 MiB, save() blocked training 48 ms")
+    assert " 18.9 MiB " in table[1]
+    assert "MB" not in save_line(ev).replace("MiB", "")

@@ -123,9 +123,74 @@ def test_public_errors_keep_their_module_and_pickle() -> None:
     assert pickle.loads(pickle.dumps(ckpt_engine.ConfigError("x"))).args == ("x",)
 
 
-def test_ls_does_not_import_dcp(tmp_path: Path) -> None:
-    """``ckpt-engine ls`` reads every ``.metadata`` into stand-in records: it imports torch, never
-    ``torch.distributed.checkpoint`` (about a second; docs/performance.md, "Command-line start-up")."""
+@pytest.fixture(scope="module")
+def holdings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """An engine save folder, its exports (safetensors file, sharded Hugging Face folder, torch.save
+    file) and a DCP folder of ``dcp.save``: what users point the command line at."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_engine import CheckpointEngine
+    from ckpt_engine.cli import main
+    from ckpt_engine.testing import TinyTrainingState
+
+    root = tmp_path_factory.mktemp("holdings")
+    with CheckpointEngine({"save_dir": str(root / "ckpt")}) as engine:
+        engine.save(1, **TinyTrainingState.create().objects())
+    out = {"ckpt": root / "ckpt", "checkpoint": root / "ckpt" / "iter_000000001"}
+    tiered = {"save_dir": str(root / "tiered"), "local_dir": str(root / "local")}
+    with CheckpointEngine(tiered) as engine:
+        engine.save(1, **TinyTrainingState.create().objects())
+    out["tiered"], out["local"], out["rank_folder"] = root / "tiered", root / "local", root / "local" / "rank_00000"
+    for name, extra in (("model.safetensors", []), ("hf", ["--to", "hf", "--max-shard-size", "1KB"]), ("model.pt", [])):
+        assert main(["convert", str(root / "ckpt"), str(root / name), *extra]) == 0
+        out[name] = root / name
+    torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "epoch": 3}, root / "train.pt")
+    dcp.save({"w": torch.ones(2), "n": 5}, checkpoint_id=root / "dcp")
+    out["train.pt"], out["dcp"] = root / "train.pt", root / "dcp"
+    return out
+
+
+#: What runs without torch: listing, keys and headers, sizes. Values (diff, convert, plan,
+#: ``inspect --trust``, a value stored as a tensor or an object) import it when they run.
+TORCH_FREE = [
+    ("ls", "ckpt"),
+    ("ls", "ckpt", "--verify", "--json"),
+    ("ls", "tiered", "--local-dir", "local"),  # the node-local tier, rank-local metadata included
+    ("ls", "rank_folder"),
+    ("inspect", "ckpt"),
+    ("inspect", "checkpoint", "--json"),
+    ("verify", "ckpt", "--level", "sizes"),
+    ("verify", "checkpoint"),  # checksums against the manifest: xxhash, no torch
+    *(
+        (command, name)
+        for name in ("model.safetensors", "hf", "model.pt", "train.pt", "dcp")
+        for command in ("inspect",)
+    ),
+    *(("verify", name, "--level", "sizes") for name in ("model.safetensors", "hf", "model.pt", "train.pt", "dcp")),
+    ("verify", "train.pt"),  # a torch.save file's CRC-32 checksums
+]
+
+
+@pytest.mark.parametrize("argv", TORCH_FREE, ids=" ".join)
+def test_listing_keys_headers_and_sizes_never_import_torch(holdings: dict[str, Path], argv: tuple[str, ...]) -> None:
+    """``ls``, ``inspect`` and ``verify --level sizes`` of engine checkpoints and of every other format
+    read metadata into torch-free records, headers and ``data.pkl`` with the safe interpreter."""
+    args = [str(holdings[a]) if a in holdings else a for a in argv]
+    loaded = _loaded_after(f"from ckpt_engine.cli import main\nassert main({args!r}) == 0")
+    assert not loaded["torch"] and not loaded["torch.distributed.checkpoint"], (argv, loaded)
+
+
+def test_diff_imports_torch_to_compare_values(holdings: dict[str, Path]) -> None:
+    """The decision, pinned: comparing values needs torch (tensors are compared as tensors)."""
+    args = [str(holdings["checkpoint"]), str(holdings["hf"])]
+    loaded = _loaded_after(f"from ckpt_engine.cli import main\nassert main(['diff', *{args!r}]) == 0")
+    assert loaded["torch"]
+
+
+def test_ls_does_not_import_torch(tmp_path: Path) -> None:
+    """``ckpt-engine ls`` reads every ``.metadata`` into stand-in records with torch-free dtypes: it
+    never imports torch (seconds on a loaded machine; docs/performance.md, "Command-line start-up")."""
     save_dir = tmp_path / "checkpoints"
     make = (
         "import sys, torch\nfrom ckpt_engine import CheckpointEngine\n"
@@ -135,4 +200,4 @@ def test_ls_does_not_import_dcp(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", make, str(save_dir)], check=True, timeout=300)
     for argv in (["ls", str(save_dir)], ["ls", str(save_dir), "--verify", "--json"]):
         loaded = _loaded_after(f"from ckpt_engine.cli import main\nassert main({argv!r}) == 0")
-        assert loaded["torch"] and not loaded["torch.distributed.checkpoint"], (argv, loaded)
+        assert not loaded["torch"] and not loaded["torch.distributed.checkpoint"], (argv, loaded)

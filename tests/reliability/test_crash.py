@@ -95,6 +95,16 @@ def test_sigkill_during_sync_saves_never_loses_or_tears_a_checkpoint(tmp_path: P
     _check(trials, summary, stderr, TRIALS, mid_save=mid_save)
 
 
+def test_sigkill_during_saves_with_a_local_tier_never_loses_or_tears_a_checkpoint(tmp_path: Path) -> None:
+    """The node-local tier on: every save is committed to ``local_dir``, every 3rd also to
+    ``save_dir``; a kill during either leaves the newest complete step of the two to resume."""
+    mid_save = max(1, TRIALS // 4)
+    args = ("--max-delay", "0.8", "--min-mid-save", str(mid_save), "--local-dir", str(tmp_path / "local"))
+    trials, summary, stderr = _run(tmp_path / "ckpt", TRIALS, *args)
+    _check(trials, summary, stderr, TRIALS, mid_save=mid_save)
+    assert any("local" in t["from"] for t in trials), "no resume came from the local tier"
+
+
 def _async_plugin() -> str | None:
     """The async writer plugin's entry-point name, once it is installed."""
     names = {ep.name for ep in entry_points(group="ckpt_engine")}
@@ -124,3 +134,11 @@ def test_sigkill_during_async_incremental_saves_never_loses_or_tears_a_checkpoin
     trials, summary, stderr = _run(tmp_path / "ckpt", ASYNC_TRIALS, *args)
     _check(trials, summary, stderr, ASYNC_TRIALS, mid_save=0)
     assert any(t.get("linked", 0) > 0 for t in trials), "no file was ever carried over"
+
+
+@pytest.mark.skipif(_async_plugin() is None, reason="the async writer plugin (pinned_staging) is not installed")
+def test_sigkill_during_async_saves_with_a_local_tier_never_loses_or_tears_a_checkpoint(tmp_path: Path) -> None:
+    args = ("--max-delay", "0.8", "--plugin", str(_async_plugin()), "--arm-after", "COMMITTED")
+    args += ("--local-dir", str(tmp_path / "local"), "--incremental")
+    trials, summary, stderr = _run(tmp_path / "ckpt", ASYNC_TRIALS, *args)
+    _check(trials, summary, stderr, ASYNC_TRIALS, mid_save=0)

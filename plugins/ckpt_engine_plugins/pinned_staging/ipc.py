@@ -133,6 +133,8 @@ class Save:
     collective_timeout_s: float | None = None
     #: What the write may carry over (``WriteContext.carry_over``, ``incremental``).
     carry_over: Any = None
+    #: A write of the node-local tier (``WriteContext.rank_local``): this rank alone, no collective.
+    rank_local: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -401,6 +401,7 @@ class PinnedStagingPlugin:
             epoch=staged.epoch,
             collective_timeout_s=ctx.collective_timeout_s,
             carry_over=ctx.carry_over,
+            rank_local=ctx.rank_local,
         )
         self._pool.hold(staged.buffers, future)  # busy until the writer has read it
         if staged.snapshot is not None:  # hand over only a complete, confirmed snapshot
@@ -418,7 +419,7 @@ class PinnedStagingPlugin:
         """Write the live state of one component now, as the engine's own ``write`` does."""
         with self._lock:
             self._writers.check_open()
-            live = self._live.pop(ctx.component, None)
+            live = self._live.get(ctx.component)  # a save with a local tier writes it twice
         if live is None or live is not state_dict:
             raise CkptEngineError(
                 f"pinned_staging.write got the live state dict of component {ctx.component!r}, but "
@@ -434,7 +435,14 @@ class PinnedStagingPlugin:
             thread_count=self.options.thread_count or ctx.thread_count,
             sync_files=ctx.sync_files,
             carry_over=ctx.carry_over,
+            process_group=ctx.process_group if ctx.rank_local else None,
         )
+
+    def writes_rank_local(self) -> bool:
+        """Whether this plugin can write the node-local tier (``ckpt_engine.lifecycle.WritesRankLocal``):
+        yes, unless ``max_host_bytes`` stages in windows, which the writer drains as it writes them
+        once, while a save with a local tier writes its state twice."""
+        return self.options.max_host_bytes is None
 
     def _write_windowed(
         self, staged: Staged, pump: WindowPump, writer: WriterProcess, message: Save, future: Future[WriteResult]

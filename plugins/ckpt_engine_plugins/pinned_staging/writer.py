@@ -246,7 +246,7 @@ class _Writer:
         import torch
         from torch.distributed.tensor import DTensor
 
-        from ckpt_engine.storage import write_component
+        from ckpt_engine.storage import RANK_LOCAL, write_component
 
         window_of: dict[int, int] = {}
         slot_windows = self.windows.get(msg.set_id) if msg.epoch is not None else None
@@ -281,6 +281,7 @@ class _Writer:
             sync_files=msg.sync_files,
             carry_over=msg.carry_over,
             storage_writer=windowed,
+            process_group=RANK_LOCAL if msg.rank_local else None,
         )
 
     def _windowed_writer(self, msg: Save, window_of: dict[int, int]) -> Any:

@@ -1,0 +1,213 @@
+"""The node-local tier on 4 gloo ranks as 2 simulated nodes (``tests/dist_scripts/tiers.py``).
+
+Each scenario trains once (a save every step, durable every 3rd, peer replicas on the other
+node), then copies the folders and damages them as a failure would, and one resume launch checks
+every copy: a restart resumes the last step with nothing from ``save_dir``; a lost node (its
+``local_dir`` wiped) is rebuilt from its peers' replicas; both nodes lost falls back to the newest
+durable step; a damaged copy is detected and another source used. Every resumed state is compared
+bit for bit with the state of the step it names.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _paths import DIST_SCRIPTS
+from _torchrun import launch_env, run_torchrun
+
+pytestmark = pytest.mark.dist
+
+TIMEOUT = 240.0
+RANKS = 4
+
+
+def _launch(*args: str) -> dict[int, list[Any]]:
+    run = run_torchrun("tiers.py", *args, nproc=RANKS, timeout=TIMEOUT)
+    assert run.returncode == 0, run.describe()
+    results = run.results()
+    assert sorted(results) == list(range(RANKS)), run.describe()
+    return results
+
+
+def _train(base: Path, kind: str, steps: int, *extra: str) -> list[dict[str, Any]]:
+    base.mkdir(parents=True)
+    results = _launch("train", str(base), kind, str(steps), *extra)
+    return [results[r][0] for r in range(RANKS)]
+
+
+def _copy(trained: Path, into: Path, *wipe: str) -> Path:
+    shutil.copytree(trained, into, symlinks=True)
+    for node in wipe:
+        shutil.rmtree(into / node)
+    return into
+
+
+def _flip(path: Path) -> None:
+    """One byte of ``path`` changed in place, its size kept (what only a checksum catches)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _resume(*targets: tuple[str, Path]) -> dict[str, list[dict[str, Any]]]:
+    """One launch resuming every ``(kind, base)``; each base's reports by rank."""
+    results = _launch("resume", *(f"{kind}:{base}" for kind, base in targets))
+    out: dict[str, list[dict[str, Any]]] = {}
+    for rank in range(RANKS):
+        for report in results[rank]:
+            out.setdefault(report["base"], []).append(report)
+    return out
+
+
+def _sources(reports: list[dict[str, Any]]) -> list[set[str]]:
+    return [set(r["by_source"]) for r in reports]
+
+
+def test_replicated_model_restart_node_loss_both_nodes_and_damaged_copies(tmp_path: Path) -> None:
+    trained = tmp_path / "trained"
+    ranks = _train(trained, "replicated", 5)
+    assert [s["tier"] for s in ranks[0]["saves"]] == ["local", "local", "durable", "local", "local"]
+    # A data-parallel replica holds the same bytes: the data files of rank 0's replica on node 1
+    # are rank 2's own files, linked (the same inode), never sent. (Each .metadata names its save.)
+    own = trained / "node1/rank_00002/iter_000000005"
+    data = sorted(p.relative_to(own) for p in own.glob("*/*.distcp"))
+    assert len(data) >= 3
+    for rel in data:
+        assert (own / rel).stat().st_ino == (trained / "node1/rank_00000/iter_000000005" / rel).stat().st_ino, rel
+
+    restart = _copy(trained, tmp_path / "restart")
+    node_lost = _copy(trained, tmp_path / "node_lost", "node1")
+    both_lost = _copy(trained, tmp_path / "both_lost", "node0", "node1")
+    damaged_own = _copy(trained, tmp_path / "damaged_own")
+    # Rank 0's own copy of the last step damaged (its node holds no other copy of it), resumed
+    # with verify: checksums: rank 0 takes its part from the replica on node 1.
+    _flip(damaged_own / "node0/rank_00000/iter_000000005/model/__0_0.distcp")
+    (damaged_own / "resume.json").write_text('{"verify": "checksums"}')
+    damaged_replica = _copy(trained, tmp_path / "damaged_replica", "node1")
+    # Node 1 lost and the only replica of rank 3's last step damaged: its checksums fail on
+    # arrival, that step is complete for no rank set any more, so the step before it is resumed,
+    # rank 3's from its older replica.
+    replica_file = damaged_replica / "node0/rank_00003/iter_000000005/trainer/__0_0.distcp"
+    replica_file.write_bytes(replica_file.read_bytes())  # its own inode: the damage stays in the replica
+    _flip(replica_file)
+
+    got = _resume(
+        *(("replicated", b) for b in (restart, node_lost, both_lost, damaged_own, damaged_replica)),
+    )
+    for base in (restart, node_lost, both_lost, damaged_own, damaged_replica):
+        assert all(r["same"] for r in got[str(base)]), (base.name, got[str(base)])
+
+    assert [r["iteration"] for r in got[str(restart)]] == [5] * RANKS
+    assert _sources(got[str(restart)]) == [{"local"}] * RANKS  # 0 bytes from save_dir
+
+    assert [r["iteration"] for r in got[str(node_lost)]] == [5] * RANKS
+    assert _sources(got[str(node_lost)]) == [{"local"}, {"local"}, {"peer"}, {"peer"}]
+    for rank in (2, 3):  # node 1's tier is rebuilt: its own step, committed again on its node
+        assert (node_lost / f"node1/rank_0000{rank}/iter_000000005/ckpt_engine_manifest.json").is_file()
+
+    assert [r["iteration"] for r in got[str(both_lost)]] == [3] * RANKS
+    assert _sources(got[str(both_lost)]) == [{"durable"}] * RANKS
+
+    assert [r["iteration"] for r in got[str(damaged_own)]] == [5] * RANKS
+    assert _sources(got[str(damaged_own)]) == [{"peer"}, {"local"}, {"local"}, {"local"}]
+
+    assert [r["iteration"] for r in got[str(damaged_replica)]] == [4] * RANKS
+    assert _sources(got[str(damaged_replica)]) == [{"local"}, {"local"}, {"peer"}, {"peer"}]
+
+
+def test_fsdp2_async_incremental_restart_node_loss_and_a_resume_onto_another_sharding(tmp_path: Path) -> None:
+    """FSDP2 (a shard of its own on every rank) saved through pinned_staging's writer process,
+    incrementally: the local tier's writes run there too."""
+    trained = tmp_path / "trained"
+    ranks = _train(trained, "fsdp", 5, "plugins=pinned_staging", "incremental=1")
+    assert [s["tier"] for s in ranks[0]["saves"]] == ["local", "local", "durable", "local", "local"]
+    restart = _copy(trained, tmp_path / "restart")
+    node_lost = _copy(trained, tmp_path / "node_lost", "node1")
+    resharded = _copy(trained, tmp_path / "resharded")
+    got = _resume(("fsdp", restart), ("fsdp", node_lost), ("replicated", resharded))
+    assert [(r["iteration"], r["same"]) for r in got[str(restart)]] == [(5, True)] * RANKS
+    assert _sources(got[str(restart)]) == [{"local"}] * RANKS
+    assert [(r["iteration"], r["same"]) for r in got[str(node_lost)]] == [(5, True)] * RANKS
+    assert _sources(got[str(node_lost)]) == [{"local"}, {"local"}, {"peer"}, {"peer"}]
+    # Each rank's local copy holds its FSDP shard only: a plain (unsharded) model needs every
+    # element, which the local tier does not hold on any one rank, so save_dir reshards.
+    assert [r["iteration"] for r in got[str(resharded)]] == [3] * RANKS
+    assert _sources(got[str(resharded)]) == [{"durable"}] * RANKS
+
+
+def test_a_job_killed_while_it_replicates_resumes_the_last_complete_step(tmp_path: Path) -> None:
+    """The whole job SIGKILLed while step 4 replicates (slowly: throttled), then a restart, and a
+    restart after node 1 was lost too: step 4's replicas are not committed, so the node loss
+    resumes step 3 from the replicas of step 3, never a half-copied step."""
+    base = tmp_path / "killed"
+    base.mkdir()
+    env = launch_env()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={RANKS}",
+        str(DIST_SCRIPTS / "tiers.py"),
+        "train",
+        str(base),
+        "fsdp",
+        "3",
+        "hold=1",
+        "peer_bandwidth_mb_s=0.02",
+        "chunk_bytes=2048",
+    ]
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        in_flight: list[Path] = []
+        while not in_flight:  # progress-bounded: the job reports each stage through the files it makes
+            assert job.poll() is None, job.stdout.read().decode()[-4000:] if job.stdout else ""
+            assert time.monotonic() < deadline, "step 4 never started to replicate"
+            in_flight = [p for p in base.glob("node1/rank_0000[01]/.iter_000000004.partial") if p.is_dir()]
+            time.sleep(0.05)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    restart = _copy(base, tmp_path / "restart")
+    node_lost = _copy(base, tmp_path / "node_lost", "node1")
+    got = _resume(("fsdp", restart), ("fsdp", node_lost))
+    assert [(r["iteration"], r["same"]) for r in got[str(restart)]] == [(4, True)] * RANKS
+    assert [(r["iteration"], r["same"]) for r in got[str(node_lost)]] == [(3, True)] * RANKS
+    assert _sources(got[str(node_lost)]) == [{"local"}, {"local"}, {"peer"}, {"peer"}]
+
+
+def test_files_between_two_ranks_are_checked_on_arrival(tmp_path: Path) -> None:
+    run = run_torchrun("tier_transfer.py", str(tmp_path), nproc=2, timeout=TIMEOUT)
+    assert run.returncode == 0, run.describe()
+    (r0, limit0), (r1, limit1) = (run.results()[r] for r in (0, 1))
+    assert (r0["message"], r1["message"]) == ("", "hello from rank 0")
+    assert r0["files"] == {"bad": {}, "same": True, "received": 3000, "sent": 2510}
+    assert r1["files"] == {"bad": {}, "same": True, "received": 2510, "sent": 3000}
+    assert (tmp_path / "into1/model/empty").read_bytes() == b""
+    assert r1["changed"]["bad"] == {"late.distcp": "its checksum does not match the manifest's"}
+    assert r0["changed"]["bad"] == {}
+    assert "gone.distcp" in r0["unreadable"]["unsent"]
+    assert "gone.distcp" in r1["unreadable"]["bad"]
+    assert limit1["limit"] == "rank 0 announced a message of 500 bytes; at most 10 are allowed"
+    assert limit0["limit"] in (None, "sender cut off")  # its send may have completed first
+
+
+def test_a_local_dir_shared_between_nodes_is_refused_at_the_first_save(tmp_path: Path) -> None:
+    run = run_torchrun("tiers.py", "shared", str(tmp_path), nproc=2, timeout=TIMEOUT)
+    assert run.returncode == 0, run.describe()
+    for rank in (0, 1):
+        (outcome,) = run.results()[rank]
+        assert outcome["raised"] == "CheckpointSaveError", outcome
+        assert (
+            "is not node-local as ranks_per_node=1 says: rank 0 sees the local_dir of ranks [0, 1]"
+            in outcome["message"]
+        )

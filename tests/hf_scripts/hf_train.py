@@ -1,0 +1,235 @@
+"""A tiny deterministic Hugging Face Trainer run through ``EngineTrainer`` (run by ``tests/integrations/``).
+
+Imported by the tests for in-process runs, and run as a script in a new process (under
+``torchrun`` too) to stop, resume, or be killed with SIGKILL in the middle of a save:
+
+    python tests/hf_scripts/hf_train.py ROOT MODEL MODE [STEP]
+
+``MODEL`` is ``gpt2``, ``llama`` (tiny configs, built from scratch, dropout on so the random
+state matters) or ``lora`` (``gpt2`` with a ``peft`` LoRA adapter). The run trains to
+:data:`STEPS` steps, a checkpoint every :data:`SAVE_EVERY` into ``ROOT/checkpoints`` (the engine's
+save_dir), across an epoch boundary. ``MODE``:
+
+* ``full``: train to the end; ``stop``: stop after the save of ``STEP`` (an interrupted job);
+  ``resume``: ``train(resume_from_checkpoint=True)``;
+* ``kill``: during the save of ``STEP``, after its ``model`` component is written and before the
+  commit, print ``MIDSAVE <step>`` and wait to be killed; ``kill-async``: the same with
+  ``pinned_staging``, right after ``save()`` returned while the background writer writes.
+
+The end state (parameters, optimizer state, the loss log) goes to ``ROOT/result-<rank>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from ckpt_engine import WriteContext, WriteResult, hookimpl
+from ckpt_engine.defaults import DefaultIO
+from ckpt_engine.integrations.transformers import EngineTrainer
+
+STEPS = 14
+SAVE_EVERY = 3
+SAMPLES = 40  # 10 steps an epoch on one rank (5 on two): a resume lands mid-epoch, the run crosses epochs
+VOCAB = 64
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """A tiny model of ``name``, its initial weights fixed by the seed."""
+    torch.manual_seed(0)
+    if name == "llama":
+        cfg = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            attention_dropout=0.1,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+        return LlamaForCausalLM(cfg)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=1)
+    )
+    if name == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1))
+    return model
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Fixed random token sequences, each its own label (causal LM)."""
+
+    def __init__(self, n: int = SAMPLES, length: int = 16) -> None:
+        self.ids = torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class StopAfterSave(TrainerCallback):
+    """Ends training right after the checkpoint of ``step`` is saved: a job stopped at a checkpoint."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def training_args(root: str, **overrides: Any) -> TrainingArguments:
+    options: dict[str, Any] = {
+        "output_dir": os.path.join(root, "out"),
+        "max_steps": STEPS,
+        "per_device_train_batch_size": 4,
+        "save_steps": SAVE_EVERY,
+        "logging_steps": 1,
+        "learning_rate": 1e-3,
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+        "ddp_find_unused_parameters": False,
+        **overrides,
+    }
+    return TrainingArguments(**options)
+
+
+def trainer(
+    root: str,
+    model: str = "gpt2",
+    *,
+    stop_at: int | None = None,
+    engine: dict[str, Any] | None = None,
+    plugins: Sequence[Any] = (),
+    cls: type[EngineTrainer] = EngineTrainer,
+    eval_dataset: Tokens | None = None,
+    **overrides: Any,
+) -> EngineTrainer:
+    """An :class:`EngineTrainer` over a fresh tiny model, saving into ``ROOT/checkpoints``."""
+    torch.set_num_threads(1)
+    config = {"save_dir": os.path.join(root, "checkpoints"), **(engine or {})}
+    return cls(
+        model=build_model(model),
+        args=training_args(root, **overrides),
+        train_dataset=Tokens(),
+        eval_dataset=eval_dataset,
+        callbacks=[StopAfterSave(stop_at)] if stop_at is not None else [],
+        engine_config=config,
+        engine_plugins=plugins,
+    )
+
+
+def losses(trainer: EngineTrainer) -> list[dict[str, Any]]:
+    """The per-step log entries (the summary entry with run times left out)."""
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def end_state(trainer: EngineTrainer) -> dict[str, Any]:
+    """What a resumed run must reproduce bit for bit: parameters, optimizer state, loss log."""
+    optimizer = trainer.optimizer
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return {
+        "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        "optim": inner.state_dict(),
+        "log": losses(trainer),
+        "global_step": trainer.state.global_step,
+    }
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """``a`` and ``b`` are bit-identical end states."""
+    assert a["global_step"] == b["global_step"]
+    assert a["model"].keys() == b["model"].keys()
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    sa, sb = a["optim"]["state"], b["optim"]["state"]
+    assert sa.keys() == sb.keys() and sa
+    for index, state in sa.items():
+        assert state.keys() == sb[index].keys()
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(sb[index][name])), (index, name)
+    assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
+    assert a["log"] == b["log"]
+
+
+class StopMidWrite:
+    """A ``write`` provider that is the engine's own, except that at ``iteration`` it stops after
+    the ``model`` component is written, before the commit, and waits to be killed."""
+
+    name = "stop_mid_write"
+
+    def __init__(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.default = DefaultIO()
+
+    @hookimpl
+    def write(self, ctx: WriteContext, state_dict: dict[str, Any]) -> WriteResult:
+        result = self.default.write(ctx, state_dict)
+        if ctx.iteration == self.iteration and ctx.component == "model":
+            _stop(ctx.iteration)
+        return result
+
+
+class StopAfterAsyncSave(EngineTrainer):
+    """Stops right after the background save of ``stop_at`` was handed off (the writer goes on)."""
+
+    stop_at = -1
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.state.global_step == self.stop_at:
+            _stop(self.stop_at)
+
+
+def _stop(step: int) -> None:
+    print(f"MIDSAVE {step}", flush=True)
+    time.sleep(600)  # the test kills the process group here
+    os._exit(3)
+
+
+def main() -> None:
+    root, model, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    step = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    if mode.startswith("kill"):
+        os.setpgid(0, 0)  # the test kills the whole group: pinned_staging's writer process dies with us
+    if mode == "kill":
+        assert step is not None
+        run = trainer(root, model, plugins=[StopMidWrite(step)])
+    elif mode == "kill-async":
+        StopAfterAsyncSave.stop_at = step if step is not None else -1
+        run = trainer(root, model, engine={"plugins": ["pinned_staging"]}, cls=StopAfterAsyncSave)
+    else:
+        run = trainer(root, model, stop_at=step if mode == "stop" else None)
+    run.train(resume_from_checkpoint=True if mode == "resume" else None)
+    rank = int(os.environ.get("RANK", "0"))
+    torch.save(end_state(run), os.path.join(root, f"result-{rank}.pt"))
+    print("FINISHED", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""``EngineTrainer`` across processes: a job stopped at a checkpoint resumes in a new process, a
+job killed with SIGKILL in the middle of a save resumes from the previous checkpoint, and two
+ranks under ``torchrun`` (DDP, gloo) do both; each ends bit for bit where an uninterrupted run
+ends (parameters, optimizer state, every logged loss).
+
+The runs are ``tests/hf_scripts/hf_train.py`` (tiny GPT-2 and Llama built from configs, dropout
+on): 14 steps, a checkpoint every 3, across an epoch boundary. Every test here starts processes
+(each imports torch and transformers, several seconds), so all are in the full tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hf_train as script
+from _paths import HF_SCRIPTS
+from _torchrun import run_torchrun
+
+from ckpt_engine import RngWorldSizeError
+from ckpt_engine.cli import main as cli
+
+SCRIPT = HF_SCRIPTS / "hf_train.py"
+pytestmark = pytest.mark.full
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """End states of uninterrupted runs in this process."""
+    out = {}
+    for model in ("gpt2", "llama"):
+        trainer = script.trainer(str(tmp_path_factory.mktemp(f"reference-{model}")), model)
+        trainer.train()
+        out[model] = script.end_state(trainer)
+    return out
+
+
+def _run(root: Path, *args: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(root), *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0 and "FINISHED" in proc.stdout, proc.stderr[-4000:]
+
+
+def _result(root: Path, rank: int = 0) -> dict[str, Any]:
+    loaded: dict[str, Any] = torch.load(root / f"result-{rank}.pt", weights_only=True)
+    return loaded
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_stopped_at_a_checkpoint_then_resumed_in_a_new_process_is_bit_identical(
+    tmp_path: Path, reference: dict[str, dict[str, Any]], model: str
+) -> None:
+    _run(tmp_path, model, "stop", "6")
+    assert (tmp_path / "checkpoints" / "latest_checkpoint.txt").read_text().strip() == "iter_000000006"
+    _run(tmp_path, model, "resume")
+    script.assert_same(_result(tmp_path), reference[model])
+
+
+def _run_until_killed(root: Path, mode: str, kill_at: int) -> None:
+    """Run a job and SIGKILL its process group during the save of ``kill_at``. Bounded by
+    progress: the child reports ``MIDSAVE`` or exits."""
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(root), "gpt2", mode, str(kill_at)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    err: list[str] = []
+    drain = threading.Thread(target=lambda: err.extend(proc.stderr or []), daemon=True)
+    drain.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith("MIDSAVE"):
+                assert line.split() == ["MIDSAVE", str(kill_at)]
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+        else:
+            proc.wait()
+            drain.join(5)
+            pytest.fail(f"the job ended (rc={proc.returncode}) without reaching the save of {kill_at}:\n{''.join(err)}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the group may already be gone
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+SLOW = pytest.mark.skipif(
+    not os.environ.get("CKPT_ENGINE_SLOW_TESTS"),
+    reason="a pinned_staging writer start-up in the killed job and in the resume: set CKPT_ENGINE_SLOW_TESTS=1; "
+    "background saves run by default in test_transformers.py::test_pinned_staging_saves_in_the_background_...",
+)
+
+
+@pytest.mark.parametrize("mode", ["kill", pytest.param("kill-async", marks=[pytest.mark.slow, SLOW])])
+def test_sigkill_mid_save_leaves_the_previous_checkpoint_resumable(
+    tmp_path: Path, reference: dict[str, dict[str, Any]], mode: str
+) -> None:
+    _run_until_killed(tmp_path, mode, kill_at=9)
+    save_dir = tmp_path / "checkpoints"
+    latest = (save_dir / "latest_checkpoint.txt").read_text().strip()
+    if mode == "kill":
+        # killed after the model component of step 9 was written, before the commit
+        assert latest == "iter_000000006"
+        assert (save_dir / ".iter_000000009.partial" / "model" / ".metadata").exists()
+        assert not (save_dir / "iter_000000009").exists()
+    else:
+        assert latest in ("iter_000000006", "iter_000000009")  # the background writer may have committed
+    resumed = script.trainer(str(tmp_path), engine={"plugins": ["pinned_staging"]} if mode != "kill" else None)
+    resumed.train(resume_from_checkpoint=True)
+    script.assert_same(script.end_state(resumed), reference["gpt2"])
+    assert (save_dir / "latest_checkpoint.txt").read_text().strip() == "iter_000000014"
+    assert not list(save_dir.glob(".iter_*"))  # the killed save's leftovers were cleaned up
+    assert cli(["verify", str(save_dir)]) == 0
+
+
+@pytest.mark.dist
+def test_two_ranks_under_torchrun_stop_and_resume_bit_identical(tmp_path: Path) -> None:
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    for root, args in ((full, ["full"]), (stopped, ["stop", "6"]), (stopped, ["resume"])):
+        result = run_torchrun(str(SCRIPT), str(root), "gpt2", *args, nproc=2, timeout=300)
+        assert result.returncode == 0, result.describe()
+    for rank in (0, 1):
+        script.assert_same(_result(stopped, rank), _result(full, rank))
+    script.assert_same(_result(full, 0), _result(full, 1))  # DDP kept the replicas equal
+    assert cli(["verify", str(stopped / "checkpoints"), "--level", "checksums"]) == 0
+    # each rank's random state is in the checkpoint: one process cannot resume it as rank 0 of 2
+    with pytest.raises(RngWorldSizeError, match="holds the random state of 2 rank"):
+        script.trainer(str(stopped), engine={"allow_overwrite": True}).train(resume_from_checkpoint=True)
+    one = script.trainer(str(stopped), engine={"allow_overwrite": True, "keys_not_to_resume": ["rng"]})
+    one.train(resume_from_checkpoint=str(stopped / "checkpoints" / "iter_000000006"))
+    assert one.state.global_step == script.STEPS
