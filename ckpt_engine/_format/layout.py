@@ -412,8 +412,17 @@ class SaveDirLock:
 
 
 def _fsync_dirs(folders: list[Path]) -> None:
-    """``fsync_dir`` of every folder, concurrently; returns when all are done."""
-    threads = [threading.Thread(target=fsync_dir, args=(f,), name="ckpt-fsync") for f in folders[1:]]
+    """``fsync_dir`` of every folder, concurrently; returns when all are done, and raises the
+    first error any of them raised (a folder that may not be durable fails the commit)."""
+    errors: list[BaseException] = []
+
+    def one(folder: Path) -> None:
+        try:
+            fsync_dir(folder)
+        except BaseException as err:  # raised below, in the committing thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=(f,), name="ckpt-fsync") for f in folders[1:]]
     for t in threads:
         t.start()
     try:
@@ -422,6 +431,8 @@ def _fsync_dirs(folders: list[Path]) -> None:
     finally:
         for t in threads:
             t.join()
+    if errors:
+        raise errors[0]
 
 
 def commit_rename(partial: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:

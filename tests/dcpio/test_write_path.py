@@ -173,3 +173,23 @@ def test_the_commit_makes_every_folder_durable_before_the_rename(
     assert sorted(events[:rename]) == [("fsync", n) for n in (".iter_000000001.partial", "model", "optim", "trainer")]
     assert events[rename + 1 :] == [("fsync", tmp_path.name)]
     assert (final / "optim" / ".metadata").read_bytes() == b"x" and not partial.exists()
+
+
+def test_a_folder_fsync_that_fails_on_a_helper_thread_fails_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folders are fsynced on helper threads: an error there (EIO from the disk; simulated,
+    it cannot be produced here) fails the commit, and nothing is renamed into place."""
+    from ckpt_engine._format import layout
+
+    def fsync_dir(p: Any) -> None:
+        if os.path.basename(p) == ".iter_000000001.partial":  # the last of the list: a helper thread's
+            raise OSError(5, "Input/output error", os.fspath(p))
+
+    monkeypatch.setattr(layout, "fsync_dir", fsync_dir)
+    partial, final = tmp_path / ".iter_000000001.partial", tmp_path / "iter_000000001"
+    for comp in ("model", "optim", "trainer"):
+        (partial / comp).mkdir(parents=True)
+    with pytest.raises(OSError, match="Input/output error"):
+        layout.commit_rename(partial, final)
+    assert partial.is_dir() and not final.exists()
