@@ -102,7 +102,7 @@ class _Bench:
                 _raw(os.path.join(path, "raw.bin"), self.tensors)
             elif method in _OURS:
                 if method == "ours_no_value_cache":
-                    planner.value_archive = lambda obj: None  # every value torch.save'd, as DCP does
+                    planner.value_archive = lambda obj, settings=None: None  # every value torch.save'd, as DCP does
                 data_file.WRITEBACK = method != "ours_no_early_writeback"
                 self.step += 1
                 self.engine.save(self.step, model=self.w.model, optimizer=self.w.optim)  # durable on return
