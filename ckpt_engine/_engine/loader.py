@@ -30,8 +30,7 @@ from .._format.layout import (
     CheckedCheckpoint,
 )
 from .._format.names import LATEST_FILE, METADATA_FILE, parse_iteration
-from .._format.not_checkpoint import resolve_save_folder
-from .._format.pointer import list_checkpoints, read_latest
+from .._format.pointer import list_checkpoints, read_latest, resolve_save_folder
 from .._format.read_lock import ReadLock
 from .._storage.store import Store, open_store
 from .._storage.urls import is_url

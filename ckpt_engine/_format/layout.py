@@ -46,7 +46,7 @@ from .names import (
     MANIFEST_FILE,
     METADATA_FILE,
 )
-from .not_checkpoint import diagnose_not_checkpoint
+from .pointer import diagnose_not_checkpoint
 from .read_lock import try_lock_for_delete
 
 if TYPE_CHECKING:

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 from .._format.layout import component_dirs
 from .._format.names import LATEST_FILE, LEFTOVER_RE, MANIFEST_FILE, METADATA_FILE, parse_iteration
-from .._format.not_checkpoint import diagnose_not_checkpoint
-from .._format.pointer import list_checkpoints, read_latest
+from .._format.pointer import diagnose_not_checkpoint, list_checkpoints, read_latest
 from .._format.safetensors_header import is_weights_folder
 from .._storage.store import store_for
 from .._storage.urls import is_url
