@@ -164,6 +164,7 @@ def fixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     return out
 
 
+@pytest.mark.full  # exhaustive over its inputs: the full tier (CI)
 def test_batches_and_interpreter_agree_on_every_fixture(fixtures: dict[str, bytes]) -> None:
     for name, data in fixtures.items():
         result = agree(data)
@@ -295,6 +296,7 @@ def test_a_frame_inside_a_frame_is_refused_as_the_pure_python_unpickler_refuses_
     assert "longer than the rest" in agree(too_long)[2]
 
 
+@pytest.mark.full  # exhaustive over its inputs: the full tier (CI)
 def test_truncations_and_reused_batch_slots_agree(fuzz_base: tuple[bytes, list[tuple[int, str, Any]]]) -> None:
     data, ops = fuzz_base
     rng = random.Random(4)

@@ -60,6 +60,7 @@ def parse_all(cdir: Path, variants: Iterator[bytes]) -> tuple[int, int]:
     return refused, accepted
 
 
+@pytest.mark.full  # exhaustive over its inputs: the full tier (CI)
 def test_every_bit_flip_and_truncation_is_a_typed_error_in_bounded_memory(tmp_path: Path) -> None:
     data = small_metadata(tmp_path)
     cdir = tmp_path / "fuzz"

@@ -18,6 +18,7 @@ def test_a_torchrun_launch_without_the_dist_marker_fails() -> None:
         run_torchrun("core_strict.py")
 
 
+@pytest.mark.full  # collects the whole suite in a subprocess: the full tier (CI)
 def test_the_fast_tier_leaves_out_dist_and_full_tests_and_keeps_the_rest() -> None:
     def collected(*args: str) -> set[str]:
         out = subprocess.run(
