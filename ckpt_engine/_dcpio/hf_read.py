@@ -51,21 +51,18 @@ from .._format.safetensors import (
     TensorEntry,
     open_regular,
     read_header,
+    torch_entries,
 )
-from .._format.safetensors_header import read_weight_map
+from .._format.safetensors_header import read_weights_folder
 from .._storage.urls import is_url
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
     clip,
 )
 
 __all__ = ["SafetensorsIndex", "SafetensorsReader", "is_safetensors_path", "read_index"]
-
-#: Missing shards a message lists by name (the rest are counted).
-_LISTED = 3
 
 
 def is_safetensors_path(path: str) -> bool:
@@ -111,37 +108,8 @@ def read_index(path: str) -> SafetensorsIndex:
             raise CheckpointNotFoundError(f"load_path {path!r} does not exist; fix load_path or unset it")
         header = read_header(path)
         return SafetensorsIndex(path, (path,), header.tensors)
-    index_file = os.path.join(path, INDEX_FILE)
-    if not os.path.exists(index_file):
-        single = os.path.join(path, SINGLE_FILE)
-        return SafetensorsIndex(path, (single,), read_header(single).tensors)
-    weight_map = read_weight_map(index_file)
-    by_file: dict[str, list[str]] = {}
-    for name, file in weight_map.items():
-        by_file.setdefault(file, []).append(name)
-    absent = {f: names for f, names in by_file.items() if not os.path.exists(os.path.join(path, f))}
-    if absent:
-        listed = "; ".join(
-            f"{clip(f)} ({len(n)} tensors, e.g. {clip(n[0])})" for f, n in sorted(absent.items())[:_LISTED]
-        ) + ("; ..." if len(absent) > _LISTED else "")
-        raise IncompleteCheckpointError(
-            f"{index_file} names {len(absent)} shard file(s) that {path} does not have: {listed}. "
-            "Download the missing shard(s) again (or the whole folder)"
-        )
-    tensors: dict[str, TensorEntry] = {}
-    files = []
-    for file, names in sorted(by_file.items()):
-        full = os.path.join(path, file)
-        files.append(full)
-        header = read_header(full)
-        lacking = [n for n in names if n not in header.tensors]
-        if lacking:
-            raise CorruptCheckpointError(
-                f"{index_file} puts {len(lacking)} tensor(s) in {clip(file)} (e.g. {clip(lacking[0])}), but that file "
-                "does not hold them; the folder mixes files of different versions: download it again"
-            )
-        tensors.update({n: header.tensors[n] for n in names})
-    return SafetensorsIndex(path, tuple(files), tensors)
+    weights = read_weights_folder(path)  # the single file, or the index and every shard it names, checked
+    return SafetensorsIndex(path, tuple(h.path for h in weights.headers), torch_entries(weights.tensors))
 
 
 def _tensor_metadata(entry: TensorEntry) -> TensorStorageMetadata:

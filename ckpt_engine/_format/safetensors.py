@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .safetensors_header import CODE_DTYPE_NAMES, read_raw_header
+from .safetensors_header import CODE_DTYPE_NAMES, RawEntry, read_raw_header
 from .safetensors_header import INDEX_FILE as INDEX_FILE
 from .safetensors_header import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from .safetensors_header import MAX_INDEX_BYTES as MAX_INDEX_BYTES
@@ -39,6 +39,7 @@ __all__ = [
     "open_regular",
     "parse_json",
     "read_header",
+    "torch_entries",
 ]
 
 #: The format's dtype codes as torch dtypes (one table: :data:`.safetensors_header.CODE_DTYPE_NAMES`).
@@ -68,13 +69,15 @@ class SafetensorsHeader:
     metadata: dict[str, str]
 
 
+def torch_entries(tensors: Mapping[str, RawEntry]) -> dict[str, TensorEntry]:
+    """Header entries with their dtype codes as torch dtypes."""
+    return {name: TensorEntry(e.file, CODE_DTYPES[e.code], e.shape, e.begin, e.end) for name, e in tensors.items()}
+
+
 def read_header(path: str) -> SafetensorsHeader:
     """Parse and check the header of the safetensors file ``path`` (no tensor data is read)."""
     raw = read_raw_header(path)
-    tensors = {
-        name: TensorEntry(e.file, CODE_DTYPES[e.code], e.shape, e.begin, e.end) for name, e in raw.tensors.items()
-    }
-    return SafetensorsHeader(path, tensors, raw.metadata)
+    return SafetensorsHeader(path, torch_entries(raw.tensors), raw.metadata)
 
 
 def encode_header(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str]) -> bytes:

@@ -258,9 +258,11 @@ def read_weights_folder(path: str) -> WeightsFolder:
     by_file: dict[str, list[str]] = {}
     for name, file in read_weight_map(index_file).items():
         by_file.setdefault(file, []).append(name)
-    absent = sorted(f for f in by_file if not os.path.lexists(os.path.join(path, f)))
+    absent = sorted(f for f in by_file if not os.path.exists(os.path.join(path, f)))  # a dangling link too
     if absent:
-        listed = ", ".join(clip(f) for f in absent[:_LISTED]) + (", ..." if len(absent) > _LISTED else "")
+        listed = "; ".join(
+            f"{clip(f)} ({len(by_file[f])} tensors, e.g. {clip(by_file[f][0])})" for f in absent[:_LISTED]
+        ) + ("; ..." if len(absent) > _LISTED else "")
         raise IncompleteCheckpointError(
             f"{index_file} names {len(absent)} shard file(s) that {path} does not have: {listed}. Download the "
             "missing shard(s) again (or the whole folder)"

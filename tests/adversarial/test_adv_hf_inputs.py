@@ -173,6 +173,21 @@ def test_messages_show_a_bounded_part_of_hostile_names(tmp_path: Path) -> None:
     assert str(folder / INDEX_FILE) in str(info.value) and len(str(info.value)) < 2_000
 
 
+def test_a_shard_that_is_a_dangling_link_is_a_missing_shard_for_the_loader_and_the_cli(tmp_path: Path) -> None:
+    """The loader and ``ckpt-engine verify`` read a folder through one reader: a shard whose link
+    points nowhere is reported as missing, with how many tensors it held and the fix."""
+    from ckpt_engine._format.safetensors_header import read_weights_folder
+
+    folder = hf_folder(tmp_path / "hf")
+    (folder / SHARD).unlink()
+    (folder / SHARD).symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(IncompleteCheckpointError, match=r"names 1 shard file\(s\) .* \(2 tensors, e\.g\. ") as info:
+        load(folder, tmp_path)
+    assert "Download the missing shard(s) again" in str(info.value)
+    with pytest.raises(IncompleteCheckpointError, match=r"names 1 shard file\(s\) .* \(2 tensors, e\.g\. "):
+        read_weights_folder(str(folder))
+
+
 # -- layouts the reference reader refuses ----------------------------------------------------------
 
 
