@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,14 +263,23 @@ def _optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -
     """
     if not optimizer.state:
         return _initialised_optimizer_state_dict(module, optimizer)
+    return _own_once_shown(module, optimizer, lambda: _dcp_optimizer_state_dict(module, optimizer))
+
+
+def _own_once_shown(
+    module: nn.Module, optimizer: torch.optim.Optimizer, dcp: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """The optimizer's flattened state dict built from its own ``state_dict()`` and its module's
+    parameter names where that was shown equal to ``dcp()`` (DCP's result) for this module and
+    these names; else ``dcp()``, compared once: equal, the next call builds its own; different,
+    DCP's function from then on."""
     if optimizer in _OPTIM_DCP_ONLY:
-        return _dcp_optimizer_state_dict(module, optimizer)
+        return dcp()
     names = _param_names(module, optimizer)
-    shown = names is not None and _OWN_NAMES.get(optimizer) == (id(module), names)
     ours = _flat_optimizer_state(optimizer, names) if names is not None else None
-    if shown and ours is not None:
+    if ours is not None and _OWN_NAMES.get(optimizer) == (id(module), names):
         return ours
-    dcp_sd = _dcp_optimizer_state_dict(module, optimizer)
+    dcp_sd = dcp()
     if names is not None and ours is not None and _same_flat(ours, dcp_sd):
         _OWN_NAMES[optimizer] = (id(module), names)
     else:
@@ -379,19 +388,16 @@ def _initialised_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if not params or any(p.grad is not None for p in params):
         return _dcp_optimizer_state_dict(module, optimizer)
-    names = _param_names(module, optimizer)
-    ours = _flat_optimizer_state(optimizer, names) if names is not None else None
-    if ours is not None and _OWN_NAMES.get(optimizer) == (id(module), names):
-        return ours
-    smallest = min(params, key=lambda p: p.numel())
-    smallest.grad = torch.zeros_like(smallest)
-    try:
-        dcp_sd = _dcp_optimizer_state_dict(module, optimizer)
-    finally:
-        smallest.grad = None
-    if names is not None and ours is not None and not optimizer.state and _same_flat(ours, dcp_sd):
-        _OWN_NAMES[optimizer] = (id(module), names)
-    return dcp_sd
+
+    def dcp_without_initialising() -> dict[str, Any]:
+        smallest = min(params, key=lambda p: p.numel())
+        smallest.grad = torch.zeros_like(smallest)
+        try:
+            return _dcp_optimizer_state_dict(module, optimizer)
+        finally:
+            smallest.grad = None
+
+    return _own_once_shown(module, optimizer, dcp_without_initialising)
 
 
 def trainer_state_dict(grad_scaler: Any, iteration: int) -> dict[str, Any]:
