@@ -19,16 +19,19 @@ REPO = ROOT
 BENCH = REPO / "benchmarks" / "bench.py"
 
 
-def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
-    out = tmp_path / "results.json"
+def _bench(script: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` from the repository root; fails the test (with the output's tail)
+    unless it exits 0."""
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--workdir", str(tmp_path / "work"), "--out", str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "results.json"
+    proc = _bench(BENCH, "--smoke", "--workdir", str(tmp_path / "work"), "--out", str(out), *args)
     assert "median s" in proc.stdout  # the table was printed
     result: dict[str, Any] = json.loads(out.read_text())
     return result
@@ -63,14 +66,7 @@ def test_smoke_run_of_the_two_rank_rows(tmp_path: Path) -> None:
 def test_storage_benchmark_smoke_run(tmp_path: Path) -> None:
     """benchmarks/storage_bench.py end to end against its own moto server (untimed)."""
     out = tmp_path / "storage.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "storage_bench.py"), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _bench(REPO / "benchmarks" / "storage_bench.py", "--smoke", "--out", str(out), timeout=300)
     rows = json.loads(out.read_text())["rows"]
     assert {r["method"] for r in rows} == {"s3fs_put", "ours_save", "s3fs_cat", "ours_load"}
     assert all(r["median_s"] > 0 and r["mb_per_s"] > 0 for r in rows)
@@ -81,14 +77,7 @@ def test_write_path_benchmark_smoke_run(tmp_path: Path) -> None:
     """benchmarks/write_path_bench.py end to end (untimed): every method saves, nothing is left."""
     out, work = tmp_path / "write_path.json", tmp_path / "work"
     script = REPO / "benchmarks" / "write_path_bench.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out), "--workdir", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _bench(script, "--smoke", "--out", str(out), "--workdir", str(work), timeout=300)
     result = json.loads(out.read_text())
     (row,) = result["results"]
     ran = {m for m, v in row["samples_s"].items() if v}
@@ -107,14 +96,7 @@ def test_cold_benchmark_smoke_run(tmp_path: Path) -> None:
     checked against the saved values, peak memory reported, nothing left behind."""
     out = tmp_path / "cold.json"
     script = REPO / "benchmarks" / "cold_bench.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out), "--dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _bench(script, "--smoke", "--out", str(out), "--dir", str(tmp_path), timeout=300)
     (row,) = json.loads(out.read_text())["results"]
     assert set(row["median_s"]) == {"ours_save", "ours_load", "safetensors_save", "safetensors_load"}
     assert all(v > 0 for v in row["median_s"].values()) and all(v > 0 for v in row["ratios"].values())
@@ -140,9 +122,8 @@ def test_coordination_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks/coord_bench.py at 1 and 2 ranks (tiny, untimed): every op reports its phases,
     the 2-rank run spends time in collectives and gathers bytes to rank 0, loads are bit-exact."""
     out = tmp_path / "coord.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "coord_bench.py"), "--smoke", "--workdir", str(tmp_path)]
-    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    script = REPO / "benchmarks" / "coord_bench.py"
+    proc = _bench(script, "--smoke", "--workdir", str(tmp_path), "--out", str(out), timeout=120)
     assert "| phase | 1 rank | 2 ranks |" in proc.stdout  # the tables were printed
     res = json.loads(out.read_text())["results"]
     assert set(res) == {"1", "2"}
@@ -169,9 +150,7 @@ def test_peers_benchmark_smoke(tmp_path: Path) -> None:
     modes and DCP's three paths run and load back what they saved (the benchmark checks each load
     against a copy taken at the save); a peer whose package is absent is a row with the reason."""
     out, work = tmp_path / "peers.json", tmp_path / "work"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "peers_bench.py"), "--smoke", "--workdir", str(work)]
-    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _bench(REPO / "benchmarks" / "peers_bench.py", "--smoke", "--workdir", str(work), "--out", str(out))
     assert "| save() blocks |" in proc.stdout and "Best peer against the engine" in proc.stdout
     result = json.loads(out.read_text())
     assert result["failed_states"] == []
@@ -201,17 +180,9 @@ def test_peers_benchmark_two_rank_smoke(tmp_path: Path) -> None:
     DCP's asynchronous path (in a group of its own) in step, load back what they saved, and
     report the one-process peers as not run, with the reason."""
     out, work = tmp_path / "peers2.json", tmp_path / "work"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "peers_bench.py"), "--smoke", "--ranks", "2", "--states", "8"]
-    cmd += [
-        "--methods",
-        "ours_sync,ours_overlap,dcp_async_thread,safetensors",
-        "--workdir",
-        str(work),
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    methods = "ours_sync,ours_overlap,dcp_async_thread,safetensors"
+    args = ["--smoke", "--ranks", "2", "--states", "8", "--methods", methods, "--workdir", str(work), "--out", str(out)]
+    _bench(REPO / "benchmarks" / "peers_bench.py", *args)
     result = json.loads(out.read_text())
     assert result["failed_states"] == []
     (state,) = result["states"]
@@ -245,14 +216,7 @@ def test_peers_full_writes_the_two_rank_run_beside_the_one_rank_run() -> None:
 def test_tier_benchmark_smoke_run(tmp_path: Path) -> None:
     """benchmarks/tier_bench.py end to end: 2 ranks as 2 nodes, the three phases, the S3 server (untimed)."""
     out = tmp_path / "tier.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "tier_bench.py"), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _bench(REPO / "benchmarks" / "tier_bench.py", "--smoke", "--out", str(out))
     (result,) = json.loads(out.read_text())["results"]
     assert {"blocked", "step", "recover"} <= set(result)
     assert result["blocked"]["local_s"] > 0 and result["blocked"]["floor_s"] > 0
@@ -264,14 +228,7 @@ def test_tier_benchmark_smoke_run(tmp_path: Path) -> None:
 
 def test_cli_bench_smoke_run() -> None:
     """``benchmarks/cli_bench.py --smoke``: one round of every command, each must run (exit 0)."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "cli_bench.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _bench(REPO / "benchmarks" / "cli_bench.py", "--smoke")
     for row in ("ckpt-engine ls SAVE_DIR (10 checkpoints)", "ckpt-engine inspect model.safetensors", "import torch"):
         assert row in proc.stdout
     assert "failed" not in proc.stdout
