@@ -22,8 +22,8 @@ import logging
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -412,11 +412,32 @@ class SaveDirLock:
 
 
 def _fsync_dirs(folders: list[Path]) -> None:
-    """``fsync_dir`` of every folder (at least one), concurrently; returns when all are done, and
-    raises the first error any of them raised (a folder that may not be durable fails the commit)."""
-    with ThreadPoolExecutor(len(folders), thread_name_prefix="ckpt-fsync") as pool:
-        for _ in pool.map(fsync_dir, folders):
-            pass
+    """``fsync_dir`` of every folder, concurrently; returns when all are done, and raises the
+    first error any of them raised (a folder that may not be durable fails the commit).
+
+    Plain threads, not a ``ThreadPoolExecutor``: a save still in flight when the interpreter
+    exits is committed from an ``atexit`` handler, where ``concurrent.futures`` refuses new work
+    ("cannot schedule new futures after interpreter shutdown";
+    ``tests/plugins/test_pinned_staging.py::test_exit_without_close_commits_and_needs_no_main_guard``)."""
+    errors: list[BaseException] = []
+
+    def one(folder: Path) -> None:
+        try:
+            fsync_dir(folder)
+        except BaseException as err:  # raised below, in the committing thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=(f,), name="ckpt-fsync") for f in folders[1:]]
+    for t in threads:
+        t.start()
+    try:
+        if folders:
+            fsync_dir(folders[0])
+    finally:
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
 
 
 def commit_rename(partial: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:

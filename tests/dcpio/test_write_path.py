@@ -183,7 +183,7 @@ def test_a_folder_fsync_that_fails_on_a_helper_thread_fails_the_commit(
     from ckpt_engine._format import layout
 
     def fsync_dir(p: Any) -> None:
-        if os.path.basename(p) == ".iter_000000001.partial":  # fsynced on a helper thread
+        if os.path.basename(p) == ".iter_000000001.partial":  # the last of the list: a helper thread's
             raise OSError(5, "Input/output error", os.fspath(p))
 
     monkeypatch.setattr(layout, "fsync_dir", fsync_dir)
