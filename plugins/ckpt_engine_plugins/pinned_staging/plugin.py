@@ -81,8 +81,9 @@ import itertools
 import logging
 import os
 import threading
+import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any, Literal
 
@@ -180,7 +181,10 @@ class PinnedStagingPlugin:
                 )
             return self
 
-    def __init__(self, options: Options | None = None) -> None:
+    def __init__(self, options: Options | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` is what the watchdog judges the writer's liveness by (``writer_start_timeout_s``,
+        ``heartbeat_timeout_s``, ``write_timeout_s``): leave it, or pass a clock you advance yourself
+        (a test, a simulation) so those verdicts never depend on how a loaded machine schedules the writer."""
         self.options = opts = options if options is not None else self.Options()
         self._lock = threading.RLock()
         settings = WriterSettings.for_job(
@@ -189,6 +193,7 @@ class PinnedStagingPlugin:
             write_timeout_s=opts.write_timeout_s,
             close_timeout_s=opts.close_timeout_s,
             heartbeat_timeout_s=opts.heartbeat_timeout_s,
+            clock=clock,
         )
         self._rank, self._world = settings.rank, settings.world
         shm_dir = opts.shm_dir or default_shm_dir()

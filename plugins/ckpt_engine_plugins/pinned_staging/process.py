@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ckpt_engine import CheckpointSaveError, CkptEngineError, WriteResult
@@ -63,7 +63,8 @@ class Pending:
     future: Future[WriteResult]
     iteration: int
     component: str
-    submitted: float = field(default_factory=time.monotonic)
+    #: When it was sent, on the writer's clock (:attr:`WriterProcess.clock`).
+    submitted: float
 
     def describe(self) -> str:
         return f"iteration {self.iteration} component {self.component!r}"
@@ -110,8 +111,11 @@ class WriterProcess:
         on_mapped: Callable[[int, str | None], None],
         on_failed_write: Callable[[WriterProcess], None],
         on_drained: Callable[[Drained], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rank = init.rank
+        #: What ``started``, ``last_heard`` and the pending writes' ages are measured on.
+        self.clock = clock
         self.generation = generation
         self.start_timeout_s = init.start_timeout_s
         self._on_lost = on_lost
@@ -125,7 +129,7 @@ class WriterProcess:
         self._lost = threading.Event()
         self.ready = False
         self.ready_seconds: float | None = None
-        self.started = time.monotonic()
+        self.started = clock()
         #: When the writer was last heard from (any message; it beats every ``Init.heartbeat_s``).
         self.last_heard = self.started
         #: Its last reported bytes written (``Beat``), for the stall message.
@@ -179,7 +183,7 @@ class WriterProcess:
         with self._lock:
             if not self._pending:
                 return None
-            return time.monotonic() - min(p.submitted for p in self._pending.values())
+            return self.clock() - min(p.submitted for p in self._pending.values())
 
     def wait_ready(self, timeout: float) -> float:
         """Seconds the writer took to start; raises if it died or did not start in ``timeout``."""
@@ -224,7 +228,7 @@ class WriterProcess:
         """Send a save request that ``future`` awaits; a request that cannot be sent fails it too
         (never leaving a buffer set marked busy)."""
         try:
-            self.send(message, (message.req_id, Pending(future, message.iteration, message.component)))
+            self.send(message, (message.req_id, Pending(future, message.iteration, message.component, self.clock())))
         except PinnedWriterError as err:
             future.set_exception(err)
             raise
@@ -255,7 +259,8 @@ class WriterProcess:
                 aborted: Future[WriteResult] = Future()
                 abort = dataclasses.replace(message, abort=f"rank {self.rank}: {error}")
                 with contextlib.suppress(Exception):
-                    self.send(abort, (message.req_id, Pending(aborted, message.iteration, message.component)))
+                    pending = Pending(aborted, message.iteration, message.component, self.clock())
+                    self.send(abort, (message.req_id, pending))
             future.set_exception(error)
         except Exception as err:
             if not future.done():
@@ -288,7 +293,7 @@ class WriterProcess:
             except (OSError, pickle.UnpicklingError, EOFError) as err:
                 reason = f"its messages could not be read ({err})"
                 break
-            self.last_heard = time.monotonic()
+            self.last_heard = self.clock()
             if isinstance(msg, Beat):
                 self.bytes_written = msg.bytes_written
             elif isinstance(msg, Done):
@@ -320,7 +325,7 @@ class WriterProcess:
             pending.describe(),
             msg.seconds,
             msg.bytes_written,
-            time.monotonic() - pending.submitted,
+            self.clock() - pending.submitted,
         )
         if msg.ok:
             _settle(

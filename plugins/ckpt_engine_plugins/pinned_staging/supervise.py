@@ -49,6 +49,10 @@ class WriterSettings:
     close_timeout_s: float
     #: A writer silent this long while a write is pending is stopped or frozen (see ``watch``).
     heartbeat_timeout_s: float = 30.0
+    #: The clock a writer's liveness is judged by (its start, its heartbeats, its pending writes):
+    #: ``time.monotonic``, or a clock a test advances itself so no verdict depends on how fast a
+    #: loaded machine schedules the writer. Close and exit deadlines are real waits on ``time.monotonic``.
+    clock: Callable[[], float] = time.monotonic
 
     @property
     def heartbeat_s(self) -> float:
@@ -64,6 +68,7 @@ class WriterSettings:
         write_timeout_s: float,
         close_timeout_s: float,
         heartbeat_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> WriterSettings:
         """This process's rank in the job, and the job's rendezvous store (torchrun's) with several ranks."""
         rank, world = _job_rank_world()
@@ -86,6 +91,7 @@ class WriterSettings:
             write_timeout_s=write_timeout_s,
             close_timeout_s=close_timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
+            clock=clock,
         )
 
 
@@ -208,6 +214,7 @@ class WriterSupervisor:
             on_mapped=self._on_mapped,
             on_failed_write=self._on_failed_write,
             on_drained=self._on_drained,
+            clock=s.clock,
         )
         logger.debug("rank %d: started pinned_staging writer pid %d (generation %d)", s.rank, writer.pid, generation)
         return writer
@@ -251,7 +258,7 @@ class WriterSupervisor:
         writer = self.writer
         if writer is None or not writer.alive:
             return exit_deadline
-        now = time.monotonic()
+        now = s.clock()
         if not writer.ready and now - writer.started > s.start_timeout_s:
             writer.kill(f"it did not become ready within writer_start_timeout_s={s.start_timeout_s:g}s")
             return exit_deadline
@@ -266,13 +273,13 @@ class WriterSupervisor:
                 f"heartbeat_timeout_s={s.heartbeat_timeout_s:g}s: the process is stopped (SIGSTOP, a debugger) "
                 f"or frozen{written}"
             )
-        elif age is not None and self.close_deadline is not None and now > self.close_deadline:
+        elif age is not None and self.close_deadline is not None and time.monotonic() > self.close_deadline:
             writer.kill(self.close_reason())
         elif age is not None and not threading.main_thread().is_alive():
             # Interpreter exit: the engine's commit thread is being joined and waits on the writer.
             if exit_deadline is None:
-                return now + s.close_timeout_s
-            if now > exit_deadline:
+                return time.monotonic() + s.close_timeout_s
+            if time.monotonic() > exit_deadline:
                 writer.kill(
                     f"the interpreter is exiting and the in-flight save did not finish within "
                     f"close_timeout_s={s.close_timeout_s:g}s"
