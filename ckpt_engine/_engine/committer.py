@@ -226,7 +226,8 @@ class SaveCommitter:
         complete counts 0. ``collective``: the caller of ``save()`` is still blocked (else the
         commit thread reports). Then :meth:`_finish`: the target finishes the save (``cleanup``:
         remove what it staged), a success is logged and retention runs (rank 0), a failure is
-        logged, and ``on_save_done`` observers get the result."""
+        logged where nobody is blocked to receive it (the commit thread's; ``save()`` raises the
+        others, so their text is printed once), and ``on_save_done`` observers get the result."""
         now = time.perf_counter()
         phase, error = (outcome, outcome.error) if isinstance(outcome, CommitPhase) else (None, outcome)
         write_end = phase.write_end if phase is not None else now
@@ -249,16 +250,18 @@ class SaveCommitter:
             background_copy_seconds=snapshot.copy_seconds if snapshot is not None else 0.0,
             tier="durable" if writes.durable else "local",
         )
-        self._finish(result, paths, cleanup=cleanup)
+        self._finish(result, paths, cleanup=cleanup, raised=collective)
         return result
 
-    def _finish(self, result: SaveResult, paths: SavePaths, *, cleanup: bool) -> None:
+    def _finish(self, result: SaveResult, paths: SavePaths, *, cleanup: bool, raised: bool) -> None:
         if result.tier == "durable":
             self.target.finish(paths, _dist.rank(), _dist.world_size(), cleanup=cleanup, succeeded=result.succeeded)
         if result.succeeded:
             if _dist.rank() == 0 and result.tier == "durable":
                 _log_saved(result)
                 self._apply_retention()
+        elif raised:
+            logger.debug("save of iteration %d failed (raised to the caller): %s", result.iteration, result.error)
         else:
             logger.error("save of iteration %d failed: %s", result.iteration, result.error)
         self.pipeline.on_save_done(result)

@@ -175,8 +175,8 @@ class Narrator:
             )
             print("")
             print(
-                f"2. The same training with a checkpoint every {s.save_every} steps; SIGKILL during the first save "
-                f"from step {s.kill_at}"
+                f"2. The same training with a checkpoint every {s.save_every} steps; SIGKILL during the save "
+                f"of step {-(-s.kill_at // s.save_every) * s.save_every}"
             )
         elif kind == "loaded" and ev["source"] == "scratch":
             print(f"   no checkpoint yet: starting from scratch (plugins: {', '.join(ev['plugins'])})")

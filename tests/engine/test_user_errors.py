@@ -12,6 +12,7 @@ from torch import nn
 
 from ckpt_engine import (
     ArgumentTypeError,
+    CheckpointExistsError,
     CheckpointEngine,
     CkptEngineError,
     ConfigError,
@@ -290,3 +291,15 @@ def test_a_wrong_iteration_is_a_type_error_or_a_value_error(tmp_path: Path, iter
         engine.save(iteration, model=nn.Linear(2, 2))  # type: ignore[arg-type]
     assert isinstance(info.value, CkptEngineError)
     assert isinstance(info.value, ArgumentTypeError) == (error is TypeError)
+
+
+def test_a_refused_save_is_raised_not_also_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The error of a synchronous save reaches the caller once, as the exception: logging the
+    same text at ERROR as well printed it twice in every training log."""
+    model = nn.Linear(4, 4)
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.save(1, model=model)
+        with caplog.at_level("DEBUG", logger="ckpt_engine"), pytest.raises(CheckpointExistsError) as info:
+            engine.save(1, model=model)
+    assert "refusing to replace it" in str(info.value)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
