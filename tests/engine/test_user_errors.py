@@ -12,8 +12,8 @@ from torch import nn
 
 from ckpt_engine import (
     ArgumentTypeError,
-    CheckpointExistsError,
     CheckpointEngine,
+    CheckpointExistsError,
     CkptEngineError,
     ConfigError,
     EngineConfig,
