@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports the
         SaveDirLockedError,
         StorageError,
         UnsafeCheckpointError,
+        UnsupportedTensorError,
         UnverifiableCheckpointError,
     )
     from .report import ComponentReport, LoadReport
@@ -106,6 +107,7 @@ _SUBMODULES: dict[str, tuple[str, ...]] = {
         "SaveDirLockedError",
         "StorageError",
         "UnsafeCheckpointError",
+        "UnsupportedTensorError",
         "UnverifiableCheckpointError",
     ),
     ".report": ("ComponentReport", "LoadReport"),
@@ -172,6 +174,7 @@ __all__ = [
     "StorageError",
     "StorageOptions",
     "UnsafeCheckpointError",
+    "UnsupportedTensorError",
     "UnverifiableCheckpointError",
     "ValueSpec",
     "WriteContext",

@@ -161,6 +161,12 @@ class CheckpointExistsError(CheckpointSaveError, FileExistsError):
     """``save()`` of an iteration that is already committed, without ``allow_overwrite``."""
 
 
+class UnsupportedTensorError(CheckpointSaveError, TypeError):
+    """A tensor subclass in the state that the engine cannot save exactly (one that is not a
+    wrapper of a single tensor of its own shape and dtype, such as torchao's ``NF4Tensor``); the
+    error names the component and key. Raised at save, before anything is written."""
+
+
 class SaveDirLockedError(CheckpointSaveError):
     """Another engine (in this or another process) is saving into the same ``save_dir``."""
 

@@ -32,6 +32,7 @@ from ..errors import (
     CkptEngineError,
     CollectiveError,
     SaveDirLockedError,
+    UnsupportedTensorError,
     described,
 )
 from ..pipeline import Pipeline
@@ -43,7 +44,7 @@ from .incremental import CarryBase, carry_base, stable_keys
 from .local_tier import LocalTier
 from .pending import SaveHandle, SaveQueue
 from .resave import refuse_resave
-from .state import TrainingObjects, component_state_dict
+from .state import TrainingObjects, component_state_dict, plain_tensors
 from .targets import SavePaths, SaveTarget
 
 __all__ = ["Saver"]
@@ -169,7 +170,9 @@ class Saver:
         staging = 0.0
         try:
             publish_phase("prepare")
-            state = {name: component_state_dict(objs, name, paths.iteration) for name in components}
+            state = {
+                name: plain_tensors(name, component_state_dict(objs, name, paths.iteration)) for name in components
+            }
             publish_phase("remap_keys")
             for name, sd in state.items():
                 ctx = RemapContext(
@@ -243,7 +246,7 @@ class Saver:
         self.committer.report(paths, writes, components, clock, err, cleanup=False)
         if isinstance(err, CollectiveError):
             err.committed = False
-        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveError)):
+        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveError, UnsupportedTensorError)):
             return err
         detail = str(err) if isinstance(err, CkptEngineError) else described(err)
         return CheckpointSaveError(f"saving iteration {paths.iteration} to {paths.final} failed: {detail}")

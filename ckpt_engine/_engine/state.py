@@ -6,6 +6,8 @@
 * ``scheduler``: ``scheduler.state_dict()``.
 * ``trainer``: ``{"grad_scaler": scaler.state_dict(), "iteration": iteration}``.
 * extras: ``obj.state_dict()`` of each ``Stateful``.
+
+Tensor subclasses in them are made plain for a save by :func:`plain_tensors` (see its section).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from .._dcpio.torch_private import dcp_state_dict_is_own, loads_by_copy
-from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
+from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, UnsupportedTensorError
 from ..types import STANDARD_COMPONENTS
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -483,3 +486,95 @@ def _empty_groups_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         groups = optimizer.param_groups  # a new list once load_state_dict ran
         for index, group in aside:
             groups.insert(index, group)
+
+
+# -- tensor subclasses in a state dict: a wrapper of one tensor saved as that tensor, any other refused --
+#
+# Training code holds tensor subclasses in its state: torchao's float8 training wraps each weight in
+# a subclass that casts on the fly (``WeightWithDynamicFloat8CastTensor``, also as the local tensor
+# of an FSDP2 ``DTensor``); QLoRA keeps a frozen base as ``NF4Tensor``, quantized data and scalers
+# in one object. DCP writes such a tensor by pickling it, which the engine's readers (which check
+# every stored size, and never unpickle) cannot read back, and an asynchronous copy of it may
+# stage garbage. So the rule is made once, here, before a state dict reaches a plugin:
+#
+# * a *wrapper* (a subclass whose ``__tensor_flatten__`` names exactly one inner tensor of its own
+#   shape, dtype and strides) is saved as that inner tensor: the same bytes, so a load copies them
+#   back bit for bit (DCP copies into the wrapper, which forwards the copy to its inner tensor);
+# * any other subclass with ``__tensor_flatten__`` is refused at save with
+#   :class:`~ckpt_engine.errors.UnsupportedTensorError` naming the component and key, before
+#   anything is written: never a silent cast, never NaN;
+# * plain tensors, parameters, ``DTensor`` (whose local tensor follows the same rule) and
+#   subclasses without ``__tensor_flatten__`` (which have storage of their own) pass as they are.
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter, DTensor)
+
+
+def plain_tensors(component: str, sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` with every wrapper subclass replaced by the tensor it wraps (a new dict only where
+    one was found); raises for subclasses that are not one tensor."""
+    out: dict[str, Any] | None = None
+    for key, value in sd.items():
+        new = _plain(component, key, value)
+        if new is not value:
+            if out is None:
+                out = dict(sd)
+            out[key] = new
+    return sd if out is None else out
+
+
+def _plain(component: str, key: str, value: Any) -> Any:
+    kind = type(value)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        return value
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        inner = _plain(component, key, local)
+        if inner is local:
+            return value
+        return DTensor.from_local(
+            inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    if isinstance(value, torch.Tensor):
+        return _unwrap(component, key, value) if hasattr(kind, "__tensor_flatten__") else value
+    if isinstance(value, Mapping):
+        return plain_tensors(component, {str(k): v for k, v in value.items()}) if _has_subclass(value) else value
+    if isinstance(value, (list, tuple)) and any(
+        isinstance(v, torch.Tensor) and type(v) not in _PLAIN_TENSOR_TYPES for v in value
+    ):
+        return type(value)(_plain(component, f"{key}[{i}]", v) for i, v in enumerate(value))
+    return value
+
+
+def _has_subclass(value: Mapping[Any, Any]) -> bool:
+    for v in value.values():
+        if isinstance(v, torch.Tensor) and type(v) not in _PLAIN_TENSOR_TYPES:
+            return True
+        if isinstance(v, (Mapping, list, tuple)):
+            return True  # look inside (rare: nested state such as a scheduler's)
+    return False
+
+
+def _unwrap(component: str, key: str, value: torch.Tensor) -> torch.Tensor:
+    attrs, _ctx = value.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = [getattr(value, a) for a in attrs]
+    if (
+        len(inner) == 1
+        and isinstance(inner[0], torch.Tensor)
+        and inner[0].shape == value.shape
+        and inner[0].dtype == value.dtype
+        and inner[0].stride() == value.stride()
+    ):
+        plain: torch.Tensor = _plain(component, key, inner[0]).detach()
+        return plain
+    parts = ", ".join(
+        f"{a} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor) else a
+        for a, t in zip(attrs, inner, strict=True)
+    )
+    raise UnsupportedTensorError(
+        f"{component}: {key!r} is a {type(value).__qualname__} ({tuple(value.shape)} "
+        f"{str(value.dtype).removeprefix('torch.')}, made of {parts}): the engine saves plain tensors, DTensors and "
+        "subclasses that wrap one tensor of their own shape and dtype (torchao's float8 training weights), so "
+        "this one cannot be saved exactly. Pass the modules without it (model=[...] takes a list: the trainable "
+        "modules of a frozen quantized base, which is rebuilt from its pretrained weights at load), or hold it as a "
+        "plain tensor while saving"
+    )
