@@ -52,6 +52,10 @@ class ComponentDiff:
     not_compared: str | None = None
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
+    #: ``(key, twin, side)``: ``key``, held by ``side`` only, is a tied weight there: equal to
+    #: ``twin``, a key both sides hold and compare (``save_pretrained`` stores tied weights once,
+    #: so a model's ``lm_head.weight`` is absent from its own export). Compared as one tensor.
+    tied: list[tuple[str, str, str]] = field(default_factory=list)
     #: ``(key, spec in a, spec in b)`` of keys whose kind, shape or dtype changed.
     changed: list[tuple[str, str, str]] = field(default_factory=list)
     #: Tensor key -> its largest absolute difference (only those above ``atol``).
@@ -74,6 +78,7 @@ class ComponentDiff:
         return {
             "only_in_a": self.only_a,
             "only_in_b": self.only_b,
+            "tied": [{"key": k, "tied_to": t, "in": side} for k, t, side in self.tied],
             "changed": [{"key": k, "a": x, "b": y} for k, x, y in self.changed],
             "max_abs_diff": self.diffs,
             "values_changed": {k: {"a": x, "b": y} for k, (x, y) in self.value_changes.items()},
@@ -156,6 +161,8 @@ def _compare_component(
         name, only_a=[k for k in keys_a if k not in rb.keys], only_b=[k for k in keys_b if k not in ra.keys]
     )
     out.common = len(common)
+    _find_tied(ra, out.only_a, common, "a", out)
+    _find_tied(rb, out.only_b, common, "b", out)
     comparable: list[str] = []
     for k in common:
         ia, ib = ra.keys[k], rb.keys[k]
@@ -172,6 +179,29 @@ def _compare_component(
         bar.close()
     out.equal = len(comparable) - len(out.diffs) - len(out.value_changes)
     return out
+
+
+def _find_tied(source: ComponentSource, only: list[str], common: list[str], side: str, out: ComponentDiff) -> None:
+    """Move each tensor of ``only`` (keys ``side`` alone holds) that is equal, on that side, to a
+    tensor of the same shape and dtype that both sides hold into ``out.tied``: a tied weight, so
+    comparing its twin compares it. Reads only those candidates, one pair at a time."""
+    for key in list(only):
+        info = source.keys[key]
+        if not info.is_tensor:
+            continue
+        twins = [
+            c
+            for c in common
+            if source.keys[c].is_tensor
+            and source.keys[c].shape == info.shape
+            and source.keys[c].dtype_name == info.dtype_name
+        ]
+        for twin in twins:
+            values = source.read([key, twin])
+            if max_abs_diff(values[key], values[twin]) == 0.0:
+                only.remove(key)
+                out.tied.append((key, twin, side))
+                break
 
 
 def _compare_values(

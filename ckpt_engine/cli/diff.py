@@ -57,6 +57,13 @@ def _component_text(comp: ComponentDiff, limit: int) -> list[str]:
     lines = [f"{comp.name}: {found or 'identical'} ({comp.equal} of {comp.common} common keys equal)"]
     lines += _limited([f"  only in a: {k}" for k in comp.only_a], limit)
     lines += _limited([f"  only in b: {k}" for k in comp.only_b], limit)
+    lines += _limited(
+        [
+            f"  tied: {k} (only in {side}) equals {twin} there, compared as one tensor (tied weights are stored once)"
+            for k, twin, side in comp.tied
+        ],
+        limit,
+    )
     lines += _limited([f"  changed: {k}: {x} -> {y}" for k, x, y in comp.changed], limit)
     ranked = sorted(comp.diffs.items(), key=lambda kv: (-kv[1], kv[0]))
     lines += _limited([f"  differs: {k}: max |a-b| = {d:.6g}" for k, d in ranked], limit)

@@ -405,3 +405,36 @@ def test_random_damage_gets_typed_errors_only(files: dict[str, Any]) -> None:
             if name.endswith(".pt"):
                 with contextlib.suppress(CkptEngineError):
                     decode_value(bytes(b))
+
+
+@pytest.mark.full  # two tiny GPT-2 models built and exported
+def test_diff_of_a_model_and_its_save_pretrained_output_compares_tied_weights_as_one(cli: Run, tmp_path: Path) -> None:
+    """GPT-2 ties ``lm_head.weight`` to ``transformer.wte.weight``: ``save_pretrained`` stores it once,
+    the engine's ``model`` component holds both keys. The two are the same model: no difference,
+    with a note; a tied key whose twin differs on its own side is still a key only one side has."""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    with CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}) as engine:
+        engine.save(1, model=model)
+    model.save_pretrained(tmp_path / "hf")
+    code, out, _ = cli("diff", str(tmp_path / "ckpt" / "iter_000000001"), str(tmp_path / "hf"), "--component", "model")
+    assert code == 0, out
+    assert "tied: lm_head.weight (only in a) equals transformer.wte.weight there" in out
+    assert "only in a: lm_head.weight" not in out and out.rstrip().endswith("the checkpoints are identical")
+    code, out, _ = cli("diff", str(tmp_path / "ckpt" / "iter_000000001"), str(tmp_path / "hf"), "--json")
+    tied = json.loads(out)["components"]["model"]["tied"]
+    assert tied == [{"key": "lm_head.weight", "tied_to": "transformer.wte.weight", "in": "a"}]
+
+    untied = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**config.to_dict(), "tie_word_embeddings": False}))
+    with torch.no_grad():
+        untied.lm_head.weight.add_(1.0)  # not equal to the embedding any more
+    with CheckpointEngine({"save_dir": str(tmp_path / "untied")}) as engine:
+        engine.save(1, model=untied)
+    untied.save_pretrained(tmp_path / "hf_untied")
+    code, out, _ = cli(
+        "diff", str(tmp_path / "untied" / "iter_000000001"), str(tmp_path / "hf"), "--component", "model"
+    )
+    assert code == 1 and "tied:" not in out
