@@ -58,8 +58,12 @@ def isatty(stream: Any) -> bool:
 
 
 def print_lines(*lines: str) -> None:
+    """Print ``lines``; a character a terminal would act on (ESC, BEL, CR: from a stored name that
+    reached a line unescaped) is printed escaped, as ``repr`` writes it."""
+    from .._inspect.files import shown
+
     for line in lines:
-        print(line)
+        print(shown(line, lines=True))
 
 
 def plural(count: int, noun: str) -> str:
