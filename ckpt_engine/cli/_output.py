@@ -22,7 +22,10 @@ class Progress:
     def __init__(self, label: str, total: int, stream: IO[str] | None = None, enabled: bool | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = isatty(self.stream) if enabled is None else enabled
-        self.label, self.total, self.done = label, max(total, 0), 0
+        from .._inspect.files import shown
+
+        # A label may hold a stored name (a component folder's): escaped as print_lines escapes it.
+        self.label, self.total, self.done = shown(label), max(total, 0), 0
         self._last = 0.0
 
     def advance(self, n: int) -> None:
