@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._format.manifest import lookup_manifest
 from .._format.names import parse_rank_dirname
-from ..errors import PartialCheckpointError, clip
+from ..errors import CkptEngineError, PartialCheckpointError, clip
 from .keys import KeyInfo
 
 __all__ = ["Part", "missing_region", "part_of", "partial_read_error", "rank_of"]
@@ -31,13 +33,22 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 _MAX_CELLS = 1 << 20
 
 
-def rank_of(path: str) -> int | None:
-    """The rank whose folder of the node-local tier (``rank_<r>``) ``path`` lies in, if any."""
+def rank_of(path: str) -> tuple[int | None, int | None]:
+    """The rank whose part the component folder ``path`` holds and the job's world size: as its
+    checkpoint's manifest records them, else the rank of the node-local tier's folder
+    (``rank_<r>``) it lies in; ``None`` where neither says."""
+    checkpoint = os.path.dirname(path.rstrip("/")) or "."
+    try:
+        manifest = lookup_manifest(checkpoint).manifest
+    except (CkptEngineError, OSError):  # a damaged manifest: verify reports it; the folder may still say
+        manifest = None
+    if manifest is not None and manifest.rank is not None:
+        return manifest.rank, manifest.world_size
     for name in reversed(path.replace("\\", "/").split("/")):
         rank = parse_rank_dirname(name)
         if rank is not None:
-            return rank
-    return None
+            return rank, None
+    return None, None
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,8 @@ class Part:
 
     path: str
     rank: int | None
+    #: The job's ranks, where its manifest records them.
+    world_size: int | None
     #: Elements of its tensors it holds, and of the tensors whole.
     held: int
     total: int
@@ -59,7 +72,8 @@ class Part:
 
     @property
     def who(self) -> str:
-        return f"rank {self.rank}'s part" if self.rank is not None else "one rank's part"
+        of = f" (of {self.world_size} ranks)" if self.world_size is not None else ""
+        return f"rank {self.rank}'s part{of}" if self.rank is not None else "one rank's part"
 
     def describe(self) -> str:
         where = f"{self.who} of a rank-local checkpoint (the node-local tier)"
@@ -71,7 +85,13 @@ class Part:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "held": self.held, "total": self.total, "partial_keys": list(self.partial)}
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "held": self.held,
+            "total": self.total,
+            "partial_keys": list(self.partial),
+        }
 
 
 def part_of(path: str, rank_local: bool, infos: Mapping[str, KeyInfo]) -> Part | None:
@@ -82,7 +102,7 @@ def part_of(path: str, rank_local: bool, infos: Mapping[str, KeyInfo]) -> Part |
     if not rank_local and not partial:
         return None
     held = sum(i.numel if i.held is None else i.held for i in tensors)
-    return Part(path, rank_of(path), held, sum(i.numel for i in tensors), partial)
+    return Part(path, *rank_of(path), held, sum(i.numel for i in tensors), partial)
 
 
 def missing_region(shape: Sequence[int], boxes: Iterable[Box]) -> Box | None:

@@ -752,22 +752,27 @@ def test_a_rank_local_checkpoint_is_one_ranks_part_never_the_whole_model(
     parts = [sharded["local"] / f"rank_0000{r}" / "iter_000000001" for r in (0, 1)]
     out = tmp_path / "m.pt"
     code, _, err = cli("convert", str(parts[1]), str(out))
-    assert code == 2 and "PartialCheckpointError" in err and "rank 1's part" in err and not out.exists()
+    assert code == 2 and "PartialCheckpointError" in err and "rank 1's part (of 2 ranks)" in err and not out.exists()
 
     code, text, _ = cli("verify", str(parts[1]))
-    assert code == 0 and "rank 1's part of a rank-local checkpoint" in text and "complete" not in text
+    assert code == 0 and "rank 1's part (of 2 ranks) of a rank-local checkpoint" in text and "complete" not in text
     held: dict[str, int] = {}
     for rank, part in enumerate(parts):
         code, text, _ = cli("inspect", str(part), "--component", "model", "--json")
         model = json.loads(text)["components"]["model"]
-        assert code == 0 and model["part"]["rank"] == rank and model["part"]["held"] < model["numel"]
+        assert (
+            code == 0
+            and model["part"]["rank"] == rank
+            and model["part"]["world_size"] == 2
+            and model["part"]["held"] < model["numel"]
+        )
         for key in model["keys"]:
             held[key["key"]] = held.get(key["key"], 0) + key.get("held", math.prod(key["shape"]))
     expected = {k: torch.tensor(v) for k, v in sharded["params"]["1"].items()}
     assert held == {k: v.numel() for k, v in expected.items()}  # the two parts hold every element once
 
     code, text, _ = cli("diff", str(parts[0]), str(sharded["dir"] / "iter_000000001"), "--component", "model")
-    assert code == 1 and "a is rank 0's part" in text and "not compared: 0.weight" in text
+    assert code == 1 and "a is rank 0's part (of 2 ranks)" in text and "not compared: 0.weight" in text
 
 
 @pytest.mark.dist

@@ -75,7 +75,7 @@ def test_inspect_verify_and_diff_say_it_is_one_ranks_part(cli: Run, marked: Path
     assert "12 of 24" in out
     code, out, _ = cli("inspect", str(marked), "--json")
     comp = json.loads(out)["components"]["model"]
-    assert comp["part"] == {"rank": None, "held": 14, "total": 26, "partial_keys": ["w"]}
+    assert comp["part"] == {"rank": None, "world_size": None, "held": 14, "total": 26, "partial_keys": ["w"]}
     assert {k["key"]: k.get("held") for k in comp["keys"]} == {"w": 12, "b": None}
 
     code, out, _ = cli("verify", str(marked), "--level", "sizes")
