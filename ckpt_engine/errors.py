@@ -101,6 +101,12 @@ class RankLocalCoverageError(CheckpointLoadError):
     state needs (it was saved with another sharding): a resume then reads ``save_dir`` instead."""
 
 
+class PartialCheckpointError(CkptEngineError):
+    """A checkpoint holds only part of the tensors asked for (a rank-local checkpoint of the
+    node-local tier: one rank's shards) and the command needs them whole; names the key and the
+    elements it lacks. Missing elements are never filled in."""
+
+
 class LoadStrictnessError(CheckpointLoadError):
     """Strict loading found unresolved problems; the message lists every one of them."""
 

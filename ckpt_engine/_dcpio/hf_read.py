@@ -102,13 +102,19 @@ def read_index(path: str) -> SafetensorsIndex:
                 f"load_path {clip(path)} does not exist; point load_path at the Hugging Face folder that "
                 f"should hold it ({clip(folder)}), or fix it"
             )
-        return read_index(folder)  # the index describes its folder: the folder is what loads
+        return _read_folder(folder, index_first=True)  # the index describes its folder: its folder loads
     if not os.path.isdir(path):
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"load_path {path!r} does not exist; fix load_path or unset it")
         header = read_header(path)
         return SafetensorsIndex(path, (path,), header.tensors)
-    weights = read_weights_folder(path)  # the single file, or the index and every shard it names, checked
+    return _read_folder(path)
+
+
+def _read_folder(path: str, index_first: bool = False) -> SafetensorsIndex:
+    """The single file (``model.safetensors``, where it exists: the file ``from_pretrained`` reads),
+    or the index and every shard it names, checked; ``index_first``: the index where it exists."""
+    weights = read_weights_folder(path, index_first=index_first)
     return SafetensorsIndex(path, tuple(h.path for h in weights.headers), torch_entries(weights.tensors))
 
 

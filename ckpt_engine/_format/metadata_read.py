@@ -135,8 +135,11 @@ def validate_metadata(md: Metadata, path: str) -> None:
     """Check the rules between the fields of ``md`` before anything relies on them.
 
     Every tensor's shape is non-negative; its chunks lie inside it, do not overlap and cover it
-    exactly (a rank-local checkpoint's, :func:`is_rank_local`, need not cover it: it holds one
-    rank's shards, and its loads check that they read every element they need); every chunk and
+    exactly. A rank-local checkpoint (:func:`is_rank_local`) holds one rank's shards: its chunks
+    cover exactly the elements they say they hold, which may be fewer than the shape's. It is
+    never presented as the whole tensor: the engine's loads check that they read every element
+    they need, and the command line's readers say it is one rank's part and refuse a read of an
+    element it lacks (``ckpt_engine._inspect.parts``); nothing is ever filled in. Every chunk and
     every non-tensor value has a storage entry; every storage entry names a plain file in the
     component folder with a non-negative offset and length. Raises
     :class:`CorruptCheckpointError` naming ``path`` and the key. ``md`` may be built of DCP's
@@ -202,7 +205,8 @@ def _name_bad_entry(storage: dict[Any, Any], path: str) -> None:
 
 def _check_chunks(key: str, item: TensorStorageMetadata, path: str, budget: list[int], partial: bool = False) -> None:
     """The chunks of ``item`` tile its shape exactly: inside it, disjoint, covering every element
-    (``partial``: some elements may be left out)."""
+    (``partial``, a rank-local checkpoint: covering exactly the elements they hold, which the
+    readers count and never present as the whole tensor)."""
     shape = tuple(item.size)
     if len(shape) > _MAX_DIMS or any(d < 0 or d >= _MAX_OFFSET for d in shape):
         raise CorruptCheckpointError(f"{path}: tensor {clip(key)} has an impossible shape ({len(shape)} dimensions)")

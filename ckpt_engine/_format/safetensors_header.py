@@ -243,17 +243,23 @@ class WeightsFolder:
     unlisted: tuple[tuple[str, str], ...] = ()
 
 
-def read_weights_folder(path: str) -> WeightsFolder:
+def read_weights_folder(path: str, *, index_first: bool = False) -> WeightsFolder:
     """The headers of ``path``: one ``.safetensors`` file, or a folder holding ``model.safetensors`` or
     shards plus ``model.safetensors.index.json``. The index must name files of the folder that
     exist and hold the tensors it puts in them; a shard's tensor the index does not name is left
-    out, as loaders leave it, and listed in ``unlisted``. Raises typed errors naming the file."""
+    out, as loaders leave it, and listed in ``unlisted``. Raises typed errors naming the file.
+
+    A folder with both ``model.safetensors`` and the index is read through ``model.safetensors``,
+    the file ``transformers``' ``from_pretrained`` reads there (it looks for the single file
+    first), so the engine, the command line and ``from_pretrained`` load the same weights;
+    ``index_first`` (the index was named itself) reads the index instead."""
     if not os.path.isdir(path):
         header = read_raw_header(path)
         return WeightsFolder(path, (header,), dict(header.tensors))
     index_file = os.path.join(path, INDEX_FILE)
-    if not os.path.lexists(index_file):
-        header = read_raw_header(os.path.join(path, SINGLE_FILE))
+    single = os.path.join(path, SINGLE_FILE)
+    if not os.path.lexists(index_file) or (os.path.isfile(single) and not index_first):
+        header = read_raw_header(single)
         return WeightsFolder(path, (header,), dict(header.tensors))
     by_file: dict[str, list[str]] = {}
     for name, file in read_weight_map(index_file).items():

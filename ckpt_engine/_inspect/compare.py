@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from ..errors import UsageError
 from .keys import DEFAULT_BUDGET, Unreadable, batches, match_keys, summarize_value
+from .parts import Part
 from .sources import ComponentSource, open_component
 from .target import KIND_NAMES, Target
 
@@ -65,12 +66,19 @@ class ComponentDiff:
     #: Keys in both (after the key filter), and how many of those compared equal.
     common: int = 0
     equal: int = 0
+    #: Side (``"a"``, ``"b"``) -> what it holds, where it is one rank's part (a rank-local checkpoint).
+    parts: dict[str, Part] = field(default_factory=dict)
+    #: Tensors in both that a side holds only part of: not compared (nothing is filled in), so the
+    #: component is not called identical.
+    partial: list[str] = field(default_factory=list)
 
     @property
     def differs(self) -> bool:
         if self.not_compared:
             return False
-        return bool(self.only_in or self.only_a or self.only_b or self.changed or self.diffs or self.value_changes)
+        return bool(
+            self.only_in or self.only_a or self.only_b or self.changed or self.diffs or self.value_changes
+        ) or bool(self.partial)
 
     def to_json(self) -> dict[str, Any]:
         if self.only_in is not None:
@@ -83,6 +91,8 @@ class ComponentDiff:
             "max_abs_diff": self.diffs,
             "values_changed": {k: {"a": x, "b": y} for k, (x, y) in self.value_changes.items()},
             "equal": self.equal,
+            **({"parts": {side: p.to_json() for side, p in self.parts.items()}} if self.parts else {}),
+            **({"not_compared_partial": self.partial} if self.partial else {}),
         }
 
 
@@ -161,6 +171,7 @@ def _compare_component(
         name, only_a=[k for k in keys_a if k not in rb.keys], only_b=[k for k in keys_b if k not in ra.keys]
     )
     out.common = len(common)
+    out.parts = {side: src.part for side, src in (("a", ra), ("b", rb)) if src.part is not None}
     _find_tied(ra, out.only_a, common, "a", out)
     _find_tied(rb, out.only_b, common, "b", out)
     comparable: list[str] = []
@@ -168,6 +179,8 @@ def _compare_component(
         ia, ib = ra.keys[k], rb.keys[k]
         if ia.is_tensor != ib.is_tensor or ia.shape != ib.shape:
             out.changed.append((k, ia.spec(), ib.spec()))
+        elif ia.held is not None or ib.held is not None:  # one rank's part: never compared as a whole
+            out.partial.append(k)
         else:
             if ia.dtype_name != ib.dtype_name:
                 out.changed.append((k, ia.spec(), ib.spec()))
@@ -189,10 +202,13 @@ def _find_tied(source: ComponentSource, only: list[str], common: list[str], side
         info = source.keys[key]
         if not info.is_tensor:
             continue
+        if info.held is not None:  # one rank's part: never read as a whole
+            continue
         twins = [
             c
             for c in common
             if source.keys[c].is_tensor
+            and source.keys[c].held is None
             and source.keys[c].shape == info.shape
             and source.keys[c].dtype_name == info.dtype_name
         ]

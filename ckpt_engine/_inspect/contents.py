@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .keys import KeyInfo, Unreadable, match_keys, prefix_of, summarize_value
+from .parts import Part
 from .sources import open_component
 from .target import Target
 from .verification import verify_target
@@ -40,6 +41,8 @@ class ComponentContents:
     infos: list[KeyInfo]
     #: key -> value (or :class:`Unreadable`) of the small non-tensor values read.
     values: dict[str, Any]
+    #: What the component holds when it is one rank's part (a rank-local checkpoint), else ``None``.
+    part: Part | None = None
 
     @property
     def tensors(self) -> list[KeyInfo]:
@@ -74,6 +77,7 @@ class ComponentContents:
             "numel": self.numel,
             "bytes": self.bytes,
             "prefixes": {p: {"keys": a.keys, "numel": a.numel, "bytes": a.bytes} for p, a in self.prefixes.items()},
+            **({"part": self.part.to_json()} if self.part is not None else {}),
         }
 
     def _key_json(self, i: KeyInfo) -> dict[str, Any]:
@@ -83,6 +87,7 @@ class ComponentContents:
             "dtype": i.dtype_name if i.is_tensor else None,
             "shape": list(i.shape) if i.is_tensor else None,
             "shards": i.shards,
+            **({"held": i.held} if i.held is not None else {}),
             "bytes": i.stored_bytes,
             **({"value": summarize_value(self.values[i.key], 200)} if i.key in self.values else {}),
         }
@@ -146,7 +151,7 @@ def _component_contents(
             values = source.small_values(small)
         except Exception as err:  # a damaged or crafted data file: still show the metadata
             values = dict.fromkeys(small, Unreadable(_first_line(err), needs_trust=False))
-    return ComponentContents(name, target.components[name], [source.keys[k] for k in keys], values)
+    return ComponentContents(name, target.components[name], [source.keys[k] for k in keys], values, source.part)
 
 
 def _first_line(err: BaseException) -> str:

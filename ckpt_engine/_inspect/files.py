@@ -5,6 +5,7 @@ uses these without importing DCP."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
 
 from .._format.names import METADATA_FILE, parse_iteration
@@ -19,9 +20,24 @@ __all__ = [
     "isfile",
     "normalize",
     "shared_once_usage",
+    "shown",
     "table",
     "uncommitted_dirs",
 ]
+
+
+#: Characters a terminal acts on instead of showing: C0 and C1 controls (ESC, BEL, CR, newline,
+#: ...), DEL, the line and paragraph separators, and the bidirectional overrides and isolates.
+_UNSHOWN = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_UNSHOWN_BUT_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(text: str, *, lines: bool = False) -> str:
+    """``text`` read from a file (a key, a file name) as a terminal may show it: every character a
+    terminal would act on escaped as ``repr`` writes it (ESC as ``\\x1b``); ``lines`` keeps
+    newlines (a printed block of lines whose names were escaped already)."""
+    pattern = _UNSHOWN_BUT_NEWLINE if lines else _UNSHOWN
+    return pattern.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def normalize(path: str) -> str:

@@ -49,13 +49,13 @@ class KeyInfo:
     shards: int = 1
     #: Bytes the key occupies in the data files.
     stored_bytes: int = 0
+    #: Elements of the tensor its chunks hold when that is fewer than all (a rank-local
+    #: checkpoint of the node-local tier: one rank's shards); ``None`` when it holds every element.
+    held: int | None = None
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return _volume(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -91,16 +91,26 @@ def key_infos(md: Metadata) -> dict[str, KeyInfo]:
             out[key] = KeyInfo(key=key, is_tensor=False, stored_bytes=stored.get(key, 0))
             continue
         dtype = item.properties.dtype
+        shape = tuple(item.size)
+        held = sum(_volume(c.sizes) for c in chunks)  # the chunks are disjoint (validate_metadata)
         out[key] = KeyInfo(
             key=key,
             is_tensor=True,
             dtype_name=str(dtype).removeprefix("torch."),
             itemsize=int(dtype.itemsize),
-            shape=tuple(item.size),
+            shape=shape,
             shards=len(chunks),
             stored_bytes=stored.get(key, 0),
+            held=held if held != _volume(shape) else None,
         )
     return out
+
+
+def _volume(sizes: Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
 
 
 def match_keys(keys: Iterable[str], patterns: Sequence[str]) -> list[str]:

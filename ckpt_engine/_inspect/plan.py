@@ -32,6 +32,7 @@ from ..errors import CheckpointLoadError, CkptEngineError, LoadStrictnessError, 
 from ..pipeline import Pipeline
 from ..plugin_manager import build_plugin_manager
 from ..report import ComponentReport, LoadReport
+from .files import shown
 from .target import resolve
 
 
@@ -162,7 +163,8 @@ def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
         }
         print(json.dumps(doc, indent=2))
     else:
-        print("\n".join(run.lines + _text(run, show_all=args.all)))
+        # Keys are stored names: what a terminal would act on (ESC, BEL, CR) is printed escaped.
+        print(shown("\n".join(run.lines + _text(run, show_all=args.all)), lines=True))
     return 0 if ok else 1
 
 

@@ -30,6 +30,7 @@ from .._dcpio.object_read import reader_for
 from .._dcpio.unsafe import blocked_global, refine_unsafe
 from .._format.layout import check_component_files
 from .._format.metadata import SafeFileSystemReader, read_metadata
+from .._format.metadata_read import is_rank_local
 from .._format.names import METADATA_FILE
 from .._storage.fscheck import require_regular_file
 from .._storage.store import open_store
@@ -52,6 +53,7 @@ from .keys import match_keys as match_keys
 from .keys import prefix_of as prefix_of
 from .keys import refused_value as refused_value
 from .keys import summarize_value as summarize_value
+from .parts import Part, part_of, partial_read_error
 from .target import Target as Target
 from .target import is_save_dir as is_save_dir
 from .target import resolve as resolve
@@ -96,6 +98,8 @@ class ComponentReader:
     keys: dict[str, KeyInfo] = field(init=False)
     #: The stored (pickled) bytes of the non-tensor values of the last :meth:`read`.
     stored: dict[str, bytes] = field(init=False, default_factory=dict)
+    #: What the component holds when it is one rank's part (a rank-local checkpoint), else ``None``.
+    part: Part | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         store = open_store(self.path)
@@ -105,9 +109,21 @@ class ComponentReader:
         # Every tensor covered exactly by chunks whose bytes exist, before anything is allocated.
         check_component_files(self.path, self.metadata, store)
         self.keys = key_infos(self.metadata)
+        self.part = part_of(self.path, is_rank_local(self.metadata), self.keys)
+
+    def require_whole(self, keys: Sequence[str]) -> None:
+        """Raise :class:`~ckpt_engine.errors.PartialCheckpointError` for the first tensor of ``keys``
+        the component holds only part of (one rank's shards): no read fills the rest in."""
+        partial = [key for key in keys if self.keys[key].held is not None]
+        if partial:
+            chunks = self.metadata.state_dict_metadata[partial[0]].chunks  # type: ignore[union-attr]
+            boxes = ((tuple(c.offsets), tuple(c.sizes)) for c in chunks)
+            raise partial_read_error(self.path, self.keys[partial[0]], boxes, self.part, len(partial))
 
     def read(self, keys: Sequence[str]) -> dict[str, Any]:
-        """Full values of ``keys`` (tensors assembled from all their shards), in one read."""
+        """Full values of ``keys`` (tensors assembled from all their shards), in one read; a tensor
+        the component holds only part of is refused (:meth:`require_whole`)."""
+        self.require_whole(keys)
         template: dict[str, Any] = {}
         for key in keys:
             info = self.keys[key]

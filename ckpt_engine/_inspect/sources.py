@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from .._format.layout import check_component_files
-from .._format.metadata_read import read_metadata
+from .._format.metadata_read import is_rank_local, read_metadata
 from .._format.metadata_types import PlainDtype, Size, records_without_dcp
 from .._format.names import METADATA_FILE
 from .._format.safe_pickle import Opaque, TensorRef
@@ -26,6 +26,7 @@ from .._storage.fscheck import open_regular, require_regular_file
 from .._storage.store import open_store
 from ..errors import CorruptCheckpointError, UsageError, clip
 from .keys import KeyInfo, Unreadable, key_infos
+from .parts import Part, part_of
 from .pt_file import decode_value, flatten, read_pt_file
 from .target import Target
 
@@ -40,6 +41,8 @@ class ComponentSource(Protocol):
 
     path: str
     keys: dict[str, KeyInfo]
+    #: What the component holds when it is one rank's part (a rank-local checkpoint), else ``None``.
+    part: Part | None
 
     @property
     def stored(self) -> dict[str, bytes]:
@@ -79,6 +82,7 @@ class DcpSource:
         # Every tensor covered exactly by chunks whose bytes exist, before anything is read.
         check_component_files(path, metadata, store)
         self.keys = key_infos(metadata)
+        self.part = part_of(path, is_rank_local(metadata), self.keys)
         self._values = {
             index.fqn: info for index, info in (metadata.storage_data or {}).items() if index.offset is None
         }
@@ -97,7 +101,7 @@ class DcpSource:
         return self._reader.stored if self._reader is not None else {}
 
     def read(self, keys: Sequence[str]) -> dict[str, Any]:
-        return self.reader.read(keys)
+        return self.reader.read(keys)  # refuses a tensor held only in part, naming what it lacks
 
     def small_values(self, keys: Sequence[str]) -> dict[str, Any]:
         # Compressed values (transforms) are DCP's reader's to undo.
@@ -137,6 +141,8 @@ class DcpSource:
 class SafetensorsSource:
     """A safetensors file or Hugging Face folder: keys from the headers, tensors cut from the files."""
 
+    part: Part | None = None  # the format stores whole tensors
+
     def __init__(self, path: str) -> None:
         self.path = path
         self.folder = read_weights_folder(path)
@@ -175,6 +181,8 @@ class SafetensorsSource:
 class TorchFileSource:
     """A ``torch.save`` file: keys and plain values from its ``data.pkl`` (never unpickled), tensors
     rebuilt from their storage records; objects of other classes need ``trust`` (``torch.load``)."""
+
+    part: Part | None = None  # the format stores whole tensors
 
     def __init__(self, path: str, trust: bool = False) -> None:
         self.path, self.trust = path, trust

@@ -76,8 +76,11 @@ def is_save_dir(path: str) -> bool:
 
 
 def sniff_file(path: str) -> str | None:
-    """``safetensors`` or ``torch`` by the file's first bytes (a ``torch.save`` zip, or a header
-    length followed by JSON), ``torch`` for a legacy ``torch.save`` pickle, else ``None``."""
+    """``safetensors`` or ``torch`` by the file's first bytes (a header length followed by a JSON
+    object, or a ``torch.save`` zip), ``torch`` for a legacy ``torch.save`` pickle, else ``None``.
+
+    The safetensors rule is checked first: its 8-byte little-endian header length may start with
+    any byte, ``0x80`` (a pickle's first byte) among them, one valid file in 256."""
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):  # a FIFO would block the open: its reader refuses it, naming it
@@ -89,10 +92,10 @@ def sniff_file(path: str) -> str | None:
             size = os.fstat(f.fileno()).st_size
     except OSError:
         return None
-    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
-        return "torch"
     if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
         return "safetensors"
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+        return "torch"
     if path.endswith(".safetensors"):
         return "safetensors"  # damaged: its reader says how
     if path.endswith(_TORCH_SUFFIXES):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .._format.layout import check_component_files, component_dirs
-from .._format.metadata_read import read_metadata
+from .._format.metadata_read import is_rank_local, read_metadata
 from .._format.metadata_types import records_without_dcp
 from .._format.names import LATEST_FILE
 from .._format.pointer import list_checkpoints, read_latest
@@ -28,6 +28,8 @@ from .._storage.store import open_store
 from .._storage.urls import is_url
 from ..errors import CheckpointNotFoundError, CkptEngineError, CorruptCheckpointError, UsageError
 from .files import exists, is_component_dir, isdir
+from .keys import key_infos
+from .parts import Part, part_of
 from .pt_file import crc_problems, read_pt_file, tensor_problems
 from .target import KIND_NAMES, Target, inside_checkpoint, is_save_dir, sniff_file
 
@@ -56,6 +58,9 @@ class PathVerification:
     problems: list[str] = field(default_factory=list)
     #: report path -> ``engine`` or the single target's kind (``safetensors``, ``hf``, ``torch``, ``dcp``).
     kinds: dict[str, str] = field(default_factory=dict)
+    #: report path -> component -> what it holds, for a checkpoint that is one rank's part (a
+    #: rank-local checkpoint of the node-local tier): complete as that part, never as the whole.
+    parts: dict[str, dict[str, Part]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -78,7 +83,30 @@ def verify_path(
         result.kinds[p] = kind
         report = _verify_one(p, kind, level, meter)
         result.reports.append(fail_unverified(report, allow_unverified) if level == "checksums" else report)
+        if report.ok and kind in ("engine", "dcp"):
+            parts = rank_local_parts(p, kind)
+            if parts:
+                result.parts[p] = parts
     return result
+
+
+def rank_local_parts(path: str, kind: str) -> dict[str, Part]:
+    """Component -> what it holds, for the components of the (complete) checkpoint ``path`` that are
+    one rank's part; empty for a checkpoint that holds its tensors whole."""
+    store = open_store(path)
+    folders = (
+        {os.path.basename(path): path}
+        if kind == "dcp"
+        else {name: store.join(path, name) for name in component_dirs(path, store)}
+    )
+    out: dict[str, Part] = {}
+    for name, folder in folders.items():
+        with records_without_dcp():
+            md = read_metadata(folder, store)
+        part = part_of(folder, is_rank_local(md), key_infos(md))
+        if part is not None:
+            out[name] = part
+    return out
 
 
 def fail_unverified(report: VerifyReport, allow: bool) -> VerifyReport:

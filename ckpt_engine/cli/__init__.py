@@ -143,7 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             traceback.print_exc()
             return EXIT_ERROR
-        print(f"ckpt-engine {args.command}: error: {_error_text(err)}", file=sys.stderr)
+        from .._inspect.files import shown
+
+        print(f"ckpt-engine {args.command}: error: {shown(_error_text(err), lines=True)}", file=sys.stderr)
         return EXIT_ERROR
 
 

@@ -22,7 +22,10 @@ class Progress:
     def __init__(self, label: str, total: int, stream: IO[str] | None = None, enabled: bool | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = isatty(self.stream) if enabled is None else enabled
-        self.label, self.total, self.done = label, max(total, 0), 0
+        from .._inspect.files import shown
+
+        # A label may hold a stored name (a component folder's): escaped as print_lines escapes it.
+        self.label, self.total, self.done = shown(label), max(total, 0), 0
         self._last = 0.0
 
     def advance(self, n: int) -> None:
@@ -58,8 +61,12 @@ def isatty(stream: Any) -> bool:
 
 
 def print_lines(*lines: str) -> None:
+    """Print ``lines``; a character a terminal would act on (ESC, BEL, CR: from a stored name that
+    reached a line unescaped) is printed escaped, as ``repr`` writes it."""
+    from .._inspect.files import shown
+
     for line in lines:
-        print(line)
+        print(shown(line, lines=True))
 
 
 def plural(count: int, noun: str) -> str:

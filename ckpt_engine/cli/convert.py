@@ -7,6 +7,7 @@ import os
 import time
 from typing import Any
 
+from .._inspect.files import shown
 from ..errors import UsageError
 from ._command import Command
 from ._output import EXIT_OK, Progress, parse_size, print_lines
@@ -59,7 +60,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if left_out:
         why = "safetensors holds only tensors" if fmt == "safetensors" else "not readable with weights_only=True"
         print_lines(
-            f"left out {len(left_out)} non-tensor value(s) ({why}): {', '.join(left_out[:10])}"
+            f"left out {len(left_out)} non-tensor value(s) ({why}): {', '.join(map(shown, left_out[:10]))}"
             + (" ..." if len(left_out) > 10 else "")
         )
     hint = (
@@ -158,13 +159,13 @@ def _print_hf_notes(result: Any, component: str, out: str, hf_config: Any) -> No
     if result.left_out:
         print_lines(
             f"left out {len(result.left_out)} non-tensor value(s) (safetensors holds only tensors): "
-            + ", ".join(result.left_out[:10])
+            + ", ".join(map(shown, result.left_out[:10]))
             + (" ..." if len(result.left_out) > 10 else "")
         )
     if result.tied:
         print_lines(
             "tied weights written once, as save_pretrained does (config.json ties word embeddings): "
-            + ", ".join(f"{k} left out, it is {v}" for k, v in sorted(result.tied.items()))
+            + ", ".join(f"{shown(k)} left out, it is {shown(v)}" for k, v in sorted(result.tied.items()))
         )
     print_lines(_hf_hint(component, out, hf_config))
 
@@ -209,6 +210,11 @@ def _component_keys(args: argparse.Namespace) -> tuple[Any, Any, list[str]]:
     keys = match_keys(reader.keys, args.keys or ())
     if not keys:
         raise UsageError(f"no key of component {args.component!r} matches {', '.join(args.keys or ())}")
+    # One rank's part (a rank-local checkpoint) converts only where it holds every element asked
+    # for; otherwise a typed error names the key and what it lacks, before anything is written.
+    reader.require_whole(keys)
+    if reader.part is not None:
+        print_lines(f"note: {target.checkpoint} is {reader.part.describe()}")
     return target, reader, keys
 
 

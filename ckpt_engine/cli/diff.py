@@ -38,11 +38,32 @@ def cmd_diff(args: argparse.Namespace) -> int:
         same = "the checkpoints are identical"
         if skipped:
             same = f"the checkpoints are identical in what both hold (not compared: {', '.join(skipped)})"
-        print_lines(*lines, "", same if result.identical else "the checkpoints differ")
+        differ = "the checkpoints differ"
+        partial = sum(len(c.partial) for c in result.components)
+        if partial:
+            held = f"{partial} tensor(s) not compared: a side holds only part of them (one rank's part)"
+            others = any(not c.not_compared and _differences(c) > len(c.partial) for c in result.components)
+            differ = f"the checkpoints differ; {held}" if others else f"the checkpoints are not identical: {held}"
+        print_lines(*lines, "", same if result.identical else differ)
     return EXIT_OK if result.identical else EXIT_PROBLEM
 
 
+def _differences(comp: ComponentDiff) -> int:
+    """How many differences ``comp`` lists, tensors held only in part among them."""
+    return (
+        len(comp.only_a)
+        + len(comp.only_b)
+        + len(comp.changed)
+        + len(comp.diffs)
+        + len(comp.value_changes)
+        + len(comp.partial)
+        + (comp.only_in is not None)
+    )
+
+
 def _component_text(comp: ComponentDiff, limit: int) -> list[str]:
+    from .._inspect.files import shown
+
     if comp.only_in is not None:
         why = f"; not compared ({comp.not_compared})" if comp.not_compared else ""
         return [f"{comp.name}: only in {comp.only_in}{why}"]
@@ -52,22 +73,27 @@ def _component_text(comp: ComponentDiff, limit: int) -> list[str]:
         (len(comp.only_b), "only in b"),
         (len(comp.changed), "shape/dtype changed"),
         (ndiff, "keys differ" if ndiff > 1 else "key differs"),
+        (len(comp.partial), "held only in part"),
     ]
     found = ", ".join(f"{n} {what}" for n, what in counts if n)
     lines = [f"{comp.name}: {found or 'identical'} ({comp.equal} of {comp.common} common keys equal)"]
-    lines += _limited([f"  only in a: {k}" for k in comp.only_a], limit)
-    lines += _limited([f"  only in b: {k}" for k in comp.only_b], limit)
+    lines += [f"  {side} is {part.describe()}" for side, part in comp.parts.items()]
+    # Stored names, escaped: what a terminal would act on (ESC, BEL, CR) is printed as repr writes it.
+    lines += _limited([f"  not compared: {shown(k)}: a side holds only part of it" for k in comp.partial], limit)
+    lines += _limited([f"  only in a: {shown(k)}" for k in comp.only_a], limit)
+    lines += _limited([f"  only in b: {shown(k)}" for k in comp.only_b], limit)
     lines += _limited(
         [
-            f"  tied: {k} (only in {side}) equals {twin} there, compared as one tensor (tied weights are stored once)"
+            f"  tied: {shown(k)} (only in {side}) equals {shown(twin)} there, compared as one tensor "
+            "(tied weights are stored once)"
             for k, twin, side in comp.tied
         ],
         limit,
     )
-    lines += _limited([f"  changed: {k}: {x} -> {y}" for k, x, y in comp.changed], limit)
+    lines += _limited([f"  changed: {shown(k)}: {x} -> {y}" for k, x, y in comp.changed], limit)
     ranked = sorted(comp.diffs.items(), key=lambda kv: (-kv[1], kv[0]))
-    lines += _limited([f"  differs: {k}: max |a-b| = {d:.6g}" for k, d in ranked], limit)
-    lines += _limited([f"  differs: {k}: {x} -> {y}" for k, (x, y) in comp.value_changes.items()], limit)
+    lines += _limited([f"  differs: {shown(k)}: max |a-b| = {d:.6g}" for k, d in ranked], limit)
+    lines += _limited([f"  differs: {shown(k)}: {x} -> {y}" for k, (x, y) in comp.value_changes.items()], limit)
     return lines
 
 

@@ -11,6 +11,7 @@ from ._output import EXIT_OK, JSON_HELP, TRUST_HELP, plural, print_json, print_l
 
 if TYPE_CHECKING:
     from .._inspect.contents import CheckpointContents, ComponentContents
+    from .._inspect.keys import KeyInfo
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -46,6 +47,8 @@ def _text(contents: CheckpointContents, patterns: Sequence[str], *, summary: boo
             f"{comp.name}: {plural(len(tensors), 'tensor')} ({comp.numel:,} elements), "
             f"{plural(len(comp.infos) - len(tensors), 'other value')}{filt}, {human_bytes(comp.bytes)}",
         ]
+        if comp.part is not None:
+            lines.append(f"  {comp.part.describe()}")
         if not summary and comp.infos:
             lines += _key_table(comp)
         lines += _prefix_line(comp)
@@ -53,32 +56,42 @@ def _text(contents: CheckpointContents, patterns: Sequence[str], *, summary: boo
 
 
 def _key_table(comp: ComponentContents) -> list[str]:
-    from .._inspect.files import human_bytes, table
+    from .._inspect.files import human_bytes, shown, table
     from .._inspect.keys import summarize_value
 
+    held = comp.part is not None and not comp.part.whole  # a column of the elements held, for one rank's part
     rows = [
         [
-            i.key,
+            shown(i.key),  # a stored name: what a terminal would act on, escaped
             i.dtype_name if i.is_tensor else "value",
             str(list(i.shape)) if i.is_tensor else summarize_value(comp.values[i.key]) if i.key in comp.values else "",
             str(i.shards) if i.is_tensor else "",
+            *([_held(i)] if held else []),
             human_bytes(i.stored_bytes),
         ]
         for i in comp.infos
     ]
-    return ["  " + row for row in table(rows, ["key", "dtype", "shape / value", "shards", "bytes"], right=(3, 4))]
+    head = ["key", "dtype", "shape / value", "shards", *(["held"] if held else []), "bytes"]
+    return ["  " + row for row in table(rows, head, right=tuple(range(3, len(head))))]
+
+
+def _held(i: KeyInfo) -> str:
+    """The elements of a tensor one rank's part holds: ``all``, or ``64 of 128``."""
+    if not i.is_tensor:
+        return ""
+    return "all" if i.held is None else f"{i.held:,} of {i.numel:,}"
 
 
 def _prefix_line(comp: ComponentContents) -> list[str]:
     """``by prefix:`` totals, when there is more than one prefix and one of them groups keys."""
-    from .._inspect.files import human_bytes
+    from .._inspect.files import human_bytes, shown
 
     prefixes = comp.prefixes
     grouped = {p for p in prefixes if any(i.key.startswith(p + ".") for i in comp.infos)}
     if len(prefixes) <= 1 or not grouped:
         return []
     parts = [
-        f"{p}.* {a.keys} keys {human_bytes(a.bytes)}" if p in grouped else f"{p} {human_bytes(a.bytes)}"
+        f"{shown(p)}.* {a.keys} keys {human_bytes(a.bytes)}" if p in grouped else f"{shown(p)} {human_bytes(a.bytes)}"
         for p, a in sorted(prefixes.items(), key=lambda pa: pa[0])
     ]
     return ["  by prefix: " + ", ".join(parts)]

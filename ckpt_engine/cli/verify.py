@@ -46,6 +46,7 @@ def _json(result: PathVerification) -> dict[str, Any]:
                 "problems": r.problems,
                 "files": r.files,
                 "bytes": r.bytes,
+                **({"rank_local": _parts_json(result, r.path)} if r.path in result.parts else {}),
             }
             for r in result.reports
         ],
@@ -53,10 +54,16 @@ def _json(result: PathVerification) -> dict[str, Any]:
     }
 
 
+def _parts_json(result: PathVerification, path: str) -> dict[str, Any]:
+    return {name: part.to_json() for name, part in result.parts[path].items()}
+
+
 def _text(result: PathVerification, level: str) -> list[str]:
     lines: list[str] = []
     for r in result.reports:
-        if not r.ok:
+        if r.ok and r.path in result.parts:
+            lines += _part_text(result, r, level)
+        elif not r.ok:
             lines += [f"FAILED  {r.path}", *(f"  {p}" for p in r.problems or [r.unverified_reason or "incomplete"])]
         elif r.verified:
             lines.append(f"ok      {r.path}: complete, {_verified(result.kinds.get(r.path, 'engine'), level, r)}")
@@ -74,6 +81,18 @@ def _text(result: PathVerification, level: str) -> list[str]:
         bad = sum(not r.ok for r in reports)
         lines.append(f"{len(reports) - bad} of {len(reports)} checkpoints ok" + (f", {bad} failed" if bad else ""))
     return lines
+
+
+def _part_text(result: PathVerification, r: VerifyReport, level: str) -> list[str]:
+    """A checkpoint that is one rank's part: ok as that part, never called the whole checkpoint."""
+    parts = result.parts[r.path]
+    kind = result.kinds.get(r.path, "engine")
+    checked = _verified(kind, level, r) if r.verified else f"not verified against a manifest: {r.unverified_reason}"
+    first = next(iter(parts.values()))
+    whole = all(p.whole for p in parts.values())
+    what = "holds every element of its tensors" if whole else "not the whole checkpoint"
+    lines = [f"ok      {r.path}: {first.who} of a rank-local checkpoint (the node-local tier), {what}; {checked}"]
+    return lines + [f"  {name}: {part.describe()}" for name, part in parts.items() if not part.whole]
 
 
 def _verified(kind: str, level: str, r: VerifyReport) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -706,9 +707,10 @@ def test_commands_on_an_async_checkpoint(cli: Run, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     save_dir = tmp_path_factory.mktemp("cli2r") / "ckpt"
-    run = run_torchrun("cli_sharded_save.py", str(save_dir), timeout=180)
+    local_dir = save_dir.parent / "local"  # each rank's part of every save too: the node-local tier
+    run = run_torchrun("cli_sharded_save.py", str(save_dir), str(local_dir), timeout=180)
     assert run.returncode == 0, run.describe()
-    return {"dir": save_dir, "params": run.results()[0][0]}
+    return {"dir": save_dir, "local": local_dir, "params": run.results()[0][0]}
 
 
 @pytest.mark.dist
@@ -741,6 +743,36 @@ def test_commands_on_a_two_rank_fsdp2_checkpoint(cli: Run, sharded: dict[str, An
         for k in expected
         if not torch.equal(expected[k], after[k])
     }
+
+
+@pytest.mark.dist
+def test_a_rank_local_checkpoint_is_one_ranks_part_never_the_whole_model(
+    cli: Run, sharded: dict[str, Any], tmp_path: Path
+) -> None:
+    parts = [sharded["local"] / f"rank_0000{r}" / "iter_000000001" for r in (0, 1)]
+    out = tmp_path / "m.pt"
+    code, _, err = cli("convert", str(parts[1]), str(out))
+    assert code == 2 and "PartialCheckpointError" in err and "rank 1's part (of 2 ranks)" in err and not out.exists()
+
+    code, text, _ = cli("verify", str(parts[1]))
+    assert code == 0 and "rank 1's part (of 2 ranks) of a rank-local checkpoint" in text and "complete" not in text
+    held: dict[str, int] = {}
+    for rank, part in enumerate(parts):
+        code, text, _ = cli("inspect", str(part), "--component", "model", "--json")
+        model = json.loads(text)["components"]["model"]
+        assert (
+            code == 0
+            and model["part"]["rank"] == rank
+            and model["part"]["world_size"] == 2
+            and model["part"]["held"] < model["numel"]
+        )
+        for key in model["keys"]:
+            held[key["key"]] = held.get(key["key"], 0) + key.get("held", math.prod(key["shape"]))
+    expected = {k: torch.tensor(v) for k, v in sharded["params"]["1"].items()}
+    assert held == {k: v.numel() for k, v in expected.items()}  # the two parts hold every element once
+
+    code, text, _ = cli("diff", str(parts[0]), str(sharded["dir"] / "iter_000000001"), "--component", "model")
+    assert code == 1 and "a is rank 0's part (of 2 ranks)" in text and "not compared: 0.weight" in text
 
 
 @pytest.mark.dist

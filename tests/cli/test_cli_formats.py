@@ -438,3 +438,35 @@ def test_diff_of_a_model_and_its_save_pretrained_output_compares_tied_weights_as
         "diff", str(tmp_path / "untied" / "iter_000000001"), str(tmp_path / "hf"), "--component", "model"
     )
     assert code == 1 and "tied:" not in out
+
+
+def test_a_safetensors_header_length_whose_low_byte_is_0x80_is_safetensors(cli: Run, tmp_path: Path) -> None:
+    """One valid file in 256 starts with 0x80 (a pickle's first byte): it is still safetensors."""
+    data = torch.arange(6, dtype=torch.float32)
+    header = json.dumps({"w": _tensor("F32", [2, 3], 0, data.numel() * 4)}).encode()
+    header += b" " * ((0x80 - len(header)) % 256)  # padded, as writers pad it to 8 bytes
+    path = _safetensors(tmp_path / "w.bin", header, data.numpy().tobytes())
+    assert path.read_bytes()[0] == 0x80
+    code, out, err = cli("inspect", str(path))
+    assert code == 0 and "a safetensors file" in out and "[2, 3]" in out, err
+    code, out, _ = cli("verify", str(path), "--level", "sizes")
+    assert code == 0 and out.startswith("ok "), out
+    other = tmp_path / "w.pt"
+    torch.save({"w": data.reshape(2, 3)}, other)
+    code, out, err = cli("diff", str(path), str(other))
+    assert code == 0 and "identical" in out, err
+
+
+def test_stored_names_are_printed_escaped(cli: Run, tmp_path: Path) -> None:
+    """A key holding ESC, BEL or CR reaches the terminal as ``\\x1b``, ``\\x07``, ``\\r``, never raw."""
+    hostile = "evil\x1b[2J\x07\rname"
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save({hostile: torch.zeros(2), "fine": torch.ones(1)}, a)
+    torch.save({hostile: torch.ones(2), "fine": torch.ones(1), f"only\x1b{hostile}": torch.ones(1)}, b)
+    escaped = "evil\\x1b[2J\\x07\\rname"
+    for argv in (("inspect", str(a)), ("diff", str(a), str(b))):
+        code, out, err = cli(*argv)
+        assert code in (0, 1), err
+        assert escaped in out and not any(c in out for c in "\x1b\x07\r"), (argv, out)
+    code, out, _ = cli("inspect", str(a), "--json")
+    assert json.loads(out)["components"]["model"]["keys"][0]["key"] == hostile  # JSON keeps the name exact

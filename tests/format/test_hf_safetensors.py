@@ -104,6 +104,25 @@ def test_sharded_folder_with_index(tmp_path: Path) -> None:
     assert_state_dicts_equal(weights(model), src)
 
 
+def test_a_folder_with_both_the_single_file_and_an_index_loads_what_from_pretrained_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """transformers' ``from_pretrained`` reads ``model.safetensors`` where a folder has it and the
+    index too: ``load_path``, ``inspect`` and ``diff`` read that file as well; naming the index
+    itself reads the shards it names."""
+    sharded, single = weights(Tiny(seed=0)), weights(Tiny(seed=2))
+    folder = tmp_path / "hf"
+    write_sharded(folder, sharded, shards=2)
+    save_file(single, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model = Tiny(seed=1)
+    load_into(model, folder, tmp_path)
+    assert_state_dicts_equal(weights(model), single)
+    load_into(model, folder / "model.safetensors.index.json", tmp_path / "by_index")
+    assert_state_dicts_equal(weights(model), sharded)
+    assert main(["diff", str(folder), str(folder / "model.safetensors")]) == 0
+    capsys.readouterr()
+
+
 def test_bf16_weights_into_fp32_model_are_cast_and_reported(tmp_path: Path) -> None:
     src = weights(Tiny(seed=0))
     bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in src.items()}
