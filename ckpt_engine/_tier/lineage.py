@@ -98,14 +98,14 @@ def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | N
     return None
 
 
-def describe_set_aside(aside: dict[str, list[Announced]], limit: int = 6) -> str:
-    """One line naming the copies set aside and why (the first few of each reason)."""
+def describe_set_aside(aside: dict[str, list[Announced]]) -> str:
+    """One line naming the copies set aside and why."""
     parts = []
     for reason, copies in sorted(aside.items()):
-        shown = sorted({(c.iteration, c.owner, c.holder) for c in copies}, reverse=True)
-        names = ", ".join(
-            f"rank {o}'s iteration {i}" + ("" if h == o else f" (replica on rank {h})") for i, o, h in shown[:limit]
+        its = ", ".join(map(str, sorted({c.iteration for c in copies})))
+        owners = ", ".join(map(str, sorted({c.owner for c in copies})))
+        replicas = sum(c.holder != c.owner for c in copies)
+        parts.append(
+            f"{reason}: {len(copies)} copies ({replicas} of them replicas) of iteration(s) {its} of rank(s) {owners}"
         )
-        more = f" and {len(shown) - limit} more" if len(shown) > limit else ""
-        parts.append(f"{reason}: {names}{more}")
     return "; ".join(parts)
