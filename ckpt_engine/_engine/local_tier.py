@@ -127,9 +127,25 @@ class LocalTier:
             self._lock = lock
             for line in cleanup_leftovers(self.folder):
                 logger.warning("local tier: %s", line)
-        refuse_resave(paths.iteration, [(paths.final, open_store(paths.final))], self.config.allow_overwrite)
+        if self._of_another_run(paths.final):
+            logger.warning("local tier: %s was saved by another run than save_dir's; replacing it", paths.final)
+        else:
+            refuse_resave(paths.iteration, [(paths.final, open_store(paths.final))], self.config.allow_overwrite)
         if os.path.exists(paths.partial):
             remove_tree(paths.partial)
+
+    def _of_another_run(self, path: str) -> bool:
+        """Whether the committed checkpoint ``path`` in this rank's folder records another run
+        than this engine's (``save_dir``'s latest's, before the first save): a resume would set
+        it aside, so a save of its iteration replaces it instead of being refused as a re-save."""
+        try:
+            found = lookup_manifest(path).manifest if os.path.isdir(path) else None
+        except CkptEngineError:
+            return False
+        if found is None or found.lineage is None:
+            return False
+        run = self._run if self._run is not None else _lineage_start(self.config)[0]
+        return found.lineage.run_id != run
 
     def begin(self, iteration: int) -> Future[Manifest | None] | None:
         """Every rank, once the save is prepared: at the first save, the node check and the

@@ -163,7 +163,12 @@ def test_a_new_run_with_an_empty_save_dir_starts_fresh_beside_an_old_tier(
         result, _ = _resume(_config(tmp_path / "new", tmp_path / "local"))
     assert (result.iteration, result.source) == (0, "scratch")
     lines = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
-    assert len(lines) == 1 and "save_dir holds no checkpoint" in lines[0] and "iteration 7" in lines[0]
+    assert len(lines) == 1 and "save_dir holds no checkpoint" in lines[0] and "iteration(s) 5, 6, 7" in lines[0]
+    # The new run saves the old run's iterations again (not refused as re-saves) and resumes its own.
+    new = _save(_config(tmp_path / "new", tmp_path / "local"), range(1, 8), seed=3)
+    result, got = _resume(_config(tmp_path / "new", tmp_path / "local"))
+    assert (result.iteration, set(result.bytes_by_source)) == (7, {"local"})
+    assert_state_dicts_equal(got, new[7])
 
 
 def test_a_rolled_back_save_dir_resumes_its_latest(tmp_path: Path) -> None:
