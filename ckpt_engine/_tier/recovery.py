@@ -5,10 +5,14 @@ Run by every rank inside a load, before anything is read:
 
 1. each rank lists what it holds from ``durable`` on (its own folder, and the replicas it keeps:
    committed, the manifest naming the rank and this world size, every file of its size);
-2. one all-gather; every rank then computes the same plan: the newest iteration that *every*
-   rank's checkpoint is held for somewhere (a step only some ranks hold, or a replica still in
-   flight, never counts), each rank's part taken from the rank itself if it holds it, else from
-   the first holder of a replica (:meth:`.Topology.holders` order);
+2. one all-gather of one payload on every rank: what it holds, with its view of ``save_dir``'s
+   latest step (views that differ raise :class:`~ckpt_engine.errors.CheckpointDisagreementError`
+   on every rank); the copies that are not of ``save_dir``'s run or do not descend from its
+   latest are set aside (:mod:`.lineage`, one log line); every rank then computes the same plan:
+   the newest save that *every* rank's checkpoint is held for somewhere (a step only some ranks
+   hold, a replica still in flight, or parts of two saves of one step never count), each rank's
+   part taken from the rank itself if it holds it, else from the first holder of a replica
+   (:meth:`.Topology.holders` order);
 3. with ``verify: checksums``, each rank reads its own copy and compares its checksums before
    anything is loaded (with ``sizes``, the default, the sizes were checked in step 1, as a load
    from ``save_dir`` checks them); a damaged one is dropped from the plan on every rank and the
@@ -19,9 +23,10 @@ Run by every rank inside a load, before anything is read:
    rebuilt; a transfer that fails (a damaged replica among them) drops that source and the plan
    is made again.
 
-It returns ``None`` when no step at least as new as ``durable`` is complete in the local tier (the
-load then reads ``save_dir``). Every collective is bounded by ``collective_timeout_s`` (the
-engine's watch is active), so a rank that is gone is named, not waited for.
+It returns ``None`` when no step at least as new as ``durable`` is complete in the local tier, or
+``save_dir`` has none (the load then reads ``save_dir``, or starts fresh). Every collective is
+bounded by ``collective_timeout_s`` (the engine's watch is active), so a rank that is gone is
+named, not waited for.
 """
 
 from __future__ import annotations
