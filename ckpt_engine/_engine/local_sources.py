@@ -21,7 +21,7 @@ from .._format.manifest import lookup_manifest
 from .._format.names import parse_iteration
 from .._format.pointer import read_latest
 from .._storage.store import Store, open_store
-from .._tier.lineage import Durable
+from .._tier.lineage import Durable, read_run
 from .._tier.recovery import Recovered, recover
 from .._tier.topology import Topology
 from ..config import EngineConfig
@@ -69,12 +69,14 @@ class LocalTierSource:
 
 def durable_view(load_dir: str, store: Store, names: Iterable[str | None]) -> Durable | None:
     """``save_dir``'s latest step among the checkpoint folders ``names`` (``latest``, a committed
-    one it does not name yet), with the lineage its manifest records (``None``: no checkpoint).
+    one it does not name yet), with the lineage its manifest records; without one, the run its
+    first save recorded (``None``: neither, a fresh start).
     A manifest that cannot be read counts as one without a lineage: the load from ``save_dir``
     reports what is wrong with it."""
     found = [(it, n) for n in names if n is not None and (it := parse_iteration(n)) is not None]
-    if not found:
-        return None
+    if not found:  # no step yet: the run, if one has saved to its tier
+        run = read_run(load_dir, store)
+        return None if run is None else Durable(None, None, run)
     iteration, name = max(found)
     try:
         manifest = lookup_manifest(store.join(load_dir, name), store).manifest

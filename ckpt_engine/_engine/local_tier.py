@@ -35,6 +35,7 @@ from .._format.pointer import read_latest
 from .._format.retention import apply_retention
 from .._storage.store import open_store
 from .._tier.folders import rank_folder
+from .._tier.lineage import read_run, write_run
 from .._tier.replication import Replicator
 from .._tier.topology import Topology
 from ..config import EngineConfig
@@ -144,7 +145,7 @@ class LocalTier:
             return False
         if found is None or found.lineage is None:
             return False
-        run = self._run if self._run is not None else _lineage_start(self.config)[0]
+        run = self._run if self._run is not None else _save_dir_run(self.config)[0]
         return found.lineage.run_id != run
 
     def begin(self, iteration: int) -> Future[Manifest | None] | None:
@@ -363,17 +364,30 @@ class LocalTier:
 
 
 def _lineage_start(config: EngineConfig) -> tuple[str, str, tuple[str, int] | None]:
-    """Rank 0, at an engine's first save: the run (``save_dir``'s latest's, or a new one), a new
-    instance id, and the durable step the saves descend from (``save_dir``'s latest, if it
-    records a lineage)."""
-    instance = secrets.token_hex(8)
+    """Rank 0, at an engine's first save: the run (:func:`_save_dir_run`'s, or a new one, then
+    recorded in ``save_dir``), a new instance id, and the durable step the saves descend from
+    (``save_dir``'s latest, if it records a lineage)."""
+    store = open_store(config.save_dir, config.storage)
+    run, parent = _save_dir_run(config)
+    if run is None or read_run(config.save_dir, store) != run:
+        run = run or secrets.token_hex(8)
+        try:
+            write_run(config.save_dir, store, run)
+        except (OSError, CkptEngineError) as err:  # its steps still record it; a resume needs one
+            logger.warning("local tier: the run's id cannot be recorded in save_dir (%s)", err)
+    return run, secrets.token_hex(8), parent
+
+
+def _save_dir_run(config: EngineConfig) -> tuple[str | None, tuple[str, int] | None]:
+    """The run ``save_dir`` belongs to (its latest's, else the one its run file names; ``None``:
+    none yet) and its latest durable step (save id, iteration) where that records a lineage."""
     store = open_store(config.save_dir, config.storage)
     try:
         name = read_latest(config.save_dir, store)
         found = None if name is None else lookup_manifest(store.join(config.save_dir, name), store).manifest
     except (OSError, CkptEngineError) as err:
-        logger.warning("local tier: save_dir's latest cannot be read (%s); this engine starts a new run", err)
+        logger.warning("local tier: save_dir's latest cannot be read (%s)", err)
         found = None
     if found is None or found.lineage is None:
-        return secrets.token_hex(8), instance, None
-    return found.lineage.run_id, instance, (found.lineage.save_id, found.iteration)
+        return read_run(config.save_dir, store), None
+    return found.lineage.run_id, (found.lineage.save_id, found.iteration)

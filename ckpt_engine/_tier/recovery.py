@@ -132,7 +132,8 @@ def _require_one_view(views: list[Durable | None]) -> None:
     if all(v == views[0] for v in views):
         return
     shown = ", ".join(
-        f"rank {r}: " + ("none" if v is None else f"iteration {v.iteration}") for r, v in enumerate(views[:8])
+        f"rank {r}: " + ("none" if v is None or v.iteration is None else f"iteration {v.iteration}")
+        for r, v in enumerate(views[:8])
     )
     raise CheckpointDisagreementError(
         f"the ranks see different latest checkpoints in save_dir ({shown}); every rank must see the same "

@@ -79,6 +79,17 @@ def test_a_rolled_back_save_dir_sets_aside_every_save_of_the_engine_that_went_pa
     assert _kept(durable, later) == [4]
 
 
+def test_before_its_first_durable_step_a_run_known_by_its_run_file_takes_its_own_steps() -> None:
+    durable = Durable(None, None, RUN)
+    copies = [
+        _copy(4, _lin("e1-4")),
+        _copy(5, _lin("e2-5", run=OTHER)),
+        _copy(6, _lin("e3-6", "e3-3", 3)),  # its durable step 3 is gone from save_dir
+        _copy(2, _lin("e3-2")),  # made by the same engine as 6: set aside with it
+    ]
+    assert _kept(durable, copies) == [4]
+
+
 def test_copies_without_a_lineage_follow_the_old_rule_only_beside_a_save_dir_without_one() -> None:
     assert _kept(Durable(3, None), [_copy(5, None)]) == [5]
     assert _kept(Durable(3, None), [_copy(5, _lin("e1-5"))]) == []
@@ -169,6 +180,14 @@ def test_a_new_run_with_an_empty_save_dir_starts_fresh_beside_an_old_tier(
     result, got = _resume(_config(tmp_path / "new", tmp_path / "local"))
     assert (result.iteration, set(result.bytes_by_source)) == (7, {"local"})
     assert_state_dicts_equal(got, new[7])
+
+
+def test_a_run_with_no_durable_step_yet_resumes_its_tier(tmp_path: Path) -> None:
+    config = {**_config(tmp_path / "durable", tmp_path / "local"), "persist_every": 10}
+    saved = _save(config, range(1, 6))
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (5, {"local"})
+    assert_state_dicts_equal(got, saved[5])
 
 
 def test_a_rolled_back_save_dir_resumes_its_latest(tmp_path: Path) -> None:
