@@ -12,6 +12,7 @@ anything was written to a commit finished on the commit thread, is recorded by
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -98,6 +99,10 @@ class SaveCommitter:
         """Commit now where every write is done (synchronous providers), else from the commit
         thread; a two-tier upload always continues in the background. The local tier commits
         first: a durable save is in both tiers, or it failed."""
+        if self.local is not None and self.local.current is not None:  # the manifests record it
+            paths = dataclasses.replace(paths, lineage=self.local.current)
+            if writes.local is not None:
+                writes.local = dataclasses.replace(writes.local, lineage=self.local.current)
         future: Future[SaveResult] = Future()
         handle = SaveHandle(paths.iteration, paths.final, future, clock.snapshot)
         if not all(isinstance(o, WriteResult) for o in writes.all()):
@@ -110,6 +115,7 @@ class SaveCommitter:
             result = self.report(paths, writes, components, clock, local, cleanup=False)
         elif self.target.after_commit_in_background:
             phase = self._run_commit(paths, components, writes.outcomes, collective=True)
+            self._durable_committed(paths, phase)
             if phase.error is None and local.error is None:
                 phase = phase.plus(local)
                 self.queue.submit(
@@ -129,20 +135,20 @@ class SaveCommitter:
         return handle
 
     def _commit_local(self, writes: SaveWrites, components: tuple[str, ...], *, collective: bool) -> CommitPhase:
-        """This rank's local-tier commit (nothing without a local tier); in a synchronous save the
-        ranks then agree, so a rank whose local commit failed fails the save on every rank."""
+        """This rank's local-tier commit (nothing without a local tier). In a synchronous save the
+        ranks agree before it (a rank whose write failed, a full disk, fails the save on every
+        rank, and no rank commits: never two saves of one step in the tier) and after it."""
         if self.local is None or writes.local is None:
             return CommitPhase()
         assert self.checksum is not None
-        phase = self.local.commit(
-            self.pipeline, writes.local, components, writes.local_outcomes or [], self.checksum, writes.round
-        )
-        if collective and _dist.world_size() > 1:
-            failed = agree(phase.error, fallback=CheckpointSaveError, step="local commit").first
-            if failed is not None and phase.error is None:
-                phase.error = CheckpointSaveError(
-                    f"rank {failed.rank} failed to commit its local-tier checkpoint: {failed.text}"
-                )
+        phase = self.local.check(self.pipeline, writes.local, writes.local_outcomes or [], self.checksum)
+        together = collective and _dist.world_size() > 1
+        if together:
+            _agree_local(phase, "write", "local writes")
+        wrote = phase.error is None  # the same on every rank, once agreed
+        phase = self.local.commit(writes.local, components, self.checksum, phase, writes.round)
+        if together and wrote:
+            _agree_local(phase, "commit", "local commit")
         return phase
 
     def _commit(
@@ -158,10 +164,16 @@ class SaveCommitter:
         """The durable commit (:func:`.commit.run_commit`) and what follows it, then the report
         of both tiers (``local``: the local tier's commit)."""
         phase = self._run_commit(paths, components, writes.outcomes, collective=collective)
+        self._durable_committed(paths, phase)
         if phase.error is None and _dist.rank() == 0:
             phase.error = self.target.after_commit(paths)
         cleanup = phase.error is not None
         return self.report(paths, writes, components, clock, phase.plus(local), cleanup=cleanup, collective=collective)
+
+    def _durable_committed(self, paths: SavePaths, phase: CommitPhase) -> None:
+        """The saves after a committed durable one descend from it (their lineage's parent)."""
+        if phase.error is None and self.local is not None:
+            self.local.durable_committed(paths.lineage, paths.iteration)
 
     def _run_commit(
         self, paths: SavePaths, components: tuple[str, ...], outcomes: Sequence[Any], *, collective: bool
@@ -275,6 +287,20 @@ class SaveCommitter:
                 apply_retention(job.folder, job.keep_last, job.keep_every, job.store)
             except Exception:
                 logger.warning("retention in %s failed; retrying after the next commit", job.folder, exc_info=True)
+
+
+def _agree_local(phase: CommitPhase, what: str, step: str) -> None:
+    """Every rank's outcome of a local-tier step: the first failure, as one typed error naming
+    its rank and cause, on every rank (the failing one included)."""
+    try:
+        failed = agree(phase.error, fallback=CheckpointSaveError, step=step).first
+    except CollectiveError as err:
+        phase.error = err
+        return
+    if failed is not None and not isinstance(phase.error, CollectiveError):
+        error = CheckpointSaveError(f"rank {failed.rank} failed to {what} its local-tier checkpoint: {failed.text}")
+        error.__cause__ = phase.error
+        phase.error = error
 
 
 def _log_saved(result: SaveResult) -> None:

@@ -29,7 +29,7 @@ from .._dcpio.watch import phase as publish_phase
 from .._format.layout import (
     CheckedCheckpoint,
 )
-from .._format.names import LATEST_FILE, METADATA_FILE, parse_iteration
+from .._format.names import LATEST_FILE, METADATA_FILE
 from .._format.pointer import list_checkpoints, read_latest, resolve_save_folder
 from .._format.read_lock import ReadLock
 from .._storage.store import Store, open_store
@@ -59,7 +59,7 @@ from .load_guard import (
     parse_shared_metadata,
     run_checks,
 )
-from .local_sources import local_tier_source, two_tier_copy
+from .local_sources import durable_view, local_tier_source, two_tier_copy
 from .rank_views import folder_view, require_one_checkpoint
 from .resave import advance_latest, newest_unnamed
 from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes
@@ -210,8 +210,7 @@ class Loader:
                 return CheckpointSource(local.checked.path, wanted_all, "latest", local, tier="local")
         unnamed = agreed(lambda: newest_unnamed(load_dir, store, latest))
         if local_tier and cfg.local_dir is not None and _same_dir(load_dir, self.save_dir):
-            durable = max((it for it in map(_iteration, (latest, unnamed)) if it is not None), default=None)
-            tier = local_tier_source(cfg, durable, wanted_all)
+            tier = local_tier_source(cfg, durable_view(load_dir, store, (latest, unnamed)), wanted_all)
             if tier is not None:
                 return tier
         adopted = None if unnamed is None else self._adopt(load_dir, store, latest, unnamed)
@@ -533,7 +532,3 @@ class Loader:
 def _same_dir(a: str, b: str) -> bool:
     """Whether two configured folders are one (a fresh run's ``load_dir`` may be its ``save_dir``)."""
     return a.rstrip("/") == b.rstrip("/") or ("://" not in a and os.path.abspath(a) == os.path.abspath(b))
-
-
-def _iteration(name: str | None) -> int | None:
-    return parse_iteration(name) if name is not None else None

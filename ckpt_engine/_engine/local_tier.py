@@ -29,15 +29,17 @@ from .._dcpio.dist import new_gloo_group
 from .._dcpio.planner import EngineSavePlanner
 from .._format.digests import written_entries
 from .._format.layout import SaveDirLock, cleanup_leftovers, remove_tree
-from .._format.manifest import Manifest, list_files, lookup_manifest
+from .._format.manifest import FileEntry, Lineage, Manifest, list_files, lookup_manifest
 from .._format.names import iter_dirname, partial_dirname
+from .._format.pointer import read_latest
 from .._format.retention import apply_retention
 from .._storage.store import open_store
 from .._tier.folders import rank_folder
+from .._tier.lineage import read_run, write_run
 from .._tier.replication import Replicator
 from .._tier.topology import Topology
 from ..config import EngineConfig
-from ..errors import ConfigError, SaveDirLockedError
+from ..errors import CkptEngineError, ConfigError, SaveDirLockedError
 from ..pipeline import Pipeline
 from ..types import StagedState, WriteContext, WriteResult
 from .commit import CommitPhase, wait_writes
@@ -63,6 +65,18 @@ class LocalTier:
         self._topology: Topology | None = None
         self._replicator: Replicator | None = None
         self._lock: SaveDirLock | None = None
+        #: This engine's lineage: the run, the instance (one per engine, agreed at its first
+        #: save), the saves it began, and the newest durable step committed (save id, iteration).
+        self._run: str | None = None
+        self._instance = ""
+        self._saves = 0
+        self._parent: tuple[str, int] | None = None
+        #: The lineage of the save :meth:`begin` began last (recorded in its manifests).
+        self.current: Lineage | None = None
+        #: A rank-local write that raised on this rank, kept for this save's commit (which every
+        #: rank joins, so the failure is agreed instead of leaving the others waiting).
+        self._write_error: BaseException | None = None
+        self._entries: dict[str, FileEntry] = {}
 
     @classmethod
     def open(cls, config: EngineConfig, pipeline: Pipeline) -> LocalTier | None:
@@ -114,14 +128,31 @@ class LocalTier:
             self._lock = lock
             for line in cleanup_leftovers(self.folder):
                 logger.warning("local tier: %s", line)
-        refuse_resave(paths.iteration, [(paths.final, open_store(paths.final))], self.config.allow_overwrite)
+        if self._of_another_run(paths.final):
+            logger.warning("local tier: %s was saved by another run than save_dir's; replacing it", paths.final)
+        else:
+            refuse_resave(paths.iteration, [(paths.final, open_store(paths.final))], self.config.allow_overwrite)
         if os.path.exists(paths.partial):
             remove_tree(paths.partial)
+
+    def _of_another_run(self, path: str) -> bool:
+        """Whether the committed checkpoint ``path`` in this rank's folder records another run
+        than this engine's (``save_dir``'s latest's, before the first save): a resume would set
+        it aside, so a save of its iteration replaces it instead of being refused as a re-save."""
+        try:
+            found = lookup_manifest(path).manifest if os.path.isdir(path) else None
+        except CkptEngineError:
+            return False
+        if found is None or found.lineage is None:
+            return False
+        run = self._run if self._run is not None else _save_dir_run(self.config)[0]
+        return found.lineage.run_id != run
 
     def begin(self, iteration: int) -> Future[Manifest | None] | None:
         """Every rank, once the save is prepared: at the first save, the node check and the
         replicator (collective); then this save's replication round, to resolve after the commit."""
         topology = self.topology()
+        self._begin_lineage()
         if self._replicator is None and topology.world > 1:
             self._check_node_local(topology)
             if topology.replicas > 0:
@@ -136,6 +167,26 @@ class LocalTier:
                     sync_files=self.config.sync_files,
                 )
         return self._replicator.expect(iteration) if self._replicator is not None else None
+
+    def _begin_lineage(self) -> None:
+        """This save's lineage (every rank alike). At the first save, rank 0 reads the run and the
+        newest durable step from ``save_dir``'s latest (a new run where it has none, or one
+        without a lineage) and draws this engine's instance id; every rank takes them from it."""
+        if self._run is None:
+            first = _dist.broadcast_object(
+                _lineage_start(self.config) if _dist.rank() == 0 else None, step="local tier: lineage"
+            )
+            self._run, self._instance, self._parent = first
+        self._saves += 1
+        assert self._run is not None
+        parent_id, parent_it = self._parent if self._parent is not None else (None, None)
+        self.current = Lineage(self._run, f"{self._instance}-{self._saves}", parent_id, parent_it)
+
+    def durable_committed(self, lineage: Lineage | None, iteration: int) -> None:
+        """A durable save of this engine is committed in ``save_dir``: the saves that follow
+        descend from it."""
+        if lineage is not None and (self._parent is None or iteration >= self._parent[1]):
+            self._parent = (lineage.save_id, iteration)
 
     def _check_node_local(self, topology: Topology) -> None:
         """Every rank must see the markers of exactly the ranks ``ranks_per_node`` puts on its node."""
@@ -179,7 +230,7 @@ class LocalTier:
     ) -> tuple[SavePaths, list[WriteResult | Future[WriteResult]]]:
         """Hand each component to the ``write`` provider as a rank-local write; returns the paths
         (with what an incremental save carries over from this rank's previous checkpoint) and the
-        outcomes.
+        outcomes. A write that raises is not raised here: the commit reports it, on every rank.
 
         Each archive's serialization id is derived from its content (the writer does it for a
         rank-local write): equal state gives equal bytes, so a peer that holds the same shards (a
@@ -216,38 +267,59 @@ class LocalTier:
                 else carry.for_component(name, stable if name == "model" else frozenset()),
                 rank_local=True,
             )
-            out = pipeline.write(ctx, state)
-            if isinstance(out, Future) and not staged.is_copy:
-                out = out.result()  # the live state: must be written before save() returns
+            try:
+                out = pipeline.write(ctx, state)
+                if isinstance(out, Future) and not staged.is_copy:
+                    out = out.result()  # the live state: must be written before save() returns
+            except Exception as err:  # this rank's own write (a full disk): failed in the commit
+                self._write_error = err
+                if any(isinstance(o, Future) for o in outcomes):  # the commit waits for them
+                    failed: Future[WriteResult] = Future()
+                    failed.set_exception(err)
+                    outcomes.append(failed)
+                break
             outcomes.append(out)
         return paths, outcomes
 
     # -- the commit -----------------------------------------------------------------------------
 
-    def commit(
-        self,
-        pipeline: Pipeline,
-        paths: SavePaths,
-        components: tuple[str, ...],
-        outcomes: Sequence[Any],
-        algorithm: str,
-        round_: Future[Manifest | None] | None,
-    ) -> CommitPhase:
-        """This rank's commit, once its writes are done; resolves the replication round (with the
-        committed manifest, or ``None``) whatever happens."""
+    def check(self, pipeline: Pipeline, paths: SavePaths, outcomes: Sequence[Any], algorithm: str) -> CommitPhase:
+        """This rank's writes of the save, waited for and listed (nothing committed yet): the
+        phase to agree on before :meth:`commit` (its error: this rank's write failure)."""
         phase = CommitPhase()
-        manifest = None
         try:
             wait_writes(pipeline, outcomes, phase)
+            if phase.error is None and self._write_error is not None:
+                phase.error = self._write_error
             if phase.error is None:
-                rels = list_files(paths.partial)
-                entries = written_entries(paths.partial, rels, algorithm)
-                commit_locally(paths, components, algorithm, entries, _dist.world_size(), rank=_dist.rank())
+                self._entries = written_entries(paths.partial, list_files(paths.partial), algorithm)
+        except Exception as err:
+            phase.error = err
+        finally:
+            self._write_error = None
+        return phase
+
+    def commit(
+        self,
+        paths: SavePaths,
+        components: tuple[str, ...],
+        algorithm: str,
+        phase: CommitPhase,
+        round_: Future[Manifest | None] | None,
+    ) -> CommitPhase:
+        """This rank's commit of the checked save (where ``phase`` holds no error: every rank's
+        writes worked); resolves the replication round (with the committed manifest, or
+        ``None``) whatever happens."""
+        manifest = None
+        try:
+            if phase.error is None:
+                commit_locally(paths, components, algorithm, self._entries, _dist.world_size(), rank=_dist.rank())
                 manifest = lookup_manifest(paths.final).manifest
                 self._retain()
         except Exception as err:
             phase.error = err
         finally:
+            self._entries = {}
             if round_ is not None:
                 round_.set_result(manifest if phase.error is None else None)
         if phase.error is not None:
@@ -289,3 +361,33 @@ class LocalTier:
         finally:
             if self._lock is not None:
                 self._lock.release()
+
+
+def _lineage_start(config: EngineConfig) -> tuple[str, str, tuple[str, int] | None]:
+    """Rank 0, at an engine's first save: the run (:func:`_save_dir_run`'s, or a new one, then
+    recorded in ``save_dir``), a new instance id, and the durable step the saves descend from
+    (``save_dir``'s latest, if it records a lineage)."""
+    store = open_store(config.save_dir, config.storage)
+    run, parent = _save_dir_run(config)
+    if run is None or read_run(config.save_dir, store) != run:
+        run = run or secrets.token_hex(8)
+        try:
+            write_run(config.save_dir, store, run)
+        except (OSError, CkptEngineError) as err:  # its steps still record it; a resume needs one
+            logger.warning("local tier: the run's id cannot be recorded in save_dir (%s)", err)
+    return run, secrets.token_hex(8), parent
+
+
+def _save_dir_run(config: EngineConfig) -> tuple[str | None, tuple[str, int] | None]:
+    """The run ``save_dir`` belongs to (its latest's, else the one its run file names; ``None``:
+    none yet) and its latest durable step (save id, iteration) where that records a lineage."""
+    store = open_store(config.save_dir, config.storage)
+    try:
+        name = read_latest(config.save_dir, store)
+        found = None if name is None else lookup_manifest(store.join(config.save_dir, name), store).manifest
+    except (OSError, CkptEngineError) as err:
+        logger.warning("local tier: save_dir's latest cannot be read (%s)", err)
+        found = None
+    if found is None or found.lineage is None:
+        return read_run(config.save_dir, store), None
+    return found.lineage.run_id, (found.lineage.save_id, found.iteration)

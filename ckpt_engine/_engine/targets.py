@@ -37,6 +37,7 @@ from .._format.digests import remove_parts, written_entries
 from .._format.layout import check_complete, commit_rename, remove_checkpoint, remove_tree
 from .._format.manifest import (
     FileEntry,
+    Lineage,
     Manifest,
     entry_doc,
     list_files,
@@ -85,6 +86,8 @@ class SavePaths:
     carry_chain: int = 0
     #: The previous checkpoint an incremental save carries files over from (a folder or a URL).
     carry_from: str | None = None
+    #: The run and save the manifest records (with a node-local tier; ``None``: none recorded).
+    lineage: Lineage | None = None
 
     @property
     def name(self) -> str:
@@ -324,7 +327,15 @@ class ObjectStoreTarget(SaveTarget):
         world: int,
     ) -> int:
         covered = write_checked_manifest(
-            paths.upload, self.store, paths.iteration, components, algorithm, entries, world, paths.carry_chain
+            paths.upload,
+            self.store,
+            paths.iteration,
+            components,
+            algorithm,
+            entries,
+            world,
+            paths.carry_chain,
+            lineage=paths.lineage,
         )
         if paths.replacing is not None:  # committed beside the old copy: now move it over it
             promote_replacement(self.object_store, paths.replacing, paths.final)
@@ -460,6 +471,7 @@ def write_checked_manifest(
     world: int,
     carry_chain: int = 0,
     rank: int | None = None,
+    lineage: Lineage | None = None,
 ) -> int:
     """Rank 0 (``rank``: the rank of a rank-local checkpoint, which writes its own): check the
     checkpoint under ``root`` is complete, then write its manifest; returns the bytes it covers.
@@ -486,7 +498,7 @@ def write_checked_manifest(
         entries.update(written_entries(root, expected - set(entries), algorithm))
         remove_parts(root)
     manifest = new_manifest(
-        iteration, world, components, algorithm, with_versions(entries, root, store), carry_chain, rank
+        iteration, world, components, algorithm, with_versions(entries, root, store), carry_chain, rank, lineage
     )
     write_manifest(root, manifest, store)
     return manifest.total_bytes
@@ -512,7 +524,16 @@ def commit_locally(
     returns the bytes the manifest covers."""
     assert paths.local_final is not None
     covered = write_checked_manifest(
-        paths.partial, None, paths.iteration, components, algorithm, entries, world, paths.carry_chain, rank
+        paths.partial,
+        None,
+        paths.iteration,
+        components,
+        algorithm,
+        entries,
+        world,
+        paths.carry_chain,
+        rank,
+        paths.lineage,
     )
     commit_rename(paths.partial, paths.local_final)
     advance_latest(os.path.dirname(paths.local_final), paths.name)

@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_ALGORITHM",
     "MANIFEST_FILE",
     "FileEntry",
+    "Lineage",
     "Manifest",
     "parse_manifest",
 ]
@@ -68,6 +69,38 @@ class FileEntry:
     seen: str | None = None
 
 
+_LINEAGE_ID = re.compile(r"^[0-9a-f]{1,64}(-[0-9]{1,12})?$")
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Which run and which save made a checkpoint, and the durable step it descends from: what a
+    resume from the node-local tier compares with ``save_dir``'s latest (DESIGN section 12)."""
+
+    #: The run (one per ``save_dir`` history): created by the first save into a ``save_dir``
+    #: without one, adopted from ``save_dir``'s latest by every later engine.
+    run_id: str
+    #: The save attempt that wrote it (``<engine instance>-<count>``), the same on every rank.
+    save_id: str
+    #: The save id and iteration of the newest durable step committed before this save
+    #: (``None``: none in this run).
+    parent_save_id: str | None = None
+    parent_iteration: int | None = None
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "save_id": self.save_id,
+            "parent_save_id": self.parent_save_id,
+            "parent_iteration": self.parent_iteration,
+        }
+
+    @property
+    def instance(self) -> str:
+        """The engine instance that made the save (the save id without its count)."""
+        return self.save_id.rsplit("-", 1)[0]
+
+
 @dataclass(frozen=True)
 class Manifest:
     """The content of ``ckpt_engine_manifest.json``."""
@@ -88,6 +121,9 @@ class Manifest:
     #: A rank-local checkpoint of the node-local tier (``EngineConfig.local_dir``): the rank whose
     #: state it holds (``world_size`` is then the job's). ``None``: a checkpoint of the whole job.
     rank: int | None = None
+    #: The run and save that made it (``None``: a checkpoint written without a lineage, by an
+    #: older engine or without ``local_dir``).
+    lineage: Lineage | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -118,6 +154,7 @@ class Manifest:
             "total_bytes": self.total_bytes,
             "carry_chain": self.carry_chain,
             **({} if self.rank is None else {"rank": self.rank}),
+            **({} if self.lineage is None else {"lineage": self.lineage.to_doc()}),
             "files": {rel: entry_doc(e) for rel, e in sorted(self.files.items())},
         }
         return json.dumps(doc, indent=1) + "\n"
@@ -141,6 +178,7 @@ def new_manifest(
     files: Mapping[str, FileEntry],
     carry_chain: int = 0,
     rank: int | None = None,
+    lineage: Lineage | None = None,
 ) -> Manifest:
     import torch  # here, not at the top: reading a manifest (ckpt-engine ls) imports no torch
 
@@ -155,6 +193,7 @@ def new_manifest(
         created_unix=time.time(),
         carry_chain=carry_chain,
         rank=rank,
+        lineage=lineage,
     )
 
 
@@ -366,7 +405,32 @@ def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
         created_unix=float(doc.get("created_unix", 0.0)),
         carry_chain=_chain(doc.get("carry_chain", 0)),
         rank=None if doc.get("rank") is None else _count("rank", doc["rank"]),
+        lineage=_lineage(doc.get("lineage")),
     )
+
+
+def _lineage(doc: Any) -> Lineage | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise ValueError("lineage is not a mapping")
+    run, save, parent = _lineage_id(doc, "run_id"), _lineage_id(doc, "save_id"), doc.get("parent_save_id")
+    if run is None or save is None:
+        raise ValueError("lineage lacks its run_id or save_id")
+    parent_it = doc.get("parent_iteration")
+    return Lineage(
+        run,
+        save,
+        None if parent is None else _lineage_id(doc, "parent_save_id"),
+        None if parent_it is None else _count("parent_iteration", parent_it),
+    )
+
+
+def _lineage_id(doc: dict[str, Any], key: str) -> str | None:
+    value = doc.get(key)
+    if value is not None and not (isinstance(value, str) and _LINEAGE_ID.fullmatch(value)):
+        raise ValueError(f"lineage {key} {clip(repr(value), 80)} is not an id")
+    return value
 
 
 def _chain(value: Any) -> int:

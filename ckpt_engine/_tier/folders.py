@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -58,8 +59,10 @@ def rank_folder(local_dir: str, owner: int) -> str:
 def held_checkpoints(local_dir: str, owner: int, world: int, *, since: int | None = None) -> list[Held]:
     """Rank ``owner``'s committed checkpoints in this node's ``local_dir``, newest first, from
     iteration ``since`` on: those whose manifest names ``owner`` and a job of ``world`` ranks and
-    whose files all have the sizes it records (one ``stat`` each; checksums are
-    :func:`verify_held`'s). Anything else (a damaged, foreign or half-deleted folder) is skipped."""
+    whose files are all regular files of the sizes it records (one ``lstat`` and ``stat`` each;
+    checksums are :func:`verify_held`'s). Anything else (a damaged, foreign or half-deleted
+    folder, a planted symlink) is skipped: the planner takes another source. Whose run a copy
+    belongs to is :mod:`.lineage`'s question."""
     folder = rank_folder(local_dir, owner)
     if not os.path.isdir(folder):
         return []
@@ -76,11 +79,28 @@ def held_checkpoints(local_dir: str, owner: int, world: int, *, since: int | Non
             continue
         if manifest.iteration != iteration:
             continue
+        odd = _not_regular(path, manifest)
+        if odd is not None:
+            logger.warning("local tier: %s holds %s, not a regular file of its own; not used", path, odd)
+            continue
         if check_against_manifest(path, manifest, "sizes").problems:
             logger.warning("local tier: %s does not match its manifest's sizes; not used", path)
             continue
         out.append(Held(owner, iteration, path, manifest))
     return out
+
+
+def _not_regular(path: str, manifest: Manifest) -> str | None:
+    """The first file of ``manifest`` in ``path`` that is not a regular file there (a symlink, a
+    FIFO: a load would refuse it, on this rank only), or ``None``. One ``lstat`` each."""
+    for rel in manifest.files:
+        try:
+            mode = os.lstat(os.path.join(path, *rel.split("/"))).st_mode
+        except OSError:
+            continue  # a missing file: the size check names it
+        if not stat.S_ISREG(mode):
+            return rel
+    return None
 
 
 def verify_held(held: Held) -> list[str]:

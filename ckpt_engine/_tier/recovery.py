@@ -5,10 +5,14 @@ Run by every rank inside a load, before anything is read:
 
 1. each rank lists what it holds from ``durable`` on (its own folder, and the replicas it keeps:
    committed, the manifest naming the rank and this world size, every file of its size);
-2. one all-gather; every rank then computes the same plan: the newest iteration that *every*
-   rank's checkpoint is held for somewhere (a step only some ranks hold, or a replica still in
-   flight, never counts), each rank's part taken from the rank itself if it holds it, else from
-   the first holder of a replica (:meth:`.Topology.holders` order);
+2. one all-gather of one payload on every rank: what it holds, with its view of ``save_dir``'s
+   latest step (views that differ raise :class:`~ckpt_engine.errors.CheckpointDisagreementError`
+   on every rank); the copies that are not of ``save_dir``'s run or do not descend from its
+   latest are set aside (:mod:`.lineage`, one log line); every rank then computes the same plan:
+   the newest save that *every* rank's checkpoint is held for somewhere (a step only some ranks
+   hold, a replica still in flight, or parts of two saves of one step never count), each rank's
+   part taken from the rank itself if it holds it, else from the first holder of a replica
+   (:meth:`.Topology.holders` order);
 3. with ``verify: checksums``, each rank reads its own copy and compares its checksums before
    anything is loaded (with ``sizes``, the default, the sizes were checked in step 1, as a load
    from ``save_dir`` checks them); a damaged one is dropped from the plan on every rank and the
@@ -19,9 +23,10 @@ Run by every rank inside a load, before anything is read:
    rebuilt; a transfer that fails (a damaged replica among them) drops that source and the plan
    is made again.
 
-It returns ``None`` when no step at least as new as ``durable`` is complete in the local tier (the
-load then reads ``save_dir``). Every collective is bounded by ``collective_timeout_s`` (the
-engine's watch is active), so a rank that is gone is named, not waited for.
+It returns ``None`` when no step at least as new as ``durable`` is complete in the local tier, or
+``save_dir`` has none (the load then reads ``save_dir``, or starts fresh). Every collective is
+bounded by ``collective_timeout_s`` (the engine's watch is active), so a rank that is gone is
+named, not waited for.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from .._dcpio.watch import active_watch
 from .._format import bounded_json
 from .._format.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from .._format.names import iter_dirname
-from ..errors import CkptEngineError, clip
+from ..errors import CheckpointDisagreementError, CkptEngineError, clip
 from .folders import (
     Held,
     abandon_copy,
@@ -49,6 +54,7 @@ from .folders import (
     start_copy,
     verify_held,
 )
+from .lineage import Announced, Durable, admissible, describe_set_aside
 from .topology import Topology
 from .transfer import Incoming, Outgoing, exchange_bytes, exchange_files
 
@@ -80,20 +86,29 @@ class _Plan:
     iteration: int
     #: owner -> the rank whose copy it takes.
     source: dict[int, int]
+    #: The save of ``iteration`` every part comes from (``None``: copies without a lineage).
+    save_id: str | None = None
 
 
 def recover(
-    local_dir: str, topology: Topology, durable: int | None, *, keep_last: int, sync: bool, checksums: bool
+    local_dir: str, topology: Topology, durable: Durable | None, *, keep_last: int, sync: bool, checksums: bool
 ) -> Recovered | None:
     """The step this rank resumes from the local tier and its folder, or ``None`` (see the module)."""
     rank = _dist.rank()
     mine = _holdings(local_dir, topology, rank, durable)
-    announced: list[dict[int, list[int]]] = _dist.all_gather_object(
-        {owner: sorted(held) for owner, held in mine.items()}, step="local tier: holdings"
+    mine_announced = [Announced(rank, o, it, h.manifest.lineage) for o, held in mine.items() for it, h in held.items()]
+    # One payload of one kind on every rank, whatever it sees: a rank that disagrees about
+    # save_dir finds out in the same collective as every other rank.
+    gathered: list[tuple[Durable | None, list[Announced]]] = _dist.all_gather_object(
+        (durable, mine_announced), step="local tier: holdings"
     )
+    _require_one_view([view for view, _ in gathered])
+    kept, aside = admissible(durable, [c for _, copies in gathered for c in copies])
+    if aside and rank == 0:
+        logger.warning("local tier: copies set aside, not resumed: %s", describe_set_aside(aside))
     refused: set[Copy] = set()
-    for _ in range(1 + sum(len(its) for held in announced for its in held.values())):
-        plan = _plan(announced, refused, topology, durable)
+    for _ in range(1 + len(kept)):
+        plan = _plan(kept, refused, topology)
         if plan is None:
             return None
         own = checksums and plan.source[rank] == rank
@@ -112,37 +127,49 @@ def recover(
     return None
 
 
-def _holdings(local_dir: str, topology: Topology, rank: int, durable: int | None) -> dict[int, dict[int, Held]]:
+def _require_one_view(views: list[Durable | None]) -> None:
+    """Every rank must see the same latest step in ``save_dir`` (raised on every rank alike)."""
+    if all(v == views[0] for v in views):
+        return
+    shown = ", ".join(
+        f"rank {r}: " + ("none" if v is None or v.iteration is None else f"iteration {v.iteration}")
+        for r, v in enumerate(views[:8])
+    )
+    raise CheckpointDisagreementError(
+        f"the ranks see different latest checkpoints in save_dir ({shown}); every rank must see the same "
+        "save_dir (a shared filesystem with consistent views): fix the storage or latest_checkpoint.txt"
+    )
+
+
+def _holdings(local_dir: str, topology: Topology, rank: int, durable: Durable | None) -> dict[int, dict[int, Held]]:
     """What this rank holds from ``durable`` on: its own checkpoints and its replicas, by owner."""
     out = {}
+    since = None if durable is None else durable.iteration
     for owner in (rank, *topology.sources(rank)):
-        held = held_checkpoints(local_dir, owner, topology.world, since=durable)
+        held = held_checkpoints(local_dir, owner, topology.world, since=since)
         if held:
             out[owner] = {h.iteration: h for h in held}
     return out
 
 
-def _plan(
-    announced: list[dict[int, list[int]]], refused: set[Copy], topology: Topology, durable: int | None
-) -> _Plan | None:
-    """The newest step every rank's part is held for (``refused`` copies left out), and the source
-    of each part; the same on every rank, computed from the same gathered holdings."""
-    steps = sorted({it for held in announced for its in held.values() for it in its}, reverse=True)
-    for iteration in steps:
-        if durable is not None and iteration < durable:
-            break
+def _plan(kept: list[Announced], refused: set[Copy], topology: Topology) -> _Plan | None:
+    """The newest save every rank's part is held for (``refused`` copies left out; one save of a
+    step, never a mix of two), and the source of each part; the same on every rank, computed from
+    the same gathered holdings."""
+    saves: dict[tuple[int, str], dict[int, set[int]]] = {}
+    for c in kept:
+        if (c.holder, c.owner, c.iteration) not in refused:
+            saves.setdefault((c.iteration, c.save_id or ""), {}).setdefault(c.owner, set()).add(c.holder)
+    for (iteration, save_id), holders in sorted(saves.items(), reverse=True):
         source = {}
         for owner in range(topology.world):
             order = [owner, *topology.holders(owner), *range(topology.world)]
-            holder = next(
-                (h for h in order if iteration in announced[h].get(owner, ()) and (h, owner, iteration) not in refused),
-                None,
-            )
+            holder = next((h for h in order if h in holders.get(owner, ())), None)
             if holder is None:
                 break
             source[owner] = holder
         else:
-            return _Plan(iteration, source)
+            return _Plan(iteration, source, save_id or None)
     return None
 
 
@@ -175,7 +202,7 @@ def _transfers(
         if rank == holder:
             _send(group, mine[owner][plan.iteration], owner)
             continue
-        got, kept, ok = _receive(group, local_dir, holder, plan.iteration, keep_last=keep_last, sync=sync)
+        got, kept, ok = _receive(group, local_dir, holder, plan, keep_last=keep_last, sync=sync)
         received, linked = received + got, linked + kept
         if not ok:
             failed.append((holder, owner, plan.iteration))
@@ -198,17 +225,20 @@ def _send(group: Any, held: Held, owner: int) -> None:
 
 
 def _receive(
-    group: Any, local_dir: str, holder: int, iteration: int, *, keep_last: int, sync: bool
+    group: Any, local_dir: str, holder: int, plan: _Plan, *, keep_last: int, sync: bool
 ) -> tuple[int, int, bool]:
-    """Receive this rank's part of ``iteration`` from ``holder`` into its own folder and commit it;
-    returns the bytes received, the bytes linked from its own node, and whether it is committed."""
-    rank = _dist.rank()
+    """Receive this rank's part of the planned step from ``holder`` into its own folder and commit
+    it; returns the bytes received, the bytes linked from its own node, and whether it is committed."""
+    rank, iteration = _dist.rank(), plan.iteration
     raw = exchange_bytes(group, None, b"", holder, MAX_MANIFEST_BYTES) or b""
     partial, needed = "", {}
     try:
         manifest = parse_manifest(raw, f"the manifest rank {holder} sent of rank {rank}'s iteration {iteration}")
         if manifest.rank != rank or manifest.iteration != iteration or manifest.algorithm is None:
             raise CkptEngineError(f"rank {holder} sent rank {manifest.rank}'s iteration {manifest.iteration}")
+        sent_save = None if manifest.lineage is None else manifest.lineage.save_id
+        if sent_save != plan.save_id:
+            raise CkptEngineError(f"rank {holder} sent save {sent_save} of iteration {iteration}, not {plan.save_id}")
         own = held_checkpoints(local_dir, rank, manifest.world_size)
         partial = start_copy(local_dir, rank, iteration)
         needed = link_local_files(partial, manifest.files, local_sources(own[:1]))

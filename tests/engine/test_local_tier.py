@@ -77,7 +77,12 @@ def test_every_save_is_local_and_every_persist_every_th_also_durable(tmp_path: P
     assert [saved[i]["result"].tier for i in range(1, 8)] == ["local", "local", "durable"] * 2 + ["local"]
     assert saved[4]["result"].path == str(tmp_path / "local/rank_00000/iter_000000004")
     assert saved[6]["result"].path == str(tmp_path / "durable/iter_000000006")
-    assert sorted(os.listdir(tmp_path / "durable")) == ["iter_000000003", "iter_000000006", "latest_checkpoint.txt"]
+    assert sorted(os.listdir(tmp_path / "durable")) == [
+        ".ckpt_engine_run.json",  # the run's id, recorded by its first save (the tier's lineage)
+        "iter_000000003",
+        "iter_000000006",
+        "latest_checkpoint.txt",
+    ]
     assert (tmp_path / "durable/latest_checkpoint.txt").read_text().strip() == "iter_000000006"
     # local_keep_last (2) in the rank's folder, a durable step included: every save is local too.
     folder = tmp_path / "local/rank_00000"
@@ -358,7 +363,11 @@ def test_an_object_store_save_dir_with_a_local_tier(tmp_path: Path, s3_bucket: A
     }
     saved = _save_steps(config, range(1, 4))
     assert [saved[i]["result"].tier for i in (1, 2, 3)] == ["local", "durable", "local"]
-    assert {k.split("/")[0] for k in s3_bucket.objects()} == {"iter_000000002", "latest_checkpoint.txt"}
+    assert {k.split("/")[0] for k in s3_bucket.objects()} == {
+        ".ckpt_engine_run.json",
+        "iter_000000002",
+        "latest_checkpoint.txt",
+    }
     result, got = _resume(config)
     assert (result.iteration, set(result.bytes_by_source)) == (3, {"local"})
     assert_state_dicts_equal(got, saved[3]["state"])

@@ -1,0 +1,150 @@
+"""Which of the node-local tier's copies a resume may take: those of ``save_dir``'s run that
+descend from its latest step (DESIGN section 12), and the reasons the others are set aside.
+
+Every committed step records its :class:`~ckpt_engine._format.manifest.Lineage`: the run, the
+save that made it and the durable step it descends from. A copy in the tier (a rank's own, or a
+peer's replica) is taken only when
+
+* ``save_dir`` has a latest step, or at least the run's id (:data:`RUN_FILE`, written by the
+  run's first save): an empty ``save_dir`` is a fresh start, whatever the tier holds;
+* it belongs to the run of ``save_dir``'s latest (another job's folders, a reused ``local_dir``);
+* it is that latest step's own save (at the same iteration), or a newer step whose parent is that
+  save (a ``save_dir`` rolled back, or replaced by another run's checkpoints, is not descended
+  from); with no durable step yet, any step of the run that descends from none;
+* no copy made by the same engine instance descends from a durable step newer than ``save_dir``'s
+  latest (that instance's later saves show ``save_dir`` was rolled back past them).
+
+Copies without a lineage (written before lineages were recorded) are judged by iteration alone,
+as before, when ``save_dir``'s latest has none either; otherwise they are set aside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from .._format.manifest import Lineage
+from .._storage.store import Store
+
+__all__ = ["RUN_FILE", "Announced", "Durable", "admissible", "describe_set_aside", "read_run", "write_run"]
+
+#: The run's id in ``save_dir``, written by the run's first save (before any durable step exists:
+#: a run that has saved only to the tier so far is still known by ``save_dir``).
+RUN_FILE = ".ckpt_engine_run.json"
+_RUN_ID = re.compile(r"^[0-9a-f]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Durable:
+    """``save_dir``'s latest step as one rank sees it: its iteration and lineage; or, where it
+    holds no checkpoint yet, only its run (``iteration`` ``None``, from :data:`RUN_FILE`)."""
+
+    iteration: int | None
+    lineage: Lineage | None
+    run_only: str | None = None
+
+    @property
+    def run_id(self) -> str | None:
+        return self.lineage.run_id if self.lineage is not None else self.run_only
+
+
+def read_run(save_dir: str, store: Store) -> str | None:
+    """The run id :data:`RUN_FILE` in ``save_dir`` records (``None``: none, or not readable)."""
+    try:
+        doc = json.loads(store.read_bytes(store.join(save_dir, RUN_FILE), 4096))
+    except Exception:  # missing, unreadable or not JSON: no run recorded
+        return None
+    run = doc.get("run_id") if isinstance(doc, dict) else None
+    return run if isinstance(run, str) and _RUN_ID.fullmatch(run) else None
+
+
+def write_run(save_dir: str, store: Store, run_id: str) -> None:
+    """Record ``run_id`` as ``save_dir``'s run (:data:`RUN_FILE`)."""
+    if store.capabilities.local_files:
+        os.makedirs(save_dir, exist_ok=True)
+    store.write_bytes(store.join(save_dir, RUN_FILE), json.dumps({"run_id": run_id}).encode())
+
+
+@dataclass(frozen=True)
+class Announced:
+    """One copy a rank holds: rank ``holder``'s copy of rank ``owner``'s ``iteration``."""
+
+    holder: int
+    owner: int
+    iteration: int
+    lineage: Lineage | None
+
+    @property
+    def save_id(self) -> str | None:
+        return None if self.lineage is None else self.lineage.save_id
+
+
+def admissible(durable: Durable | None, copies: list[Announced]) -> tuple[list[Announced], dict[str, list[Announced]]]:
+    """The copies a resume may take given ``save_dir``'s latest ``durable``, and the others, set
+    aside, by reason (copies older than ``durable`` are neither: they are simply not wanted)."""
+    if durable is None:
+        return [], ({"save_dir holds no checkpoint and no run (a fresh start)": list(copies)} if copies else {})
+    kept: list[Announced] = []
+    aside: dict[str, list[Announced]] = {}
+    rolled_back = _rolled_back_instances(durable, copies)
+    for copy in copies:
+        if durable.iteration is not None and copy.iteration < durable.iteration:
+            continue
+        reason = _reason(durable, copy, rolled_back)
+        if reason is None:
+            kept.append(copy)
+        else:
+            aside.setdefault(reason, []).append(copy)
+    return kept, aside
+
+
+def _rolled_back_instances(durable: Durable, copies: list[Announced]) -> set[str]:
+    """Engine instances of ``durable``'s run that committed a durable step newer than it (any, where
+    ``save_dir`` holds none)."""
+    if durable.run_id is None:
+        return set()
+    return {
+        c.lineage.instance
+        for c in copies
+        if c.lineage is not None
+        and c.lineage.run_id == durable.run_id
+        and c.lineage.parent_iteration is not None
+        and (durable.iteration is None or c.lineage.parent_iteration > durable.iteration)
+    }
+
+
+def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | None:
+    """Why ``copy`` (at least as new as ``durable``) may not be taken, or ``None``."""
+    ours, theirs = durable.lineage, copy.lineage
+    if durable.iteration is None:  # the run is known, none of its steps is durable yet
+        if theirs is None or theirs.run_id != durable.run_id:
+            return "another run"
+        return "save_dir was rolled back past its saves" if theirs.instance in rolled_back else None
+    if ours is None or theirs is None:
+        if ours is None and theirs is None:
+            return None
+        return "save_dir's latest records no run" if ours is None else "it records no run"
+    if theirs.run_id != ours.run_id:
+        return "another run"
+    if copy.iteration == durable.iteration:
+        return None if theirs.save_id == ours.save_id else "another save of save_dir's latest step"
+    if theirs.instance in rolled_back:
+        return "save_dir was rolled back past its saves"
+    if theirs.parent_save_id != ours.save_id:
+        return "it does not descend from save_dir's latest"
+    return None
+
+
+def describe_set_aside(aside: dict[str, list[Announced]]) -> str:
+    """One line naming the copies set aside and why."""
+    parts = []
+    for reason, copies in sorted(aside.items()):
+        its = ", ".join(map(str, sorted({c.iteration for c in copies})))
+        owners = ", ".join(map(str, sorted({c.owner for c in copies})))
+        replicas = sum(c.holder != c.owner for c in copies)
+        parts.append(
+            f"{reason}: {len(copies)} copies ({replicas} of them replicas) of iteration(s) {its} of rank(s) {owners}"
+        )
+    return "; ".join(parts)

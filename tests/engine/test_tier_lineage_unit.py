@@ -1,0 +1,224 @@
+"""The lineage of the node-local tier's steps (DESIGN section 12): the planner's rule on its own
+(which copies a resume may take, one save of a step on every rank), and in one process with real
+checkpoints: a new run, a rolled-back or replaced ``save_dir`` and another job's folders never
+resume the tier's step (the multi-rank cases are tests/distributed/test_tier_lineage.py's)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from ckpt_engine import CheckpointEngine
+from ckpt_engine._format.manifest import Lineage, lookup_manifest, parse_manifest
+from ckpt_engine._tier.lineage import Announced, Durable, admissible
+from ckpt_engine._tier.recovery import _plan
+from ckpt_engine._tier.topology import Topology
+from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
+
+RUN, OTHER = "aa11", "bb22"
+
+
+def _lin(save: str, parent: str | None = None, parent_it: int | None = None, run: str = RUN) -> Lineage:
+    return Lineage(run, save, parent, parent_it)
+
+
+def _copy(iteration: int, lineage: Lineage | None, owner: int = 0, holder: int | None = None) -> Announced:
+    return Announced(owner if holder is None else holder, owner, iteration, lineage)
+
+
+def _kept(durable: Durable | None, copies: list[Announced]) -> list[int]:
+    return sorted(c.iteration for c in admissible(durable, copies)[0])
+
+
+# -- the rule -------------------------------------------------------------------------------------
+
+
+def test_an_empty_save_dir_takes_nothing_from_the_tier() -> None:
+    copies = [_copy(7, _lin("e1-7", "e1-6", 6))]
+    kept, aside = admissible(None, copies)
+    assert kept == [] and list(aside.values()) == [copies]
+
+
+def test_only_descendants_of_save_dirs_latest_in_its_run_are_taken() -> None:
+    durable = Durable(6, _lin("e1-6", "e1-3", 3))
+    copies = [
+        _copy(6, _lin("e1-6", "e1-3", 3)),  # the durable step's own save
+        _copy(7, _lin("e1-7", "e1-6", 6)),  # descends from it
+        _copy(8, _lin("f1-2", "e9-6", 6)),  # another save of step 6 is its parent
+        _copy(9, _lin("e1-9", "e1-6", 6, run=OTHER)),  # another run
+        _copy(5, _lin("e1-5", "e1-3", 3)),  # older than save_dir's: not wanted, not set aside
+    ]
+    kept, aside = admissible(durable, copies)
+    assert sorted(c.iteration for c in kept) == [6, 7]
+    assert {r: [c.iteration for c in cs] for r, cs in aside.items()} == {
+        "it does not descend from save_dir's latest": [8],
+        "another run": [9],
+    }
+
+
+def test_a_tie_takes_the_durable_steps_own_save_only() -> None:
+    durable = Durable(6, _lin("e1-6", "e1-3", 3))
+    assert _kept(durable, [_copy(6, _lin("e1-6", "e1-3", 3))]) == [6]
+    assert _kept(durable, [_copy(6, _lin("e2-1", "e1-3", 3))]) == []
+
+
+def test_a_rolled_back_save_dir_sets_aside_every_save_of_the_engine_that_went_past_it() -> None:
+    """save_dir rolled back from 6 to 3: step 7 descends from the deleted 6, and step 5, made by
+    the same engine before it, is set aside with it; a later engine's saves after 3 are taken."""
+    durable = Durable(3, _lin("e1-3"))
+    old = [_copy(5, _lin("e1-5", "e1-3", 3)), _copy(7, _lin("e1-7", "e1-6", 6))]
+    assert _kept(durable, old) == []
+    later = [*old, _copy(4, _lin("e2-1", "e1-3", 3))]
+    assert _kept(durable, later) == [4]
+
+
+def test_before_its_first_durable_step_a_run_known_by_its_run_file_takes_its_own_steps() -> None:
+    durable = Durable(None, None, RUN)
+    copies = [
+        _copy(4, _lin("e1-4")),
+        _copy(5, _lin("e2-5", run=OTHER)),
+        _copy(6, _lin("e3-6", "e3-3", 3)),  # its durable step 3 is gone from save_dir
+        _copy(2, _lin("e3-2")),  # made by the same engine as 6: set aside with it
+    ]
+    assert _kept(durable, copies) == [4]
+
+
+def test_copies_without_a_lineage_follow_the_old_rule_only_beside_a_save_dir_without_one() -> None:
+    assert _kept(Durable(3, None), [_copy(5, None)]) == [5]
+    assert _kept(Durable(3, None), [_copy(5, _lin("e1-5"))]) == []
+    assert _kept(Durable(3, _lin("e1-3")), [_copy(5, None)]) == []
+
+
+def test_the_plan_never_mixes_two_saves_of_one_step() -> None:
+    """Ranks 0-1 hold a new save of step 7, ranks 2-3 the old one (with its replicas of ranks 0-1
+    on their node): only the old save is complete, and every part comes from it."""
+    topology = Topology(world=4, ranks_per_node=2, replicas=1)
+    new, old = _lin("e2-1", "e1-6", 6), _lin("e1-7", "e1-6", 6)
+    kept = [
+        _copy(7, new, owner=0),
+        _copy(7, new, owner=1),
+        _copy(7, old, owner=2),
+        _copy(7, old, owner=3),
+        _copy(7, old, owner=0, holder=2),
+        _copy(7, old, owner=1, holder=3),
+    ]
+    plan = _plan(kept, set(), topology)
+    assert plan is not None and (plan.iteration, plan.save_id) == (7, "e1-7")
+    assert plan.source == {0: 2, 1: 3, 2: 2, 3: 3}
+    assert _plan(kept[:4], set(), topology) is None  # neither save complete: nothing from the tier
+
+
+# -- the manifest -----------------------------------------------------------------------------------
+
+
+def test_a_lineage_round_trips_through_the_manifest_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    config = {"save_dir": str(tmp_path / "durable"), "local_dir": str(tmp_path / "local"), "persist_every": 2}
+    _save(config, range(1, 4))
+    durable = lookup_manifest(tmp_path / "durable/iter_000000002").manifest
+    local = lookup_manifest(tmp_path / "local/rank_00000/iter_000000003").manifest
+    assert durable is not None and local is not None and durable.lineage is not None and local.lineage is not None
+    assert local.lineage.run_id == durable.lineage.run_id
+    assert (local.lineage.parent_save_id, local.lineage.parent_iteration) == (durable.lineage.save_id, 2)
+    assert parse_manifest(local.to_json().encode(), "test").lineage == local.lineage
+    doc = json.loads(local.to_json())
+    doc["lineage"]["run_id"] = "../x"
+    with pytest.raises(Exception, match="run_id"):
+        parse_manifest(json.dumps(doc).encode(), "test")
+    # Plain DCP still loads the engine's checkpoint (the lineage is the manifest's only).
+    state = TinyTrainingState.create(seed=5)
+    sd = state.model.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "durable/iter_000000002/model"))
+
+
+# -- in one process, real checkpoints -----------------------------------------------------------
+
+
+def _snapshot(state: TinyTrainingState) -> dict[str, Any]:
+    return {"model": {k: v.clone() for k, v in state.model.state_dict().items()}}
+
+
+def _save(config: dict[str, Any], steps: range, seed: int = 1) -> dict[int, dict[str, Any]]:
+    state = TinyTrainingState.create(seed=seed)
+    out = {}
+    with CheckpointEngine(config) as engine:
+        for it in steps:
+            state.train(1, seed=it * seed)
+            assert engine.save(it, **state.objects()).result().succeeded
+            out[it] = _snapshot(state)
+    return out
+
+
+def _resume(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    state = TinyTrainingState.create(seed=99)
+    with CheckpointEngine(config) as engine:
+        result = engine.load(**state.objects())
+    return result, _snapshot(state)
+
+
+def _config(save_dir: Path, local_dir: Path) -> dict[str, Any]:
+    return {"save_dir": str(save_dir), "local_dir": str(local_dir), "persist_every": 3, "local_keep_last": 3}
+
+
+def test_a_new_run_with_an_empty_save_dir_starts_fresh_beside_an_old_tier(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _save(_config(tmp_path / "old", tmp_path / "local"), range(1, 8))
+    with caplog.at_level(logging.WARNING, logger="ckpt_engine"):
+        result, _ = _resume(_config(tmp_path / "new", tmp_path / "local"))
+    assert (result.iteration, result.source) == (0, "scratch")
+    lines = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+    assert len(lines) == 1 and "save_dir holds no checkpoint" in lines[0] and "iteration(s) 5, 6, 7" in lines[0]
+    # The new run saves the old run's iterations again (not refused as re-saves) and resumes its own.
+    new = _save(_config(tmp_path / "new", tmp_path / "local"), range(1, 8), seed=3)
+    result, got = _resume(_config(tmp_path / "new", tmp_path / "local"))
+    assert (result.iteration, set(result.bytes_by_source)) == (7, {"local"})
+    assert_state_dicts_equal(got, new[7])
+
+
+def test_a_run_with_no_durable_step_yet_resumes_its_tier(tmp_path: Path) -> None:
+    config = {**_config(tmp_path / "durable", tmp_path / "local"), "persist_every": 10}
+    saved = _save(config, range(1, 6))
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (5, {"local"})
+    assert_state_dicts_equal(got, saved[5])
+
+
+def test_a_rolled_back_save_dir_resumes_its_latest(tmp_path: Path) -> None:
+    config = _config(tmp_path / "durable", tmp_path / "local")
+    saved = _save(config, range(1, 8))
+    shutil.rmtree(tmp_path / "durable/iter_000000006")
+    (tmp_path / "durable/latest_checkpoint.txt").write_text("iter_000000003\n")
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (3, {"durable"})
+    assert_state_dicts_equal(got, saved[3])
+
+
+def test_a_save_dir_replaced_by_another_runs_steps_resumes_them(tmp_path: Path) -> None:
+    config = _config(tmp_path / "durable", tmp_path / "local")
+    _save(config, range(1, 7))
+    other = _save(_config(tmp_path / "other", tmp_path / "other_local"), range(1, 7), seed=3)
+    shutil.rmtree(tmp_path / "durable")
+    shutil.copytree(tmp_path / "other", tmp_path / "durable")
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (6, {"durable"})
+    assert_state_dicts_equal(got, other[6])
+
+
+def test_another_jobs_folders_copied_into_local_dir_are_not_resumed(tmp_path: Path) -> None:
+    config = _config(tmp_path / "durable", tmp_path / "local")
+    saved = _save(config, range(1, 6))
+    _save(_config(tmp_path / "other", tmp_path / "other_local"), range(1, 10), seed=3)
+    for it in (8, 9):
+        name = f"rank_00000/iter_00000000{it}"
+        shutil.copytree(tmp_path / "other_local" / name, tmp_path / "local" / name)
+    (tmp_path / "local/rank_00000/latest_checkpoint.txt").write_text("iter_000000009\n")
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (5, {"local"})
+    assert_state_dicts_equal(got, copy.deepcopy(saved[5]))
