@@ -147,3 +147,16 @@ def test_a_trainer_with_the_io_pickles(tmp_path: Path) -> None:
     plugin.save_checkpoint(checkpoint, os.path.join(tmp_path, "copy.ckpt"))  # its own lock and engine
     plugin.teardown()
     assert torch.equal(plugin.load_checkpoint(tmp_path / "copy.ckpt")["state_dict"]["w"], torch.ones(2))
+
+
+def test_installing_again_wraps_lightnings_load_from_checkpoint_once() -> None:
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    from ckpt_engine.integrations.lightning import install_load_from_checkpoint
+
+    before = [owner.__dict__["load_from_checkpoint"].method for owner in (LightningModule, LightningDataModule)]
+    install_load_from_checkpoint()
+    for owner, wrapper in zip((LightningModule, LightningDataModule), before, strict=True):
+        now = owner.__dict__["load_from_checkpoint"].method
+        assert now is not wrapper and now.__ckpt_engine_original__ is wrapper.__ckpt_engine_original__
+        assert not hasattr(now.__ckpt_engine_original__, "__ckpt_engine_original__")  # Lightning's own, once
