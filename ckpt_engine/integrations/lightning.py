@@ -340,6 +340,8 @@ class EngineCheckpointIO(CheckpointIO):
             ", ".join(changed[:8]),
             name,
         )
+        if self._engine is not None:
+            self._engine.wait()  # the first save commits (and writes its pointers) before it is replaced
         with self._lock:
             self._saved.discard(step)
             self._committed.discard(step)
