@@ -167,6 +167,21 @@ _STATE_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+def _callback_state(value: Any) -> bool:
+    """Whether ``value`` is one stored callback state: ``{"args": {...}, "attributes": {...}}``."""
+    return isinstance(value, dict) and all(isinstance(value.get(k, {}), dict) for k in ("args", "attributes"))
+
+
+def _entries_fit(key: str, value: Any) -> bool:
+    """Whether the entries of a well-typed container field are what the Trainer reads from them."""
+    if key == "log_history":
+        return all(isinstance(e, dict) for e in value or [])
+    if key == "stateful_callbacks":
+        states = [s for v in (value or {}).values() for s in (v if isinstance(v, list) else [v])]
+        return all(_callback_state(s) for s in states)
+    return True
+
+
 def check_trainer_state(state: Any, where: str) -> None:
     """Raise :class:`~ckpt_engine.CorruptCheckpointError` naming ``where`` and the field when
     ``state`` (a parsed trainer state) is no JSON object of ``TrainerState``'s fields with their
@@ -183,7 +198,7 @@ def check_trainer_state(state: Any, where: str) -> None:
             )
         kinds = _STATE_TYPES.get(key)
         bad = kinds is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds))
-        if bad or (key == "log_history" and not all(isinstance(e, dict) for e in value or [])):
+        if bad or not _entries_fit(key, value):
             raise CorruptCheckpointError(
                 f"{where}: the trainer state's {key!r} is {str(value)[:60]!r} ({type(value).__name__}), not the "
                 f"{' or '.join('null' if k is type(None) else k.__name__ for k in kinds or (list,))} TrainerState "

@@ -78,6 +78,7 @@ def test_the_best_model_loads_only_from_inside_the_run(tmp_path: Path, caplog: p
         ({"bogus_field": 1}, "bogus_field"),
         ({"best_metric": "high"}, "best_metric"),
         ({"log_history": [3]}, "log_history"),
+        ({"stateful_callbacks": {"TrainerControl": {"args": []}}}, "stateful_callbacks"),
     ],
 )
 def test_a_trainer_state_with_unknown_or_mistyped_fields_is_a_typed_error(
