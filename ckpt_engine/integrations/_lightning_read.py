@@ -10,6 +10,7 @@ Lightning.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -24,6 +25,7 @@ from ..config import EngineConfig
 from ..errors import (
     CheckpointLoadError,
     CheckpointNotFoundError,
+    CkptEngineError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     LoadStrictnessError,
@@ -32,6 +34,7 @@ from ._pointers import (
     ITER_NAME,
     POINTER_FORMAT,
     NotALightningCheckpointError,
+    Pointer,
     PointerMismatchError,
     read_pointer,
     same_save_dir,
@@ -97,18 +100,25 @@ class CheckpointReader:
         """The checkpoint dict at ``where`` (a pointer file, an ``iter_*`` folder or a save
         folder). ``like`` is a partial checkpoint dict of live tensors (``state_dict``,
         ``optimizer_states``): each stored tensor of the same dtype and shape is read into it."""
-        save_dir, folder, claimed = self._resolve(where)
+        save_dir, folder, pointer = self._resolve(where)
         structure, checkpoint_dir, iteration = self._read_structure(save_dir, folder, where=where)
-        if claimed is not None and iteration != claimed:
+        if pointer is not None and iteration != pointer.iteration:
             raise PointerMismatchError(
-                f"{where} claims iteration {claimed}, but {checkpoint_dir} holds iteration {iteration}; the pointer "
-                "or the checkpoint was replaced. Load the checkpoint folder itself if it is the one you want"
+                f"{where} claims iteration {pointer.iteration}, but {checkpoint_dir} holds iteration {iteration}; the "
+                "pointer or the checkpoint was replaced. Load the checkpoint folder itself if it is the one you want"
+            )
+        saved = structure.get("save_id")
+        if pointer is not None and pointer.save_id is not None and saved is not None and saved != pointer.save_id:
+            raise PointerMismatchError(
+                f"{where} was written for a save of iteration {iteration} that a later save of the same global step "
+                f"replaced (allow_overwrite) in {checkpoint_dir}; load the checkpoint folder itself to get the later "
+                "state, or the pointer that save wrote"
             )
         return self._read_checkpoint(structure, checkpoint_dir, like or {})
 
-    def _resolve(self, path: str) -> tuple[str, str | None, int | None]:
-        """``(save_dir, checkpoint folder, the iteration a pointer claims)``; the folder ``None``
-        means the save folder's latest (which is what a ``last*.ckpt`` pointer stands for)."""
+    def _resolve(self, path: str) -> tuple[str, str | None, Pointer | None]:
+        """``(save_dir, checkpoint folder, the pointer that names it)``; the folder ``None`` means
+        the save folder's latest (which is what a ``last*.ckpt`` pointer stands for)."""
         fs, inner = url_to_fs(path)
         if not fs.exists(inner):
             raise CheckpointNotFoundError(f"{path} does not exist: no checkpoint to load")
@@ -119,6 +129,7 @@ class CheckpointReader:
             return trimmed, None, None
         pointer = read_pointer(path)
         assert pointer is not None
+        pointer = self.locate(pointer)
         if not same_save_dir(pointer.save_dir, self.save_dir):
             if not self.allow_foreign_pointers:
                 raise PointerMismatchError(
@@ -135,7 +146,23 @@ class CheckpointReader:
             )
         if _LAST_NAME.match(os.path.basename(path)):
             return pointer.save_dir, None, None
-        return pointer.save_dir, pointer.folder, pointer.iteration
+        return pointer.save_dir, pointer.folder, pointer
+
+    def locate(self, pointer: Pointer) -> Pointer:
+        """``pointer``, in the folder it names relative to itself where that is elsewhere than the
+        ``save_dir`` it was written with (a copied or moved run) and the checkpoint there is the
+        very save it was written for (its ``save_id``); else as written. A pointer copied alone
+        into another run's folder therefore still names its own run's checkpoint."""
+        moved = pointer.moved_dir
+        if moved is None or pointer.save_id is None:
+            return pointer
+        try:
+            structure, _, _ = self._read_structure(moved, f"{moved.rstrip('/')}/{pointer.checkpoint}", where=moved)
+        except CkptEngineError:
+            return pointer
+        if structure.get("save_id") != pointer.save_id:
+            return pointer
+        return dataclasses.replace(pointer, save_dir=moved, moved_dir=None)
 
     def _engine(self, save_dir: str, folder: str | None, *, verify: str | None = None) -> Any:
         """An engine that only loads: ``folder`` exactly, or the latest of ``save_dir``."""

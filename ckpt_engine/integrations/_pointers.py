@@ -7,6 +7,7 @@ engine checkpoint ``<save_dir>/iter_N``. Nothing here imports Lightning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ __all__ = [
     "Pointer",
     "PointerFolders",
     "PointerMismatchError",
+    "pointer_body",
     "read_pointer",
     "same_save_dir",
     "url_to_fs",
@@ -74,6 +76,12 @@ class Pointer:
     save_dir: str
     checkpoint: str
     iteration: int
+    #: The save the pointer was written for (the checkpoint's structure JSON holds it too): a
+    #: checkpoint replaced by another save of its step (``allow_overwrite``) no longer matches.
+    save_id: str | None = None
+    #: Where ``save_dir`` is relative to the pointer's folder, when that is elsewhere (the run
+    #: folder was copied or moved): trusted once the checkpoint there holds ``save_id``.
+    moved_dir: str | None = None
 
     @property
     def folder(self) -> str:
@@ -128,7 +136,18 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
                 f"{path}: the pointer's {field!r} is missing or not a {kind.__name__}; rewrite the pointer, or load "
                 "the checkpoint folder (iter_*) itself"
             )
-    pointer = Pointer(data["save_dir"], data["checkpoint"], data["iteration"])
+    relative, save_id = data.get("save_dir_relative"), data.get("save_id")
+    for field, value in (("save_dir_relative", relative), ("save_id", save_id)):
+        if value is not None and not isinstance(value, str):
+            raise CorruptCheckpointError(
+                f"{path}: the pointer's {field!r} is not a str; rewrite the pointer, or load the checkpoint folder "
+                "(iter_*) itself"
+            )
+    moved: str | None = None
+    if relative is not None and not is_url(path):  # a moved or copied run: its pointers move with it
+        moved = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), relative))
+        moved = None if same_save_dir(moved, data["save_dir"]) else moved
+    pointer = Pointer(data["save_dir"], data["checkpoint"], data["iteration"], save_id, moved)
     if not ITER_NAME.match(pointer.checkpoint):
         raise CorruptCheckpointError(f"{path}: names {pointer.checkpoint[:80]!r}, which is no checkpoint folder name")
     if parse_iteration(pointer.checkpoint) != pointer.iteration:
@@ -137,6 +156,24 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
             "pointer, or load the checkpoint folder itself"
         )
     return pointer
+
+
+def pointer_body(path: str, save_dir: str, iteration: int, **more: Any) -> bytes:
+    """The pointer file at ``path`` naming ``<save_dir>/iter_{iteration:09}``. Between local
+    folders it also names ``save_dir`` relative to the pointer's folder, which :func:`read_pointer`
+    prefers, so that a run folder copied or moved whole still resumes (``save_dir`` stays for
+    the pointers of a pointer folder moved alone, and for older readers)."""
+    body: dict[str, Any] = {
+        "format": POINTER_FORMAT,
+        "save_dir": save_dir,
+        "checkpoint": f"iter_{iteration:09}",
+        "iteration": iteration,
+    }
+    if not is_url(path) and not is_url(save_dir):
+        folder = os.path.dirname(os.path.abspath(path))
+        with contextlib.suppress(ValueError):  # another drive (Windows): absolute only
+            body["save_dir_relative"] = os.path.relpath(save_dir, folder)
+    return (json.dumps({**body, **more}, indent=1) + "\n").encode()
 
 
 def write_file(path: str, data: bytes) -> None:
@@ -232,6 +269,8 @@ class PointerFolders:
                     other = read_pointer(os.path.join(folder, base))
                 except CkptEngineError:
                     continue
-                if other is not None and same_save_dir(other.save_dir, self.save_dir):
-                    named.add(other.checkpoint)
+                if other is not None and any(
+                    d is not None and same_save_dir(d, self.save_dir) for d in (other.save_dir, other.moved_dir)
+                ):
+                    named.add(other.checkpoint)  # a copied run's pointer may name it too: kept
         return named

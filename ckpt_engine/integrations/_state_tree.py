@@ -15,7 +15,12 @@ that mapping, so a model state dict can be saved and loaded as the engine's ``mo
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import pickle
+import uuid
+import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +30,17 @@ from torch import nn
 
 from ..errors import ArgumentTypeError, CorruptCheckpointError
 
-__all__ = ["dtype_name", "flatten", "live_target", "parse_dtype", "skeleton", "tensor_module", "unflatten"]
+__all__ = [
+    "differing_keys",
+    "dtype_name",
+    "fingerprint_checkpoint",
+    "flatten",
+    "live_target",
+    "parse_dtype",
+    "skeleton",
+    "tensor_module",
+    "unflatten",
+]
 
 #: The JSON node kinds: a dict, an ordered dict, a list, a tuple, an inline scalar, a tensor item,
 #: an object item (any other value, stored by DCP as bytes and read with ``weights_only``).
@@ -199,3 +214,54 @@ def tensor_module(tensors: Mapping[str, torch.Tensor]) -> nn.Module:
                 "a key must be a dotted path of module attribute names, each naming one tensor"
             ) from err
     return root
+
+
+#: Top-level keys of a Lightning checkpoint that count its progress, not its state: two saves of
+#: one global step differ in them when one is made after ``fit`` returned (the epoch ended).
+PROGRESS_KEYS = frozenset({"loops", "epoch"})
+
+
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+    data = local.detach().cpu().contiguous().reshape(-1)
+    raw: Any = data.view(torch.uint8).numpy()  # the tensor's own bytes, not a copy (a buffer)
+    crc = zlib.crc32(raw) if data.numel() else 0
+    return f"{dtype_name(local.dtype)}{list(local.shape)}:{crc:08x}"
+
+
+def _object_digest(value: Any) -> str:
+    try:
+        return hashlib.sha256(pickle.dumps(value, protocol=4)).hexdigest()
+    except (pickle.PicklingError, TypeError, AttributeError, ValueError):
+        return type(value).__qualname__  # unpicklable: compared by type only
+
+
+def fingerprint_checkpoint(checkpoint: Mapping[str, Any], bookkeeping: frozenset[str]) -> dict[str, str]:
+    """A digest of each top-level entry of a checkpoint dict (of each callback's state under
+    ``callbacks``): its structure and scalars, each tensor's bytes (CRC-32), each object's pickle.
+    :data:`PROGRESS_KEYS` and the callbacks named in ``bookkeeping`` are left out."""
+    entries: dict[str, Any] = {}
+    for key, value in checkpoint.items():
+        if key in PROGRESS_KEYS:
+            continue
+        if key == "callbacks" and isinstance(value, Mapping):
+            entries |= {f"callbacks[{k!r}]": v for k, v in value.items() if k not in bookkeeping}
+        else:
+            entries[repr(key)] = value
+    digests = {}
+    for name, value in entries.items():
+        try:
+            tree, items = flatten(value)
+            hashed = {
+                k: _tensor_digest(v) if isinstance(v, torch.Tensor) else _object_digest(v) for k, v in items.items()
+            }
+            text = json.dumps([tree, hashed], sort_keys=True, default=repr)
+        except (RecursionError, ArgumentTypeError):  # the save refuses it, naming why
+            text = f"unreadable {uuid.uuid4()}"  # never equal to another save's
+        digests[name] = hashlib.sha256(text.encode()).hexdigest()
+    return digests
+
+
+def differing_keys(first: Mapping[str, str], second: Mapping[str, str]) -> list[str]:
+    """The entries two :func:`fingerprint_checkpoint` results disagree on (present in one only, too)."""
+    return sorted(k for k in first.keys() | second.keys() if first.get(k) != second.get(k))

@@ -13,7 +13,9 @@ and object storage as configured), with these components:
 At the path Lightning chose (``epoch=1-step=8.ckpt``, ``last.ckpt``) a small JSON *pointer file*
 names the engine checkpoint; it is written once the checkpoint is committed. Loading a pointer
 named ``last*.ckpt`` (what ``ckpt_path="last"`` resolves to) resumes from the engine's
-``latest_checkpoint.txt``; any other pointer loads the checkpoint it names.
+``latest_checkpoint.txt``; any other pointer loads the checkpoint it names. Importing this
+module also makes ``LightningModule.load_from_checkpoint`` (and ``LightningDataModule``'s) read
+those paths through the engine (:func:`install_load_from_checkpoint`).
 
 It runs under a single-device strategy, under DDP (``strategy="ddp"``) and under
 ``ModelParallelStrategy`` (FSDP2, DTensor): when Lightning connects the IO to its strategy,
@@ -25,15 +27,19 @@ describes the mapping and its limits.
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.strategies import Strategy
 
 from .._format import bounded_json
@@ -43,7 +49,7 @@ from .._markers import hookimpl
 from .._storage.store import open_store
 from .._storage.urls import is_url
 from ..config import EngineConfig
-from ..errors import ArgumentTypeError, CheckpointSaveError, CkptEngineError
+from ..errors import ArgumentTypeError, CheckpointExistsError, CheckpointSaveError, CkptEngineError
 from ..types import SaveResult
 from ._lightning_read import (
     COMPONENT,
@@ -55,6 +61,7 @@ from ._lightning_read import (
 )
 from ._lightning_strategies import Connection, IOCalls, UnsupportedStrategyError, connect, install
 from ._pointers import (
+    ITER_NAME,
     LAST_ALIAS,
     POINTER_FOLDERS_FILE,
     POINTER_FORMAT,
@@ -62,12 +69,13 @@ from ._pointers import (
     Pointer,
     PointerFolders,
     PointerMismatchError,
+    pointer_body,
     read_pointer,
     same_save_dir,
     url_to_fs,
     write_file,
 )
-from ._state_tree import dtype_name, flatten, tensor_module
+from ._state_tree import differing_keys, dtype_name, fingerprint_checkpoint, flatten, tensor_module
 
 __all__ = [
     "COMPONENT",
@@ -79,6 +87,8 @@ __all__ = [
     "NotALightningCheckpointError",
     "PointerMismatchError",
     "UnsupportedStrategyError",
+    "engine_checkpoint_dict",
+    "install_load_from_checkpoint",
     "parse_structure",
     "read_pointer",
 ]
@@ -104,6 +114,21 @@ def _world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+#: The attributes of an ``EngineCheckpointIO`` that belong to the running process (not pickled).
+_RUNTIME_STATE = (
+    "_engine",
+    "_lock",
+    "_pending",
+    "_saved",
+    "_committed",
+    "_pointer_errors",
+    "_doomed",
+    "_folders",
+    "_fingerprints",
+    "_save_ids",
+)
 
 
 def _alone(flag: bool) -> bool:
@@ -137,23 +162,52 @@ class EngineCheckpointIO(CheckpointIO):
         self.config = EngineConfig.coerce(config)
         self._plugins = tuple(plugins)
         self.allow_foreign_pointers = allow_foreign_pointers
-        self._engine: Any = None
         #: How the IO runs under the strategy Lightning connected it to (none: called directly).
         self._connection: Connection | None = None
+        self._engine: Any
+        self._lock: threading.Lock
+        self._pending: dict[int, list[str]]
+        self._saved: set[int]
+        self._committed: set[int]
+        self._pointer_errors: list[str]
+        self._doomed: dict[str, Pointer]
+        self._folders: PointerFolders
+        self._fingerprints: dict[int, dict[str, str]]
+        self._save_ids: dict[int, str]
+        self._reset_runtime()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickles (``torch.save(trainer)``, a copied ``Trainer``): the configuration and the
+        strategy connection; not the lock, the engine or the saves in flight, which belong to
+        this process (a copy creates its own engine at its first save)."""
+        state = self.__dict__.copy()
+        for runtime in _RUNTIME_STATE:
+            state.pop(runtime, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self._engine = None
         self._lock = threading.Lock()
         #: iteration -> Lightning paths whose pointer waits for that iteration's commit (rank 0).
-        self._pending: dict[int, list[str]] = {}
+        self._pending = {}
         #: Iterations this object saved (or is saving) and those committed: Lightning saves one
         #: step under several names (a top-k file, then ``last.ckpt``); the engine writes it once.
         #: The same on every rank, so that every rank makes the same call to the collective save:
         #: a background save that failed stays in it (the engine raises its failure on every rank),
         #: so that no rank's commit thread makes it save again a step the other ranks skip.
-        self._saved: set[int] = set()
-        self._committed: set[int] = set()
-        self._pointer_errors: list[str] = []
+        self._saved = set()
+        self._committed = set()
+        self._pointer_errors = []
         #: Engine checkpoints whose last pointer Lightning removed, to delete once not the latest.
-        self._doomed: dict[str, Pointer] = {}
+        self._doomed = {}
         self._folders = PointerFolders(self.save_dir)
+        #: step -> digests of the state saved at that step, and the id of its save (in its pointers).
+        self._fingerprints = {}
+        self._save_ids = {}
 
     # -- the engine and the strategy --------------------------------------------------------
 
@@ -228,25 +282,71 @@ class EngineCheckpointIO(CheckpointIO):
             )
         rank = _world()[0]
         target = os.fspath(path)
+        fingerprint = fingerprint_checkpoint(checkpoint, self._bookkeeping_callbacks())
+        with self._lock:
+            again = step in self._saved
+            changed = differing_keys(self._fingerprints.get(step, {}), fingerprint) if again else []
+        if again and agree(bool(changed)):  # every rank decides alike
+            self._replace_step(step, target, changed)
         with self._lock:
             again, committed = step in self._saved, step in self._committed
             if not committed and rank == 0:
                 self._pending.setdefault(step, []).append(target)
             self._saved.add(step)
+            if not again:
+                self._fingerprints[step] = fingerprint
+                self._save_ids[step] = uuid.uuid4().hex
+            save_id = self._save_ids[step]
         if again:  # the same step under another name: point at the one engine checkpoint
             if committed and rank == 0:
                 self._write_pointers(step, [target])
             return
-        model, items = self._split(checkpoint)
         try:
+            model, items = self._split(checkpoint, save_id)
             self.engine.save(step, model=model, extra={COMPONENT: Items(items)})
         except BaseException:
             with self._lock:
                 self._pending.pop(step, None)
                 self._saved.discard(step)
+                self._fingerprints.pop(step, None)
             raise
 
-    def _split(self, checkpoint: Mapping[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
+    def _bookkeeping_callbacks(self) -> frozenset[str]:
+        """The ``state_key``\\ s of the trainer's ``ModelCheckpoint`` callbacks (connected to a
+        strategy with a module on a trainer): their state changes between the names of one save."""
+        module = self._connection.strategy.lightning_module if self._connection is not None else None
+        try:
+            trainer = module.trainer if module is not None else None
+        except RuntimeError:  # a module on no trainer
+            trainer = None
+        return frozenset(cb.state_key for cb in trainer.checkpoint_callbacks) if trainer is not None else frozenset()
+
+    def _replace_step(self, step: int, target: str, changed: list[str]) -> None:
+        """A save of ``step``, already saved, with another state (``changed``: the keys that
+        differ): refused with :class:`~ckpt_engine.CheckpointExistsError` unless ``allow_overwrite``
+        lets it replace the checkpoint (whose earlier pointers then refuse to load it)."""
+        name = f"iter_{step:09}"
+        if not self.config.allow_overwrite:
+            raise CheckpointExistsError(
+                f"{target}: global step {step} is already saved as {self.save_dir}/{name} with another state (it "
+                f"differs in {', '.join(changed[:8])}); EngineCheckpointIO keeps one checkpoint per global_step. "
+                "Save after the next training step, or set allow_overwrite: true in the engine config to replace "
+                f"{name} (the pointers saved before then refuse to load it)"
+            )
+        logger.warning(
+            "%s: global step %d saved again with another state (%s); replacing %s",
+            target,
+            step,
+            ", ".join(changed[:8]),
+            name,
+        )
+        if self._engine is not None:
+            self._engine.wait()  # the first save commits (and writes its pointers) before it is replaced
+        with self._lock:
+            self._saved.discard(step)
+            self._committed.discard(step)
+
+    def _split(self, checkpoint: Mapping[str, Any], save_id: str) -> tuple[torch.nn.Module, dict[str, Any]]:
         """The model module (the state dict's tensors) and the ``lightning`` component's items.
 
         Under DDP and ``ModelParallelStrategy`` every rank gives its own checkpoint dict (so all
@@ -265,6 +365,7 @@ class EngineCheckpointIO(CheckpointIO):
             structure = {
                 "format": POINTER_FORMAT,
                 "version": 1,
+                "save_id": save_id,
                 "has_state_dict": "state_dict" in checkpoint,
                 "state_dict_order": [k if isinstance(k, str) else None for k in state_dict],
                 "model": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in tensors.items()},
@@ -299,7 +400,8 @@ class EngineCheckpointIO(CheckpointIO):
         Runs on the engine's commit thread for background saves: a failure is raised by the next
         save or ``teardown()`` (the checkpoint itself stays committed)."""
         name = f"iter_{iteration:09}"
-        body = {"format": POINTER_FORMAT, "save_dir": self.save_dir, "checkpoint": name, "iteration": iteration}
+        with self._lock:
+            save_id = self._save_ids.get(iteration)
         folders = {os.path.dirname(p) for p in paths}
         try:
             self._folders.add(folders)
@@ -307,10 +409,11 @@ class EngineCheckpointIO(CheckpointIO):
             logger.error("cannot record the pointer folders %s in %s: %s", sorted(folders), self.save_dir, err)
             with self._lock:
                 self._pointer_errors.append(f"{self._folders.record}: {err}")
-        jobs = [(p, body) for p in paths] + [(os.path.join(d, LAST_ALIAS), {**body, "latest": True}) for d in folders]
-        for p, content in jobs:
+        jobs = [(p, False) for p in paths] + [(os.path.join(d, LAST_ALIAS), True) for d in folders]
+        for p, latest in jobs:
             try:
-                write_file(p, (json.dumps(content, indent=1) + "\n").encode())
+                more = {"save_id": save_id, "latest": True} if latest else {"save_id": save_id}
+                write_file(p, pointer_body(p, self.save_dir, iteration, **more))
             except OSError as err:
                 logger.error("cannot write the Lightning pointer %s to %s: %s", p, name, err)
                 with self._lock:
@@ -403,9 +506,77 @@ class EngineCheckpointIO(CheckpointIO):
                 pass  # the engine's own retention (keep_last) removed it first
 
 
-def _on_connect(strategy: Strategy, io: CheckpointIO) -> None:
-    if isinstance(io, EngineCheckpointIO):
-        io._connect(strategy)
+def _on_connect(strategy: Strategy, checkpoint_io: CheckpointIO) -> None:
+    if isinstance(checkpoint_io, EngineCheckpointIO):
+        checkpoint_io._connect(strategy)
 
 
 install(_on_connect)
+
+
+# -- LightningModule.load_from_checkpoint ------------------------------------------------------
+
+
+def engine_checkpoint_dict(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The checkpoint dict at ``path`` when it is this integration's (a pointer file, an engine
+    checkpoint folder ``iter_*`` or a save folder), read through an engine that only loads, with
+    the default configuration for the checkpoint's own save folder (verified, values read
+    ``weights_only``); ``None`` for anything else (a ``torch.save`` checkpoint, a missing path)."""
+    where = os.fspath(path)
+    fs, inner = url_to_fs(where)
+    if not fs.exists(inner):
+        return None
+    if fs.isdir(inner):
+        trimmed = where.rstrip("/")
+        save_dir = os.path.dirname(trimmed) if ITER_NAME.match(os.path.basename(trimmed)) else trimmed
+    else:
+        try:
+            pointer = read_pointer(where)
+        except NotALightningCheckpointError:
+            return None
+        if pointer is None:
+            return None
+        save_dir = pointer.moved_dir or pointer.save_dir
+        save_dir = (
+            CheckpointReader(EngineConfig(save_dir=save_dir), (), save_dir, allow_foreign_pointers=True)
+            .locate(pointer)
+            .save_dir
+        )
+    reader = CheckpointReader(EngineConfig(save_dir=save_dir), (), save_dir, allow_foreign_pointers=False)
+    return reader.read(where)
+
+
+def _engine_aware(load: Callable[..., Any]) -> Callable[..., Any]:
+    """Lightning's ``load_from_checkpoint`` (``load``), which also takes this integration's paths:
+    Lightning ``torch.load``-s the path it is given and never asks a ``CheckpointIO``, so the
+    checkpoint dict is read through the engine here and handed to it as an in-memory
+    ``torch.save`` file (its documented file-like argument)."""
+
+    @functools.wraps(load)
+    def load_from_checkpoint(cls: type, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(checkpoint_path, (str, os.PathLike)) and not os.fspath(checkpoint_path).startswith("http"):
+            checkpoint = engine_checkpoint_dict(checkpoint_path)
+            if checkpoint is not None:
+                buffer = io.BytesIO()
+                torch.save(checkpoint, buffer)
+                del checkpoint
+                buffer.seek(0)
+                checkpoint_path = buffer
+        return load(cls, checkpoint_path, *args, **kwargs)
+
+    load_from_checkpoint.__ckpt_engine_original__ = load  # type: ignore[attr-defined]
+    return load_from_checkpoint
+
+
+def install_load_from_checkpoint() -> None:
+    """Make ``LightningModule.load_from_checkpoint`` and ``LightningDataModule.load_from_checkpoint``
+    load this integration's pointer files and checkpoint folders (any other path: as Lightning
+    does). Installing again replaces the wrapper (a reloaded module)."""
+    for owner in (LightningModule, LightningDataModule):
+        current = owner.__dict__["load_from_checkpoint"]
+        method = current.method  # Lightning's restricted classmethod keeps the function here
+        method = getattr(method, "__ckpt_engine_original__", method)
+        setattr(owner, "load_from_checkpoint", type(current)(_engine_aware(method)))  # noqa: B010
+
+
+install_load_from_checkpoint()

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -47,6 +48,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CkptEngineError,
     ConfigError,
+    CorruptCheckpointError,
 )
 from ..types import SaveResult
 from ._trainer_checkpoint import (
@@ -76,11 +78,14 @@ __all__ = [
     "EngineTrainerMixin",
     "NotATrainerCheckpointError",
     "UnsupportedTrainerSetupError",
+    "check_trainer_state",
 ]
 
 logger = logging.getLogger("ckpt_engine")
 
 EngineConfigLike = EngineConfig | Mapping[str, Any] | str | os.PathLike[str]
+#: The name of a checkpoint folder the Trainer itself writes (``PREFIX_CHECKPOINT_DIR``-N).
+_TRAINER_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 
 
 class UnsupportedTrainerSetupError(CkptEngineError, ValueError):
@@ -137,6 +142,70 @@ def _last_trainer_checkpoint(output_dir: str) -> str | None:
     return found
 
 
+#: The JSON types of the ``TrainerState`` fields a resume reads (``None`` allowed where listed).
+_STATE_TYPES: dict[str, tuple[type, ...]] = {
+    "epoch": (int, float),
+    "global_step": (int,),
+    "max_steps": (int,),
+    "logging_steps": (int, float),
+    "eval_steps": (int, float),
+    "save_steps": (int, float),
+    "train_batch_size": (int,),  # the Trainer compares it with its own on every resume
+    "num_train_epochs": (int, float),
+    "num_input_tokens_seen": (int,),
+    "total_flos": (int, float),
+    "log_history": (list, type(None)),
+    "best_metric": (int, float, type(None)),
+    "best_global_step": (int, type(None)),
+    "best_model_checkpoint": (str, type(None)),
+    "is_local_process_zero": (bool,),
+    "is_world_process_zero": (bool,),
+    "is_hyper_param_search": (bool,),
+    "trial_name": (str, type(None)),
+    "trial_params": (dict, type(None)),
+    "stateful_callbacks": (dict, type(None)),
+}
+
+
+def _callback_state(value: Any) -> bool:
+    """Whether ``value`` is one stored callback state: ``{"args": {...}, "attributes": {...}}``."""
+    return isinstance(value, dict) and all(isinstance(value.get(k, {}), dict) for k in ("args", "attributes"))
+
+
+def _entries_fit(key: str, value: Any) -> bool:
+    """Whether the entries of a well-typed container field are what the Trainer reads from them."""
+    if key == "log_history":
+        return all(isinstance(e, dict) for e in value or [])
+    if key == "stateful_callbacks":
+        states = [s for v in (value or {}).values() for s in (v if isinstance(v, list) else [v])]
+        return all(_callback_state(s) for s in states)
+    return True
+
+
+def check_trainer_state(state: Any, where: str) -> None:
+    """Raise :class:`~ckpt_engine.CorruptCheckpointError` naming ``where`` and the field when
+    ``state`` (a parsed trainer state) is no JSON object of ``TrainerState``'s fields with their
+    types: the Trainer builds ``TrainerState(**state)``, which fails with a bare ``TypeError``."""
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{where}: the trainer state is a {type(state).__name__}, not a JSON object")
+    fields = {f.name for f in dataclasses.fields(TrainerState)}
+    for key, value in state.items():
+        if key not in fields:
+            raise CorruptCheckpointError(
+                f"{where}: the trainer state has the field {str(key)[:80]!r}, which this transformers' TrainerState "
+                "does not know (saved by another transformers version, or tampered with); resume with the "
+                "transformers that saved it, or from another checkpoint"
+            )
+        kinds = _STATE_TYPES.get(key)
+        bad = kinds is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds))
+        if bad or not _entries_fit(key, value):
+            raise CorruptCheckpointError(
+                f"{where}: the trainer state's {key!r} is {str(value)[:60]!r} ({type(value).__name__}), not the "
+                f"{' or '.join('null' if k is type(None) else k.__name__ for k in kinds or (list,))} TrainerState "
+                "holds; the checkpoint was tampered with: resume from another checkpoint"
+            )
+
+
 def _require_mixin_first(cls: type) -> None:
     """``EngineTrainerMixin`` must come before ``transformers.Trainer`` in ``cls``'s MRO, or the
     Trainer's own checkpoint methods win and it writes ``checkpoint-N`` folders, unnoticed."""
@@ -147,6 +216,18 @@ def _require_mixin_first(cls: type) -> None:
             "so the Trainer's own checkpointing would run; put the mixin first: "
             f"class {cls.__name__}(EngineTrainerMixin, <your Trainer class>)"
         )
+
+
+def _checked(resume: Resume) -> Resume:
+    """``resume``, its trainer state checked (:func:`check_trainer_state`); closed if it fails."""
+    with open(os.path.join(resume.stand_in, TRAINER_STATE_FILE), encoding="utf-8") as f:
+        state = json.load(f)  # checked JSON within bounds by open_resume
+    try:
+        check_trainer_state(state, f"{resume.checkpoint}/{COMPONENT}")
+    except BaseException:
+        resume.close()
+        raise
+    return resume
 
 
 def _engine_config_for(config: EngineConfigLike | None, output_dir: str | None) -> EngineConfig:
@@ -347,17 +428,25 @@ class EngineTrainerMixin(_TrainerBase):
                     f"{err}. {self.args.output_dir} holds the Trainer's own {theirs}: pass it as "
                     "resume_from_checkpoint to resume it (later saves are engine checkpoints)"
                 ) from err
-            return resume, resume.stand_in
+            return _checked(resume), resume.stand_in
         if not isinstance(value, (str, os.PathLike)):
             raise ArgumentTypeError(
                 f"resume_from_checkpoint must be True, a checkpoint path or None, got {type(value).__name__}"
             )
         path = os.fspath(value)
-        if not is_url(path) and os.path.isfile(os.path.join(path, TRAINER_STATE_FILE)):
+        state_file = os.path.join(path, TRAINER_STATE_FILE)
+        if not is_url(path) and os.path.isfile(state_file):
             logger.info("%s is a Trainer checkpoint folder: resumed by the Trainer's own loader", path)
+            with open(state_file, encoding="utf-8") as f:
+                text = f.read()
+            try:
+                state = json.loads(text)
+            except ValueError as err:
+                raise CorruptCheckpointError(f"{state_file}: the trainer state is no JSON ({err})") from None
+            check_trainer_state(state, state_file)
             return None, path
         resume = open_resume(self.engine_config, self.engine_plugins, path)
-        return resume, resume.stand_in
+        return _checked(resume), resume.stand_in
 
     def _resume_for(self, checkpoint: str | None) -> Resume | None:
         """The engine resume when the Trainer asks for its stand-in folder (else: its own checkpoint)."""
@@ -470,14 +559,33 @@ class EngineTrainerMixin(_TrainerBase):
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
-        if best is None or not self._is_engine_checkpoint(best):
+        if best is None or self._is_own_trainer_checkpoint(best):  # a Trainer checkpoint-N this run resumed
             super()._load_best_model()
+            return
+        if not self._is_engine_checkpoint(best):
+            logger.warning(
+                "load_best_model_at_end: not loading the best model from %s, which is outside this run's save_dir "
+                "%s and output_dir %s (the trainer state names it: it was resumed from another run's checkpoint, or "
+                "tampered with); the model stays the final one. Load that checkpoint yourself if you trust it, or "
+                "copy it into %s",
+                best,
+                self.checkpoint_dir,
+                self.args.output_dir,
+                self.checkpoint_dir,
+            )
             return
         if self._engine is not None:
             self._engine.wait()  # the best may be a background save still being committed
         logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
         with reader_engine(self.engine_config, self.engine_plugins, best) as reader:
             reader.load(model=self._model())
+
+    def _is_own_trainer_checkpoint(self, path: str) -> bool:
+        """Whether ``path`` is a Trainer ``checkpoint-N`` folder directly in this run's output_dir."""
+        output_dir = self.args.output_dir
+        if not output_dir or is_url(path) or not _TRAINER_CHECKPOINT.match(os.path.basename(path.rstrip("/"))):
+            return False
+        return os.path.realpath(os.path.dirname(path.rstrip("/"))) == os.path.realpath(output_dir)
 
     def _is_engine_checkpoint(self, path: str) -> bool:
         parent, name = path.rstrip("/").rsplit("/", 1) if "/" in path else ("", path)
