@@ -20,12 +20,12 @@ import json
 import math
 import pickle
 import uuid
-import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import xxhash
 from torch import nn
 
 from ..errors import ArgumentTypeError, CorruptCheckpointError
@@ -225,8 +225,8 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
     data = local.detach().cpu().contiguous().reshape(-1)
     raw: Any = data.view(torch.uint8).numpy()  # the tensor's own bytes, not a copy (a buffer)
-    crc = zlib.crc32(raw) if data.numel() else 0
-    return f"{dtype_name(local.dtype)}{list(local.shape)}:{crc:08x}"
+    digest = xxhash.xxh3_64_hexdigest(raw) if data.numel() else "0"
+    return f"{dtype_name(local.dtype)}{list(local.shape)}:{digest}"
 
 
 def _object_digest(value: Any) -> str:
@@ -238,7 +238,7 @@ def _object_digest(value: Any) -> str:
 
 def fingerprint_checkpoint(checkpoint: Mapping[str, Any], bookkeeping: frozenset[str]) -> dict[str, str]:
     """A digest of each top-level entry of a checkpoint dict (of each callback's state under
-    ``callbacks``): its structure and scalars, each tensor's bytes (CRC-32), each object's pickle.
+    ``callbacks``): its structure and scalars, each tensor's bytes (xxh3_64), each object's pickle.
     :data:`PROGRESS_KEYS` and the callbacks named in ``bookkeeping`` are left out."""
     entries: dict[str, Any] = {}
     for key, value in checkpoint.items():
