@@ -301,3 +301,17 @@ def test_benchmark_results_live_beside_the_benchmarks() -> None:
     assert (ROOT / "benchmarks" / "RESULTS.md").is_file() and (ROOT / "benchmarks" / "HISTORY.md").is_file()
     short = (ROOT / "docs" / "performance.md").read_text()
     assert short.count("\n") < 200 and "## How to rerun" in short and "## The machine" in short
+
+
+def test_the_design_sections_the_code_cites_exist() -> None:
+    """The code cites the design contract as "docs/design.md, section N"; each N is a heading of
+    docs/design.md, so a citation cannot point at a section that is not there."""
+    headings = set(re.findall(r"^## (\d+)\. ", (ROOT / "docs" / "design.md").read_text(), re.M))
+    cited = {}
+    for top in ("ckpt_engine", "plugins", "tests", "docs"):
+        for path in (ROOT / top).rglob("*"):
+            if path.suffix in (".py", ".md") and "__pycache__" not in path.parts:
+                for n in re.findall(r"design\.md, section (\d+)", path.read_text()):
+                    cited[n] = path.relative_to(ROOT).as_posix()
+    assert cited and set(cited) <= headings, {n: p for n, p in cited.items() if n not in headings}
+    assert [str(n) for n in range(1, 13)] == sorted(headings, key=int)
