@@ -23,7 +23,7 @@ Checkpoints go to ``--dir`` (default: a temporary folder on the same disk as /tm
 but the newest is deleted as soon as it is committed (untimed), so disk use stays at ~2 states.
 ``--device cuda`` puts the state on the GPU: staging then goes through page-locked buffers and a
 side stream, and the floor is a non-blocking copy into page-locked host tensors. No GPU was
-available where the numbers in docs/performance.md were taken: that path is untested there.
+available where the numbers in benchmarks/RESULTS.md were taken: that path is untested there.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ mean of the other ranks', the part of them spent in collectives (the bounded bar
 for the slowest rank, and the object collective itself), and the exact pickled bytes gathered to
 rank 0 and sent from it. Medians over every launch and round.
 
-    nice python benchmarks/coord_bench.py --out coord.json --plot docs/performance-coordination.png
+    nice python benchmarks/coord_bench.py --out coord.json --plot benchmarks/results/performance-coordination.png
     python benchmarks/coord_bench.py --smoke       # 1 and 2 ranks, tiny, one round: checks that it runs
 """
 

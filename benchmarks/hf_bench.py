@@ -78,7 +78,7 @@ def _child(method: str, folder: str, mib: int, layers: int) -> dict[str, float]:
     torch.set_num_threads(1)
     # torch's get_model_state_dict (every engine load builds the model's state dict with it)
     # imports torch._dynamo on its first call with submodules (~0.4 s, once per process): paid
-    # here by every method alike, outside the timed part (docs/performance.md quotes it)
+    # here by every method alike, outside the timed part (benchmarks/RESULTS.md quotes it)
     get_model_state_dict(nn.Sequential(nn.Linear(2, 2)))
     model = _model(mib, layers)
     files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))

@@ -1,13 +1,15 @@
 """ckpt-engine against the checkpointers a team would pick instead, side by side in one run.
 
-    python benchmarks/peers_bench.py --out docs/performance-peers-results.json --plot docs/performance-peers.png
+    python benchmarks/peers_bench.py --out benchmarks/results/performance-peers-results.json \
+        --plot benchmarks/results/performance-peers.png
     python benchmarks/peers_bench.py --states 256 --rounds 2 --methods ours_sync,dcp,safetensors
     python benchmarks/peers_bench.py --list            # every method, and whether it can run here
     python benchmarks/peers_bench.py --smoke           # tiny, one round: checks that it runs (CI)
     python benchmarks/peers_bench.py --ranks 2 --states 256,small10000   # FSDP2 over 2 gloo ranks
-    python benchmarks/peers_bench.py --full --out docs/performance-peers-results.json --plot docs/performance-peers.png
+    python benchmarks/peers_bench.py --full --out benchmarks/results/performance-peers-results.json \
+        --plot benchmarks/results/performance-peers.png
         # the whole table: one rank (256 MiB, 1 GiB, 50,000 tensors), then two ranks (256 MiB,
-        # 10,000 tensors) into docs/performance-peers-2rank-results.json and -2rank.png
+        # 10,000 tensors) into benchmarks/results/performance-peers-2rank-results.json and -2rank.png
 
 Methods (benchmarks/_peers_methods.py): the engine (sync; ``pinned_staging``; ``pinned_staging``
 with ``overlap``), ``dcp.save``/``dcp.load``, ``dcp.async_save`` (thread executor; PROCESS
@@ -382,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _two_rank_name(path: str) -> str:
-    """``docs/performance-peers-results.json`` -> ``docs/performance-peers-2rank-results.json``
+    """``results/performance-peers-results.json`` -> ``results/performance-peers-2rank-results.json``
     (``x.png`` -> ``x-2rank.png``): where ``--full`` writes the two-rank run."""
     head, tail = os.path.split(path)
     stem, ext = os.path.splitext(tail)

@@ -1,7 +1,7 @@
 """Drop-in replacement for the original production ``DistributedCheckpointer``.
 
 The original (NVIDIA Cosmos ``imaginaire`` ``DistributedCheckpointer``) saved and resumed DCP
-checkpoints in the layout ckpt-engine keeps (DESIGN section 2). This class offers its surface,
+checkpoints in the layout ckpt-engine keeps (docs/design.md, section 2). This class offers its surface,
 its config fields and its callbacks, built on :class:`~ckpt_engine.CheckpointEngine`::
 
     checkpointer = DistributedCheckpointer(config.checkpoint, config.job, callbacks=callbacks)

@@ -77,7 +77,7 @@ def dedup_wanted(mode: str, reader: Any, world: int) -> bool:
     files when the job's ranks span several hosts (``WORLD_SIZE`` above ``LOCAL_WORLD_SIZE``: a
     shared filesystem read over the network); off on one host, where every rank reads the page
     cache the first reader filled, faster than a broadcast over loopback
-    (docs/performance.md). The inputs are the same on every rank, so every rank decides alike."""
+    (benchmarks/RESULTS.md). The inputs are the same on every rank, so every rank decides alike."""
     if world < 2 or mode == "off" or not isinstance(reader, (FastFileSystemReader, ObjectStoreReader)):
         return False
     if mode == "on" or isinstance(reader, ObjectStoreReader):

@@ -6,7 +6,7 @@ which is public API. Around it, it costs per item: a runtime-checkable ``Statefu
 top-level key, a debug log record per step, a full local and global plan on every save (a write
 item, a ``TensorProperties`` and a ``dataclasses.replace`` per tensor) and a ``.metadata``
 pickle in which every entry carries its own copies of the same dtype, size and chunk objects.
-At 50,000 small tensors that is most of a save (docs/performance.md, "Many small tensors").
+At 50,000 small tensors that is most of a save (benchmarks/RESULTS.md, "Many small tensors").
 
 :func:`save_state_dict` runs the same protocol with the same planner and storage writer, and:
 

@@ -5,7 +5,7 @@ DCP's save gathers every rank's local plan to rank 0, which removes the items se
 hold (``dedup_save_plans``; the engine's planner keeps each on the lowest rank that has it),
 numbers every tensor's chunks, builds the global ``Metadata``, validates it, and scatters the
 plans back: at 1,024 ranks x 200 tensors, 37 MiB of DCP objects through rank 0 and seconds of
-Python there (docs/performance.md, "Coordination at 1,024 ranks"). Every one of those
+Python there (benchmarks/RESULTS.md, "Coordination at 1,024 ranks"). Every one of those
 decisions can be made by each rank on its own when the layout says who holds what:
 
 * **a DTensor shard** on a mesh of every rank, with ``Shard`` and ``Replicate`` placements only

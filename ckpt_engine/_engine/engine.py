@@ -211,7 +211,7 @@ class CheckpointEngine:
         grad_scaler: Any = None,
         extra: Mapping[str, Any] | None = None,
     ) -> LoadResult:
-        """Resume by the rules of DESIGN section 4; returns the iteration, path and report.
+        """Resume by the rules of docs/design.md, section 4; returns the iteration, path and report.
 
         1. ``latest_checkpoint.txt`` in the load directory: every component passed in.
         2. else ``load_path`` is a checkpoint folder: ``model`` (all with

@@ -1,4 +1,4 @@
-"""The resume side of the engine: which checkpoint a load reads (DESIGN section 4), the checks
+"""The resume side of the engine: which checkpoint a load reads (docs/design.md, section 4), the checks
 before anything is read, and reading each component into the training objects.
 
 :class:`Loader` owns it; :meth:`CheckpointEngine.load <ckpt_engine.CheckpointEngine.load>` builds
@@ -80,7 +80,7 @@ logger = logging.getLogger("ckpt_engine")
 
 
 def components_by_rule(config: EngineConfig, extra: Iterable[str], rule: str) -> list[str]:
-    """The components :meth:`CheckpointEngine.load` reads by ``rule`` (DESIGN section 4), before
+    """The components :meth:`CheckpointEngine.load` reads by ``rule`` (docs/design.md, section 4), before
     ``keys_not_to_resume`` and what the caller passed: every one for ``latest``; for
     ``load_path`` ``model`` only, ``model`` + ``scheduler`` with ``only_load_scheduler_state``,
     every one with ``load_training_state``."""
@@ -177,7 +177,7 @@ class Loader:
         self._bytes_read = 0
 
     def load(self, objs: TrainingObjects) -> LoadResult:
-        """Resume ``objs`` by the rules of DESIGN section 4 (see :meth:`CheckpointEngine.load`)."""
+        """Resume ``objs`` by the rules of docs/design.md, section 4 (see :meth:`CheckpointEngine.load`)."""
         # No cyclic GC while loading: a load allocates millions of small objects (metadata,
         # plan entries, read items) and few cycles, and each full collection walks them all:
         # with 50 000 tensors that made the load grow faster than linearly (9 s against 25 s).
@@ -189,7 +189,7 @@ class Loader:
         return self._source(objs).read(self, objs)
 
     def _source(self, objs: TrainingObjects, *, local_tier: bool = True) -> LoadSource:
-        """Where this load reads from, by the rules of DESIGN section 4, chosen once: a checked
+        """Where this load reads from, by the rules of docs/design.md, section 4, chosen once: a checked
         checkpoint folder (the two-tier local copy, a committed one ``latest`` does not name yet,
         ``latest``, the fallback, ``load_path``), a ``.pth`` or safetensors ``load_path``, or
         nothing (a fresh start). Nothing is read into ``objs`` here."""
@@ -297,7 +297,7 @@ class Loader:
     ) -> Validated:
         """Everything checked before any tensor is read, agreed by every rank: every rank is about
         to read the same checkpoint (:mod:`.rank_views`; ``what`` names the rule that chose it),
-        the folder exists, the checkpoint is complete (DESIGN section 2) and, per ``verify``, its
+        the folder exists, the checkpoint is complete (docs/design.md, section 2) and, per ``verify``, its
         files match the manifest (checksums split among ranks)."""
         require_one_checkpoint(folder_view(path, store), what)
         return self._checked(path, store, missing_hint, shared)

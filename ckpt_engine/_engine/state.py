@@ -1,4 +1,4 @@
-"""Component state dicts, built as the original checkpointer built them (DESIGN section 2).
+"""Component state dicts, built as the original checkpointer built them (docs/design.md, section 2).
 
 * ``model``: ``get_model_state_dict`` over one module or a list of modules, keys merged.
 * ``optim``: ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` per

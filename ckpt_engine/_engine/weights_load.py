@@ -1,4 +1,4 @@
-"""Resume rule 3 (DESIGN section 4): model weights from a file ``load_path`` names, ``model`` only,
+"""Resume rule 3 (docs/design.md, section 4): model weights from a file ``load_path`` names, ``model`` only,
 iteration 0.
 
 * A ``.pth`` file, a plain ``torch.save``d model state dict (:func:`load_pth`): read with

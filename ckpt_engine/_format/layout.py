@@ -1,4 +1,4 @@
-"""The on-disk layout shared with the original checkpointer (DESIGN section 2).
+"""The on-disk layout shared with the original checkpointer (docs/design.md, section 2).
 
 ::
 

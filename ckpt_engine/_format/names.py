@@ -1,4 +1,4 @@
-"""The names of the on-disk layout (DESIGN section 2): folders, pointer, marker and hidden files.
+"""The names of the on-disk layout (docs/design.md, section 2): folders, pointer, marker and hidden files.
 
 One place for every name the engine writes or recognises, so that the layout, the manifest,
 retention, the command line and the tests agree.

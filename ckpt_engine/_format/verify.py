@@ -249,7 +249,7 @@ def verify_checkpoint(
 ) -> VerifyReport:
     """Check the checkpoint folder ``path`` fully; never raises for a damaged checkpoint.
 
-    Completeness (DESIGN section 2) first, then the manifest at ``level``: ``sizes`` compares
+    Completeness (docs/design.md, section 2) first, then the manifest at ``level``: ``sizes`` compares
     every file's size, ``checksums`` also reads every file and compares its checksum.
     ``progress(done_bytes, total_bytes)`` is called as bytes are checked. Reads only.
     """

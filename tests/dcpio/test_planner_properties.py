@@ -7,7 +7,7 @@ retyped) meet random plugin configurations. Everything goes through public surfa
 * ``ckpt_engine.testing.plan_load`` / ``plan_reads``: the engine's real planner and hooks on a
   described checkpoint, no files;
 * a real ``CheckpointEngine.load`` of a checkpoint written with plain ``dcp.save`` (the layout of
-  DESIGN section 2), where the loaded values themselves are checked, and to show that
+  docs/design.md, section 2), where the loaded values themselves are checked, and to show that
   ``plan_load`` gives the report such a load gives.
 
 The expected outcome of every key is computed independently here (:func:`oracle`) from the

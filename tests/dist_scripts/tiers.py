@@ -7,7 +7,12 @@ durable every 3rd; each rank's state at each step is written to ``<base>/expecte
 Waits for the peer replicas and reports every save's tier, bytes and bytes reused. ``key=value``
 items are further config fields (``plugins=pinned_staging``, ``incremental=1``,
 ``peer_bandwidth_mb_s=1``); with ``hold=1`` the job saves one more step after ``STEPS`` and then
-waits to be killed while that step replicates (``<base>/holding`` says it is there).
+waits to be killed while that step replicates (``<base>/holding`` says it is there; each rank's
+pid is in ``<base>/pid_<rank>``).
+
+``trains BASE:KIND:STEPS[:key=value ...] [...]``: several such trainings in one launch, one after
+the other, each with its own base, engine and model (a torchrun launch costs more than a short
+training); each reports its base with its saves.
 
 ``resume KIND:BASE [KIND:BASE ...]``: for each base in turn, a fresh model of that kind resumed
 through a new engine (with the config fields in ``<base>/resume.json``, if any); reports the
@@ -60,6 +65,9 @@ def state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, tor
 
 def train(base: str, kind: str, steps: int, rank: int, extra: dict[str, Any]) -> None:
     hold = bool(extra.pop("hold", 0))
+    if hold:  # torchrun starts each rank in a session of its own: the test kills the ranks by pid
+        with open(os.path.join(base, f"pid_{rank}"), "w") as f:
+            f.write(str(os.getpid()))
     if "chunk_bytes" in extra:  # small chunks, so that a throttled copy is seen in flight
         from ckpt_engine._tier import transfer
 
@@ -80,7 +88,7 @@ def train(base: str, kind: str, steps: int, rank: int, extra: dict[str, Any]) ->
                 open(os.path.join(base, "holding"), "w").close()
             time.sleep(600)  # the test kills the job while the last step replicates
         engine.wait_replicated()
-    report({"saves": saves})
+    report({"base": base, "saves": saves})
 
 
 def resume(targets: list[str], rank: int) -> None:
@@ -120,21 +128,33 @@ def shared(base: str, rank: int) -> None:
         report(attempt(lambda: engine.save(1, model=model, optimizer=optim)))
 
 
+def fields(items: list[str]) -> dict[str, Any]:
+    """``key=value`` items as config fields (numbers as numbers)."""
+    extra: dict[str, Any] = {}
+    for item in items:
+        key, value = item.split("=", 1)
+        extra[key] = int(value) if value.isdigit() else float(value) if value[:1].isdigit() else value
+    return extra
+
+
+def train_one(base: str, kind: str, steps: int, rank: int, items: list[str]) -> None:
+    if rank == 0:
+        with open(os.path.join(base, "kind"), "w") as f:
+            f.write(kind)
+    train(base, kind, steps, rank, fields(items))
+
+
 def main() -> None:
     rank, _ = init()
     mode = sys.argv[1]
     if mode == "shared":
         shared(sys.argv[2], rank)
     elif mode == "train":
-        base, kind, steps = sys.argv[2], sys.argv[3], int(sys.argv[4])
-        extra: dict[str, Any] = {}
-        for item in sys.argv[5:]:
-            key, value = item.split("=", 1)
-            extra[key] = int(value) if value.isdigit() else float(value) if value[:1].isdigit() else value
-        if rank == 0:
-            with open(os.path.join(base, "kind"), "w") as f:
-                f.write(kind)
-        train(base, kind, steps, rank, extra)
+        train_one(sys.argv[2], sys.argv[3], int(sys.argv[4]), rank, sys.argv[5:])
+    elif mode == "trains":
+        for spec in sys.argv[2:]:
+            base, kind, steps, *items = spec.split(":")
+            train_one(base, kind, int(steps), rank, items)
     else:
         resume(sys.argv[2:], rank)
     ckpt_test_exit()

@@ -313,16 +313,29 @@ def test_one_builder_makes_every_save_result() -> None:
     assert len(built) == 1 and built[0].startswith("ckpt_engine._engine.committer:"), built
 
 
-#: Functions longer than ``MAX_FUNCTION_LINES`` may stay long only with a reason here.
-#: ``"path::qualified name"`` -> why it is one function.
+#: A function fits a screen: at most this many lines, from its ``def`` to its last line. The one
+#: limit of the project (docs/architecture.md); every function over it is listed below by name.
+MAX_FUNCTION_LINES = 60
+#: Functions longer than ``MAX_FUNCTION_LINES``, each with the reason, so the list is the whole
+#: debt: ``"path::qualified name"`` -> why it is still one function. An entry leaves when its
+#: function is split (``test_the_long_function_allow_list_has_no_stale_entries``).
 LONG_FUNCTIONS_ALLOWED = {
     # A dispatch table of handlers, as CPython's pickle.py has, was measured 1.3x slower (84 ms
     # against 63 ms, best of 28 runs, for the 220k opcodes of a 2,000-tensor .metadata).
-    "ckpt_engine/_format/metadata_parser.py::_interpret": "an opcode interpreter: one dispatch loop on purpose",
+    "ckpt_engine/_format/metadata_parser.py::_interpret": "an opcode interpreter: one dispatch loop on purpose "
+    "(docs/architecture.md, Known debts)",
     "ckpt_engine/_dcpio/fast_save.py::save_state_dict": "DCP's save protocol step by step (plan, plan-cache "
     "check, global plan, write, finish); its step closures share the planner's and writer's state",
+    # Debts, not designs: each is a few lines over and due to be split.
+    "ckpt_engine/_engine/loader.py::Loader.read_checkpoint": "debt (65 lines): every wanted component read, "
+    "the read lock released and the LoadResult built, in sequence",
+    "ckpt_engine/_engine/saver.py::Saver._prepare": "debt (61 lines): the state dicts, remap_keys and stage of "
+    "a save and every rank's agreement that they worked, in sequence",
+    "ckpt_engine/_engine/saver.py::Saver._write": "debt (62 lines): the durable writes, the local tier's and "
+    "the one failure path of both",
+    "plugins/ckpt_engine_plugins/pinned_staging/process.py::WriterProcess.__init__": "debt (62 lines): the "
+    "writer's state, its process and pipes, and its two I/O threads started",
 }
-MAX_FUNCTION_LINES = 60
 
 
 def function_lengths(tree: ast.AST, prefix: str = "") -> Iterator[tuple[str, int, int]]:
@@ -408,26 +421,6 @@ def _classes(path: Path) -> Iterator[tuple[str, int]]:
         if isinstance(node, ast.ClassDef):
             assert node.end_lineno is not None
             yield node.name, node.end_lineno - node.lineno + 1
-
-
-MAX_FUNCTION_LINES = 80
-#: Functions that may be longer, with the reason.
-LONG_FUNCTIONS_ALLOWED = {
-    "ckpt_engine/_format/metadata_parser.py::_interpret": "one audited opcode loop (docs/architecture.md, Known debts)",
-}
-
-
-def test_no_function_is_longer_than_a_screen() -> None:
-    long = []
-    for path in _sources():
-        rel = str(path.relative_to(ROOT))
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                assert node.end_lineno is not None
-                n = node.end_lineno - node.lineno + 1
-                if n > MAX_FUNCTION_LINES and f"{rel}::{node.name}" not in LONG_FUNCTIONS_ALLOWED:
-                    long.append(f"{rel}::{node.name}: {n} lines")
-    assert not long, f"functions over {MAX_FUNCTION_LINES} lines; split them:\n" + "\n".join(long)
 
 
 def test_no_module_class_or_folder_grows_past_the_layouts_limits() -> None:

@@ -1,5 +1,5 @@
 """The benchmark suite runs end to end in its tiny ``--smoke`` mode (untimed: nothing is asserted
-about speed), so it cannot rot. The real run is documented in docs/performance.md."""
+about speed), so it cannot rot. The real runs and their figures are in benchmarks/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -206,8 +206,9 @@ def test_peers_full_writes_the_two_rank_run_beside_the_one_rank_run() -> None:
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench._two_rank_name("docs/performance-peers-results.json") == "docs/performance-peers-2rank-results.json"
-    assert bench._two_rank_name("docs/performance-peers.png") == "docs/performance-peers-2rank.png"
+    results = "benchmarks/results/performance-peers"
+    assert bench._two_rank_name(f"{results}-results.json") == f"{results}-2rank-results.json"
+    assert bench._two_rank_name(f"{results}.png") == f"{results}-2rank.png"
     with pytest.raises(SystemExit):
         bench.main(["--full", "--smoke"])
 

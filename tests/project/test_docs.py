@@ -257,3 +257,61 @@ def test_demo_help_states_the_kill_point_it_uses() -> None:
     fast = settings_from_args(parser.parse_args(["--fast"])).kill_at
     assert f"{default} for the defaults" in help_text and f"--fast: {fast}" in help_text
     assert (Settings().kill_at, FAST.kill_at) == (default, fast)
+
+
+# -- links and where the benchmark record lives -------------------------------------------------
+
+
+def _heading_slug(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _without_code(text: str) -> str:
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+LINKED_PAGES = sorted([*DOC_FILES, *(ROOT / "benchmarks").glob("*.md")])
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_resolves_to_a_file_and_heading(page: Path) -> None:
+    """A link to a page or section that moved (the benchmark record went from docs/ to
+    benchmarks/) fails here instead of leaving a reader at a missing file or anchor."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", _without_code(page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file) if file else page
+        if not path.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and path.suffix == ".md":
+            headings = re.findall(r"^#+ (.*)$", _without_code(path.read_text()), re.M)
+            if anchor not in {_heading_slug(h) for h in headings}:
+                broken.append(f"{target}: no such heading in {path.name}")
+    assert not broken, f"{page.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+def test_benchmark_results_live_beside_the_benchmarks() -> None:
+    """docs/ is for users: the runs' JSON and plots are in benchmarks/results/, the long record in
+    benchmarks/RESULTS.md and HISTORY.md, and docs/performance.md stays a short page."""
+    assert not [p.name for p in (ROOT / "docs").iterdir() if p.suffix in (".json", ".png")]
+    assert (ROOT / "benchmarks" / "results" / "performance-peers-results.json").is_file()
+    assert (ROOT / "benchmarks" / "RESULTS.md").is_file() and (ROOT / "benchmarks" / "HISTORY.md").is_file()
+    short = (ROOT / "docs" / "performance.md").read_text()
+    assert short.count("\n") < 200 and "## How to rerun" in short and "## The machine" in short
+
+
+def test_the_design_sections_the_code_cites_exist() -> None:
+    """The code cites the design contract as "docs/design.md, section N"; each N is a heading of
+    docs/design.md, so a citation cannot point at a section that is not there."""
+    headings = set(re.findall(r"^## (\d+)\. ", (ROOT / "docs" / "design.md").read_text(), re.M))
+    cited = {}
+    for top in ("ckpt_engine", "plugins", "tests", "docs"):
+        for path in (ROOT / top).rglob("*"):
+            if path.suffix in (".py", ".md") and "__pycache__" not in path.parts:
+                for n in re.findall(r"design\.md, section (\d+)", path.read_text()):
+                    cited[n] = path.relative_to(ROOT).as_posix()
+    assert cited and set(cited) <= headings, {n: p for n, p in cited.items() if n not in headings}
+    assert [str(n) for n in range(1, 13)] == sorted(headings, key=int)

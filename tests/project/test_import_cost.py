@@ -4,7 +4,7 @@
 ``ckpt-engine --help`` start without torch (seconds on a loaded machine); each command imports its
 heavy code when it runs. Every check runs in a fresh interpreter, because this test process has
 long imported torch. No wall-clock assertion: ``benchmarks/cli_bench.py`` measures the times
-(docs/performance.md, "Command-line start-up").
+(benchmarks/RESULTS.md, "Command-line start-up").
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def test_diff_imports_torch_to_compare_values(holdings: dict[str, Path]) -> None
 
 def test_ls_does_not_import_torch(tmp_path: Path) -> None:
     """``ckpt-engine ls`` reads every ``.metadata`` into stand-in records with torch-free dtypes: it
-    never imports torch (seconds on a loaded machine; docs/performance.md, "Command-line start-up")."""
+    never imports torch (seconds on a loaded machine; benchmarks/RESULTS.md, "Command-line start-up")."""
     save_dir = tmp_path / "checkpoints"
     make = (
         "import sys, torch\nfrom ckpt_engine import CheckpointEngine\n"

@@ -1,4 +1,4 @@
-"""The two tiers of the suite: the fast tier (``-m "not full"``) and the full tier CI runs.
+"""tests/conftest.py: the two tiers of the suite, the fast tier (``-m "not full"``) and the full tier CI runs.
 
 Every ``dist`` test is in the full tier only, and a torchrun launch from a test that does not
 carry ``dist`` fails, so the fast tier never starts ranks (tests/conftest.py)."""
