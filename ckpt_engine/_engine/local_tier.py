@@ -16,6 +16,7 @@ replica overwrite its own original), and starts the :class:`~ckpt_engine._tier.r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -43,7 +44,7 @@ from ..errors import CkptEngineError, ConfigError, SaveDirLockedError
 from ..pipeline import Pipeline
 from ..types import StagedState, WriteContext, WriteResult
 from .commit import CommitPhase, wait_writes
-from .incremental import carry_base_in
+from .incremental import CarryBase, carry_base_in
 from .resave import refuse_resave
 from .targets import SavePaths, commit_locally
 
@@ -237,17 +238,7 @@ class LocalTier:
         data-parallel replica) or the previous step's unchanged files links them instead of
         receiving them. With ``incremental``, the files are laid out and unchanged ones linked from
         this rank's previous checkpoint as in ``save_dir`` (``stable``: the model's frozen keys)."""
-        carry = None
-        if self.config.incremental:
-            carry = carry_base_in(self.folder, open_store(self.folder), "link", self.config, checksum, paths.iteration)
-            paths = SavePaths(
-                paths.iteration,
-                paths.final,
-                paths.partial,
-                paths.local_final,
-                carry_chain=carry.chain,
-                carry_from=carry.folder,
-            )
+        paths, carry = self._carry(paths, checksum)
         outcomes: list[WriteResult | Future[WriteResult]] = []
         for name, state in staged.components.items():
             planner = EngineSavePlanner(key_maps[name], cache_key=f"{plan_prefix}local:{name}", checksum=checksum)
@@ -280,6 +271,14 @@ class LocalTier:
                 break
             outcomes.append(out)
         return paths, outcomes
+
+    def _carry(self, paths: SavePaths, checksum: str) -> tuple[SavePaths, CarryBase | None]:
+        """With ``incremental``: this rank's previous checkpoint to carry unchanged files over from,
+        and ``paths`` naming it."""
+        if not self.config.incremental:
+            return paths, None
+        carry = carry_base_in(self.folder, open_store(self.folder), "link", self.config, checksum, paths.iteration)
+        return dataclasses.replace(paths, carry_chain=carry.chain, carry_from=carry.folder), carry
 
     # -- the commit -----------------------------------------------------------------------------
 
