@@ -84,7 +84,7 @@ EngineConfigLike = EngineConfig | Mapping[str, Any] | str | os.PathLike[str]
 
 
 class UnsupportedTrainerSetupError(CkptEngineError, ValueError):
-    """The Trainer runs a set-up whose checkpoints the engine cannot take over (DeepSpeed, FSDP,
+    """The Trainer runs a set-up whose checkpoints the engine cannot take over (DeepSpeed, FSDP1,
     ``push_to_hub``, hyper-parameter search), or the engine config contradicts the Trainer's
     arguments; the message names the setting and the way out."""
 
@@ -135,6 +135,15 @@ def _last_trainer_checkpoint(output_dir: str) -> str | None:
     """The newest ``checkpoint-N`` folder the Trainer itself saved in ``output_dir``, if any."""
     found: str | None = get_last_checkpoint(output_dir)  # type: ignore[no-untyped-call]
     return found
+
+
+def _is_fsdp1(trainer: Trainer) -> bool:
+    """Whether accelerate runs the trainer's model under FSDP1. Under FSDP2 (``fsdp_version: 2``)
+    the parameters are ``DTensor`` shards that the engine saves and loads as DCP does, every rank
+    its own, after accelerate has sharded the model and the Trainer built the optimizer."""
+    if not trainer.is_fsdp_enabled:
+        return False
+    return getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2
 
 
 def _require_mixin_first(cls: type) -> None:
@@ -244,7 +253,11 @@ class EngineTrainerMixin(_TrainerBase):
         args, cfg = self.args, self.engine_config
         for flag, what in (
             (self.is_deepspeed_enabled, "DeepSpeed saves its own partitioned engine state"),
-            (self.is_fsdp_enabled, "accelerate's FSDP saves and loads its own sharded state dicts"),
+            (
+                _is_fsdp1(self),
+                "accelerate's FSDP1 (fsdp_version 1) saves and loads its own sharded state dicts; FSDP2 is "
+                "supported: set fsdp_config's fsdp_version to 2",
+            ),
         ):
             if flag:
                 raise UnsupportedTrainerSetupError(
