@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one run (under 5 minutes on one GPU): the CUDA-only tests (marker `cuda`:
 # among them CUDA state into the node-local tier and back, sync and with pinned_staging, and
-# Lightning's ModelParallelStrategy, FSDP2 on the GPU, killed mid-save and resumed),
+# Lightning's ModelParallelStrategy, FSDP2 on the GPU, killed mid-save and resumed, and the
+# Hugging Face EngineTrainer under accelerate's FSDP2 on the GPU, stopped and resumed),
 # sync and async save/load round trips of CUDA tensors checked bit-exact, `overlap` with a real
 # training loop on the GPU, and benchmarks/async_bench.py --device cuda. Every figure goes into
 # one JSON file: $1, default gpu_check.json. Without CUDA it says so in one line and exits 0.

@@ -89,7 +89,7 @@ _TRAINER_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 
 
 class UnsupportedTrainerSetupError(CkptEngineError, ValueError):
-    """The Trainer runs a set-up whose checkpoints the engine cannot take over (DeepSpeed, FSDP,
+    """The Trainer runs a set-up whose checkpoints the engine cannot take over (DeepSpeed, FSDP1,
     ``push_to_hub``, hyper-parameter search), or the engine config contradicts the Trainer's
     arguments; the message names the setting and the way out."""
 
@@ -204,6 +204,15 @@ def check_trainer_state(state: Any, where: str) -> None:
                 f"{' or '.join('null' if k is type(None) else k.__name__ for k in kinds or (list,))} TrainerState "
                 "holds; the checkpoint was tampered with: resume from another checkpoint"
             )
+
+
+def _is_fsdp1(trainer: Trainer) -> bool:
+    """Whether accelerate runs the trainer's model under FSDP1. Under FSDP2 (``fsdp_version: 2``)
+    the parameters are ``DTensor`` shards that the engine saves and loads as DCP does, every rank
+    its own, after accelerate has sharded the model and the Trainer built the optimizer."""
+    if not trainer.is_fsdp_enabled:
+        return False
+    return getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2
 
 
 def _require_mixin_first(cls: type) -> None:
@@ -325,7 +334,11 @@ class EngineTrainerMixin(_TrainerBase):
         args, cfg = self.args, self.engine_config
         for flag, what in (
             (self.is_deepspeed_enabled, "DeepSpeed saves its own partitioned engine state"),
-            (self.is_fsdp_enabled, "accelerate's FSDP saves and loads its own sharded state dicts"),
+            (
+                _is_fsdp1(self),
+                "accelerate's FSDP1 (fsdp_version 1) saves and loads its own sharded state dicts; FSDP2 is "
+                "supported: set fsdp_config's fsdp_version to 2",
+            ),
         ):
             if flag:
                 raise UnsupportedTrainerSetupError(

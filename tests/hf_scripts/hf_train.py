@@ -6,7 +6,9 @@ Imported by the tests for in-process runs, and run as a script in a new process 
     python tests/hf_scripts/hf_train.py ROOT MODEL MODE [STEP]
 
 ``MODEL`` is ``gpt2``, ``llama`` (tiny configs, built from scratch, dropout on so the random
-state matters) or ``lora`` (``gpt2`` with a ``peft`` LoRA adapter). The run trains to
+state matters) or ``lora`` (``gpt2`` with a ``peft`` LoRA adapter); ``gpt2-fsdp2`` trains ``gpt2``
+under accelerate's FSDP2 (``fsdp_version: 2``, each ``GPT2Block`` and the model sharded), on the
+GPU where there is one, else on CPU ranks (see :func:`fsdp2_on_cpu`). The run trains to
 :data:`STEPS` steps, a checkpoint every :data:`SAVE_EVERY` into ``ROOT/checkpoints`` (the engine's
 save_dir), across an epoch boundary. ``MODE``:
 
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -99,6 +102,35 @@ class StopAfterSave(TrainerCallback):
         return control
 
 
+def fsdp2_args() -> dict[str, Any]:
+    """``TrainingArguments`` overrides that train under accelerate's FSDP2. On CUDA the run is
+    fully deterministic (``full_determinism``), so a resume can be compared bit for bit."""
+    config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "reshard_after_forward": True}
+    cuda = torch.cuda.is_available()
+    return {"fsdp": True, "fsdp_config": config, "use_cpu": not cuda, "full_determinism": cuda}
+
+
+def fsdp2_on_cpu() -> None:
+    """Let accelerate run FSDP2 on CPU (gloo) ranks, as it runs it on GPUs.
+
+    accelerate 1.16 applies the FSDP plugin only to accelerator ranks: ``AcceleratorState``
+    (accelerate/state.py) sets ``DistributedType.FSDP`` and keeps ``fsdp_plugin`` only when the
+    process state is ``MULTI_GPU`` (or another ``MULTI_<accelerator>``); on ``MULTI_CPU`` it drops
+    the plugin without a word, and the Trainer trains plain DDP (``is_fsdp_enabled`` is False).
+    ``fully_shard`` itself runs on CPU with gloo, so the test marks the process state ``MULTI_GPU``
+    after ``TrainingArguments`` set it up (it resets accelerate's state) and before the Trainer
+    builds its ``Accelerator``. Everything after that is accelerate's and the Trainer's own FSDP2
+    path (``fsdp2_prepare_model``, the optimizer switched to the DTensor parameters). Only the CPU
+    runs need it; ``scripts/gpu_check.sh`` runs the same on CUDA without it.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState(cpu=True)  # the one TrainingArguments set up
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
 def training_args(root: str, **overrides: Any) -> TrainingArguments:
     options: dict[str, Any] = {
         "output_dir": os.path.join(root, "out"),
@@ -126,14 +158,19 @@ def trainer(
     plugins: Sequence[Any] = (),
     cls: type[EngineTrainer] = EngineTrainer,
     eval_dataset: Tokens | None = None,
+    fsdp2: bool = False,
     **overrides: Any,
 ) -> EngineTrainer:
-    """An :class:`EngineTrainer` over a fresh tiny model, saving into ``ROOT/checkpoints``."""
+    """An :class:`EngineTrainer` over a fresh tiny model, saving into ``ROOT/checkpoints``;
+    ``fsdp2``: under accelerate's FSDP2 (run under ``torchrun``)."""
     torch.set_num_threads(1)
+    args = training_args(root, **(fsdp2_args() if fsdp2 else {}), **overrides)  # sets up the process state
+    if fsdp2 and not torch.cuda.is_available():
+        fsdp2_on_cpu()
     config = {"save_dir": os.path.join(root, "checkpoints"), **(engine or {})}
     return cls(
         model=build_model(model),
-        args=training_args(root, **overrides),
+        args=args,
         train_dataset=Tokens(),
         eval_dataset=eval_dataset,
         callbacks=[StopAfterSave(stop_at)] if stop_at is not None else [],
@@ -147,15 +184,30 @@ def losses(trainer: EngineTrainer) -> list[dict[str, Any]]:
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
+def _full(value: Any) -> Any:
+    """``value`` with every (FSDP2-sharded) ``DTensor`` gathered into a whole CPU tensor (collective)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().cpu().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _full(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_full(v) for v in value]
+    return value
+
+
 def end_state(trainer: EngineTrainer) -> dict[str, Any]:
-    """What a resumed run must reproduce bit for bit: parameters, optimizer state, loss log."""
+    """What a resumed run must reproduce bit for bit: parameters, optimizer state, loss log
+    (whole tensors on CPU, also under FSDP2: every rank calls it)."""
     optimizer = trainer.optimizer
     inner = getattr(optimizer, "optimizer", optimizer)
     return {
-        "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-        "optim": inner.state_dict(),
+        "model": _full(trainer.model.state_dict()),
+        "optim": _full(inner.state_dict()),
         "log": losses(trainer),
         "global_step": trainer.state.global_step,
+        "sharded": isinstance(next(trainer.model.parameters()), DTensor),  # trained under FSDP2
     }
 
 
@@ -212,6 +264,8 @@ def _stop(step: int) -> None:
 
 def main() -> None:
     root, model, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    fsdp2 = model.endswith("-fsdp2")
+    model = model.removesuffix("-fsdp2")
     step = int(sys.argv[4]) if len(sys.argv) > 4 else None
     if mode.startswith("kill"):
         os.setpgid(0, 0)  # the test kills the whole group: pinned_staging's writer process dies with us
@@ -222,7 +276,7 @@ def main() -> None:
         StopAfterAsyncSave.stop_at = step if step is not None else -1
         run = trainer(root, model, engine={"plugins": ["pinned_staging"]}, cls=StopAfterAsyncSave)
     else:
-        run = trainer(root, model, stop_at=step if mode == "stop" else None)
+        run = trainer(root, model, stop_at=step if mode == "stop" else None, fsdp2=fsdp2)
     run.train(resume_from_checkpoint=True if mode == "resume" else None)
     rank = int(os.environ.get("RANK", "0"))
     torch.save(end_state(run), os.path.join(root, f"result-{rank}.pt"))

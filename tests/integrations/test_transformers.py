@@ -401,3 +401,19 @@ def test_the_trainer_methods_it_overrides_are_the_trainers() -> None:
     for name, params in expected.items():
         assert list(inspect.signature(getattr(Trainer, name)).parameters) == params, name
     assert isinstance(script.training_args("."), TrainingArguments)
+
+
+@pytest.mark.parametrize(("enabled", "version", "refused"), [(False, None, False), (True, 1, True), (True, 2, False)])
+def test_only_fsdp1_is_refused(enabled: bool, version: int | None, refused: bool) -> None:
+    """accelerate's FSDP1 is refused, FSDP2 taken over (a stand-in for the trainer: accelerate
+    runs FSDP only on accelerators and FSDP1 is not run here; FSDP2 runs in
+    test_transformers_processes.py::test_fsdp2_two_ranks_...)."""
+    from types import SimpleNamespace
+
+    from ckpt_engine.integrations.transformers import _is_fsdp1
+
+    plugin = SimpleNamespace(fsdp_version=version) if enabled else None
+    trainer = SimpleNamespace(
+        is_fsdp_enabled=enabled, accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+    )
+    assert _is_fsdp1(trainer) is refused  # type: ignore[arg-type]

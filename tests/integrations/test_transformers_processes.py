@@ -1,7 +1,7 @@
 """``EngineTrainer`` across processes: a job stopped at a checkpoint resumes in a new process, a
 job killed with SIGKILL in the middle of a save resumes from the previous checkpoint, and two
-ranks under ``torchrun`` (DDP, gloo) do both; each ends bit for bit where an uninterrupted run
-ends (parameters, optimizer state, every logged loss).
+ranks under ``torchrun`` (DDP, gloo) do both, and so do two ranks under accelerate's FSDP2; each ends bit
+for bit where an uninterrupted run ends (parameters, optimizer state, every logged loss).
 
 The runs are ``tests/hf_scripts/hf_train.py`` (tiny GPT-2 and Llama built from configs, dropout
 on): 14 steps, a checkpoint every 3, across an epoch boundary. Every test here starts processes
@@ -21,6 +21,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import TrainerCallback
 
 pytest.importorskip("transformers")
 
@@ -145,3 +148,67 @@ def test_two_ranks_under_torchrun_stop_and_resume_bit_identical(tmp_path: Path) 
     one = script.trainer(str(stopped), engine={"allow_overwrite": True, "keys_not_to_resume": ["rng"]})
     one.train(resume_from_checkpoint=str(stopped / "checkpoints" / "iter_000000006"))
     assert one.state.global_step == script.STEPS
+
+
+class _ParamsAtStart(TrainerCallback):
+    """Keeps the model's parameters when training begins (after a resume has loaded them)."""
+
+    params: dict[str, torch.Tensor] | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
+        self.params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return control
+
+
+@pytest.mark.dist
+def test_fsdp2_two_ranks_save_sharded_and_resume_bit_identical_and_on_one_rank(tmp_path: Path) -> None:
+    """accelerate's FSDP2 (``fsdp_version: 2``): the model's parameters are DTensor shards, the
+    optimizer is built by the Trainer after accelerate shards the model. Every rank writes its own
+    shards; a new launch resumes bit-identical; one process resumes the 2-rank checkpoint.
+    On CPU ranks accelerate drops FSDP (see ``hf_train.fsdp2_on_cpu``); the GPU run is
+    ``test_fsdp2_on_a_gpu_stop_and_resume_bit_identical``."""
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    at_stop: dict[int, dict[str, Any]] = {}
+    for root, args in ((full, ["full"]), (stopped, ["stop", "6"]), (stopped, ["resume"])):
+        result = run_torchrun(str(SCRIPT), str(root), "gpt2-fsdp2", *args, nproc=2, timeout=300)
+        assert result.returncode == 0, result.describe()
+        if args[0] == "stop":
+            at_stop = {rank: _result(stopped, rank) for rank in (0, 1)}
+    for rank in (0, 1):
+        script.assert_same(_result(stopped, rank), _result(full, rank))
+        assert _result(full, rank)["sharded"] and _result(stopped, rank)["sharded"]
+    script.assert_same(_result(full, 0), _result(full, 1))
+    checkpoint = stopped / "checkpoints" / "iter_000000006"
+    for component in ("model", "optim"):  # sharded: each rank wrote half of every block's weight
+        meta = dcp.FileSystemReader(str(checkpoint / component)).read_metadata()
+        items = meta.state_dict_metadata.items()
+        chunks = [m.chunks for k, m in items if "h.0.attn.c_attn.weight" in k and isinstance(m, TensorStorageMetadata)]
+        chunks = [c for c in chunks if c[0].sizes.numel() > 1]  # not the optimizer's step counter
+        assert chunks and all(len(c) == 2 for c in chunks), (component, chunks)
+    assert cli(["verify", str(stopped / "checkpoints"), "--level", "checksums"]) == 0
+    # 2 -> 1: one process (no FSDP) resumes the 2-rank sharded checkpoint, the weights whole
+    start = _ParamsAtStart()
+    one = script.trainer(str(stopped), engine={"allow_overwrite": True, "keys_not_to_resume": ["rng"]})
+    one.add_callback(start)
+    one.train(resume_from_checkpoint=str(checkpoint))
+    assert start.params is not None and start.params.keys() == at_stop[0]["model"].keys()
+    for key, value in at_stop[0]["model"].items():
+        assert torch.equal(start.params[key], value), key
+    assert one.state.global_step == script.STEPS
+
+
+@pytest.mark.cuda
+def test_fsdp2_on_a_gpu_stop_and_resume_bit_identical(tmp_path: Path) -> None:
+    """accelerate's own FSDP2 on CUDA, nothing lifted (one rank under torchrun, NCCL,
+    ``full_determinism``): stopped at step 6, resumed in a new launch, bit-identical to an
+    uninterrupted run (run by scripts/gpu_check.sh)."""
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    for root, args in ((full, ["full"]), (stopped, ["stop", "6"]), (stopped, ["resume"])):
+        cmd = [*launcher, str(SCRIPT), str(root), "gpt2-fsdp2", *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0 and "FINISHED" in done.stdout, done.stdout[-3000:] + done.stderr[-6000:]
+    script.assert_same(_result(stopped), _result(full))
+    assert _result(full)["sharded"] and _result(stopped)["sharded"]  # accelerate did shard the model
+    assert cli(["verify", str(stopped / "checkpoints"), "--level", "checksums"]) == 0
