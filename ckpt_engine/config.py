@@ -188,12 +188,16 @@ class EngineConfig(BaseModel):
         description="Unpickle non-tensor values without `weights_only=True`. Only for trusted "
         "legacy checkpoints: it runs code from the checkpoint.",
     )
-    verify: Literal["off", "sizes", "checksums"] = Field(
-        default="sizes",
-        description="Checks before anything is loaded, beyond completeness (always checked): `sizes` "
-        "compares every file's size with the checkpoint's manifest (a stat per file); `checksums` also "
-        "reads every file and compares its checksum (catches flipped bytes; reads the checkpoint once "
-        "more, split among ranks); `off` skips the manifest.",
+    verify: Literal["off", "sizes", "read", "checksums"] = Field(
+        default="read",
+        description="How a load checks a checkpoint against its manifest, beyond completeness (always "
+        "checked): `read` (the default) compares every file's size before the load and checks every byte "
+        "the load reads against the digest recorded at save for its block, as it reads it (ranged and "
+        "shared reads included; a damaged byte is a `CorruptCheckpointError` naming the file, the byte range "
+        "and the keys there); a checkpoint saved before per-block digests is checked by whole-file digest "
+        "where a load reads a whole file, else by size (said once in the log). `checksums` also reads every "
+        "file once more before the load and compares its checksum (split among ranks). `sizes`: the sizes "
+        "only; `off` skips the manifest.",
     )
     allow_unverified: bool = Field(
         default=False,
