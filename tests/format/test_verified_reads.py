@@ -124,6 +124,19 @@ def test_a_flipped_byte_in_a_carried_file_is_refused(tmp_path: Path) -> None:
         engine.load(model=fresh, optimizer=torch.optim.AdamW(fresh.head.parameters(), lr=0.1))
 
 
+@pytest.mark.full  # the plugin's writer process starts in seconds
+def test_the_pinned_staging_writer_records_blocks_too(tmp_path: Path) -> None:
+    """The async plugin's writer process writes the data files: their blocks are recorded alike."""
+    config = {"save_dir": str(tmp_path), "plugins": ["pinned_staging"]}
+    _save(config)
+    doc = json.loads((tmp_path / "iter_000000001" / MANIFEST_FILE).read_text())
+    assert all(e.get("blocks") for rel, e in doc["files"].items() if rel.endswith(".distcp"))
+    data = _largest(tmp_path / "iter_000000001" / "model")
+    at = data.stat().st_size // 2
+    _flip(data, at)
+    _refused({"save_dir": str(tmp_path)}, data, at)
+
+
 def test_a_flipped_byte_in_a_local_tier_copy_is_refused(tmp_path: Path) -> None:
     config = {"save_dir": str(tmp_path / "durable"), "local_dir": str(tmp_path / "local"), "persist_every": 5}
     _save(config, steps=2)
