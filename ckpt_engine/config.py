@@ -188,12 +188,16 @@ class EngineConfig(BaseModel):
         description="Unpickle non-tensor values without `weights_only=True`. Only for trusted "
         "legacy checkpoints: it runs code from the checkpoint.",
     )
-    verify: Literal["off", "sizes", "checksums"] = Field(
-        default="sizes",
-        description="Checks before anything is loaded, beyond completeness (always checked): `sizes` "
-        "compares every file's size with the checkpoint's manifest (a stat per file); `checksums` also "
-        "reads every file and compares its checksum (catches flipped bytes; reads the checkpoint once "
-        "more, split among ranks); `off` skips the manifest.",
+    verify: Literal["off", "sizes", "read", "checksums"] = Field(
+        default="read",
+        description="How a load checks a checkpoint against its manifest, beyond completeness (always "
+        "checked): `read` (the default) compares every file's size before the load and checks every byte "
+        "the load reads against the digest recorded at save for its block, as it reads it (ranged and "
+        "shared reads included; a damaged byte is a `CorruptCheckpointError` naming the file, the byte range "
+        "and the keys there); a checkpoint saved before per-block digests is checked by whole-file digest "
+        "where a load reads a whole file, else by size (said once in the log). `checksums` also reads every "
+        "file once more before the load and compares its checksum (split among ranks). `sizes`: the sizes "
+        "only; `off` skips the manifest.",
     )
     allow_unverified: bool = Field(
         default=False,
@@ -309,6 +313,21 @@ class EngineConfig(BaseModel):
         "network and the CPU to training. None: as fast as the process group goes (in chunks of 16 MiB, in a "
         "background thread).",
     )
+    replication_max_in_flight: int = Field(
+        default=2,
+        ge=1,
+        description="With `local_dir` and peer replicas: how many replication rounds (one per save) a rank may have "
+        "in flight, announced and not finished; each keeps its step on the rank's local disk beyond "
+        "`local_keep_last`. A save past it does what `replication_when_behind` says, so a link slower than the "
+        "saves bounds the tier's disk at `local_keep_last` + this many steps per rank.",
+    )
+    replication_when_behind: Literal["skip", "wait"] = Field(
+        default="skip",
+        description="With `local_dir`: what a save does when `replication_max_in_flight` rounds are in flight. "
+        "`skip`: its step is not replicated (a warning; peers keep their replica of an earlier step) and training "
+        "goes on at full speed; `wait`: `save()` waits until a round finishes (back-pressure: the saves slow to "
+        "the link's pace).",
+    )
     storage: StorageOptions = Field(
         default_factory=StorageOptions,
         description="Credentials, endpoint and transfer settings for URLs; the two-tier `local_dir` (docs/storage.md).",
@@ -345,6 +364,7 @@ class EngineConfig(BaseModel):
         "peer_replicas",
         "ranks_per_node",
         "local_keep_last",
+        "replication_max_in_flight",
         mode="before",
     )
     @classmethod

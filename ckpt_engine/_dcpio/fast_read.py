@@ -25,7 +25,7 @@ import gc
 import io
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,8 +33,9 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .._format.metadata import SafeFileSystemReader
-from ..errors import CheckpointLoadError
+from .._format.block_check import FileBlocks, check_read, keys_in
+from .._format.metadata import SafeFileSystemReader, _read_error
+from ..errors import CheckpointLoadError, CkptEngineError
 from .torch_save_archive import SavedTensorLayout, parse_torch_save_tensor_at
 
 __all__ = ["FastFileSystemReader", "LayoutCache", "contiguous_region"]
@@ -261,20 +262,62 @@ def _readinto(fd: int, buf: memoryview, offset: int) -> bool:
 
 @dataclasses.dataclass(eq=False)
 class _Read:
-    """One large read: ``nbytes`` at ``offset`` of the file into ``target``'s memory."""
+    """One large read: ``nbytes`` at ``offset`` of the file into ``target``'s memory; ``item``:
+    the archive it is part of (its headers, read first) at file offset ``base``."""
 
     req: ReadItem
     target: torch.Tensor
     offset: int
     nbytes: int
+    item: _Item | None = None
+    base: int = 0
+
+    def pieces(self, view: memoryview) -> list[tuple[int, Any]]:
+        """What of the archive is in memory, by file offset: its head up to the data, the data
+        (``view``, the target's bytes) and its tail after it."""
+        out: list[tuple[int, Any]] = [(self.offset, view)]
+        item, end = self.item, self.offset + self.nbytes
+        if item is not None:
+            out.append((self.base, memoryview(item.head)[: max(0, self.offset - self.base)]))
+            tail_at = self.base + item.tail_start
+            out.append((max(end, tail_at), memoryview(item.tail)[max(0, end - tail_at) :]))
+        return out
 
 
-def _run_reads(fd: int, reads: list[_Read], threads: int) -> list[_Read]:
+def _read_checked(fd: int, r: _Read, blocks: FileBlocks, keys: Callable[[int, int], list[str]]) -> bool:
+    """:func:`_readinto` of ``r`` block by block, each block checked against its digest right
+    after it is read (while its bytes are in the CPU's cache); ``False`` on a short read."""
+    view = _byte_view(r.target)
+    end = r.offset + r.nbytes
+    pieces = r.pieces(view)
+    at = r.offset
+    for b in blocks.touched([(r.offset, end)]):
+        stop = min(blocks.starts[b + 1], end)
+        if not _readinto(fd, view[at - r.offset : stop - r.offset], at):
+            return False
+        check_read(blocks, [(blocks.starts[b], blocks.starts[b + 1])], pieces, _pread(fd), keys)
+        at = stop
+    return at >= end or _readinto(fd, view[at - r.offset :], at)  # past the recorded blocks: sizes say
+
+
+def _pread(fd: int) -> Callable[[int, int], bytes]:
+    return lambda offset, n: os.pread(fd, n, offset)
+
+
+def _run_reads(
+    fd: int, reads: list[_Read], threads: int, blocks: FileBlocks | None = None, keys: Any = None
+) -> list[_Read]:
     """Do the reads (offset order), on up to ``threads`` threads when there is enough to share;
-    returns the reads that came back short (a truncated file)."""
+    returns the reads that came back short (a truncated file). With ``blocks`` (recorded per
+    block), each block is checked as it is read."""
+
+    def one(r: _Read) -> bool:
+        if blocks is not None and not blocks.whole_only:
+            return _read_checked(fd, r, blocks, keys)
+        return _readinto(fd, _byte_view(r.target), r.offset)
 
     def run(batch: list[_Read]) -> list[_Read]:
-        return [r for r in batch if not _readinto(fd, _byte_view(r.target), r.offset)]
+        return [r for r in batch if not one(r)]
 
     total = sum(r.nbytes for r in reads)
     if threads <= 1 or total < _PARALLEL_MIN_BYTES or len(reads) < 2:
@@ -332,6 +375,9 @@ class FastFileSystemReader(SafeFileSystemReader):
         self.stats = FastReadStats()
         #: Archive layouts seen by this reader (see :class:`LayoutCache`).
         self.layouts = LayoutCache()
+        #: The per-block digests of this component's data files, by file name (the loader sets
+        #: them: ``verify: read``); every byte read from a file named here is checked.
+        self.blocks: Mapping[str, FileBlocks] = {}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         with gc_paused():
@@ -360,32 +406,19 @@ class FastFileSystemReader(SafeFileSystemReader):
                 slow += [req for _, req in entries]
                 continue
             try:
-                if hasattr(os, "posix_fadvise"):
-                    # Ask for the whole span these items cover up front: the archive headers are
-                    # parsed before any data is read, and on a cold cache those small reads
-                    # would otherwise each wait for the disk.
-                    first = entries[0][0].offset
-                    end = max(info.offset + info.length for info, _ in entries)
-                    os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                layouts: dict[int, tuple[_Item, SavedTensorLayout | None]] = {}
-                ready: list[tuple[ReadItem, torch.Tensor]] = []
-                reads: list[_Read] = []
-                small = _read_small_items(fd, sorted({(info.offset, info.length) for info, _ in entries}))
-                for info, req in entries:
-                    if not self._plan_direct(fd, info, req, planner, layouts, ready, reads, small):
-                        slow.append(req)
-                failed = _run_reads(fd, reads, self.threads)
-                slow += [r.req for r in failed]
-                self.stats.bytes_read += sum(it.prefetched for it, _ in layouts.values())
-                self.stats.bytes_read += sum(r.nbytes for r in reads if r not in failed)
-                done_reads = [(r.req, r.target) for r in reads if r not in failed]
-                for req, target in ready + done_reads:
-                    planner.commit_tensor(req, target)
-                    self.stats.direct += 1
-                    self.stats.direct_bytes += target.numel() * target.element_size()
+                slow += self._read_file(fd, relative_path, entries, planner)
+            except CkptEngineError:
+                raise
+            except Exception as err:
+                # A damaged archive can fail its parse in any way: the blocks say whether it is damaged.
+                self._check_spans(fd, relative_path, [(info.offset, info.offset + info.length) for info, _ in entries])
+                mapped = _read_error(os.path.join(os.fspath(self.path), relative_path), [r for _, r in entries], err)
+                if mapped is err:
+                    raise
+                raise mapped from err
             finally:
                 os.close(fd)
+        self._check_items(slow)  # DCP's path reads them: checked first, by reading them once more
         self.stats.fallback = len(slow)
         # DCP's path reads each item it is asked for whole (one slice of the file per item)
         self.stats.bytes_read += sum(
@@ -396,6 +429,80 @@ class FastFileSystemReader(SafeFileSystemReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _read_file(
+        self, fd: int, rel: str, entries: list[tuple[Any, ReadItem]], planner: LoadPlanner
+    ) -> list[ReadItem]:
+        """Read the tensor items ``entries`` of data file ``rel`` (open as ``fd``) by the direct
+        path, checked against the file's blocks before any is committed; returns the items
+        left to DCP's path."""
+        slow: list[ReadItem] = []
+        if hasattr(os, "posix_fadvise"):
+            # Ask for the whole span these items cover up front: the archive headers are parsed
+            # before any data is read; on a cold cache those small reads would each wait.
+            first = entries[0][0].offset
+            end = max(info.offset + info.length for info, _ in entries)
+            os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        layouts: dict[int, tuple[_Item, SavedTensorLayout | None]] = {}
+        ready: list[tuple[ReadItem, torch.Tensor]] = []
+        reads: list[_Read] = []
+        small = _read_small_items(fd, sorted({(info.offset, info.length) for info, _ in entries}))
+        for info, req in entries:
+            if not self._plan_direct(fd, info, req, planner, layouts, ready, reads, small):
+                slow.append(req)
+        blocks = self.blocks.get(rel)
+        failed = _run_reads(fd, reads, self.threads, blocks, keys_in(self.storage_data, rel))
+        slow += [r.req for r in failed]
+        done_reads = [r for r in reads if r not in failed]
+        if blocks is not None:
+            self._check_direct(fd, rel, blocks, small, layouts, [req for req, _ in ready], done_reads)
+        self.stats.bytes_read += sum(it.prefetched for it, _ in layouts.values())
+        self.stats.bytes_read += sum(r.nbytes for r in done_reads)
+        for req, target in ready + [(r.req, r.target) for r in done_reads]:
+            planner.commit_tensor(req, target)
+            self.stats.direct += 1
+            self.stats.direct_bytes += target.numel() * target.element_size()
+        return slow
+
+    def _check_direct(
+        self,
+        fd: int,
+        rel: str,
+        blocks: FileBlocks,
+        small: dict[int, bytes],
+        layouts: dict[int, tuple[_Item, SavedTensorLayout | None]],
+        whole: list[ReadItem],
+        reads: list[_Read],
+    ) -> None:
+        """Check what the direct path read of ``rel`` that :func:`_run_reads` did not check as it
+        read: the items copied whole (``whole``), and with a whole-file digest only, everything."""
+        spans = [(i.offset, i.offset + i.length) for i in map(self._info, whole)]
+        pieces: list[tuple[int, Any]] = list(small.items())
+        pieces += [(offset, it.head) for offset, (it, _) in layouts.items()]
+        if blocks.whole_only:
+            spans += [(r.base, r.base + r.item.length) for r in reads if r.item is not None]
+            pieces += [p for r in reads for p in r.pieces(_byte_view(r.target))]
+        check_read(blocks, spans, pieces, _pread(fd), keys_in(self.storage_data, rel))
+
+    def _check_spans(self, fd: int, rel: str, spans: list[tuple[int, int]]) -> None:
+        """Check the blocks of ``rel`` holding ``spans`` by reading them (where it has blocks)."""
+        blocks = self.blocks.get(rel)
+        if blocks is not None:
+            check_read(blocks, spans, [], _pread(fd), keys_in(self.storage_data, rel))
+
+    def _check_items(self, items: list[ReadItem]) -> None:
+        """Check the blocks holding ``items`` (left to DCP's path) by reading them once more."""
+        per_file: dict[str, list[tuple[int, int]]] = {}
+        for info in map(self._info, items):
+            per_file.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+        for rel in set(per_file) & set(self.blocks):
+            with contextlib.suppress(OSError):  # one that cannot be opened: DCP's path reports it
+                fd = os.open(os.path.join(os.fspath(self.path), rel), os.O_RDONLY)
+                try:
+                    self._check_spans(fd, rel, per_file[rel])
+                finally:
+                    os.close(fd)
 
     def _read_values(self, rel: str, entries: list[tuple[Any, ReadItem]], planner: LoadPlanner) -> list[ReadItem]:
         """Hand the non-tensor values of data file ``rel`` to ``planner.load_bytes`` as DCP's path
@@ -408,6 +515,10 @@ class FastFileSystemReader(SafeFileSystemReader):
             return [req for _, req in entries]
         try:
             small = _read_small_items(fd, sorted({(info.offset, info.length) for info, _ in entries}))
+            spans = [(o, o + len(d)) for o, d in small.items()]
+            blocks = self.blocks.get(rel)
+            if blocks is not None:  # before anything is unpickled
+                check_read(blocks, spans, list(small.items()), _pread(fd), keys_in(self.storage_data, rel))
         finally:
             os.close(fd)
         left: list[ReadItem] = []
@@ -447,6 +558,12 @@ class FastFileSystemReader(SafeFileSystemReader):
                 if not _readinto(fds[rel], out[at : at + length], offset):
                     raise CheckpointLoadError(
                         f"cannot read bytes {offset}-{offset + length} of {path}: the file is truncated or unreadable"
+                    )
+                blocks = self.blocks.get(rel)
+                if blocks is not None:
+                    pieces = [(offset, out[at : at + length])]
+                    check_read(
+                        blocks, [(offset, offset + length)], pieces, _pread(fds[rel]), keys_in(self.storage_data, rel)
                     )
                 at += length
         finally:
@@ -495,7 +612,7 @@ class FastFileSystemReader(SafeFileSystemReader):
                 return False
             _copy_small(target, data)
         elif nbytes:
-            reads.append(_Read(req, target, info.offset + start, nbytes))
+            reads.append(_Read(req, target, info.offset + start, nbytes, item, info.offset))
             return True
         ready.append((req, target))
         return True

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .._format.data_file import DataFile
+from .._format.data_file import BlockHasher, DataFile
 from .._format.digests import write_part
 from .._format.hashing import new_hasher
 from .._format.metadata import remember_metadata
@@ -60,6 +60,8 @@ logger = logging.getLogger("ckpt_engine")
 
 
 _SUFFIX = ".distcp"
+#: A file written: its size, digest and per-block digests (``None``: not hashed).
+_Written = tuple[int, str | None, list[tuple[int, str]] | None]
 _BUFFER = 1 << 20
 
 
@@ -237,6 +239,7 @@ class FastFileSystemWriter(FileSystemWriter):
         results: list[list[WriteResult]] = [[] for _ in files]
         algorithm: str | None = getattr(planner, "checksum", None)
         digests: dict[str, tuple[int, str | None]] = {}
+        blocks: dict[str, list[tuple[int, str]]] = {}
         errors: list[BaseException] = []
         pending = list(range(len(files)))
         lock = threading.Lock()
@@ -248,7 +251,11 @@ class FastFileSystemWriter(FileSystemWriter):
                         return
                     n = pending.pop(0)
                 try:
-                    results[n], digests[files[n][0]] = self._write_file(files[n][0], files[n][1], planner, algorithm)
+                    name = files[n][0]
+                    results[n], (size, digest, cut) = self._write_file(name, files[n][1], planner, algorithm)
+                    digests[name] = (size, digest)
+                    if cut is not None:
+                        blocks[name] = cut
                 except BaseException as err:
                     with lock:
                         errors.append(err)
@@ -265,14 +272,16 @@ class FastFileSystemWriter(FileSystemWriter):
         self.bytes_out = sum(size for size, _ in digests.values())
         if algorithm is not None:  # this rank's part of the manifest: hashed as written, never read back
             carried = {name: how for name, (how, _) in self.carried.items()}
-            write_part(os.fspath(self.path), prefix, algorithm, digests, carried)
+            write_part(os.fspath(self.path), prefix, algorithm, digests, carried, blocks)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([r for rs in results for r in rs])
         return fut
 
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner, algorithm: str | None
-    ) -> tuple[list[WriteResult], tuple[int, str | None]]:
+    ) -> tuple[list[WriteResult], _Written]:
+        """Write the file ``name`` of ``items``: their results, and the file's size, digest and
+        per-block digests (what a load checks the bytes it reads against)."""
         if name in self._stable and self.carry_over is not None and algorithm == self.carry_over.algorithm:
             return self._carry_or_write(name, items, planner)
         results: list[WriteResult] = []
@@ -280,19 +289,23 @@ class FastFileSystemWriter(FileSystemWriter):
         # digest so far, hashed once either way): equal state gives equal bytes, which a peer
         # holding the same shards (a data-parallel replica) links instead of receiving.
         path = os.path.join(os.fspath(self.path), name)
-        with DataFile(create_new(path), algorithm, self.sync_files, hashed_by_caller=self.rank_local) as out:
+        with DataFile(
+            create_new(path), algorithm, self.sync_files, hashed_by_caller=self.rank_local, blocks=algorithm
+        ) as out:
             hasher = out.hasher if self.rank_local else None
             for item in _dcp_order(items):
                 offset = out.pos
-                for part in _encode(planner.resolve_data(item), hasher):
+                parts = _encode(planner.resolve_data(item), hasher)
+                out.item(sum(memoryview(p).nbytes for p in parts))
+                for part in parts:
                     out.write(part)
                 results.append(self._result(item, name, offset, out.pos - offset))
             out.sync(self.sync_files)
-        return results, (out.pos, out.digest())
+        return results, (out.pos, out.digest(), out.blocks())
 
     def _carry_or_write(
         self, name: str, items: list[WriteItem], planner: SavePlanner
-    ) -> tuple[list[WriteResult], tuple[int, str | None]]:
+    ) -> tuple[list[WriteResult], _Written]:
         """The file ``name`` of an incremental save: its bytes are built and hashed first; equal
         to the previous checkpoint's file of that name (size and checksum), it is carried over,
         else written (with the digest just computed: every byte is hashed once).
@@ -319,21 +332,26 @@ class FastFileSystemWriter(FileSystemWriter):
             if reason is None:  # "copy": the upload copies it inside the object store
                 self.carried[name] = (carry.method, size)
                 results, offset = [], 0
-                for (item, _), n in zip(encoded, sizes, strict=True):
+                cut = BlockHasher(carry.algorithm)  # the blocks its manifest entry records again
+                for (item, parts), n in zip(encoded, sizes, strict=True):
                     results.append(self._result(item, name, offset, n))
+                    cut.item(offset, n)
+                    for part in parts:
+                        cut.update(part)
                     offset += n
-                return results, (size, digest)
+                return results, (size, digest, cut.finish())
             logger.warning("%s is unchanged but was written, not carried over: %s", path, reason)
             self.carried[name] = ("write", size)
         results = []
-        with DataFile(create_new(path), None, self.sync_files) as out:
+        with DataFile(create_new(path), None, self.sync_files, blocks=carry.algorithm) as out:
             for item, parts in encoded:
                 offset = out.pos
+                out.item(sum(memoryview(p).nbytes for p in parts))
                 for part in parts:
                     out.write(part)
                 results.append(self._result(item, name, offset, out.pos - offset))
             out.sync(self.sync_files)
-        return results, (out.pos, digest)
+        return results, (out.pos, digest, out.blocks())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """DCP's ``finish`` (``.metadata.tmp``, fsync, rename), with the metadata made compact,

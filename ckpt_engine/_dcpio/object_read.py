@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from .._format.block_check import FileBlocks, check_read, keys_in
 from .._format.metadata import _read_error, read_metadata
 from .._format.names import METADATA_FILE
 from .._storage.store import FsspecStore, Store
@@ -88,6 +89,9 @@ class ObjectStoreReader(StorageReader):
         self.load_id = ""
         #: Bytes fetched by the last :meth:`read_data` (for tests and benchmarks).
         self.bytes_fetched = 0
+        #: The per-block digests of the data files, by file name (``verify: read``; see
+        #: :mod:`ckpt_engine._format.block_check`): every byte fetched from them is checked.
+        self.blocks: Mapping[str, FileBlocks] = {}
 
     # -- StorageReader protocol -------------------------------------------------------------
 
@@ -179,9 +183,27 @@ class ObjectStoreReader(StorageReader):
                 pieces.append(_Piece(url, offset + off, offset + off + n, put))
             at += length
         self._fetch(pieces)
+        at = 0
+        for rel, offset, length in ranges:
+            self._check(rel, [(offset, offset + length)], [(offset, out[at : at + length])])
+            at += length
 
     def _url(self, rel: str) -> str:
         return self.store.join(self.path, rel)
+
+    def _check(self, rel: str, spans: list[tuple[int, int]], pieces: list[tuple[int, Any]]) -> None:
+        """Check the blocks of ``rel`` holding ``spans`` (fetched: ``pieces``; the rest of a block
+        is fetched now) against their digests, where the manifest records them."""
+        blocks = self.blocks.get(rel)
+        if blocks is None:
+            return
+        url = self._url(rel)
+
+        def fetch(offset: int, n: int) -> bytes:
+            self.bytes_fetched += n
+            return self.store.read_range(url, offset, offset + n)
+
+        check_read(blocks, spans, pieces, fetch, keys_in(self.storage_data, rel))
 
     def _fetch(self, pieces: list[_Piece]) -> None:
         """Fetch ``pieces`` in batches of at most ``max_concurrency x part_size`` bytes."""
@@ -225,6 +247,7 @@ class ObjectStoreReader(StorageReader):
         fallback: dict[tuple[str, int, int], list[ReadItem]] = {}
         reads: list[_Piece] = []
         commits: list[tuple[ReadItem, torch.Tensor]] = []
+        checks: list[tuple[str, list[tuple[int, int]], list[tuple[int, Any]]]] = []
         for key, reqs in items.items():
             rel, base, length = key
             url = self._url(rel)
@@ -253,7 +276,12 @@ class ObjectStoreReader(StorageReader):
 
                     reads.append(_Piece(url, start + off, start + off + n, put))
                 commits.append((req, target))
+                tail_at = base + length - _PREFETCH
+                spans = [(base, base + _PREFETCH), (start, start + count * esize), (tail_at, base + length)]
+                checks.append((rel, spans, [(start, view), (base, head), (tail_at, tail)]))
         self._fetch(reads)
+        for rel, spans, held in checks:
+            self._check(rel, spans, held)
         for req, target in commits:
             planner.commit_tensor(req, target)
         return fallback
@@ -271,6 +299,7 @@ class ObjectStoreReader(StorageReader):
 
             def sink(data: bytes, group: list[tuple[str, int, int]] = group, start: int = start) -> None:
                 view = memoryview(data)
+                self._check(group[0][0], [(k[1], k[1] + k[2]) for k in group], [(start, view)])
                 for key in group:
                     fill(key, view[key[1] - start : key[1] - start + key[2]])
 

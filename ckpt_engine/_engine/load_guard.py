@@ -204,7 +204,7 @@ def run_checks(
     found = check_against_manifest(
         path,
         lookup.manifest,
-        level,
+        "checksums" if level == "checksums" else "sizes",  # "read": the reads are checked as they read
         referenced=referenced_files(checked),
         checksum_only=share,
         store=store,

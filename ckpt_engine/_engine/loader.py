@@ -22,10 +22,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .._dcpio import dist as _dist
 from .._dcpio.fast_load import load_state_dict
 from .._dcpio.fast_read import FastFileSystemReader, gc_paused
-from .._dcpio.object_read import reader_for
+from .._dcpio.object_read import ObjectStoreReader, reader_for
 from .._dcpio.planner import EngineLoadPlanner
 from .._dcpio.unsafe import refine_unsafe
 from .._dcpio.watch import phase as publish_phase
+from .._format.block_check import FileBlocks, component_blocks, manifest_for_reads
 from .._format.layout import (
     CheckedCheckpoint,
 )
@@ -423,6 +424,7 @@ class Loader:
             excluded = set(self.config.keys_not_to_resume)
             available = set(objs.available())
             names = [n for n in wanted if n not in excluded and n in available]
+            digests = manifest_for_reads(path, validated.store, self.config.verify, _dist.rank() == 0)
             reports: dict[str, ComponentReport] = {}
             iteration = 0
             for name in names:
@@ -433,14 +435,16 @@ class Loader:
                     check_saved_world_size(checked.components[name], path, _dist.world_size())
                 sd = component_state_dict(objs, name, 0)
                 template = tuple(sd.values())
+                folder = validated.store.join(path, name)
                 planner = self._load_component(
                     name,
-                    validated.store.join(path, name),
+                    folder,
                     sd,
                     checked.components[name],
                     objs,
                     validated.store,
                     dedup_reads or self.config.dedup_reads,
+                    {} if digests is None else component_blocks(digests, name, folder, validated.store.join),
                 )
                 assert planner.report is not None
                 reports[name] = planner.report
@@ -491,7 +495,10 @@ class Loader:
         objs: TrainingObjects,
         store: Store,
         dedup_reads: str,
+        blocks: dict[str, FileBlocks],
     ) -> EngineLoadPlanner:
+        """Load component ``name`` into ``sd``; ``blocks``: its data files' per-block digests,
+        which every byte read is checked against."""
         planner = EngineLoadPlanner(
             component=name,
             checkpoint_dir=component_dir,
@@ -510,6 +517,8 @@ class Loader:
         try:
             with _dist.quiet_dcp():
                 reader = reader_for(component_dir, store, metadata, FastFileSystemReader)
+                if isinstance(reader, (FastFileSystemReader, ObjectStoreReader)):
+                    reader.blocks = blocks
                 stats = load_state_dict(
                     sd,
                     storage_reader=reader,

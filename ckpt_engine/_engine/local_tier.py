@@ -166,6 +166,8 @@ class LocalTier:
                     keep_last=self.config.local_keep_last,
                     bandwidth_mb_s=self.config.peer_bandwidth_mb_s,
                     sync_files=self.config.sync_files,
+                    max_in_flight=self.config.replication_max_in_flight,
+                    when_behind=self.config.replication_when_behind,
                 )
         return self._replicator.expect(iteration) if self._replicator is not None else None
 

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .._dcpio import dist as _dist
-from .._format.digests import remove_parts, written_entries
+from .._format.digests import remove_parts, report_blocks, written_entries
 from .._format.layout import check_complete, commit_rename, remove_checkpoint, remove_tree
 from .._format.manifest import (
     FileEntry,
@@ -303,7 +303,9 @@ class ObjectStoreTarget(SaveTarget):
                     raise CheckpointSaveError(f"rank {r} failed to upload its files: {doc['error']}")
                 for rel, e in doc.get("files", {}).items():
                     carried = e.get("carried") if e.get("carried") in ("link", "copy") else None
-                    merged[rel] = FileEntry(size=int(e["size"]), checksum=e.get("checksum"), carried=carried)
+                    merged[rel] = FileEntry(
+                        size=int(e["size"]), checksum=e.get("checksum"), carried=carried, blocks=report_blocks(e)
+                    )
                 waiting.discard(r)
             if waiting:
                 if time.monotonic() > deadline:

@@ -7,6 +7,10 @@ checksum. :class:`DataFile` does both ends of that pass without reading anything
 * **the checksum** is computed on a helper thread while the writer writes (:class:`_BackgroundHash`),
   where the process may use a second CPU; else each megabyte is hashed right before it is
   written, while it is in the CPU's cache;
+* **the blocks**: the same bytes are hashed once more in *blocks* (:class:`BlockHasher`): each
+  item larger than :data:`SMALL_ITEM` in pieces of at most :data:`BLOCK_MAX` of its own, runs of
+  smaller items together up to :data:`BLOCK_RUN`. The manifest records each block's length and
+  digest, so a load checks exactly the blocks it reads (``_dcpio/verified_read.py``);
 * **the disk** gets each finished 16 MiB of a file that will be fsynced while the next ones are
   produced (:class:`_Writeback`), so the ``fsync`` at the end waits for the last range only.
 """
@@ -22,7 +26,85 @@ from typing import Any, BinaryIO
 
 from .hashing import new_hasher
 
-__all__ = ["DataFile"]
+__all__ = ["BLOCK_MAX", "BLOCK_RUN", "SMALL_ITEM", "BlockHasher", "DataFile"]
+
+#: An item at most this big is read whole by a load (with its neighbours): it shares a block.
+SMALL_ITEM = 8 << 10
+#: A block of small items is closed at the next item boundary once it holds this many bytes.
+BLOCK_RUN = 1 << 20
+#: A larger item's blocks hold at most this many bytes each (a ranged read checks whole blocks).
+BLOCK_MAX = 4 << 20
+
+
+class BlockHasher:
+    """Digests of a file's bytes in blocks cut at item boundaries (see the module docstring).
+
+    The writer announces each item (:meth:`item`: its offset and size) before its bytes are
+    hashed; :meth:`update` may run on another thread, later, but in file order: the cuts an item
+    adds all lie at or after the bytes hashed before it was announced."""
+
+    def __init__(self, algorithm: str) -> None:
+        self._algorithm = algorithm
+        self._cuts: list[int] = []
+        self._hasher = new_hasher(algorithm)
+        self._pos = self._start = self._next = 0
+        self.blocks: list[tuple[int, str]] = []
+
+    def item(self, offset: int, nbytes: int) -> None:
+        """An item of ``nbytes`` starts at ``offset`` of the file (writer's thread)."""
+        cuts = self._cuts
+        last = cuts[-1] if cuts else 0
+        if nbytes > SMALL_ITEM:
+            points = [offset, *range(offset + BLOCK_MAX, offset + nbytes, BLOCK_MAX), offset + nbytes]
+        elif offset - last >= BLOCK_RUN:
+            points = [offset]
+        else:
+            return
+        for p in points:
+            if p > last:
+                cuts.append(p)  # one append each: the hashing thread reads the list as it grows
+                last = p
+
+    def update(self, data: Any) -> None:
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        while len(view):
+            cut = self._cuts[self._next] if self._next < len(self._cuts) else None
+            if cut == self._pos:
+                self._close()
+                self._next += 1
+                continue
+            n = len(view) if cut is None else min(len(view), cut - self._pos)
+            assert self._hasher is not None
+            self._hasher.update(view[:n])
+            self._pos += n
+            view = view[n:]
+
+    def _close(self) -> None:
+        if self._pos > self._start:
+            assert self._hasher is not None
+            self.blocks.append((self._pos - self._start, self._hasher.hexdigest()))
+            self._hasher = new_hasher(self._algorithm)
+            self._start = self._pos
+
+    def finish(self) -> list[tuple[int, str]]:
+        """Every block's ``(length, hex digest)``, in file order (once every byte is hashed)."""
+        self._close()
+        return self.blocks
+
+
+class _Both:
+    """The file's hasher (if any) and its block hasher, fed the same bytes."""
+
+    def __init__(self, file_hasher: Any, blocks: BlockHasher) -> None:
+        self._file, self._blocks = file_hasher, blocks
+
+    def update(self, data: Any, /) -> None:
+        if self._file is not None:
+            self._file.update(data)
+        self._blocks.update(data)
+
 
 #: The file object's buffer at most: a write at least this large reaches the kernel at once.
 _BUFFER = 1 << 20
@@ -167,16 +249,25 @@ class DataFile:
     right before it is written, while it is in the CPU's cache)."""
 
     def __init__(
-        self, f: BinaryIO, algorithm: str | None, durable: bool = False, *, hashed_by_caller: bool = False
+        self,
+        f: BinaryIO,
+        algorithm: str | None,
+        durable: bool = False,
+        *,
+        hashed_by_caller: bool = False,
+        blocks: str | None = None,
     ) -> None:
         """``f``: the file, opened for writing (buffered by at most 1 MiB) and closed with this
         object; ``durable``: it will be fsynced once written (:meth:`sync`); ``hashed_by_caller``:
         the caller updates :attr:`hasher` with every part before it writes it (it needs the
-        digest so far as it goes), so :meth:`write` only writes."""
+        digest so far as it goes), so :meth:`write` only writes; ``blocks``: the algorithm of
+        the per-block digests (:meth:`item` announces each item; :meth:`blocks` returns them)."""
         self.f = f
         self.pos = 0
         self.hasher = new_hasher(algorithm) if algorithm is not None else None
-        self._hashing = None if hashed_by_caller else self.hasher
+        self._blocks = BlockHasher(blocks) if blocks is not None and new_hasher(blocks) is not None else None
+        own = None if hashed_by_caller else self.hasher
+        self._hashing: Any = own if self._blocks is None else _Both(own, self._blocks)
         self._behind = _BackgroundHash(self._hashing) if self._hashing is not None and _SPARE_CPU else None
         self._writeback = _Writeback(self.f.fileno()) if durable and WRITEBACK and _sync_file_range else None
 
@@ -199,10 +290,23 @@ class DataFile:
         if self._writeback is not None and nbytes >= _BUFFER:  # a large write is in the kernel's hands
             self._writeback.wrote(self.pos)
 
+    def item(self, nbytes: int) -> None:
+        """An item of ``nbytes`` is written next (where its blocks start and end)."""
+        if self._blocks is not None:
+            self._blocks.item(self.pos, nbytes)
+
     def digest(self) -> str | None:
         if self._behind is not None:
             self._behind.finish()
         return None if self.hasher is None else self.hasher.hexdigest()
+
+    def blocks(self) -> list[tuple[int, str]] | None:
+        """Each block's ``(length, hex digest)`` once everything is written (``None``: not hashed)."""
+        if self._blocks is None:
+            return None
+        if self._behind is not None:
+            self._behind.finish()
+        return self._blocks.finish()
 
     def sync(self, fsync: bool) -> None:
         """Flush what was written and, where ``fsync``, make it durable."""

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .manifest import CARRIED, FileEntry, entry_doc, hash_files
+from .manifest import CARRIED, FileEntry, entry_doc, hash_files, parse_blocks
 from .names import PART_PREFIX, is_part
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "is_part",
     "read_parts",
     "remove_parts",
+    "report_blocks",
     "write_part",
     "written_entries",
 ]
@@ -37,15 +38,19 @@ def write_part(
     algorithm: str | None,
     files: dict[str, tuple[int, str | None]],
     carried: Mapping[str, str] | None = None,
+    blocks: Mapping[str, Sequence[tuple[int, str]]] | None = None,
 ) -> None:
     """Record ``files`` (file name in ``folder`` -> size, hex digest) as part ``name``;
     ``carried``: the files carried over from the previous checkpoint, and how (``"link"``,
-    ``"copy"``; ``"write"``: it could have been, but was written)."""
-    carried = carried or {}
-    doc = {
-        "algorithm": algorithm,
-        "files": {f: entry_doc(FileEntry(size=s, checksum=c, carried=carried.get(f))) for f, (s, c) in files.items()},
-    }
+    ``"copy"``; ``"write"``: it could have been, but was written); ``blocks``: each file's
+    per-block ``(length, digest)`` (what a load checks the bytes it reads against)."""
+    carried, blocks = carried or {}, blocks or {}
+
+    def entry(f: str, s: int, c: str | None) -> FileEntry:
+        cut = blocks.get(f)
+        return FileEntry(size=s, checksum=c, carried=carried.get(f), blocks=None if cut is None else tuple(cut))
+
+    doc = {"algorithm": algorithm, "files": {f: entry_doc(entry(f, s, c)) for f, (s, c) in files.items()}}
     path = os.path.join(folder, f"{PART_PREFIX}{name}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f)
@@ -70,7 +75,9 @@ def read_parts(root: str, algorithm: str | None) -> dict[str, FileEntry]:
                 continue
             if entry.get("carried") == "copy" and isinstance(entry.get("checksum"), str):
                 # Not written here: the upload copies it inside the object store.
-                out[f"{comp}/{name}"] = FileEntry(size=entry["size"], checksum=entry["checksum"], carried="copy")
+                out[f"{comp}/{name}"] = FileEntry(
+                    size=entry["size"], checksum=entry["checksum"], carried="copy", blocks=report_blocks(entry)
+                )
                 continue
             try:
                 size = os.stat(os.path.join(root, comp, name)).st_size
@@ -83,8 +90,18 @@ def read_parts(root: str, algorithm: str | None) -> dict[str, FileEntry]:
                     checksum=checksum if algorithm is not None else None,
                     carried=carried if carried in CARRIED else None,
                     written_unchanged=carried == "write",
+                    blocks=report_blocks(entry) if algorithm is not None else None,
                 )
     return out
+
+
+def report_blocks(entry: dict[str, Any]) -> tuple[tuple[int, str], ...] | None:
+    """A part entry's per-block digests, or ``None`` (none recorded, or malformed: then a load
+    checks that file as a manifest without blocks allows)."""
+    try:
+        return parse_blocks(entry.get("blocks"), entry["size"])
+    except ValueError:
+        return None
 
 
 def remove_parts(root: str) -> None:

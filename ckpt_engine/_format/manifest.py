@@ -47,6 +47,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 _CHUNK = 8 << 20
 _SAFE_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _RANK_FILE = re.compile(r"^__(\d+)_")
+_HEX = re.compile(r"[0-9a-f]{1,128}")
 
 
 #: How a file can have been carried over from the previous checkpoint (``incremental``).
@@ -67,6 +68,10 @@ class FileEntry:
     #: file's inode, size, mtime and ctime; an object's version id or ETag). An incremental save
     #: carries the file over unread only while its version is still this one; ``None``: unknown.
     seen: str | None = None
+    #: The file's bytes in blocks, front to back, each ``(length, hex digest)`` with the
+    #: manifest's algorithm (``data_file.BlockHasher``): a load checks each block it reads.
+    #: ``None``: not recorded (a manifest from before, a file DCP's own writer wrote).
+    blocks: tuple[tuple[int, str], ...] | None = None
 
 
 _LINEAGE_ID = re.compile(r"^[0-9a-f]{1,64}(-[0-9]{1,12})?$")
@@ -167,7 +172,27 @@ def entry_doc(entry: FileEntry) -> dict[str, Any]:
         doc["carried"] = entry.carried
     if entry.seen is not None:
         doc["seen"] = entry.seen
+    if entry.blocks is not None:
+        doc["blocks"] = ",".join(f"{n}:{d}" for n, d in entry.blocks)  # one line: a block is 25 bytes
     return doc
+
+
+def parse_blocks(doc: Any, size: int) -> tuple[tuple[int, str], ...] | None:
+    """An entry's ``blocks`` as recorded (``None`` where absent): ``"length:digest,..."``;
+    ``ValueError`` unless each is a positive length and a hex digest, adding up to ``size``."""
+    if doc is None:
+        return None
+    if not isinstance(doc, str) or not doc:
+        raise ValueError("blocks is not a 'length:digest,...' string")
+    out = []
+    for block in doc.split(","):
+        n, _, digest = block.partition(":")
+        if not (n.isdigit() and len(n) <= 16 and int(n) > 0 and _HEX.fullmatch(digest)):
+            raise ValueError(f"a block is not 'length:digest' ({block[:40]!r})")
+        out.append((int(n), digest))
+    if sum(n for n, _ in out) != size:
+        raise ValueError(f"the blocks add up to {sum(n for n, _ in out)} bytes, not the file's {size}")
+    return tuple(out)
 
 
 def new_manifest(
@@ -455,7 +480,11 @@ def _file_entry(rel: Any, entry: Any) -> FileEntry:
         raise ValueError(f"carried of {rel!r} is not one of {CARRIED}")
     if seen is not None and not (isinstance(seen, str) and VERSION_PATTERN.fullmatch(seen)):
         raise ValueError(f"seen of {rel!r} is not a file version")
-    return FileEntry(size=size, checksum=checksum, carried=carried, seen=seen)
+    try:
+        blocks = parse_blocks(entry.get("blocks"), size)
+    except ValueError as err:
+        raise ValueError(f"blocks of {rel!r}: {err}") from None
+    return FileEntry(size=size, checksum=checksum, carried=carried, seen=seen, blocks=blocks)
 
 
 def unchanged_files(

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import pickle
 import re
+import struct
 import zipfile
 from collections.abc import Iterator
 from typing import Any
@@ -87,12 +88,35 @@ class SafeFileSystemReader(FileSystemReader):
             raise mapped from err
 
 
+#: Where decoding a stored item runs: an error raised there is damage to what it decodes.
+_DECODERS = (
+    "torch/serialization.py",
+    "/zipfile.py",
+    "/pickle.py",
+    "torch/_weights_only_unpickler.py",
+    "torch/_utils.py",  # rebuilding a tensor: ``set_()`` of a storage of the wrong size
+    "ckpt_engine/_dcpio/torch_save_archive.py",
+)
+#: What damaged bytes make a decoder raise besides its own errors (an index or a size out of
+#: range, a value of the wrong type where a storage or a shape was expected).
+_DECODE_ERRORS = (
+    RuntimeError,
+    ValueError,
+    TypeError,
+    IndexError,
+    KeyError,
+    AttributeError,
+    OverflowError,
+    struct.error,
+)
+
+
 def _raised_by_deserialisation(err: BaseException) -> bool:
     """Whether ``err`` came out of ``torch.load`` / zip parsing (and not, say, the load planner)."""
     tb = err.__traceback__
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
-        if name.endswith(("torch/serialization.py", "/zipfile.py", "/pickle.py", "torch/_weights_only_unpickler.py")):
+        if name.endswith(_DECODERS):
             return True
         tb = tb.tb_next
     return False
@@ -117,7 +141,7 @@ def _read_error(path: str, items: list[ReadItem], err: Exception) -> Exception:
     if isinstance(err, OSError):
         return CheckpointLoadError(f"cannot read {path} (reading {what}): {detail}")
     if isinstance(err, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile)) or (
-        isinstance(err, (RuntimeError, ValueError)) and _raised_by_deserialisation(err)
+        isinstance(err, _DECODE_ERRORS) and _raised_by_deserialisation(err)
     ):
         return CorruptCheckpointError(
             f"{path} is corrupt: reading {what} failed with {detail}. Check the checkpoint with "

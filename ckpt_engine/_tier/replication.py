@@ -96,6 +96,8 @@ class Replicator:
         keep_last: int,
         bandwidth_mb_s: float | None,
         sync_files: bool,
+        max_in_flight: int | None = None,
+        when_behind: str = "skip",
     ) -> None:
         self._local_dir = local_dir
         self._topology = topology
@@ -115,6 +117,10 @@ class Replicator:
         self._errors: list[str] = []
         #: Why replication stopped for good (the process group failed), once it did.
         self._broken: str | None = None
+        #: Rounds in flight past which a new one waits (``"wait"``) or sends nothing (``"skip"``).
+        self._max_in_flight, self._when_behind = max_in_flight, when_behind
+        #: Announced rounds that send nothing: they keep the rounds in step, but pin no step.
+        self._skipped: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="ckpt-engine-replication", daemon=True)
         self._thread.start()
 
@@ -126,14 +132,30 @@ class Replicator:
         resolved in every case: the peers wait for this rank's round."""
         committed: Future[Manifest | None] = Future()
         with self._cond:
+            limit = self._max_in_flight
+            if limit is not None and len(self._pinned()) >= limit:
+                if self._when_behind == "wait":  # back-pressure: each rank waits on its own rounds
+                    self._cond.wait_for(lambda: len(self._pinned()) < limit)
+                else:  # sends nothing this round (its peers see a failed commit): every rank decides alone
+                    self._skipped.add(iteration)
+                    logger.warning(
+                        "rank %d: iteration %d is not replicated: %d replication round(s) are still in flight "
+                        "(replication_max_in_flight; peer_bandwidth_mb_s or the link is slower than the saves)",
+                        self._rank,
+                        iteration,
+                        limit,
+                    )
             self._rounds.append(iteration)
         self._queue.put(_Round(iteration, committed))
         return committed
 
+    def _pinned(self) -> list[int]:
+        return [i for i in self._rounds if i not in self._skipped]
+
     def in_flight(self) -> frozenset[int]:
-        """The iterations whose rounds have not finished: this rank may still send their files."""
+        """The iterations whose rounds have not finished and send files: this rank may still send them."""
         with self._cond:
-            return frozenset(self._rounds)
+            return frozenset(self._pinned())
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every announced round has finished; raise :class:`ReplicationError` for the
@@ -169,6 +191,8 @@ class Replicator:
                 return
             try:
                 manifest = job.committed.result()
+                if job.iteration in self._skipped:
+                    manifest = None
                 if self._broken is None:
                     self._round(job.iteration, manifest)
             except Exception as err:  # the group failed, or a peer broke the protocol: stop for good
@@ -178,6 +202,7 @@ class Replicator:
             finally:
                 with self._cond:
                     self._rounds.remove(job.iteration)
+                    self._skipped.discard(job.iteration)
                     self._cond.notify_all()
 
     def _record(self, error: str) -> None:

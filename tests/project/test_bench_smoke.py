@@ -233,3 +233,12 @@ def test_cli_bench_smoke_run() -> None:
     for row in ("ckpt-engine ls SAVE_DIR (10 checkpoints)", "ckpt-engine inspect model.safetensors", "import torch"):
         assert row in proc.stdout
     assert "failed" not in proc.stdout
+
+
+def test_verified_read_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/verified_read_bench.py end to end (tiny, untimed): both levels load every round."""
+    out = tmp_path / "verified.json"
+    _bench(REPO / "benchmarks" / "verified_read_bench.py", "--smoke", "--out", str(out), "--dir", str(tmp_path))
+    result = json.loads(out.read_text())
+    assert {level: len(ts) for level, ts in result["seconds"].items()} == {"sizes": 2, "read": 2}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("verified-read-bench-")]  # cleaned up

@@ -1,0 +1,238 @@
+"""Verified reads (``verify: read``, the default): every byte a load reads is checked against the
+digest its block got at save, so a flipped byte is a ``CorruptCheckpointError`` naming the file,
+the byte range and the keys there, never wrong weights loaded in silence.
+
+Real checkpoints on disk (and on the S3 protocol server of tests/_s3.py), damaged the way a disk
+or a copy damages them: one byte flipped, the size unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ckpt_engine import CheckpointEngine, CorruptCheckpointError
+from ckpt_engine._format.names import MANIFEST_FILE
+from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
+
+HIDDEN = 512  # a 8 x 512 fp32 weight: 16 KiB, an item with blocks of its own
+
+
+def _save(config: dict[str, Any], steps: int = 1, seed: int = 0) -> TinyTrainingState:
+    state = TinyTrainingState.create(seed=seed, hidden=HIDDEN)
+    with CheckpointEngine(config) as engine:
+        for it in range(1, steps + 1):
+            state.train(1, seed=it)
+            engine.save(it, **state.objects()).result()
+    return state
+
+
+def _load(config: dict[str, Any], **extra: Any) -> tuple[Any, TinyTrainingState]:
+    state = TinyTrainingState.create(seed=99, hidden=HIDDEN)
+    with CheckpointEngine({**config, **extra}) as engine:
+        result = engine.load(**state.objects())
+    return result, state
+
+
+def _largest(folder: Path) -> Path:
+    return max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def _flip(path: Path, at: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def _refused(config: dict[str, Any], damaged: Path, at: int) -> str:
+    """Load with the default ``verify``; it must refuse naming the file and a range holding ``at``."""
+    with pytest.raises(CorruptCheckpointError) as err:
+        _load(config)
+    message = str(err.value)
+    assert str(damaged) in message, message
+    lo, hi = map(int, re.search(r"bytes (\d+)-(\d+)", message).groups())  # type: ignore[union-attr]
+    assert lo <= at < hi, message
+    assert "holding '" in message, message  # the keys stored there
+    return message
+
+
+@pytest.mark.parametrize("component", ["model", "optim"])
+def test_a_flipped_byte_in_a_data_file_is_refused_by_the_default_load(tmp_path: Path, component: str) -> None:
+    config = {"save_dir": str(tmp_path)}
+    _save(config)
+    data = _largest(tmp_path / "iter_000000001" / component)
+    at = data.stat().st_size // 2  # inside a weight (or its moments): only a digest tells
+    _flip(data, at)
+    _refused(config, data, at)
+
+
+def test_an_item_read_in_part_checks_its_blocks(tmp_path: Path) -> None:
+    """A byte in a block no read item needs is not read and stops nothing; one in a block read is refused."""
+    config = {"save_dir": str(tmp_path)}
+    saved = _save(config)
+    data = _largest(tmp_path / "iter_000000001" / "model")
+    # A flip outside every block the load reads cannot exist for a full load; so damage the
+    # scheduler component, which a load that leaves it out never reads.
+    sched = _largest(tmp_path / "iter_000000001" / "scheduler")
+    _flip(sched, sched.stat().st_size // 2)
+    result, state = _load(config, keys_not_to_resume=("scheduler",))
+    assert result.iteration == 1
+    assert_state_dicts_equal(state.model.state_dict(), saved.model.state_dict())
+    _flip(data, 100)  # the first weight's archive header: read (and checked) before its data
+    _refused({**config, "keys_not_to_resume": ("scheduler",)}, data, 100)
+
+
+class FrozenBase(nn.Module):
+    """A frozen 4 MiB base (a file of its own in an incremental save) and a trainable head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(1024, 1024)
+        self.head = nn.Linear(1024, 4)
+        self.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.base(x))
+        return out
+
+
+def test_a_flipped_byte_in_a_carried_file_is_refused(tmp_path: Path) -> None:
+    config = {"save_dir": str(tmp_path), "incremental": True}
+    torch.manual_seed(0)
+    model = FrozenBase()
+    opt = torch.optim.AdamW(model.head.parameters(), lr=0.1)
+    with CheckpointEngine(config) as engine:
+        for it in (1, 2):
+            model(torch.randn(2, 1024)).sum().backward()
+            opt.step()
+            engine.save(it, model=model, optimizer=opt).result()
+    doc = json.loads((tmp_path / "iter_000000002" / MANIFEST_FILE).read_text())
+    carried = [rel for rel, e in doc["files"].items() if e.get("carried") == "link"]
+    assert carried and all(doc["files"][rel].get("blocks") for rel in carried)  # its blocks, recorded again
+    data = tmp_path / "iter_000000002" / carried[0]
+    at = data.stat().st_size // 2
+    _flip(data, at)
+    fresh = FrozenBase()
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(data))), CheckpointEngine(config) as engine:
+        engine.load(model=fresh, optimizer=torch.optim.AdamW(fresh.head.parameters(), lr=0.1))
+
+
+@pytest.mark.full  # the plugin's writer process starts in seconds
+def test_the_pinned_staging_writer_records_blocks_too(tmp_path: Path) -> None:
+    """The async plugin's writer process writes the data files: their blocks are recorded alike."""
+    config = {"save_dir": str(tmp_path), "plugins": ["pinned_staging"]}
+    _save(config)
+    doc = json.loads((tmp_path / "iter_000000001" / MANIFEST_FILE).read_text())
+    assert all(e.get("blocks") for rel, e in doc["files"].items() if rel.endswith(".distcp"))
+    data = _largest(tmp_path / "iter_000000001" / "model")
+    at = data.stat().st_size // 2
+    _flip(data, at)
+    _refused({"save_dir": str(tmp_path)}, data, at)
+
+
+def test_a_flipped_byte_in_a_local_tier_copy_is_refused(tmp_path: Path) -> None:
+    config = {"save_dir": str(tmp_path / "durable"), "local_dir": str(tmp_path / "local"), "persist_every": 5}
+    _save(config, steps=2)
+    data = _largest(tmp_path / "local/rank_00000/iter_000000002/model")
+    doc = json.loads((tmp_path / "local/rank_00000/iter_000000002" / MANIFEST_FILE).read_text())
+    assert all(e.get("blocks") for rel, e in doc["files"].items() if rel.endswith(".distcp"))
+    at = data.stat().st_size // 2
+    _flip(data, at)
+    _refused(config, data, at)
+
+
+def test_a_flipped_byte_in_an_object_store_range_is_refused(s3_bucket: Any, tmp_path: Path) -> None:
+    config = {"save_dir": s3_bucket.url, "storage": {**s3_bucket.storage}}
+    _save(config)
+    fs = s3_bucket.fs()
+    key = max(
+        (k for k in s3_bucket.objects() if "/model/" in k and k.endswith(".distcp")),
+        key=lambda k: int(fs.info(f"{s3_bucket.name}/run/{k}")["size"]),
+    )
+    raw = bytearray(fs.cat_file(f"{s3_bucket.name}/run/{key}"))
+    at = len(raw) // 2
+    raw[at] ^= 0x10
+    fs.pipe_file(f"{s3_bucket.name}/run/{key}", bytes(raw))
+    with pytest.raises(CorruptCheckpointError) as err:
+        _load(config)
+    message = str(err.value)
+    assert key.rsplit("/", 1)[-1] in message and "bytes " in message, message
+
+
+def _strip_blocks(checkpoint: Path) -> None:
+    """Make the manifest one of before per-block digests (whole-file digests only)."""
+    path = checkpoint / MANIFEST_FILE
+    doc = json.loads(path.read_text())
+    for entry in doc["files"].values():
+        entry.pop("blocks", None)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def test_a_manifest_without_blocks_loads_says_so_once_and_checks_whole_files(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = {"save_dir": str(tmp_path)}
+    saved = _save(config)
+    ckpt = tmp_path / "iter_000000001"
+    _strip_blocks(ckpt)
+    with caplog.at_level(logging.INFO, logger="ckpt_engine"):
+        result, state = _load(config)
+    assert result.iteration == 1
+    assert_state_dicts_equal(state.model.state_dict(), saved.model.state_dict())
+    said = [r for r in caplog.records if "before per-block digests" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    data = _largest(ckpt / "model")
+    at = data.stat().st_size // 2
+    _flip(data, at)  # the load reads the whole file: its whole-file digest tells
+    message = _refused(config, data, at)
+    assert f"bytes 0-{data.stat().st_size}" in message
+
+
+# -- damage anywhere: a typed error or the same values, nothing else ------------------------------
+
+
+def _sweep(tmp_path: Path, component: str, verify: str, positions: int) -> list[str]:
+    """Flip one bit (the lowest, then the highest) of each of ``positions`` bytes spread over the
+    component's data file, one at a time, and load; returns the outcomes (an exception of
+    another type than ``CorruptCheckpointError`` fails the test)."""
+    config = {"save_dir": str(tmp_path / f"{component}-{verify}"), "verify": verify}
+    saved = _save(config)
+    data = _largest(tmp_path / f"{component}-{verify}" / "iter_000000001" / component)
+    original = data.read_bytes()
+    outcomes = []
+    for at in sorted({round(i * (len(original) - 1) / (positions - 1)) for i in range(positions)}):
+        for bit in (0x01, 0x80):
+            raw = bytearray(original)
+            raw[at] ^= bit
+            data.write_bytes(bytes(raw))
+            try:
+                _, state = _load(config)
+            except CorruptCheckpointError:
+                outcomes.append("refused")
+                continue
+            if verify != "sizes":  # a load that reads a flipped byte must not succeed
+                pytest.fail(f"byte {at} of {data} flipped, but the load succeeded")
+            pairs = zip(state.model.state_dict().values(), saved.model.state_dict().values(), strict=True)
+            outcomes.append("same" if all(torch.equal(a, b) for a, b in pairs) else "loaded")
+    data.write_bytes(original)
+    return outcomes
+
+
+def test_every_flipped_byte_is_refused_by_the_default_load(tmp_path: Path) -> None:
+    outcomes = _sweep(tmp_path, "scheduler", "read", 12) + _sweep(tmp_path, "optim", "read", 12)
+    assert set(outcomes) == {"refused"}
+
+
+def test_a_damaged_archive_is_a_typed_error_even_unverified(tmp_path: Path) -> None:
+    """``verify: sizes`` cannot see a flipped byte in a tensor, but a damaged archive (a storage
+    size, a pickle) must still be a ``CorruptCheckpointError`` naming the file, never a bare
+    ``TypeError`` or ``IndexError`` (byte 0 of an optimizer file: its first value's pickle)."""
+    outcomes = _sweep(tmp_path, "optim", "sizes", 16)
+    assert "refused" in outcomes
