@@ -443,43 +443,13 @@ class EngineConfig(BaseModel):
                 "incremental is set with save_checksums false; an incremental save compares each file's checksum "
                 "with the previous manifest's: set save_checksums true (or incremental false)"
             )
-        self._check_local_tier()
+        _check_local_tier(self)
         if self.keep_every is not None and self.keep_last is None:
             raise ValueError(
                 "keep_every is set without keep_last; keep_every only spares checkpoints from keep_last's "
                 "deletions: set keep_last too (or unset keep_every to keep everything)"
             )
         return self
-
-    def _check_local_tier(self) -> None:
-        if self.local_dir is None:
-            unset = [
-                name
-                for name, default in (
-                    ("persist_every", 1),
-                    ("peer_replicas", None),
-                    ("ranks_per_node", None),
-                    ("peer_bandwidth_mb_s", None),
-                )
-                if getattr(self, name) != default
-            ]
-            if unset:
-                raise ValueError(
-                    f"{', '.join(unset)} set without local_dir; they configure the node-local tier: set local_dir "
-                    "too (or remove them)"
-                )
-            return
-        if is_url(self.local_dir):
-            raise ValueError(
-                f"local_dir {self.local_dir[:100]!r} is a URL; the local tier is a folder on node-local storage "
-                "(tmpfs or NVMe): give a path"
-            )
-        if self.storage.local_dir is not None:
-            raise ValueError(
-                "local_dir and storage.local_dir are both set; storage.local_dir is the two-tier copy one host (or "
-                "a shared filesystem) keeps of an object store, local_dir the node-local tier with peer replicas: "
-                "set only one (local_dir does both jobs on several nodes)"
-            )
 
     @property
     def resolved_load_dir(self) -> str:
@@ -498,31 +468,7 @@ class EngineConfig(BaseModel):
         likewise under a ``ckpt_engine`` key.
         """
         p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as err:
-            raise ConfigError(f"cannot read config file {str(p)!r}: {err.strerror or err}") from err
-        suffix = p.suffix.lower()
-        try:
-            data: Any
-            if suffix in (".yaml", ".yml"):
-                import yaml
-
-                data = yaml.safe_load(text)
-            elif suffix == ".toml":
-                data = _toml_loads(text)
-            elif suffix == ".json":
-                data = json.loads(text)
-            else:
-                raise ConfigError(
-                    f"config file {str(p)!r} has unknown suffix {suffix!r}; use .yaml, .yml, .toml or .json"
-                )
-        except ConfigError:
-            raise
-        except Exception as err:
-            raise ConfigError(f"cannot parse config file {str(p)!r}: {err}") from err
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of fields, got {type(data).__name__}")
+        data = _read_config_file(p)
         if "ckpt_engine" in data and isinstance(data["ckpt_engine"], Mapping):
             data = data["ckpt_engine"]
         try:
@@ -541,4 +487,64 @@ class EngineConfig(BaseModel):
             return cls.from_file(config)
         raise ConfigError(
             f"config must be an EngineConfig, a mapping or a path to a YAML/TOML/JSON file, got {type(config).__name__}"
+        )
+
+
+def _read_config_file(p: Path) -> Mapping[str, Any]:
+    """The mapping a YAML, TOML or JSON config file holds; a typed error naming the file otherwise."""
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {err.strerror or err}") from err
+    suffix = p.suffix.lower()
+    try:
+        data: Any
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif suffix == ".toml":
+            data = _toml_loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {str(p)!r} has unknown suffix {suffix!r}; use .yaml, .yml, .toml or .json")
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"cannot parse config file {str(p)!r}: {err}") from err
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+def _check_local_tier(config: EngineConfig) -> None:
+    """The node-local tier's fields make sense together (a ``ValueError`` for pydantic otherwise)."""
+    if config.local_dir is None:
+        unset = [
+            name
+            for name, default in (
+                ("persist_every", 1),
+                ("peer_replicas", None),
+                ("ranks_per_node", None),
+                ("peer_bandwidth_mb_s", None),
+            )
+            if getattr(config, name) != default
+        ]
+        if unset:
+            raise ValueError(
+                f"{', '.join(unset)} set without local_dir; they configure the node-local tier: set local_dir "
+                "too (or remove them)"
+            )
+        return
+    if is_url(config.local_dir):
+        raise ValueError(
+            f"local_dir {config.local_dir[:100]!r} is a URL; the local tier is a folder on node-local storage "
+            "(tmpfs or NVMe): give a path"
+        )
+    if config.storage.local_dir is not None:
+        raise ValueError(
+            "local_dir and storage.local_dir are both set; storage.local_dir is the two-tier copy one host (or "
+            "a shared filesystem) keeps of an object store, local_dir the node-local tier with peer replicas: "
+            "set only one (local_dir does both jobs on several nodes)"
         )
