@@ -33,8 +33,8 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .._format.block_check import FileBlocks, check_read, keys_in
 from .._format.metadata import SafeFileSystemReader, _read_error
+from .._format.verify import FileBlocks, check_read, keys_in
 from ..errors import CheckpointLoadError, CkptEngineError
 from .torch_save_archive import SavedTensorLayout, parse_torch_save_tensor_at
 

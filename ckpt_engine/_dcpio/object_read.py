@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .._format.block_check import FileBlocks, check_read, keys_in
 from .._format.metadata import _read_error, read_metadata
 from .._format.names import METADATA_FILE
+from .._format.verify import FileBlocks, check_read, keys_in
 from .._storage.store import FsspecStore, Store
 from ..errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
 from .fast_read import _PREFETCH, _byte_view, _Item, contiguous_region, gc_paused
@@ -90,7 +90,7 @@ class ObjectStoreReader(StorageReader):
         #: Bytes fetched by the last :meth:`read_data` (for tests and benchmarks).
         self.bytes_fetched = 0
         #: The per-block digests of the data files, by file name (``verify: read``; see
-        #: :mod:`ckpt_engine._format.block_check`): every byte fetched from them is checked.
+        #: :mod:`ckpt_engine._format.verify`): every byte fetched from them is checked.
         self.blocks: Mapping[str, FileBlocks] = {}
 
     # -- StorageReader protocol -------------------------------------------------------------

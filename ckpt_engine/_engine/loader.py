@@ -26,13 +26,13 @@ from .._dcpio.object_read import ObjectStoreReader, reader_for
 from .._dcpio.planner import EngineLoadPlanner
 from .._dcpio.unsafe import refine_unsafe
 from .._dcpio.watch import phase as publish_phase
-from .._format.block_check import FileBlocks, component_blocks, manifest_for_reads
 from .._format.layout import (
     CheckedCheckpoint,
 )
 from .._format.names import LATEST_FILE, METADATA_FILE
 from .._format.pointer import list_checkpoints, read_latest, resolve_save_folder
 from .._format.read_lock import ReadLock
+from .._format.verify import FileBlocks, component_blocks, manifest_for_reads
 from .._storage.store import Store, open_store
 from .._storage.urls import is_url
 from ..config import EngineConfig
