@@ -1,5 +1,6 @@
 """``ckpt-engine ls SAVE_DIR --local-dir LOCAL_DIR``: the node-local tier under save_dir's table,
-which iterations it holds for which ranks, and which of them are durable."""
+which iterations it holds for which ranks, which of them are durable, which step a resume takes
+from which tier (checked against a real resume), and the copies it sets aside."""
 
 from __future__ import annotations
 
@@ -11,14 +12,25 @@ from ckpt_engine import CheckpointEngine
 from ckpt_engine.testing import TinyTrainingState
 
 
-def _saves(tmp_path: Path, steps: int) -> tuple[str, str]:
-    save_dir, local_dir = str(tmp_path / "durable"), str(tmp_path / "local")
+def _config(save_dir: str, local_dir: str) -> dict[str, Any]:
+    return {"save_dir": save_dir, "local_dir": local_dir, "persist_every": 2, "local_keep_last": 3}
+
+
+def _saves(tmp_path: Path, steps: int, *, save_dir: str = "durable", local_dir: str = "local") -> tuple[str, str]:
+    save_dir, local_dir = str(tmp_path / save_dir), str(tmp_path / local_dir)
     state = TinyTrainingState.create(seed=1)
-    config = {"save_dir": save_dir, "local_dir": local_dir, "persist_every": 2, "local_keep_last": 3}
-    with CheckpointEngine(config) as engine:
+    with CheckpointEngine(_config(save_dir, local_dir)) as engine:
         for it in range(1, steps + 1):
             engine.save(it, **state.objects())
     return save_dir, local_dir
+
+
+def _resume(save_dir: str, local_dir: str) -> tuple[int, dict[str, int]]:
+    """The iteration a real resume takes, and the bytes it took from each tier."""
+    state = TinyTrainingState.create(seed=2)
+    with CheckpointEngine(_config(save_dir, local_dir)) as engine:
+        result = engine.load(**state.objects())
+    return result.iteration, dict(result.bytes_by_source)
 
 
 def test_ls_lists_the_local_tier_and_which_iterations_are_durable(tmp_path: Path, cli: Any) -> None:
@@ -27,12 +39,54 @@ def test_ls_lists_the_local_tier_and_which_iterations_are_durable(tmp_path: Path
     assert code == 0, out
     table = out.split(f"local tier in {local_dir}", 1)[1].splitlines()[1:]
     assert table[0].split() == ["iteration", "ranks", "here", "size", "status", "durable"]
-    rows = [line.split() for line in table[1:]]
-    assert [(r[0], r[1], r[-2], r[-1]) for r in rows] == [
+    rows = [line.split() for line in table[1:4]]
+    assert [(r[0], r[1], r[4], r[5]) for r in rows] == [
         ("1", "0", "complete", "no"),
         ("2", "0", "complete", "yes"),
         ("3", "0", "complete", "no"),
     ]
+
+
+def test_ls_marks_the_newer_local_step_a_resume_takes(tmp_path: Path, cli: Any) -> None:
+    """save_dir's latest is iteration 2; the tier holds 3 of its run, descended from it: a resume
+    takes 3 from the local tier, and ls says so (not only ``<- latest`` on 2)."""
+    save_dir, local_dir = _saves(tmp_path, 3)
+    code, out, _ = cli("ls", save_dir, "--local-dir", local_dir)
+    assert code == 0, out
+    tier = out.split(f"local tier in {local_dir}", 1)[1].splitlines()
+    marked = [line.split()[0] for line in tier[2:5] if line.endswith("<- resume")]
+    assert marked == ["3"], out
+    assert "resume -> iteration 3 from the local tier (this node holds every rank's part: 0)" in out
+    assert "set aside" not in out
+    code, out, _ = cli("ls", save_dir, "--local-dir", local_dir, "--json")
+    doc = json.loads(out)["local_tier"]
+    assert doc["resume"]["tier"] == "local" and doc["resume"]["iteration"] == 3 and doc["set_aside"] == []
+    assert [r["iteration"] for r in doc["iterations"] if r["resume"]] == [3]
+    iteration, by_source = _resume(save_dir, local_dir)
+    assert iteration == 3 and set(by_source) == {"local"}
+
+
+def test_ls_sets_aside_another_runs_copies_and_names_save_dir_as_the_resume(tmp_path: Path, cli: Any) -> None:
+    """A ``local_dir`` reused by another run (its own ``save_dir``): its newer steps are not of
+    ``save_dir``'s run, so a resume takes ``save_dir``'s latest, and ls sets them aside, saying why."""
+    _, local_dir = _saves(tmp_path, 3)
+    save_dir, _ = _saves(tmp_path, 2, save_dir="other_durable", local_dir="other_local")
+    code, out, _ = cli("ls", save_dir, "--local-dir", local_dir)
+    assert code == 0, out
+    tier = out.split(f"local tier in {local_dir}", 1)[1].splitlines()
+    assert "<- resume" not in out
+    assert [line.split()[0] for line in tier[2:5] if line.endswith("set aside: rank 0")] == ["2", "3"], out
+    assert "resume -> iteration 2 from save_dir" in out
+    assert "set aside (another run): iteration(s) 2, 3 of rank(s) 0" in out
+    code, out, _ = cli("ls", save_dir, "--local-dir", local_dir, "--json")
+    doc = json.loads(out)["local_tier"]
+    assert doc["resume"] == {"tier": "save_dir", "iteration": 2}
+    assert doc["set_aside"] == [
+        {"iteration": 2, "rank": 0, "reason": "another run"},
+        {"iteration": 3, "rank": 0, "reason": "another run"},
+    ]
+    iteration, by_source = _resume(save_dir, local_dir)
+    assert iteration == 2 and set(by_source) == {"durable"}
 
 
 def test_ls_json_gives_the_local_tier_and_flags_a_damaged_copy(tmp_path: Path, cli: Any) -> None:
