@@ -45,6 +45,7 @@ def list_local_tier(local_dir: str, durable: SaveDirListing | None, *, verify: b
     listing = LocalTierListing(local_dir)
     if not os.path.isdir(local_dir):
         listing.warnings.append(f"warning: {local_dir} does not exist")
+        listing.resume, listing.set_aside = resume_plan(_durable(durable), [], {})
         return listing
     safe = {r["iteration"] for r in durable.rows if r["status"] in ("verified", "complete")} if durable else set()
     by_iteration: dict[int, dict[str, Any]] = {}

@@ -105,3 +105,31 @@ def test_ls_of_a_missing_local_dir_says_so(tmp_path: Path, cli: Any) -> None:
     save_dir, _ = _saves(tmp_path, 2)
     code, out, _ = cli("ls", save_dir, "--local-dir", str(tmp_path / "nowhere"))
     assert code != 0 and f"warning: {tmp_path / 'nowhere'} does not exist" in out
+    assert "resume -> iteration 2 from save_dir" in out
+
+
+def test_a_step_this_node_holds_for_some_ranks_names_the_ranks_other_nodes_must_hold() -> None:
+    """Only this node's copies are visible: ranks 0-1 of 4 hold step 5, descended from save_dir's
+    step 4; the resume takes it only if the other nodes hold ranks 2-3 (the planner's agreement)."""
+    from ckpt_engine._format.manifest import Lineage
+    from ckpt_engine._inspect.tier_listing import LocalTierListing, local_tier_table, resume_plan
+    from ckpt_engine._tier.lineage import Announced, Durable
+
+    durable = Durable(4, Lineage("aa", "e1-4", "e1-2", 2))
+    copies = [Announced(r, r, 5, Lineage("aa", "e1-5", "e1-4", 4)) for r in (0, 1)]
+    copies += [Announced(r, r, 6, Lineage("bb", "e9-6", None, None)) for r in (0, 1)]
+    resume, aside = resume_plan(durable, copies, {(r, it): 4 for r in (0, 1) for it in (5, 6)})
+    assert (resume["tier"], resume["iteration"], resume["ranks_here"], resume["other_ranks"]) == (
+        "local",
+        5,
+        [0, 1],
+        [2, 3],
+    )
+    assert aside == [{"iteration": 6, "rank": r, "reason": "another run"} for r in (0, 1)]
+    lines = local_tier_table(LocalTierListing("/tier", resume=resume, set_aside=aside))
+    assert lines[2].startswith(
+        "resume -> iteration 5 from the local tier if every rank holds its part: this node holds rank(s) 0-1 "
+        "of 4; rank(s) 2-3 must be on other nodes"
+    )
+    assert lines[2].endswith("else an older one of the tier, or save_dir's iteration 4)")
+    assert lines[3] == "set aside (another run): iteration(s) 6 of rank(s) 0-1"
