@@ -276,8 +276,9 @@ class EngineConfig(BaseModel):
         "on every node, different storage on each). Every save is committed there, rank by rank, with the same "
         "hidden-folder commit, manifest and checksums as `save_dir`; only every `persist_every`-th save is also "
         "written to `save_dir`. Peer ranks on other nodes keep replicas (`peer_replicas`), and a resume takes the "
-        "newest iteration complete across all ranks in any tier, reading each rank's part from its own node, a "
-        "peer, or `save_dir` (docs/reliability.md, Tiers). Not with `storage.local_dir`.",
+        "newest step held for every rank in any tier that belongs to `save_dir`'s run and descends from its latest "
+        "step (others are set aside), reading each rank's part from its own node, a peer, or `save_dir` "
+        "(docs/reliability.md, Tiers). Not with `storage.local_dir`.",
     )
     persist_every: int = Field(
         default=1,

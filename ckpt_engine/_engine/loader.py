@@ -35,6 +35,7 @@ from .._format.read_lock import ReadLock
 from .._format.verify import FileBlocks, component_blocks, manifest_for_reads
 from .._storage.store import Store, open_store
 from .._storage.urls import is_url
+from .._tier.lineage import durable_view
 from ..config import EngineConfig
 from ..errors import (
     CheckpointLoadError,
@@ -60,7 +61,7 @@ from .load_guard import (
     parse_shared_metadata,
     run_checks,
 )
-from .local_sources import durable_view, local_tier_source, two_tier_copy
+from .local_sources import local_tier_source, two_tier_copy
 from .rank_views import folder_view, require_one_checkpoint
 from .resave import advance_latest, newest_unnamed
 from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes

@@ -12,16 +12,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._dcpio import dist as _dist
-from .._format.manifest import lookup_manifest
 from .._format.names import parse_iteration
 from .._format.pointer import read_latest
-from .._storage.store import Store, open_store
-from .._tier.lineage import Durable, read_run
+from .._storage.store import open_store
+from .._tier.lineage import Durable
 from .._tier.recovery import Recovered, recover
 from .._tier.topology import Topology
 from ..config import EngineConfig
@@ -34,7 +32,7 @@ from .state import TrainingObjects
 if TYPE_CHECKING:
     from .loader import Loader
 
-__all__ = ["LocalTierSource", "durable_view", "local_tier_source", "two_tier_copy"]
+__all__ = ["LocalTierSource", "local_tier_source", "two_tier_copy"]
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -65,24 +63,6 @@ class LocalTierSource:
         else:  # received from a peer into this node (and what this node had of it, linked)
             by_source = {"local": recovered.bytes_linked, "peer": recovered.bytes_received}
         return dataclasses.replace(result, bytes_by_source={k: v for k, v in by_source.items() if v})
-
-
-def durable_view(load_dir: str, store: Store, names: Iterable[str | None]) -> Durable | None:
-    """``save_dir``'s latest step among the checkpoint folders ``names`` (``latest``, a committed
-    one it does not name yet), with the lineage its manifest records; without one, the run its
-    first save recorded (``None``: neither, a fresh start).
-    A manifest that cannot be read counts as one without a lineage: the load from ``save_dir``
-    reports what is wrong with it."""
-    found = [(it, n) for n in names if n is not None and (it := parse_iteration(n)) is not None]
-    if not found:  # no step yet: the run, if one has saved to its tier
-        run = read_run(load_dir, store)
-        return None if run is None else Durable(None, None, run)
-    iteration, name = max(found)
-    try:
-        manifest = lookup_manifest(store.join(load_dir, name), store).manifest
-    except (OSError, CkptEngineError):
-        manifest = None
-    return Durable(iteration, None if manifest is None else manifest.lineage)
 
 
 def local_tier_source(config: EngineConfig, durable: Durable | None, wanted: list[str]) -> LocalTierSource | None:

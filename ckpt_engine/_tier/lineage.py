@@ -16,6 +16,9 @@ peer's replica) is taken only when
 
 Copies without a lineage (written before lineages were recorded) are judged by iteration alone,
 as before, when ``save_dir``'s latest has none either; otherwise they are set aside.
+
+The rule imports no torch: ``ckpt-engine ls --local-dir`` applies it to one node's copies to say
+which step a resume takes (``_inspect/tier_listing``).
 """
 
 from __future__ import annotations
@@ -23,12 +26,24 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .._format.manifest import Lineage
+from .._format.manifest import Lineage, lookup_manifest
+from .._format.names import parse_iteration
 from .._storage.store import Store
+from ..errors import CkptEngineError
 
-__all__ = ["RUN_FILE", "Announced", "Durable", "admissible", "describe_set_aside", "read_run", "write_run"]
+__all__ = [
+    "RUN_FILE",
+    "Announced",
+    "Durable",
+    "admissible",
+    "describe_set_aside",
+    "durable_view",
+    "read_run",
+    "write_run",
+]
 
 #: The run's id in ``save_dir``, written by the run's first save (before any durable step exists:
 #: a run that has saved only to the tier so far is still known by ``save_dir``).
@@ -65,6 +80,24 @@ def write_run(save_dir: str, store: Store, run_id: str) -> None:
     if store.capabilities.local_files:
         os.makedirs(save_dir, exist_ok=True)
     store.write_bytes(store.join(save_dir, RUN_FILE), json.dumps({"run_id": run_id}).encode())
+
+
+def durable_view(load_dir: str, store: Store, names: Iterable[str | None]) -> Durable | None:
+    """``save_dir``'s latest step among the checkpoint folders ``names`` (``latest``, a committed
+    one it does not name yet), with the lineage its manifest records; without one, the run its
+    first save recorded (``None``: neither, a fresh start).
+    A manifest that cannot be read counts as one without a lineage: the load from ``save_dir``
+    reports what is wrong with it."""
+    found = [(it, n) for n in names if n is not None and (it := parse_iteration(n)) is not None]
+    if not found:  # no step yet: the run, if one has saved to its tier
+        run = read_run(load_dir, store)
+        return None if run is None else Durable(None, None, run)
+    iteration, name = max(found)
+    try:
+        manifest = lookup_manifest(store.join(load_dir, name), store).manifest
+    except (OSError, CkptEngineError):
+        manifest = None
+    return Durable(iteration, None if manifest is None else manifest.lineage)
 
 
 @dataclass(frozen=True)

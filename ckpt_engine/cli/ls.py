@@ -33,7 +33,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         doc = _json(listing)
         if tier is not None:
-            doc["local_tier"] = {"local_dir": tier.local_dir, "iterations": tier.rows, "warnings": tier.warnings}
+            doc["local_tier"] = {
+                "local_dir": tier.local_dir,
+                "iterations": tier.rows,
+                "resume": tier.resume,
+                "set_aside": tier.set_aside,
+                "warnings": tier.warnings,
+            }
             doc["ok"] = doc["ok"] and not tier.problem
         print_json(doc)
     else:
@@ -131,7 +137,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--local-dir",
         metavar="LOCAL_DIR",
         help="also list this node's local tier (EngineConfig.local_dir): each iteration, the ranks whose "
-        "checkpoints are here, and whether save_dir holds it too (durable)",
+        "checkpoints are here, whether save_dir holds it too (durable), which step a resume takes and from "
+        "which tier, and the copies it sets aside (another run's, or not descended from save_dir's latest)",
     )
     parser.add_argument("--json", action="store_true", help=JSON_HELP)
 
