@@ -9,6 +9,8 @@ import time
 from typing import IO, Any
 
 EXIT_OK, EXIT_PROBLEM, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: ``verify``: nothing is damaged, but some checkpoint's content holds no checksums to check it against.
+EXIT_UNVERIFIED = 3
 JSON_HELP = "print JSON instead of text (for scripts)"
 TRUST_HELP = (
     "read values that weights_only refuses with weights_only=False: this runs any code the "

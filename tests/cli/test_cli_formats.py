@@ -129,11 +129,66 @@ def test_verify_passes_every_intact_format_at_what_it_can_check(cli: Run, files:
         assert code == 0 and out.startswith(f"ok      {root / name}: complete"), out
     code, out, _ = cli("verify", str(root / "train.pt"))  # checksums: the zip's CRC-32 of every record
     assert code == 0 and "every record matches the CRC-32 of its zip directory" in out
-    for name in ("model.safetensors", "dcp"):  # no checksums in the format: fails closed, says the fix
+    for name in ("model.safetensors", "hf", "dcp"):  # no checksums in the format: unverified, not damaged
         code, out, _ = cli("verify", str(root / name))
-        assert code == 1 and "checksums cannot be checked" in out and "--allow-unverified" in out
+        assert code == 3 and out.startswith(f"UNVERIFIED {root / name}: complete, sizes and structure check"), out
+        assert "no checksums to check its content against" in out and "--allow-unverified" in out
+        assert "FAILED" not in out
+        code, out, _ = cli("verify", str(root / name), "--json")
+        assert code == 3 and json.loads(out)["verdict"] == "unverified"
+        assert json.loads(out)["checkpoints"][0]["verdict"] == "unverified"
         code, out, _ = cli("verify", str(root / name), "--allow-unverified", "--json")
-        assert code == 0 and json.loads(out)["checkpoints"][0]["format"] in ("safetensors", "dcp")
+        data = json.loads(out)
+        assert code == 0 and data["ok"] and data["checkpoints"][0]["format"] in ("safetensors", "hf", "dcp")
+        assert data["verdict"] == "unverified"  # accepted, still named for what it is
+
+
+def test_verify_of_a_damaged_format_without_checksums_is_damaged_not_unverified(
+    cli: Run, files: dict[str, Any], tmp_path: Path
+) -> None:
+    """Damage that sizes and structure show (a cut shard, a cut DCP data file) stays exit code 1,
+    whatever the format lacks in checksums."""
+    root = files["root"]
+    hf, dcp_copy = tmp_path / "hf", tmp_path / "dcp"
+    shutil.copytree(root / "hf", hf)
+    shutil.copytree(root / "dcp", dcp_copy)
+    shard = sorted(hf.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1])
+    data = next(dcp_copy.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:10])
+    single = tmp_path / "model.safetensors"
+    single.write_bytes((root / "model.safetensors").read_bytes()[:-4])
+    for path in (hf, dcp_copy, single):
+        for extra in ((), ("--allow-unverified",)):
+            code, out, _ = cli("verify", str(path), *extra)
+            assert code == 1 and out.startswith(f"FAILED  {path}") and "UNVERIFIED" not in out, (path, out)
+        code, out, _ = cli("verify", str(path), "--json")
+        assert code == 1 and json.loads(out)["verdict"] == "damaged"
+
+
+def test_verify_of_a_save_folder_exits_with_its_worst_verdict(cli: Run, tmp_path: Path) -> None:
+    """A checkpoint without its manifest is unverified (3); a damaged one next to it makes it 1."""
+    state = TinyTrainingState.create(seed=2, hidden=8, steps=1)
+    save = tmp_path / "ckpt"
+    with CheckpointEngine({"save_dir": str(save)}) as engine:
+        engine.save(1, **state.objects())
+        engine.save(2, **state.objects())
+    code, out, _ = cli("verify", str(save))
+    assert code == 0 and out.rstrip().endswith("2 of 2 checkpoints ok"), out
+    (save / "iter_000000001" / "ckpt_engine_manifest.json").unlink()
+    code, out, _ = cli("verify", str(save))
+    assert code == 3 and f"UNVERIFIED {save / 'iter_000000001'}: complete" in out, out
+    assert out.rstrip().endswith("1 of 2 checkpoints ok, 1 unverified"), out
+    assert cli("verify", str(save), "--allow-unverified")[0] == 0
+    assert cli("verify", str(save), "--level", "sizes")[0] == 0
+    model = save / "iter_000000002" / "model" / "__0_0.distcp"
+    model.write_bytes(model.read_bytes()[:100])
+    code, out, _ = cli("verify", str(save), "--json")
+    data = json.loads(out)
+    assert code == 1 and data["verdict"] == "damaged", out
+    assert [c["verdict"] for c in data["checkpoints"]] == ["unverified", "damaged"]
+    code, out, _ = cli("verify", str(save), "--allow-unverified")
+    assert code == 1 and out.rstrip().endswith("1 of 2 checkpoints ok, 1 failed"), out
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
@@ -420,6 +475,8 @@ def test_diff_of_a_model_and_its_save_pretrained_output_compares_tied_weights_as
     with CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}) as engine:
         engine.save(1, model=model)
     model.save_pretrained(tmp_path / "hf")
+    code, out, _ = cli("verify", str(tmp_path / "hf"))  # intact, but holds no checksums: unverified, not damaged
+    assert code == 3 and out.startswith(f"UNVERIFIED {tmp_path / 'hf'}: complete"), out
     code, out, _ = cli("diff", str(tmp_path / "ckpt" / "iter_000000001"), str(tmp_path / "hf"), "--component", "model")
     assert code == 0, out
     assert "tied: lm_head.weight (only in a) equals transformer.wte.weight there" in out
