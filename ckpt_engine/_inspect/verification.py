@@ -50,8 +50,8 @@ class Meter(Protocol):
     def close(self) -> None: ...
 
 
-#: ``(checkpoint folder) -> Meter``, one per verified checkpoint.
-MeterFactory = Callable[[str], Meter]
+#: ``(checkpoint folder, its number from 1, how many) -> Meter``, one per verified checkpoint.
+MeterFactory = Callable[[str, int, int], Meter]
 
 
 @dataclass
@@ -104,15 +104,23 @@ def verify_path(
     Raises :class:`CheckpointNotFoundError` for a path that is none of these and
     :class:`UsageError` for a component folder."""
     result = PathVerification(path, allow_unverified=allow_unverified)
-    for p, kind in _checkpoints_of(path, result.problems):
+    found = _checkpoints_of(path, result.problems)
+    for number, (p, kind) in enumerate(found, 1):
         result.kinds[p] = kind
-        report = _verify_one(p, kind, level, meter)
+        report = _verify_one(p, kind, level, _numbered(meter, number, len(found)))
         result.reports.append(report)
         if report.ok and kind in ("engine", "dcp"):
             parts = rank_local_parts(p, kind)
             if parts:
                 result.parts[p] = parts
     return result
+
+
+def _numbered(meter: MeterFactory | None, number: int, count: int) -> Callable[[str], Meter] | None:
+    """``meter`` for checkpoint ``number`` of ``count``."""
+    if meter is None:
+        return None
+    return lambda path: meter(path, number, count)
 
 
 def rank_local_parts(path: str, kind: str) -> dict[str, Part]:
@@ -174,7 +182,7 @@ def _checkpoints_of(path: str, problems: list[str]) -> list[tuple[str, str]]:
     return [(path, "engine")]
 
 
-def _verify_one(path: str, kind: str, level: VerifyLevel, meter: MeterFactory | None) -> VerifyReport:
+def _verify_one(path: str, kind: str, level: VerifyLevel, meter: Callable[[str], Meter] | None) -> VerifyReport:
     bar = meter(path) if meter is not None else None
     try:
         if kind == "engine":  # it reads fields and hands nothing to DCP: the torch-free records serve

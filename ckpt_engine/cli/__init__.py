@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    common.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="no progress bars (they show on a terminal only, on stderr)",
+    )
     parser = _Parser(
         prog="ckpt-engine",
         description="Look at, check, compare, convert and dry-run-load ckpt-engine (DCP) checkpoints.",
@@ -125,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_ERROR
     debug = bool(getattr(args, "debug", False))
+    from . import _output
+
+    _output.QUIET = bool(getattr(args, "quiet", False))
     import logging
 
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

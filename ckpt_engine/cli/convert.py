@@ -41,7 +41,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if os.path.lexists(out) and not args.force:
         raise UsageError(f"{out} exists; pass --force to overwrite it")
     total = sum(reader.keys[k].nbytes for k in keys)
-    bar = Progress(f"converting {args.component}", total)
+    bar = Progress(f"converting {args.component}", total, items=len(keys), noun="value")
     t0 = time.perf_counter()
     try:
         written, left_out = convert_component(
@@ -122,7 +122,9 @@ def _convert_hf(args: argparse.Namespace) -> int:
     target, reader, keys = _component_keys(args)
     check_output(out, target)  # before "exists": --force must not be suggested for the input itself
     _check_hf_out(out, args.force)
-    bar = Progress(f"converting {args.component}", sum(reader.keys[k].nbytes for k in keys))
+    bar = Progress(
+        f"converting {args.component}", sum(reader.keys[k].nbytes for k in keys), items=len(keys), noun="value"
+    )
     t0 = time.perf_counter()
     try:
         result = export_hf(

@@ -23,13 +23,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         path,
         args.level,
         allow_unverified=args.allow_unverified,
-        meter=lambda p: Progress(f"verifying {os.path.basename(p)}", 0),
+        meter=_meter,
     )
     if args.json:
         print_json(_json(result))
     else:
         print_lines(*_text(result, args.level))
     return exit_code(result)
+
+
+def _meter(path: str, number: int, count: int) -> Progress:
+    """The bar of one checkpoint: its bytes hashed, with which checkpoint of how many it is."""
+    of = f" (checkpoint {number} of {count})" if count > 1 else ""
+    return Progress(f"verifying {os.path.basename(path)}{of}", 0)
 
 
 def exit_code(result: PathVerification) -> int:
