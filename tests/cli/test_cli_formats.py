@@ -272,6 +272,83 @@ def test_a_file_with_objects_compares_its_tensors_and_plain_values(
     assert not (files["root"] / "pwned").exists()
 
 
+# -- convert from every format ----------------------------------------------------------------------
+
+
+def _safetensors_values(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_convert_reads_every_format_the_command_line_reads(cli: Run, files: dict[str, Any], tmp_path: Path) -> None:
+    """A dcp.save folder, a Hugging Face folder, torch.save files and a safetensors file convert to
+    the other formats, values equal (read back directly and by ``diff``)."""
+    root, model = files["root"], files["model"]
+    code, out, err = cli("convert", str(root / "dcp"), str(tmp_path / "dcp.safetensors"))
+    assert code == 0 and "from " + str(root / "dcp") + " (a DCP checkpoint folder)" in out, err
+    assert "left out 1 non-tensor value(s)" in out and "nested.n" in out  # safetensors holds tensors only
+    values = _safetensors_values(tmp_path / "dcp.safetensors")
+    assert values.keys() == {"w", "nested.b"} and torch.equal(values["w"], torch.arange(6.0).reshape(2, 3))
+
+    code, out, err = cli("convert", str(root / "dcp"), str(tmp_path / "dcp.pt"))
+    assert code == 0, err
+    assert torch.load(tmp_path / "dcp.pt", weights_only=True)["nested.n"] == 5  # a torch file keeps values
+
+    code, out, err = cli("convert", str(root / "hf"), str(tmp_path / "hf.pt"), "--to", "torch")
+    assert code == 0 and "(a Hugging Face safetensors folder)" in out, err
+    loaded = torch.load(tmp_path / "hf.pt", weights_only=True)
+    assert loaded.keys() == model.keys() and all(torch.equal(loaded[k], v) for k, v in model.items())
+
+    code, out, err = cli("convert", str(root / "model.pt"), str(tmp_path / "pt.safetensors"))
+    assert code == 0 and "(a torch.save file)" in out, err
+    values = _safetensors_values(tmp_path / "pt.safetensors")
+    assert values.keys() == model.keys() and all(torch.equal(values[k], v) for k, v in model.items())
+
+    code, out, err = cli("convert", str(root / "model.safetensors"), str(tmp_path / "st_hf"), "--to", "hf")
+    assert code == 0 and "(a safetensors file)" in out, err
+    for a, b in ((root / "model.safetensors", tmp_path / "st_hf"), (root / "dcp", tmp_path / "dcp.pt")):
+        code, out, _ = cli("diff", str(a), str(b))
+        assert code == 0 and out.rstrip().endswith("the checkpoints are identical"), out
+
+
+def test_convert_of_a_training_torch_save_file_keeps_what_the_format_can_hold(
+    cli: Run, files: dict[str, Any], tmp_path: Path
+) -> None:
+    """A torch.save file of a training run: its nested state flattened as DCP flattens it, a view
+    written as its own values, objects never unpickled (left out, named)."""
+    training = files["training"]
+    code, out, err = cli("convert", str(files["root"] / "train.pt"), str(tmp_path / "t.safetensors"))
+    assert code == 0, err
+    assert "args" in out and "pwn" in out and not (files["root"] / "pwned").exists()
+    values = _safetensors_values(tmp_path / "t.safetensors")
+    assert torch.equal(values["view"], training["view"]) and torch.equal(values["u16"], training["u16"])
+    assert torch.equal(values["model.0.weight"], training["model"]["0.weight"])
+    code, out, err = cli("convert", str(files["root"] / "train.pt"), str(tmp_path / "t.pt"))
+    assert code == 0, err
+    loaded = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert loaded["epoch"] == 3 and loaded["hparams.dtype"] == torch.bfloat16 and "pwn" not in loaded
+
+
+def test_convert_reads_other_formats_in_bounded_batches(files: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory stays bounded as for a DCP component: values are read a budget of bytes at a time."""
+    from ckpt_engine._inspect.sources import BatchedSource, SafetensorsSource, TorchFileSource
+
+    for source in (SafetensorsSource(str(files["root"] / "hf")), TorchFileSource(str(files["root"] / "model.pt"))):
+        batched, reads = BatchedSource(source), []
+
+        def counted(keys: Any, read: Any = source.read, reads: list[list[str]] = reads) -> Any:
+            reads.append(list(keys))
+            return read(keys)
+
+        monkeypatch.setattr(source, "read", counted)
+        keys = sorted(batched.keys)
+        budget = max(batched.keys[k].nbytes for k in keys)  # the largest tensor: one or two per read
+        got = dict(batched.iter_values(keys, budget))
+        assert got.keys() == set(keys) and len(reads) > 1
+        assert all(sum(batched.keys[k].nbytes for k in r) <= budget or len(r) == 1 for r in reads), reads
+
+
 # -- bad and hostile input -------------------------------------------------------------------------
 
 
@@ -279,8 +356,8 @@ def test_files_that_are_no_checkpoint_say_what_reads_them(cli: Run, files: dict[
     (tmp_path / "notes.txt").write_text("hello")
     code, _, err = cli("inspect", str(tmp_path / "notes.txt"))
     assert code == 2 and "is a file, not a checkpoint folder" in err
-    code, _, err = cli("convert", str(files["root"] / "model.pt"), str(tmp_path / "x.safetensors"))
-    assert code == 2 and "is a torch.save file, not a checkpoint folder; `ckpt-engine inspect`" in err
+    code, _, err = cli("convert", str(tmp_path / "notes.txt"), str(tmp_path / "x.safetensors"))
+    assert code == 2 and "is a file, not a checkpoint folder" in err and not (tmp_path / "x.safetensors").exists()
     torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
     code, _, err = cli("inspect", str(tmp_path / "legacy.pt"))
     assert code == 2 and "legacy format" in err and "save it again" in err
