@@ -31,8 +31,9 @@ from .._format.names import LATEST_FILE, LEFTOVER_RE, MANIFEST_FILE, METADATA_FI
 from .._format.safetensors import DTYPE_CODES
 from .._storage.urls import is_url, local_path
 from ..errors import UsageError
+from .keys import ValueReader
 from .optim_layout import NotOptimizerStateError, nest_optimizer_state
-from .reader import DEFAULT_BUDGET, ComponentReader, KeyInfo, Target, Unreadable, is_save_dir
+from .reader import DEFAULT_BUDGET, KeyInfo, Target, Unreadable, is_save_dir
 
 __all__ = ["SAFETENSORS_DTYPES", "check_output", "convert_component", "require_safetensors"]
 
@@ -171,7 +172,7 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
 
 
 def convert_component(
-    reader: ComponentReader,
+    reader: ValueReader,
     keys: Sequence[str],
     out: str,
     fmt: str,
@@ -203,7 +204,7 @@ def convert_component(
 
 
 def _write_safetensors(
-    reader: ComponentReader,
+    reader: ValueReader,
     keys: Sequence[str],
     tmp: str,
     cast: torch.dtype | None,
@@ -250,7 +251,7 @@ def _check_safetensors(path: str, expected: int) -> None:
 
 
 def _write_torch(
-    reader: ComponentReader,
+    reader: ValueReader,
     keys: Sequence[str],
     tmp: str,
     out: str,

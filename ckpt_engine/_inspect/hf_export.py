@@ -47,7 +47,8 @@ from .._format import bounded_json
 from .._format.safetensors import DTYPE_CODES, INDEX_FILE, SINGLE_FILE, encode_header, read_header
 from .._storage.fscheck import read_regular
 from ..errors import CkptEngineError, UsageError
-from .reader import DEFAULT_BUDGET, ComponentReader
+from .keys import ValueReader
+from .reader import DEFAULT_BUDGET
 
 __all__ = [
     "DTYPE_ALIASES",
@@ -187,7 +188,7 @@ def read_hf_config(path: str) -> HFConfig:
     return HFConfig(source=path, config=config, config_bytes=data, generation_bytes=generation)
 
 
-def find_ties(reader: ComponentReader, keys: Sequence[str], config: HFConfig | None) -> dict[str, str]:
+def find_ties(reader: ValueReader, keys: Sequence[str], config: HFConfig | None) -> dict[str, str]:
     """``{left-out key: written key}`` for the tied word embeddings among ``keys`` (see the module
     docstring): empty without a config that ties them or names ``vocab_size``. Reads the
     candidates one at a time, holding at most one tensor per distinct value besides it."""
@@ -242,7 +243,7 @@ def _shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[
 
 
 def export_hf(
-    reader: ComponentReader,
+    reader: ValueReader,
     keys: Sequence[str],
     out_dir: str,
     *,
@@ -295,7 +296,7 @@ def export_hf(
 
 
 def _write_shard(
-    reader: ComponentReader,
+    reader: ValueReader,
     path: str,
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
     progress: Callable[[int], None] | None,

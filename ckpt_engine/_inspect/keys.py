@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_BUDGET",
     "KeyInfo",
     "Unreadable",
+    "ValueReader",
     "batches",
     "key_infos",
     "match_keys",
@@ -122,6 +123,15 @@ def match_keys(keys: Iterable[str], patterns: Sequence[str]) -> list[str]:
 
 def prefix_of(key: str) -> str:
     return key.split(".", 1)[0]
+
+
+class ValueReader(Protocol):
+    """What ``convert`` reads from: a component's keys and their values, a bounded batch at a time
+    (``reader.ComponentReader`` for a DCP folder; ``sources.BatchedSource`` for the other formats)."""
+
+    keys: dict[str, KeyInfo]
+
+    def iter_values(self, keys: Sequence[str], budget: int = ...) -> Iterator[tuple[str, Any]]: ...
 
 
 def batches(keys: Sequence[str], infos: dict[str, KeyInfo], budget: int) -> Iterator[list[str]]:

@@ -5,8 +5,9 @@ and their text table: what ``ckpt-engine ls`` prints and the demo shows, compute
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from .._format.layout import component_dirs, find_leftovers
 from .._format.names import LATEST_FILE, iter_dirname, parse_iteration
@@ -42,8 +43,19 @@ class SaveDirListing:
         return bool(self.warnings) or any(r["status"] in ("INCOMPLETE", "CORRUPT") for r in self.rows)
 
 
-def list_save_dir(save_dir: str, *, verify: bool = False) -> SaveDirListing:
-    """The rows of ``save_dir``; with ``verify``, checksums are compared too (reads all data)."""
+class ListingMeter(Protocol):
+    """Where each listed checkpoint's bytes go (the command line's progress bar)."""
+
+    def advance(self, n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def list_save_dir(
+    save_dir: str, *, verify: bool = False, meter: Callable[[int], ListingMeter] | None = None
+) -> SaveDirListing:
+    """The rows of ``save_dir``; with ``verify``, checksums are compared too (reads all data).
+    ``meter(checkpoints)`` gets each checkpoint's bytes once its row is read (a progress bar)."""
     warnings: list[str] = []
     try:
         latest = read_latest(save_dir)
@@ -51,7 +63,17 @@ def list_save_dir(save_dir: str, *, verify: bool = False) -> SaveDirListing:
         latest = None
         warnings.append(f"warning: {err}")
     level: Literal["sizes", "checksums"] = "checksums" if verify else "sizes"
-    rows = [_committed_row(iteration, path, note, level, latest) for iteration, path, note in _committed(save_dir)]
+    committed = _committed(save_dir)
+    bar = meter(len(committed)) if meter is not None else None
+    rows = []
+    try:
+        for iteration, path, note in committed:
+            rows.append(_committed_row(iteration, path, note, level, latest))
+            if bar is not None:
+                bar.advance(int(rows[-1].get("bytes") or 0))
+    finally:
+        if bar is not None:
+            bar.close()
     rows += [_uncommitted_row(iteration, path) for iteration, path in uncommitted_dirs(save_dir)]
     rows.sort(key=lambda r: (r["iteration"], r["status"] == "uncommitted"))
     if latest is not None and not any(r["latest"] for r in rows):

@@ -12,7 +12,7 @@ reads.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
@@ -25,7 +25,7 @@ from .._format.safetensors_header import CODE_DTYPE_NAMES, read_weights_folder
 from .._storage.fscheck import open_regular, require_regular_file
 from .._storage.store import open_store
 from ..errors import CorruptCheckpointError, UsageError, clip
-from .keys import KeyInfo, Unreadable, key_infos
+from .keys import DEFAULT_BUDGET, KeyInfo, Unreadable, batches, key_infos
 from .parts import Part, part_of
 from .pt_file import decode_value, flatten, read_pt_file
 from .target import Target
@@ -33,7 +33,14 @@ from .target import Target
 if TYPE_CHECKING:
     from .reader import ComponentReader
 
-__all__ = ["ComponentSource", "DcpSource", "SafetensorsSource", "TorchFileSource", "open_component"]
+__all__ = [
+    "BatchedSource",
+    "ComponentSource",
+    "DcpSource",
+    "SafetensorsSource",
+    "TorchFileSource",
+    "open_component",
+]
 
 
 class ComponentSource(Protocol):
@@ -66,6 +73,26 @@ def open_component(target: Target, name: str, trust: bool = False) -> ComponentS
     if target.kind == "torch":
         return TorchFileSource(path, trust)
     return DcpSource(path, trust)
+
+
+class BatchedSource:
+    """A safetensors or ``torch.save`` source read as ``convert`` reads a DCP component: values in
+    batches of at most ``budget`` tensor bytes (or one larger tensor), so memory stays bounded."""
+
+    part: Part | None = None  # these formats store whole tensors
+
+    def __init__(self, source: SafetensorsSource | TorchFileSource) -> None:
+        self.source = source
+        self.keys = source.keys
+
+    def require_whole(self, keys: Sequence[str]) -> None:
+        """Nothing to refuse: every tensor of these formats is whole."""
+
+    def iter_values(self, keys: Sequence[str], budget: int = DEFAULT_BUDGET) -> Iterator[tuple[str, Any]]:
+        for batch in batches(keys, self.keys, budget):
+            values = self.source.read(batch)
+            for key in batch:
+                yield key, values.pop(key, Unreadable("not readable", needs_trust=False))
 
 
 class DcpSource:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from .._format.layout import check_component_files, component_dirs
 from .._format.metadata_read import is_rank_local, read_metadata
@@ -33,7 +33,13 @@ from .parts import Part, part_of
 from .pt_file import crc_problems, read_pt_file, tensor_problems
 from .target import KIND_NAMES, Target, inside_checkpoint, is_save_dir, sniff_file
 
-__all__ = ["PathVerification", "verify_path", "verify_target"]
+__all__ = ["PathVerification", "Verdict", "verdict_of", "verify_path", "verify_target"]
+
+#: What verify concludes of a checkpoint: ``ok`` (checked at the level asked), ``unverified``
+#: (complete, sizes and structure check, but nothing holds checksums to check its content against)
+#: or ``damaged`` (incomplete, truncated, corrupt). Worst last.
+Verdict = Literal["ok", "unverified", "damaged"]
+VERDICTS: tuple[Verdict, ...] = ("ok", "unverified", "damaged")
 
 
 class Meter(Protocol):
@@ -44,8 +50,8 @@ class Meter(Protocol):
     def close(self) -> None: ...
 
 
-#: ``(checkpoint folder) -> Meter``, one per verified checkpoint.
-MeterFactory = Callable[[str], Meter]
+#: ``(checkpoint folder, its number from 1, how many) -> Meter``, one per verified checkpoint.
+MeterFactory = Callable[[str, int, int], Meter]
 
 
 @dataclass
@@ -61,10 +67,28 @@ class PathVerification:
     #: report path -> component -> what it holds, for a checkpoint that is one rank's part (a
     #: rank-local checkpoint of the node-local tier): complete as that part, never as the whole.
     parts: dict[str, dict[str, Part]] = field(default_factory=dict)
+    #: An unverified checkpoint passes (``ok``): the caller accepts content it cannot check.
+    allow_unverified: bool = False
+
+    @property
+    def verdict(self) -> Verdict:
+        """The worst verdict of the reports: ``damaged`` > ``unverified`` > ``ok``."""
+        if self.problems:
+            return "damaged"
+        return max((verdict_of(r) for r in self.reports), key=VERDICTS.index, default="ok")
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.reports) and not self.problems
+        verdict = self.verdict
+        return verdict == "ok" or (verdict == "unverified" and self.allow_unverified)
+
+
+def verdict_of(report: VerifyReport) -> Verdict:
+    """``damaged`` for a report with problems or incomplete; ``unverified`` for a complete one whose
+    checksums were asked for (``level="checksums"``) but could not be checked; else ``ok``."""
+    if not report.ok:
+        return "damaged"
+    return "unverified" if report.level == "checksums" and not report.verified else "ok"
 
 
 def verify_path(
@@ -75,19 +99,28 @@ def verify_path(
     meter: MeterFactory | None = None,
 ) -> PathVerification:
     """Verify what ``path`` names: a checkpoint folder, every checkpoint of a save folder, or one
-    file or folder of another format. At ``level="checksums"`` a checkpoint whose checksums cannot
-    be checked fails unless ``allow_unverified``. Raises :class:`CheckpointNotFoundError` for a path
-    that is none of these and :class:`UsageError` for a component folder."""
-    result = PathVerification(path)
-    for p, kind in _checkpoints_of(path, result.problems):
+    file or folder of another format. At ``level="checksums"`` a complete checkpoint whose checksums
+    cannot be checked is ``unverified`` (:func:`verdict_of`); ``allow_unverified`` lets it pass.
+    Raises :class:`CheckpointNotFoundError` for a path that is none of these and
+    :class:`UsageError` for a component folder."""
+    result = PathVerification(path, allow_unverified=allow_unverified)
+    found = _checkpoints_of(path, result.problems)
+    for number, (p, kind) in enumerate(found, 1):
         result.kinds[p] = kind
-        report = _verify_one(p, kind, level, meter)
-        result.reports.append(fail_unverified(report, allow_unverified) if level == "checksums" else report)
+        report = _verify_one(p, kind, level, _numbered(meter, number, len(found)))
+        result.reports.append(report)
         if report.ok and kind in ("engine", "dcp"):
             parts = rank_local_parts(p, kind)
             if parts:
                 result.parts[p] = parts
     return result
+
+
+def _numbered(meter: MeterFactory | None, number: int, count: int) -> Callable[[str], Meter] | None:
+    """``meter`` for checkpoint ``number`` of ``count``."""
+    if meter is None:
+        return None
+    return lambda path: meter(path, number, count)
 
 
 def rank_local_parts(path: str, kind: str) -> dict[str, Part]:
@@ -107,16 +140,6 @@ def rank_local_parts(path: str, kind: str) -> dict[str, Part]:
         if part is not None:
             out[name] = part
     return out
-
-
-def fail_unverified(report: VerifyReport, allow: bool) -> VerifyReport:
-    """``report`` failed when its checksums could not be checked, unless ``allow``: the load's own
-    rule (``load_guard.fail_unverified``), imported only when it applies (it imports torch)."""
-    if report.level != "checksums" or report.verified or not report.ok or allow:
-        return report
-    from .._engine.load_guard import fail_unverified as load_rule
-
-    return load_rule(report, allow)
 
 
 def verify_target(target: Target, level: VerifyLevel = "sizes") -> VerifyReport:
@@ -159,7 +182,7 @@ def _checkpoints_of(path: str, problems: list[str]) -> list[tuple[str, str]]:
     return [(path, "engine")]
 
 
-def _verify_one(path: str, kind: str, level: VerifyLevel, meter: MeterFactory | None) -> VerifyReport:
+def _verify_one(path: str, kind: str, level: VerifyLevel, meter: Callable[[str], Meter] | None) -> VerifyReport:
     bar = meter(path) if meter is not None else None
     try:
         if kind == "engine":  # it reads fields and hands nothing to DCP: the torch-free records serve

@@ -8,7 +8,8 @@ non-zero exit code; ``--debug`` shows the traceback.
 
 Exit codes: 0 success; 1 the command ran and found a problem (``verify`` failed, ``diff`` found
 differences, ``plan`` would fail, the demo's losses differ); 2 an error (bad input, a checkpoint
-that cannot be read, a usage error); 130 interrupted.
+that cannot be read, a usage error); 3 ``verify`` found nothing damaged but content it cannot check
+(no checksums to check against); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    common.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="no progress bars (they show on a terminal only, on stderr)",
+    )
     parser = _Parser(
         prog="ckpt-engine",
         description="Look at, check, compare, convert and dry-run-load ckpt-engine (DCP) checkpoints.",
@@ -96,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
               ckpt-engine inspect runs/exp1/checkpoints/iter_000000020 --component model
               ckpt-engine convert runs/exp1/checkpoints model.safetensors --to safetensors
 
-            exit codes: 0 ok; 1 a problem was found (verify, diff, plan, demo); 2 an error.
+            exit codes: 0 ok; 1 a problem was found (verify, diff, plan, demo); 2 an error;
+            3 verify: complete, but holds no checksums to check its content against.
             Documentation: docs/cli.md"""
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -123,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_ERROR
     debug = bool(getattr(args, "debug", False))
+    from . import _output
+
+    _output.QUIET = bool(getattr(args, "quiet", False))
     import logging
 
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

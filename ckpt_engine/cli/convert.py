@@ -1,4 +1,5 @@
-"""``ckpt-engine convert``: one consolidated torch or safetensors file from a component."""
+"""``ckpt-engine convert``: one consolidated torch or safetensors file, or a Hugging Face folder, from
+a component of any format the command line reads."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if os.path.lexists(out) and not args.force:
         raise UsageError(f"{out} exists; pass --force to overwrite it")
     total = sum(reader.keys[k].nbytes for k in keys)
-    bar = Progress(f"converting {args.component}", total)
+    bar = Progress(f"converting {args.component}", total, items=len(keys), noun="tensor")
     t0 = time.perf_counter()
     try:
         written, left_out = convert_component(
@@ -122,7 +123,9 @@ def _convert_hf(args: argparse.Namespace) -> int:
     target, reader, keys = _component_keys(args)
     check_output(out, target)  # before "exists": --force must not be suggested for the input itself
     _check_hf_out(out, args.force)
-    bar = Progress(f"converting {args.component}", sum(reader.keys[k].nbytes for k in keys))
+    bar = Progress(
+        f"converting {args.component}", sum(reader.keys[k].nbytes for k in keys), items=len(keys), noun="tensor"
+    )
     t0 = time.perf_counter()
     try:
         result = export_hf(
@@ -197,16 +200,26 @@ def parse_shard_size_arg(text: str) -> int:
 
 def _component_keys(args: argparse.Namespace) -> tuple[Any, Any, list[str]]:
     """The checkpoint ``args`` names (checked complete), a reader of ``--component`` and the keys
-    ``--keys`` selects; a usage error when none matches."""
+    ``--keys`` selects; a usage error when none matches. Any format the command line reads: an
+    engine checkpoint, a DCP folder, a safetensors file, a Hugging Face folder, a ``torch.save`` file."""
     from .._format.layout import check_complete
     from .._inspect.reader import ComponentReader, match_keys, resolve
+    from .._inspect.sources import BatchedSource, SafetensorsSource, TorchFileSource
 
     parent = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(parent):
         raise UsageError(f"the folder of {args.out} does not exist: {parent}")
-    target = resolve(args.checkpoint, [args.component], files=False)
-    check_complete(target.checkpoint)
-    reader = ComponentReader(target.components[args.component])
+    target = resolve(args.checkpoint, [args.component])
+    path = target.components[args.component]
+    reader: Any
+    if target.kind in ("safetensors", "hf"):
+        reader = BatchedSource(SafetensorsSource(path))
+    elif target.kind == "torch":
+        reader = BatchedSource(TorchFileSource(path))
+    else:  # a DCP folder is checked complete by its reader: every byte range its .metadata names
+        if target.kind == "engine":
+            check_complete(target.checkpoint)
+        reader = ComponentReader(path)
     keys = match_keys(reader.keys, args.keys or ())
     if not keys:
         raise UsageError(f"no key of component {args.component!r} matches {', '.join(args.keys or ())}")
@@ -255,7 +268,9 @@ COMMAND = Command(
     "ckpt-engine convert runs/exp1/checkpoints/iter_000000020 model.pt --to torch\n"
     "ckpt-engine convert runs/exp1/checkpoints hf_model/ --to hf --hf-config base_model/ --dtype bf16",
     description="One consolidated file of a component for inference or sharing, assembled from all "
-    "shards. Streamed: memory stays bounded by the largest tensor. torch files load with "
+    "shards. CHECKPOINT may also be a DCP folder, a safetensors file, a Hugging Face folder or a "
+    "torch.save file (one state dict: component model). Streamed: memory stays bounded by the largest "
+    "tensor. torch files load with "
     "torch.load(path, weights_only=True); safetensors files with safetensors.torch.load_file(path). "
     "--to hf writes a Hugging Face folder (model.safetensors, or shards plus model.safetensors.index.json) "
     "that load_path reads; with --hf-config DIR it also holds the model's config.json, for transformers' "

@@ -26,7 +26,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         atol=args.atol,
         budget=args.budget,
         trust=args.trust,
-        meter=lambda name, total: Progress(f"comparing {name}", total),
+        meter=lambda name, total: Progress(f"comparing {name}", total, noun="tensor"),
     )
     if args.json:
         print_json(result.to_json())

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
 from ._command import Command
-from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, print_json, print_lines
+from ._output import EXIT_OK, EXIT_PROBLEM, JSON_HELP, Progress, print_json, print_lines
 
 if TYPE_CHECKING:
     from .._inspect.listing import SaveDirListing
@@ -25,7 +25,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     check_save_dir(save_dir)
     tier = None
     with records_without_dcp():
-        listing = list_save_dir(save_dir, verify=args.verify)
+        listing = list_save_dir(
+            save_dir,
+            verify=args.verify,
+            meter=lambda count: Progress(f"reading {os.path.basename(save_dir)}", 0, items=count, noun="checkpoint"),
+        )
         if args.local_dir is not None:
             from .._inspect.tier_listing import list_local_tier
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -638,23 +639,69 @@ def test_links_in_the_user_docs_resolve(page: str) -> None:
         pytest.skip(f"{page} links to {sorted(set(pending))}, not written yet")
 
 
-def test_progress_bar_only_on_a_terminal() -> None:
-    import io
+class _Terminal(io.StringIO):
+    """What a terminal is to the progress bar: a stream whose isatty() is True."""
 
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("drawn_by", ["tqdm", "its own line"])
+def test_progress_bar_shows_bytes_items_and_rate_on_a_terminal_only(
+    drawn_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ckpt_engine.cli._output import Progress
 
-    stream = io.StringIO()
-    bar = Progress("converting model", 4 << 20, stream=stream, enabled=True)
-    bar.advance(1 << 20)
-    bar.advance(3 << 20)
+    if drawn_by != "tqdm":
+        monkeypatch.setitem(sys.modules, "tqdm", None)  # as where tqdm is not installed: import fails
+    stream = _Terminal()
+    bar = Progress("converting model", 4 << 20, stream=stream, items=4, noun="value", interval=0)
+    assert (bar._tqdm is not None) == (drawn_by == "tqdm")
+    for _ in range(4):
+        bar.advance(1 << 20)
     bar.close()
-    assert "converting model [#######" in stream.getvalue() and " 25% 1.0 MiB/4.0 MiB" in stream.getvalue()
-    assert "100% 4.0 MiB/4.0 MiB" in stream.getvalue()
+    text = stream.getvalue()
+    assert text.startswith("\rconverting model") and "1/4 values" in text and "4/4 values" in text, text
+    if drawn_by == "tqdm":
+        assert "1.00M/4.00M" in text and "4.00M/4.00M" in text and re.search(r"[\d.]+[kMG]?B/s", text), text
+    else:
+        assert " 25% 1.0 MiB/4.0 MiB" in text and "100% 4.0 MiB/4.0 MiB" in text, text
+        assert re.search(r"4\.0 MiB/4\.0 MiB [\d.]+ [KMG]?i?B/s, 4/4 values", text), text
+    assert text.endswith(("\r", "\r\033[K")), text  # the line is cleared at the end
+
     quiet = io.StringIO()
-    bar = Progress("x", 10, stream=quiet)  # a StringIO is not a terminal
+    bar = Progress("x", 10, stream=quiet, interval=0)  # a StringIO is not a terminal
     bar.advance(10)
     bar.close()
     assert quiet.getvalue() == ""
+
+
+@pytest.mark.parametrize("command", ["ls", "verify", "diff", "convert"])
+def test_commands_show_progress_on_a_terminal_and_quiet_silences_it(
+    command: str, saved: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_engine.cli import main
+
+    ckpt = str(saved["dir"] / "iter_000000004")
+    argv = {
+        "ls": ["ls", str(saved["dir"])],
+        "verify": ["verify", str(saved["dir"])],
+        "diff": ["diff", str(saved["dir"] / "iter_000000002"), ckpt],
+        "convert": ["convert", ckpt, str(tmp_path / "m.safetensors"), "--force"],
+    }[command]
+    label = {"ls": "reading ckpt", "verify": "verifying iter_", "diff": "comparing model", "convert": "converting"}
+    for quiet in ((), ("--quiet",), ("-q",)):
+        terminal = _Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        main([*argv, *quiet] if command != "ls" else [*quiet, *argv])  # global or after the command
+        text = terminal.getvalue()
+        if quiet:
+            assert text == "", (quiet, text)
+        else:
+            assert label[command] in text and "B/s" in text, text
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: nothing
+    main(argv)
+    assert sys.stderr.getvalue() == ""
 
 
 def test_config_errors_are_readable(cli: Run, tmp_path: Path) -> None:

@@ -129,11 +129,66 @@ def test_verify_passes_every_intact_format_at_what_it_can_check(cli: Run, files:
         assert code == 0 and out.startswith(f"ok      {root / name}: complete"), out
     code, out, _ = cli("verify", str(root / "train.pt"))  # checksums: the zip's CRC-32 of every record
     assert code == 0 and "every record matches the CRC-32 of its zip directory" in out
-    for name in ("model.safetensors", "dcp"):  # no checksums in the format: fails closed, says the fix
+    for name in ("model.safetensors", "hf", "dcp"):  # no checksums in the format: unverified, not damaged
         code, out, _ = cli("verify", str(root / name))
-        assert code == 1 and "checksums cannot be checked" in out and "--allow-unverified" in out
+        assert code == 3 and out.startswith(f"UNVERIFIED {root / name}: complete, sizes and structure check"), out
+        assert "no checksums to check its content against" in out and "--allow-unverified" in out
+        assert "FAILED" not in out
+        code, out, _ = cli("verify", str(root / name), "--json")
+        assert code == 3 and json.loads(out)["verdict"] == "unverified"
+        assert json.loads(out)["checkpoints"][0]["verdict"] == "unverified"
         code, out, _ = cli("verify", str(root / name), "--allow-unverified", "--json")
-        assert code == 0 and json.loads(out)["checkpoints"][0]["format"] in ("safetensors", "dcp")
+        data = json.loads(out)
+        assert code == 0 and data["ok"] and data["checkpoints"][0]["format"] in ("safetensors", "hf", "dcp")
+        assert data["verdict"] == "unverified"  # accepted, still named for what it is
+
+
+def test_verify_of_a_damaged_format_without_checksums_is_damaged_not_unverified(
+    cli: Run, files: dict[str, Any], tmp_path: Path
+) -> None:
+    """Damage that sizes and structure show (a cut shard, a cut DCP data file) stays exit code 1,
+    whatever the format lacks in checksums."""
+    root = files["root"]
+    hf, dcp_copy = tmp_path / "hf", tmp_path / "dcp"
+    shutil.copytree(root / "hf", hf)
+    shutil.copytree(root / "dcp", dcp_copy)
+    shard = sorted(hf.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1])
+    data = next(dcp_copy.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:10])
+    single = tmp_path / "model.safetensors"
+    single.write_bytes((root / "model.safetensors").read_bytes()[:-4])
+    for path in (hf, dcp_copy, single):
+        for extra in ((), ("--allow-unverified",)):
+            code, out, _ = cli("verify", str(path), *extra)
+            assert code == 1 and out.startswith(f"FAILED  {path}") and "UNVERIFIED" not in out, (path, out)
+        code, out, _ = cli("verify", str(path), "--json")
+        assert code == 1 and json.loads(out)["verdict"] == "damaged"
+
+
+def test_verify_of_a_save_folder_exits_with_its_worst_verdict(cli: Run, tmp_path: Path) -> None:
+    """A checkpoint without its manifest is unverified (3); a damaged one next to it makes it 1."""
+    state = TinyTrainingState.create(seed=2, hidden=8, steps=1)
+    save = tmp_path / "ckpt"
+    with CheckpointEngine({"save_dir": str(save)}) as engine:
+        engine.save(1, **state.objects())
+        engine.save(2, **state.objects())
+    code, out, _ = cli("verify", str(save))
+    assert code == 0 and out.rstrip().endswith("2 of 2 checkpoints ok"), out
+    (save / "iter_000000001" / "ckpt_engine_manifest.json").unlink()
+    code, out, _ = cli("verify", str(save))
+    assert code == 3 and f"UNVERIFIED {save / 'iter_000000001'}: complete" in out, out
+    assert out.rstrip().endswith("1 of 2 checkpoints ok, 1 unverified"), out
+    assert cli("verify", str(save), "--allow-unverified")[0] == 0
+    assert cli("verify", str(save), "--level", "sizes")[0] == 0
+    model = save / "iter_000000002" / "model" / "__0_0.distcp"
+    model.write_bytes(model.read_bytes()[:100])
+    code, out, _ = cli("verify", str(save), "--json")
+    data = json.loads(out)
+    assert code == 1 and data["verdict"] == "damaged", out
+    assert [c["verdict"] for c in data["checkpoints"]] == ["unverified", "damaged"]
+    code, out, _ = cli("verify", str(save), "--allow-unverified")
+    assert code == 1 and out.rstrip().endswith("1 of 2 checkpoints ok, 1 failed"), out
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
@@ -217,6 +272,83 @@ def test_a_file_with_objects_compares_its_tensors_and_plain_values(
     assert not (files["root"] / "pwned").exists()
 
 
+# -- convert from every format ----------------------------------------------------------------------
+
+
+def _safetensors_values(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_convert_reads_every_format_the_command_line_reads(cli: Run, files: dict[str, Any], tmp_path: Path) -> None:
+    """A dcp.save folder, a Hugging Face folder, torch.save files and a safetensors file convert to
+    the other formats, values equal (read back directly and by ``diff``)."""
+    root, model = files["root"], files["model"]
+    code, out, err = cli("convert", str(root / "dcp"), str(tmp_path / "dcp.safetensors"))
+    assert code == 0 and "from " + str(root / "dcp") + " (a DCP checkpoint folder)" in out, err
+    assert "left out 1 non-tensor value(s)" in out and "nested.n" in out  # safetensors holds tensors only
+    values = _safetensors_values(tmp_path / "dcp.safetensors")
+    assert values.keys() == {"w", "nested.b"} and torch.equal(values["w"], torch.arange(6.0).reshape(2, 3))
+
+    code, out, err = cli("convert", str(root / "dcp"), str(tmp_path / "dcp.pt"))
+    assert code == 0, err
+    assert torch.load(tmp_path / "dcp.pt", weights_only=True)["nested.n"] == 5  # a torch file keeps values
+
+    code, out, err = cli("convert", str(root / "hf"), str(tmp_path / "hf.pt"), "--to", "torch")
+    assert code == 0 and "(a Hugging Face safetensors folder)" in out, err
+    loaded = torch.load(tmp_path / "hf.pt", weights_only=True)
+    assert loaded.keys() == model.keys() and all(torch.equal(loaded[k], v) for k, v in model.items())
+
+    code, out, err = cli("convert", str(root / "model.pt"), str(tmp_path / "pt.safetensors"))
+    assert code == 0 and "(a torch.save file)" in out, err
+    values = _safetensors_values(tmp_path / "pt.safetensors")
+    assert values.keys() == model.keys() and all(torch.equal(values[k], v) for k, v in model.items())
+
+    code, out, err = cli("convert", str(root / "model.safetensors"), str(tmp_path / "st_hf"), "--to", "hf")
+    assert code == 0 and "(a safetensors file)" in out, err
+    for a, b in ((root / "model.safetensors", tmp_path / "st_hf"), (root / "dcp", tmp_path / "dcp.pt")):
+        code, out, _ = cli("diff", str(a), str(b))
+        assert code == 0 and out.rstrip().endswith("the checkpoints are identical"), out
+
+
+def test_convert_of_a_training_torch_save_file_keeps_what_the_format_can_hold(
+    cli: Run, files: dict[str, Any], tmp_path: Path
+) -> None:
+    """A torch.save file of a training run: its nested state flattened as DCP flattens it, a view
+    written as its own values, objects never unpickled (left out, named)."""
+    training = files["training"]
+    code, out, err = cli("convert", str(files["root"] / "train.pt"), str(tmp_path / "t.safetensors"))
+    assert code == 0, err
+    assert "args" in out and "pwn" in out and not (files["root"] / "pwned").exists()
+    values = _safetensors_values(tmp_path / "t.safetensors")
+    assert torch.equal(values["view"], training["view"]) and torch.equal(values["u16"], training["u16"])
+    assert torch.equal(values["model.0.weight"], training["model"]["0.weight"])
+    code, out, err = cli("convert", str(files["root"] / "train.pt"), str(tmp_path / "t.pt"))
+    assert code == 0, err
+    loaded = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert loaded["epoch"] == 3 and loaded["hparams.dtype"] == torch.bfloat16 and "pwn" not in loaded
+
+
+def test_convert_reads_other_formats_in_bounded_batches(files: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory stays bounded as for a DCP component: values are read a budget of bytes at a time."""
+    from ckpt_engine._inspect.sources import BatchedSource, SafetensorsSource, TorchFileSource
+
+    for source in (SafetensorsSource(str(files["root"] / "hf")), TorchFileSource(str(files["root"] / "model.pt"))):
+        batched, reads = BatchedSource(source), []
+
+        def counted(keys: Any, read: Any = source.read, reads: list[list[str]] = reads) -> Any:
+            reads.append(list(keys))
+            return read(keys)
+
+        monkeypatch.setattr(source, "read", counted)
+        keys = sorted(batched.keys)
+        budget = max(batched.keys[k].nbytes for k in keys)  # the largest tensor: one or two per read
+        got = dict(batched.iter_values(keys, budget))
+        assert got.keys() == set(keys) and len(reads) > 1
+        assert all(sum(batched.keys[k].nbytes for k in r) <= budget or len(r) == 1 for r in reads), reads
+
+
 # -- bad and hostile input -------------------------------------------------------------------------
 
 
@@ -224,8 +356,8 @@ def test_files_that_are_no_checkpoint_say_what_reads_them(cli: Run, files: dict[
     (tmp_path / "notes.txt").write_text("hello")
     code, _, err = cli("inspect", str(tmp_path / "notes.txt"))
     assert code == 2 and "is a file, not a checkpoint folder" in err
-    code, _, err = cli("convert", str(files["root"] / "model.pt"), str(tmp_path / "x.safetensors"))
-    assert code == 2 and "is a torch.save file, not a checkpoint folder; `ckpt-engine inspect`" in err
+    code, _, err = cli("convert", str(tmp_path / "notes.txt"), str(tmp_path / "x.safetensors"))
+    assert code == 2 and "is a file, not a checkpoint folder" in err and not (tmp_path / "x.safetensors").exists()
     torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
     code, _, err = cli("inspect", str(tmp_path / "legacy.pt"))
     assert code == 2 and "legacy format" in err and "save it again" in err
@@ -420,6 +552,8 @@ def test_diff_of_a_model_and_its_save_pretrained_output_compares_tied_weights_as
     with CheckpointEngine({"save_dir": str(tmp_path / "ckpt")}) as engine:
         engine.save(1, model=model)
     model.save_pretrained(tmp_path / "hf")
+    code, out, _ = cli("verify", str(tmp_path / "hf"))  # intact, but holds no checksums: unverified, not damaged
+    assert code == 3 and out.startswith(f"UNVERIFIED {tmp_path / 'hf'}: complete"), out
     code, out, _ = cli("diff", str(tmp_path / "ckpt" / "iter_000000001"), str(tmp_path / "hf"), "--component", "model")
     assert code == 0, out
     assert "tied: lm_head.weight (only in a) equals transformer.wte.weight there" in out
