@@ -239,10 +239,13 @@ class EngineConfig(BaseModel):
         description="With `keep_last`: also keep every checkpoint whose iteration is a multiple of M.",
     )
     rng: bool = Field(
-        default=False,
-        description="Also save and restore every rank's Python, NumPy, torch CPU and CUDA random state (an `rng` "
-        "component, one set of keys per rank), so a resumed run draws the same random numbers. Resuming "
-        "into another number of ranks is refused; `keys_not_to_resume: [rng]` starts fresh random state.",
+        default=True,
+        description="Save and restore every rank's Python, NumPy, torch CPU and CUDA random state (an `rng` "
+        "component, one set of keys per rank), so a resumed run draws the same random numbers. A checkpoint "
+        "without it still loads (with a warning). Resuming into another number of ranks works: ranks the "
+        "checkpoint has take their state back, new ranks are seeded deterministically from rank 0's saved state "
+        "and their rank, and one warning says the run is no longer bit-exact. `false`: no random state is saved "
+        "or restored; `keys_not_to_resume: [rng]` keeps the current random state on one resume.",
     )
     allow_overwrite: bool = Field(
         default=False,
