@@ -240,12 +240,9 @@ class EngineConfig(BaseModel):
     )
     rng: bool = Field(
         default=True,
-        description="Save and restore every rank's Python, NumPy, torch CPU and CUDA random state (an `rng` "
-        "component, one set of keys per rank), so a resumed run draws the same random numbers. A checkpoint "
-        "without it still loads (with a warning). Resuming into another number of ranks works: ranks the "
-        "checkpoint has take their state back, new ranks are seeded deterministically from rank 0's saved state "
-        "and their rank, and one warning says the run is no longer bit-exact. `false`: no random state is saved "
-        "or restored; `keys_not_to_resume: [rng]` keeps the current random state on one resume.",
+        description="Save and restore every rank's Python, NumPy, torch and CUDA random state (an `rng` component, "
+        "one set of keys per rank) so a resume draws what the uninterrupted run would; a checkpoint without it loads "
+        "with a warning; into another number of ranks, new ranks are seeded from rank 0's state and their rank.",
     )
     allow_overwrite: bool = Field(
         default=False,
