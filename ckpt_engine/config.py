@@ -243,10 +243,10 @@ class EngineConfig(BaseModel):
         description="With `keep_last`: also keep every checkpoint whose iteration is a multiple of M.",
     )
     rng: bool = Field(
-        default=False,
-        description="Also save and restore every rank's Python, NumPy, torch CPU and CUDA random state (an `rng` "
-        "component, one set of keys per rank), so a resumed run draws the same random numbers. Resuming "
-        "into another number of ranks is refused; `keys_not_to_resume: [rng]` starts fresh random state.",
+        default=True,
+        description="Save and restore every rank's Python, NumPy, torch and CUDA random state (an `rng` component, "
+        "one set of keys per rank) so a resume draws what the uninterrupted run would; a checkpoint without it loads "
+        "with a warning; into another number of ranks, new ranks are seeded from rank 0's state and their rank.",
     )
     allow_overwrite: bool = Field(
         default=False,

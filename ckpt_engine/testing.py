@@ -4,6 +4,10 @@
   described checkpoint, without files (see ``docs/testing-plugins.md``);
 * :func:`make_engine`, :class:`TinyTrainingState`, :func:`assert_state_dicts_equal`: round trips
   through real DCP checkpoints;
+* :func:`check_exact_resume`: does a training script resume bit for bit? It trains uninterrupted,
+  and again with a save and a resume in a new process, and names the first step and state
+  (parameter, optimizer state, scheduler, extra state such as the data position, random
+  generator) where the two differ;
 * :mod:`ckpt_engine.strategies`: hypothesis strategies for property tests, also importable from
   here (``from ckpt_engine.testing import state_dicts``), loaded on first use: this module does
   not need ``hypothesis``, the strategies do.
@@ -17,7 +21,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,15 +33,22 @@ from torch import nn
 
 from ._dcpio.described import plan_component
 from ._engine.engine import CheckpointEngine
+from ._exact.compare import Difference, ExactResumeReport
+from ._exact.runs import ExactResumeRunError, reference_of, run_check
 from ._markers import PROJECT_NAME
 from .config import EngineConfig
+from .errors import InvalidArgumentError
 from .hookspecs import CkptSpecs
 from .report import ComponentReport
 
 __all__ = [
+    "Difference",
+    "ExactResumeReport",
+    "ExactResumeRunError",
     "TinyTrainingState",
     "assert_state_dicts_equal",
     "bare_plugin_manager",
+    "check_exact_resume",
     "make_engine",
     "plan_load",
     "plan_reads",
@@ -184,3 +197,50 @@ def __getattr__(name: str) -> Any:
 
         return getattr(strategies, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_exact_resume(
+    build: Callable[[], Mapping[str, Any]] | str,
+    step: Callable[[Mapping[str, Any], int], Any] | str,
+    *,
+    steps: int,
+    save_at: int,
+    config: EngineConfig | Mapping[str, Any] | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+) -> ExactResumeReport:
+    """Whether a training script resumes bit for bit through the engine, and where it does not.
+
+    ``build()`` returns the training objects as ``CheckpointEngine.save`` takes them: a dict with
+    ``model`` and any of ``optimizer``, ``scheduler``, ``grad_scaler`` and ``extra`` (a dict of
+    ``Stateful`` objects: the data position, a sampler, ...). ``step(objs, i)``
+    runs training step ``i`` (1-based) on them. Both run in new processes, so each must be a
+    module-level function of an importable module (or a ``"package.module:function"`` string); a
+    lambda, a nested function or a function of ``__main__`` is refused with
+    :class:`~ckpt_engine.ArgumentTypeError`.
+
+    Three processes, one rank each, with every generator seeded with 0 before ``build()``, run:
+    ``steps`` steps uninterrupted; ``save_at`` steps then ``CheckpointEngine.save(save_at, ...)``
+    with ``config`` (its ``save_dir`` is set to ``workdir/checkpoints``); fresh objects from
+    ``build()``, ``CheckpointEngine.load(...)`` and the steps after ``save_at``. The state right
+    after the resume and after every later step (every parameter and buffer, the optimizer's,
+    scheduler's and grad scaler's state dicts, every extra state, the Python, NumPy, torch and CUDA
+    generators) is compared with the uninterrupted run's, bit for bit. ``workdir`` (default: a
+    temporary folder, removed after) keeps the checkpoints (replaced by each check), each run's log
+    and snapshots. A run that fails raises :class:`ExactResumeRunError` with its output.
+
+    >>> report = check_exact_resume("train:build", "train:step", steps=6, save_at=3)  # doctest: +SKIP
+    >>> report.raise_if_not_exact()                                                    # doctest: +SKIP
+    """
+    if not 1 <= save_at < steps:
+        raise InvalidArgumentError(f"save_at={save_at} must be at least 1 and below steps={steps}")
+    refs = reference_of(build, "build"), reference_of(step, "step")
+    with tempfile.TemporaryDirectory(prefix="ckpt-exact-resume-") as tmp:
+        folder = os.fspath(workdir) if workdir is not None else tmp
+        os.makedirs(folder, exist_ok=True)
+        save_dir = os.path.join(os.path.abspath(folder), "checkpoints")
+        shutil.rmtree(save_dir, ignore_errors=True)  # a previous check's: this one saves save_at again
+        if isinstance(config, EngineConfig):
+            coerced = config.model_copy(update={"save_dir": save_dir})
+        else:
+            coerced = EngineConfig.coerce({**(config or {}), "save_dir": save_dir})
+        return run_check(*refs, steps, save_at, coerced.model_dump(mode="json"), folder)

@@ -64,7 +64,7 @@ from .load_guard import (
 from .local_sources import local_tier_source, two_tier_copy
 from .rank_views import folder_view, require_one_checkpoint
 from .resave import advance_latest, newest_unnamed
-from .rng import RNG_COMPONENT, check_saved_world_size, other_rank_prefixes
+from .rng import RNG_COMPONENT, absent_rng_is_allowed, ignored_rng_prefixes, prepare_rng_load
 from .state import TrainingObjects, apply_component, component_state_dict
 from .weights_load import is_safetensors_path, load_pth, load_safetensors
 
@@ -433,7 +433,7 @@ class Loader:
                     self._absent_component(objs, path, name, tuple(checked.components), source)
                     continue
                 if name == RNG_COMPONENT:
-                    check_saved_world_size(checked.components[name], path, _dist.world_size())
+                    prepare_rng_load(objs.extra[name], checked.components[name], path, _dist.world_size())
                 sd = component_state_dict(objs, name, 0)
                 template = tuple(sd.values())
                 folder = validated.store.join(path, name)
@@ -476,6 +476,8 @@ class Loader:
     ) -> None:
         """A component the caller passed that the checkpoint lacks: refused where the rules say
         so (a resume from ``latest`` restores everything; ``strict``), else skipped with a warning."""
+        if name == RNG_COMPONENT and absent_rng_is_allowed(objs.extra[name], path, _dist.rank()):
+            return
         if source == "latest":  # rule 1 resumes everything: a gap would restart or mix iterations
             raise IncompleteCheckpointError(missing_for_resume(path, name, present))
         if name == "trainer" and objs.grad_scaler is None:
@@ -509,7 +511,7 @@ class Loader:
             trust_checkpoint=self.config.trust_checkpoint,
             ignore_unexpected_prefixes=("grad_scaler.",)
             if name == "trainer" and objs.grad_scaler is None
-            else other_rank_prefixes(_dist.rank(), _dist.world_size())
+            else ignored_rng_prefixes(objs.extra[name], _dist.rank(), _dist.world_size())
             if name == RNG_COMPONENT
             else (),
             rank=_dist.rank(),

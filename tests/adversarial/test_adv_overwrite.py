@@ -23,7 +23,7 @@ def test_resave_of_a_committed_iteration_is_refused_and_changes_nothing(save_dir
         engine.save(10, model=other.model)  # a model-only save over model + optimizer
     assert sorted(os.listdir(ckpt(save_dir, 10))) == before
     result, state = load(save_dir)
-    assert result.iteration == 10 and set(result.components) == {"model", "optim", "scheduler", "trainer"}
+    assert result.iteration == 10 and set(result.components) == {"model", "optim", "scheduler", "trainer", "rng"}
     assert all(state.model.state_dict()[k].equal(v) for k, v in saved[10].items())
 
 

@@ -88,7 +88,7 @@ def test_ls_lists_checkpoints_with_latest_and_status(cli: Run, saved: dict[str, 
     assert code == 0
     rows = [line.split() for line in out.splitlines() if re.match(r"\s*\d+\s+iter_", line)]
     assert [r[0] for r in rows] == ["2", "4"]
-    assert all(r[2] == "model,optim,scheduler,trainer" for r in rows)
+    assert all(r[2] == "model,optim,rng,scheduler,trainer" for r in rows)
     assert rows[0][-1] == "verified" and rows[1][-3:] == ["verified", "<-", "latest"]
 
     code, out, _ = cli("ls", str(saved["dir"]), "--json")
@@ -158,7 +158,7 @@ def test_inspect_reports_every_key_and_values(cli: Run, saved: dict[str, Any]) -
     assert model["prefixes"]["0"]["keys"] == 2
     trainer = {k["key"]: k for k in data["components"]["trainer"]["keys"]}
     assert trainer["iteration"]["value"] == "4" and trainer["iteration"]["kind"] == "value"
-    assert set(data["components"]) == {"model", "optim", "scheduler", "trainer"}
+    assert set(data["components"]) == {"model", "optim", "rng", "scheduler", "trainer"}
 
     code, out, _ = cli("inspect", str(saved["dir"] / "iter_000000002"), "--component", "model", "--keys", "*.bias")
     assert code == 0
@@ -169,7 +169,7 @@ def test_inspect_reports_every_key_and_values(cli: Run, saved: dict[str, Any]) -
 
 def test_inspect_bad_input(cli: Run, saved: dict[str, Any], tmp_path: Path) -> None:
     code, _, err = cli("inspect", str(saved["dir"]), "--component", "ema")
-    assert code == 2 and "has no component 'ema'; it has: model, optim, scheduler, trainer" in err
+    assert code == 2 and "has no component 'ema'; it has: model, optim, rng, scheduler, trainer" in err
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_text("hello")
     code, _, err = cli("inspect", str(tmp_path / "notes"))

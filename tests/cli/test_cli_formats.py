@@ -238,7 +238,7 @@ def test_diff_of_a_checkpoint_and_its_exports_reports_equal_values_equal(cli: Ru
         assert code == 0, out
         assert "model: identical (4 of 4 common keys equal)" in out
         assert "optim: only in a; not compared (b is " in out
-        assert out.rstrip().endswith("(not compared: optim, scheduler, trainer)")
+        assert out.rstrip().endswith("(not compared: optim, rng, scheduler, trainer)")
     code, out, _ = cli("diff", str(root / "hf"), str(root / "model.pt"))
     assert code == 0 and out.rstrip().endswith("the checkpoints are identical")
     code, out, _ = cli("diff", str(ckpt), str(root / "optim.pt"), "--component", "optim")

@@ -121,7 +121,7 @@ def test_fsdp2_checkpoint_layout(fsdp_saved):
     assert (root / "latest_checkpoint.txt").read_text() == "iter_000000002\n"
     assert not [p.name for p in root.iterdir() if p.name.startswith(".")], "an uncommitted folder was left"
     subdirs = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
-    assert subdirs == sorted([*COMPONENTS, "ranks"])
+    assert subdirs == sorted([*COMPONENTS, "ranks", "rng"])
     for name in subdirs:
         assert (ckpt / name / ".metadata").is_file(), name
     # Sharded tensors: both ranks wrote their own shards of the model.
@@ -169,7 +169,7 @@ def test_fsdp2_checkpoint_loads_into_one_unsharded_process(fsdp_saved):
     assert result.iteration == 2
     assert result.checkpoint_path == os.path.join(save_dir, "iter_000000002")
     assert result.source == "latest"
-    assert set(result.components) == {*COMPONENTS, "ranks"}
+    assert set(result.components) == {*COMPONENTS, "ranks", "rng"}  # rng: 2 ranks' state into 1, with a warning
     model_report = result.report["model"]
     assert sorted(model_report.loaded) == sorted(PARAM_NAMES)
     assert not model_report.missing and not model_report.unexpected and not model_report.skipped
@@ -260,7 +260,7 @@ def test_single_process_checkpoint_loads_into_fsdp2(tmp_path):
         got = results[rank][0]
         assert got["iteration"] == 7
         assert got["path"] == os.path.join(save_dir, "iter_000000007")
-        assert got["components"] == list(COMPONENTS)
+        assert got["components"] == [*COMPONENTS, "rng"]  # 1 rank's state into 2: rank 1 seeded from it
         assert got["loaded"] == sorted(PARAM_NAMES)
         assert got["step"] == [2.0] * len(PARAM_NAMES)
         assert got["lr"] == optim.param_groups[0]["lr"]
@@ -307,7 +307,7 @@ def test_fsdp2_checkpoint_reshards_into_other_placements(tmp_path):
     for rank in range(WORLD):
         got = results[rank][1]
         assert got["iteration"] == 5
-        assert got["components"] == ["model", "optim", "trainer"]
+        assert got["components"] == ["model", "optim", "trainer", "rng"]
         assert got["loaded"] == sorted(PARAM_NAMES)
         assert got["optim_loaded"] > 0
         for name in PARAM_NAMES:

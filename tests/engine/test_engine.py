@@ -63,7 +63,7 @@ def test_round_trip_restores_everything_bit_exact(save_dir: str) -> None:
     with CheckpointEngine({"save_dir": save_dir}) as engine:
         result = engine.save(3, **state.objects(), extra={"dataloader": counter}).result()
     assert result.succeeded and result.bytes_written > 0
-    assert result.components == ("model", "optim", "scheduler", "trainer", "dataloader")
+    assert result.components == ("model", "optim", "scheduler", "trainer", "dataloader", "rng")  # rng: on by default
 
     fresh, fresh_counter = _fresh(), Counter()
     with CheckpointEngine({"save_dir": save_dir}) as engine:
@@ -72,7 +72,7 @@ def test_round_trip_restores_everything_bit_exact(save_dir: str) -> None:
     assert loaded.checkpoint_path == os.path.join(save_dir, "iter_000000003")
     assert_state_dicts_equal(_snapshot(fresh), before)
     assert (fresh_counter.position, fresh_counter.seed) == (17, 5)
-    assert set(loaded.report) == {"model", "optim", "scheduler", "trainer", "dataloader"}
+    assert set(loaded.report) == {"model", "optim", "scheduler", "trainer", "dataloader", "rng"}
     for rep in loaded.report.values():
         assert not rep.missing and not rep.unexpected and not rep.skipped
 
@@ -99,8 +99,9 @@ def test_layout_matches_the_original_checkpointer(save_dir: str) -> None:
     assert Path(save_dir, "latest_checkpoint.txt").read_text() == "iter_000000012\n"
     ckpt = Path(save_dir, "iter_000000012")
     # The original layout, plus the engine's manifest at the checkpoint level (never inside a
-    # component folder, so every component stays a plain DCP checkpoint).
-    assert sorted(os.listdir(ckpt)) == ["ckpt_engine_manifest.json", "model", "optim", "scheduler", "trainer"]
+    # component folder, so every component stays a plain DCP checkpoint) and the random state
+    # (rng: on by default, a component like any other).
+    assert sorted(os.listdir(ckpt)) == ["ckpt_engine_manifest.json", "model", "optim", "rng", "scheduler", "trainer"]
     for component in ("model", "optim", "scheduler", "trainer"):
         assert sorted(os.listdir(ckpt / component)) == [".metadata", "__0_0.distcp"]
 
@@ -196,7 +197,7 @@ def test_rule1_latest_resumes_every_component(save_dir: str) -> None:
         **fresh.objects()
     )
     assert result.source == "latest" and result.iteration == 6
-    assert result.components == ("model", "optim", "scheduler", "trainer")
+    assert result.components == ("model", "optim", "scheduler", "trainer", "rng")
     assert fresh.scheduler.state_dict() == state.scheduler.state_dict()
 
 
@@ -204,14 +205,14 @@ def test_rule1_iteration_resumes_without_grad_scaler(save_dir: str) -> None:
     _save_run(save_dir)
     result = CheckpointEngine({"save_dir": save_dir}).load(model=_fresh().model)
     assert result.iteration == 6
-    assert result.components == ("model", "trainer")
+    assert result.components == ("model", "trainer", "rng")
 
 
 @pytest.mark.parametrize(
     ("flags", "components", "iteration"),
     [
         ({}, ("model",), 0),
-        ({"load_training_state": True}, ("model", "optim", "scheduler", "trainer"), 6),
+        ({"load_training_state": True}, ("model", "optim", "scheduler", "trainer", "rng"), 6),
         ({"only_load_scheduler_state": True}, ("model", "scheduler"), 0),
     ],
 )
@@ -284,7 +285,7 @@ def test_keys_not_to_resume(save_dir: str) -> None:
     result = CheckpointEngine({"save_dir": save_dir, "keys_not_to_resume": ["optim", "loader", "trainer"]}).load(
         **fresh.objects(), extra={"loader": counter}
     )
-    assert result.components == ("model", "scheduler")
+    assert result.components == ("model", "scheduler", "rng")
     assert result.iteration == 0  # trainer not resumed: iteration 0, as in the original
     assert counter.position == 0
     assert_state_dicts_equal(fresh.optimizer.state_dict(), untouched)
@@ -386,7 +387,7 @@ def test_component_absent_from_checkpoint(save_dir: str) -> None:
     result = CheckpointEngine({"save_dir": save_dir, "keys_not_to_resume": ["optim"]}).load(
         model=fresh.model, optimizer=fresh.optimizer
     )
-    assert result.components == ("model", "trainer") and result.iteration == 1
+    assert result.components == ("model", "trainer", "rng") and result.iteration == 1
 
 
 def test_dtype_difference_is_cast_and_reported(save_dir: str) -> None:

@@ -149,7 +149,7 @@ def test_module_plugin_observes_saves(save_dir: str) -> None:
     engine.save(7, **state.objects())
     [result] = module_plugin.RESULTS
     assert result.succeeded and result.iteration == 7 and result.bytes_written > 0
-    assert result.components == ("model", "optim", "scheduler", "trainer")
+    assert result.components == ("model", "optim", "scheduler", "trainer", "rng")
     # A synchronous save blocks through write and commit: blocked covers the write, equals total.
     assert result.write_seconds <= result.blocked_seconds <= result.total_seconds
     assert result.total_seconds - result.blocked_seconds < 0.01

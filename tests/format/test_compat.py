@@ -209,7 +209,7 @@ def test_save_writes_original_layout_and_fresh_checkpointer_resumes_bit_exact(tm
     assert ckpt2.last_load_result is not None
     assert ckpt2.last_load_result.source == "latest"
     assert ckpt2.last_load_result.checkpoint_path == str(iter_dir)
-    assert set(ckpt2.last_load_result.components) == KEYS
+    assert set(ckpt2.last_load_result.components) == KEYS | {"rng"}  # rng: on by default
     ckpt2.finalize()
 
 

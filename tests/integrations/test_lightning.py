@@ -128,7 +128,7 @@ def test_a_checkpoint_is_a_plain_engine_checkpoint_and_its_pointers_name_it(tmp_
     assert pointer is not None and pointer.checkpoint == "iter_000000004" and pointer.iteration == 4
     assert pointer.save_dir == str(tmp_path / "engine")
     folder = tmp_path / "engine" / "iter_000000008"
-    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == [COMPONENT, "model", "trainer"]
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == [COMPONENT, "model", "rng", "trainer"]
     assert cli(["verify", str(tmp_path / "engine"), "--level", "checksums"]) == 0
     # the model component loads into the LightningModule with the engine alone, strictly
     target = script.Regressor()
@@ -229,3 +229,52 @@ def test_importing_the_integrations_package_leaves_lightning_out() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+# -- check_exact_resume around a LightningModule -------------------------------------------------
+
+
+class _Batches:
+    """The data position of the manual loop below (an extra state)."""
+
+    def __init__(self) -> None:
+        self.index = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.index = state["index"]
+
+
+def build_regressor() -> dict[str, Any]:
+    """The fit's Regressor with the optimizer and scheduler its ``configure_optimizers`` returns."""
+    torch.manual_seed(0)
+    module = script.Regressor()
+    configured = module.configure_optimizers()
+    return {
+        "model": module,
+        "optimizer": configured["optimizer"],
+        "scheduler": configured["lr_scheduler"],
+        "extra": {"batches": _Batches()},
+    }
+
+
+def step_regressor(objs: dict[str, Any], i: int) -> None:
+    batches = objs["extra"]["batches"]
+    x, y = script.data().dataset[batches.index * 8 : batches.index * 8 + 8]
+    batches.index = (batches.index + 1) % script.STEPS_PER_EPOCH
+    loss = objs["model"].training_step((x, y), i)
+    objs["optimizer"].zero_grad()
+    loss.backward()
+    objs["optimizer"].step()
+    objs["scheduler"].step()
+
+
+@pytest.mark.full  # three new processes, each importing lightning
+def test_a_lightning_module_trained_by_hand_resumes_exactly(tmp_path: Path) -> None:
+    from ckpt_engine.testing import check_exact_resume
+
+    report = check_exact_resume(build_regressor, step_regressor, steps=7, save_at=3, workdir=tmp_path)
+    report.raise_if_not_exact()
+    assert report.keys_compared > 10

@@ -184,7 +184,8 @@ def test_buffers_are_reused_and_reallocated_when_shapes_change(shared: Shared, t
     state = TinyTrainingState.create(seed=3, steps=1)
     engine.save(30, **state.objects()).result(timeout=TIMEOUT)
     first = plugin.buffer_sets()
-    assert len(first) == 1 and first[0].tensors == 4 + 4 * 3 and not first[0].busy
+    rng = 3 + torch.cuda.device_count()  # the rng component's generators: Python, NumPy, torch CPU, each CUDA device
+    assert len(first) == 1 and first[0].tensors == 4 + 4 * 3 + rng and not first[0].busy
     state.train(1, seed=5)
     engine.save(31, **state.objects()).result(timeout=TIMEOUT)
     assert plugin.buffer_sets() == first  # same set, same memory (set id and data pointer)
@@ -209,7 +210,7 @@ def test_on_save_done_reports_sane_timings_once_per_save(shared: Shared) -> None
     for r in recorder.results:
         assert r.succeeded and r.error is None
         assert r.path == str(save_dir / f"iter_{r.iteration:09}")
-        assert r.components == ("model", "optim", "scheduler", "trainer")
+        assert r.components == ("model", "optim", "scheduler", "trainer", "rng")
         assert r.bytes_written > 0
         assert 0 < r.staging_seconds <= r.blocked_seconds < r.total_seconds
         assert 0 < r.write_seconds < r.total_seconds

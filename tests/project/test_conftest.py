@@ -36,11 +36,11 @@ def test_the_fast_tier_leaves_out_dist_and_full_tests_and_keeps_the_rest() -> No
     fast = collected("-m", "not full", *files)
     left_out = every - fast
     # The torchrun tests (dist implies full) and a benchmark run (full) are left out.
-    assert "test_two_ranks_restore_their_own_state_and_one_process_refuses_it" in left_out
+    assert "test_two_ranks_restore_their_own_state_and_a_one_rank_checkpoint_grows_to_two" in left_out
     assert {t for t in left_out if t.startswith("test_two_rank_fsdp2_with_a_frozen_part")} == {
         "test_two_rank_fsdp2_with_a_frozen_part[sync]",
         "test_two_rank_fsdp2_with_a_frozen_part[pinned_staging]",
     }
     assert "test_the_benchmark_runs_in_its_smoke_mode" in left_out
     assert len(left_out) == 4, sorted(left_out)
-    assert "test_rng_is_off_by_default_and_its_name_is_reserved" in fast
+    assert "test_rng_is_on_by_default_and_its_name_is_reserved" in fast

@@ -83,6 +83,8 @@ def test_doc_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.Mon
     """Every ```python block runs, in order, in one namespace per file, in a scratch folder; then
     every training loop runs through a resume.
 
+    A block whose first line is ``# file: NAME.py`` is written to ``NAME.py`` in the scratch folder
+    (a module the next blocks import, e.g. in new processes), not run.
     A block whose first line is ``# not run`` is only compiled (e.g. needs a GPU); one whose first
     line is ``# torchrun`` is a whole script, run by :func:`test_doc_torchrun_blocks_run`; one
     whose first line is ``# template`` is run with a job's objects by
@@ -100,6 +102,9 @@ def test_doc_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.Mon
     for i, block in enumerate(_python_blocks(path)):
         code = compile(block, f"{path.name}[block {i}]", "exec")
         if block.startswith(NOT_RUN_HERE):
+            continue
+        if module := re.match(r"# file: (\w+\.py)\n", block):  # a module the next blocks import
+            (tmp_path / module.group(1)).write_text(block)
             continue
         before = len(loads)
         exec(code, namespace)
