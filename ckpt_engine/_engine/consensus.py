@@ -1,4 +1,5 @@
-"""Every rank fails together: the one primitive the engine's save, commit and load agree with.
+"""Every rank fails together, and no rank's state is silently dropped: the one primitive the
+engine's save, commit and load agree with, and the ranks' check of what DCP keeps one copy of.
 
 A rank that raises between collectives leaves the others waiting in the next one forever. So
 wherever one rank's step can fail on its own (preparing a save, writing or committing it, the
@@ -9,19 +10,65 @@ message (sent as the exception object; one that cannot travel is replaced by a t
 the same ``IncompleteCheckpointError`` on rank 3 that rank 0 found.
 
 With no process group (or one rank) nothing is exchanged.
+
+**What DCP keeps one copy of.** DCP saves an item that several ranks hold under one key (a plain
+tensor, a non-tensor value) once, from the lowest rank (``dedup_save_to_lowest_rank``). At every
+save with several ranks each rank digests those items of its state dicts (:func:`digests`), the
+digests travel in the all-gather that the save's preparation makes anyway, and every rank reads
+the same verdict from them (:func:`differences`). Then (:func:`per_rank_maps`):
+
+* a non-tensor value that differs, and every item of an extra (a ``Stateful`` passed in
+  ``extra=``) any item of which differs, is saved per rank (under the keys of
+  ``_format/names.per_rank_key``) and restored per rank;
+* a plain tensor that differs fails the save on every rank with
+  :class:`~ckpt_engine.errors.ReplicatedStateMismatchError` naming the key and the ranks;
+* keys ``EngineConfig.per_rank_keys`` names are always saved per rank, and not digested.
+
+A tensor of at most :data:`FULL_HASH_BYTES` is hashed whole (``xxh3_64``); a larger one by its
+shape, dtype and :data:`SAMPLED_PAGES` pages of :data:`PAGE_BYTES` spread over it, at offsets
+that move with the iteration: a difference only in pages a save did not sample is not caught by
+that save. Non-tensor values are hashed by their pickle.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .._dcpio import dist
-from ..errors import CheckpointLoadError, CkptEngineError, described, first_failure
+import numpy as np
+import torch
+import xxhash
+from torch.distributed.checkpoint import DefaultSavePlanner
 
-__all__ = ["Agreement", "Failure", "agree", "agreed", "portable", "unwrap"]
+from .._dcpio import dist
+from .._dcpio.planner import already_flat
+from .._format.names import per_rank_key
+from ..errors import CheckpointLoadError, CkptEngineError, ReplicatedStateMismatchError, clip, described, first_failure
+from ..types import STANDARD_COMPONENTS
+
+__all__ = [
+    "FULL_HASH_BYTES",
+    "PAGE_BYTES",
+    "SAMPLED_PAGES",
+    "Agreement",
+    "Difference",
+    "Failure",
+    "LocalDigests",
+    "agree",
+    "agreed",
+    "differences",
+    "digests",
+    "page_offsets",
+    "per_rank_maps",
+    "portable",
+    "tensor_digest",
+    "unwrap",
+    "value_digest",
+]
 
 _T = TypeVar("_T")
 
@@ -110,3 +157,226 @@ def unwrap(exc: BaseException) -> tuple[BaseException, list[int]]:
     (:func:`~ckpt_engine.errors.first_failure`); an error raised outside DCP is this rank's."""
     err, ranks = first_failure(exc)
     return err, ranks or [dist.rank()]
+
+
+# -- what DCP keeps one copy of ------------------------------------------------------------
+
+
+#: Tensors of at most this many bytes are hashed whole.
+FULL_HASH_BYTES = 256 * 1024
+#: Larger tensors: this many pages, spread evenly over the bytes (the last page always among them).
+SAMPLED_PAGES = 16
+#: Bytes of one sampled page.
+PAGE_BYTES = 4096
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    data = t.detach()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    return data.reshape(-1).view(torch.uint8)
+
+
+def page_offsets(nbytes: int, salt: int) -> list[int]:
+    """Where the sampled pages of a tensor of ``nbytes`` (more than :data:`FULL_HASH_BYTES`)
+    start: one in each of :data:`SAMPLED_PAGES` equal stretches, at an offset inside the stretch
+    that ``salt`` (the iteration) moves, and the last page."""
+    stretch = nbytes // SAMPLED_PAGES
+    shift = (salt * 2654435761) % max(1, stretch - PAGE_BYTES + 1)
+    starts = [i * stretch + shift for i in range(SAMPLED_PAGES - 1)]
+    return [*starts, nbytes - PAGE_BYTES]
+
+
+def tensor_digest(t: torch.Tensor, salt: int = 0) -> int:
+    """``xxh3_64`` of a plain tensor's shape, dtype and bytes (sampled pages above
+    :data:`FULL_HASH_BYTES`, see :func:`page_offsets`)."""
+    h = xxhash.xxh3_64(f"{tuple(t.shape)}|{t.dtype}".encode())
+    flat = _byte_view(t)
+    n = flat.numel()
+    if n <= FULL_HASH_BYTES:
+        h.update(flat.cpu().numpy().data)
+        return h.intdigest()
+    pages = [flat[s : s + PAGE_BYTES] for s in page_offsets(n, salt)]
+    if flat.device.type == "cpu":
+        for page in pages:
+            h.update(page.numpy().data)
+    else:  # one small copy to the host
+        h.update(torch.cat(pages).cpu().numpy().data)
+    return h.intdigest()
+
+
+def value_digest(value: Any) -> int:
+    """``xxh3_64`` of a non-tensor value's pickle (a set's items sorted where they sort: their
+    order differs between processes); its ``repr`` where it does not pickle."""
+    if isinstance(value, (set, frozenset)):
+        with contextlib.suppress(TypeError):  # unorderable items: as they come
+            value = sorted(value)
+    try:
+        data = pickle.dumps(value, protocol=4)
+    except Exception:
+        data = repr(value).encode()
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _flat(state_dict: dict[str, Any]) -> Mapping[str, Any]:
+    """``state_dict`` as DCP flattens it (keys as ``flat_keys`` gives them)."""
+    if already_flat(state_dict):
+        return state_dict
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, None, False)
+    flat: Mapping[str, Any] = planner.state_dict
+    return flat
+
+
+def _per_rank(component: str, key: str, patterns: Sequence[str]) -> bool:
+    name = f"{component}.{key}"
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+@dataclass
+class LocalDigests:
+    """This rank's digests: per component, its items' flat keys (kept here) and, sent as bytes,
+    the ``xxh3_64`` of each item's storage key, of its value, and whether it is a tensor."""
+
+    keys: dict[str, list[str]]
+    #: Keys ``per_rank_keys`` names, per component: saved per rank without a digest.
+    configured: dict[str, list[str]]
+    sent: dict[str, tuple[bytes, bytes, bytes]]
+
+
+def digests(
+    state: Mapping[str, dict[str, Any]],
+    key_maps: Mapping[str, Mapping[str, str]],
+    salt: int,
+    patterns: Sequence[str],
+    *,
+    check: bool = True,
+) -> LocalDigests:
+    """Digest every item of ``state`` that DCP would keep one copy of (plain tensors and
+    non-tensor values; DTensors and other tensor subclasses are sharded by their layout), but
+    those ``patterns`` name (``per_rank_keys``); ``check=False``: only find those."""
+    out = LocalDigests({}, {}, {})
+    for name, sd in state.items():
+        key_map = key_maps.get(name, {})
+        keys: list[str] = []
+        kinds: list[bool] = []
+        key_hashes: list[int] = []
+        value_hashes: list[int] = []
+        configured: list[str] = []
+        for key, value in _flat(sd).items():
+            if patterns and _per_rank(name, key, patterns):
+                configured.append(key)
+                continue
+            if not check:
+                continue
+            if type(value) is torch.Tensor:
+                digest = tensor_digest(value, salt)
+            elif isinstance(value, torch.Tensor):
+                continue
+            else:
+                digest = value_digest(value)
+            keys.append(key)
+            kinds.append(type(value) is torch.Tensor)
+            key_hashes.append(xxhash.xxh3_64_intdigest(key_map.get(key, key).encode()))
+            value_hashes.append(digest)
+        out.keys[name], out.configured[name] = keys, configured
+        out.sent[name] = (
+            np.array(key_hashes, dtype=np.uint64).tobytes(),
+            np.array(value_hashes, dtype=np.uint64).tobytes(),
+            np.array(kinds, dtype=np.bool_).tobytes(),
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One item that differs across the ranks holding it."""
+
+    component: str
+    #: Its flat key, or ``None`` where this rank does not hold it.
+    key: str | None
+    key_hash: int
+    #: A plain tensor on some rank holding it (else a non-tensor value on every one).
+    tensor: bool
+    #: The ranks holding it, grouped by equal value (each group's ranks in order).
+    groups: tuple[tuple[int, ...], ...]
+
+    def describe(self) -> str:
+        key = clip(self.key) if self.key is not None else f"(not held by this rank; key hash {self.key_hash:016x})"
+        held = "; ".join(f"rank(s) {list(g)} hold value {i + 1}" for i, g in enumerate(self.groups))
+        return f"component {self.component!r} key {key}: {held}"
+
+
+def _groups(values: Mapping[int, int]) -> tuple[tuple[int, ...], ...]:
+    by_value: dict[int, list[int]] = {}
+    for rank in sorted(values):
+        by_value.setdefault(values[rank], []).append(rank)
+    return tuple(tuple(g) for g in by_value.values())
+
+
+def differences(local: LocalDigests, gathered: Sequence[Mapping[str, tuple[bytes, bytes, bytes]]]) -> list[Difference]:
+    """The items whose digests differ among the ranks that hold them, from every rank's ``sent``
+    in rank order: the same list on every rank (a rank names only the keys it holds)."""
+    found: list[Difference] = []
+    for name in sorted({c for sent in gathered for c in sent}):
+        held = [(r, sent[name]) for r, sent in enumerate(gathered) if name in sent]
+        if len(held) < 2:
+            continue
+        own = local.sent.get(name)
+        mine = dict(zip(np.frombuffer(own[0], np.uint64).tolist(), local.keys[name], strict=True)) if own else {}
+        first = held[0][1][0]
+        if all(k == first for _, (k, _, _) in held):  # the same keys in the same order: compare columns
+            values = np.stack([np.frombuffer(v, dtype=np.uint64) for _, (_, v, _) in held])
+            kinds: Any = np.stack([np.frombuffer(t, dtype=np.bool_) for _, (_, _, t) in held]).any(axis=0)
+            key_hashes = np.frombuffer(first, np.uint64)
+            for i in np.nonzero((values != values[0]).any(axis=0))[0].tolist():
+                kh = int(key_hashes[i])
+                ranks = {r: int(values[j, i]) for j, (r, _) in enumerate(held)}
+                found.append(Difference(name, mine.get(kh), kh, bool(kinds[i]), _groups(ranks)))
+            continue
+        by_key: dict[int, dict[int, int]] = {}
+        tensor: set[int] = set()
+        for r, (k, v, t) in held:
+            key_hashes, value_hashes = np.frombuffer(k, np.uint64).tolist(), np.frombuffer(v, np.uint64).tolist()
+            for kh, vh, is_tensor in zip(key_hashes, value_hashes, np.frombuffer(t, np.bool_).tolist(), strict=True):
+                by_key.setdefault(kh, {})[r] = vh
+                if is_tensor:
+                    tensor.add(kh)
+        for kh in sorted(by_key):
+            ranks = by_key[kh]
+            if len(ranks) > 1 and len(set(ranks.values())) > 1:
+                found.append(Difference(name, mine.get(kh), kh, kh in tensor, _groups(ranks)))
+    return found
+
+
+def per_rank_maps(
+    local: LocalDigests,
+    found: Sequence[Difference],
+    key_maps: Mapping[str, Mapping[str, str]],
+    rank: int,
+) -> dict[str, dict[str, str]]:
+    """``key_maps`` with the storage keys this rank saves per rank renamed to its own copy's
+    (``per_rank_keys``, differing values, every key of a differing extra); raises
+    :class:`ReplicatedStateMismatchError`, on every rank alike, for a plain tensor of a standard
+    component that differs."""
+    tensors = [d for d in found if d.component in STANDARD_COMPONENTS and d.tensor]
+    if tensors:
+        shown = "\n  ".join(d.describe() for d in tensors[:8])
+        more = f"\n  ... and {len(tensors) - 8} more" if len(tensors) > 8 else ""
+        raise ReplicatedStateMismatchError(
+            f"{len(tensors)} plain (non-DTensor) tensor(s) differ across the ranks that save them under one key; "
+            f"DCP would keep only the lowest rank's copy:\n  {shown}{more}\nIf the ranks are meant to hold "
+            "different values (expert parallelism, buffers with broadcast_buffers=False), name them in "
+            "per_rank_keys (e.g. 'model.experts.*') to save them per rank; otherwise the ranks have diverged: find "
+            "out why before saving (docs/reliability.md, Per-rank state)"
+        )
+    maps = {name: dict(m) for name, m in key_maps.items()}
+    whole = {d.component for d in found if d.component not in STANDARD_COMPONENTS}
+    for name, key_map in maps.items():
+        if name in whole:
+            keys: Sequence[str] = local.keys.get(name, [])
+        else:
+            keys = [d.key for d in found if d.component == name and d.key is not None]
+        for key in (*keys, *local.configured.get(name, ())):
+            key_map[key] = per_rank_key(key_map.get(key, key), rank)
+    return maps

@@ -31,6 +31,7 @@ from ..errors import (
     CheckpointSaveError,
     CkptEngineError,
     CollectiveError,
+    ReplicatedStateMismatchError,
     SaveDirLockedError,
     described,
 )
@@ -38,7 +39,7 @@ from ..pipeline import Pipeline
 from ..types import RemapContext, SaveContext, WriteContext
 from .collectives import watch_group
 from .committer import SaveClock, SaveCommitter, SaveWrites
-from .consensus import agree, unwrap
+from .consensus import LocalDigests, agree, differences, digests, per_rank_maps, unwrap
 from .incremental import CarryBase, carry_base, stable_keys
 from .local_tier import LocalTier
 from .pending import SaveHandle, SaveQueue
@@ -140,7 +141,7 @@ class Saver:
         paths = self.target.paths(iteration) if durable or local is None else local
         components = tuple(objs.available())
         try:
-            staged, key_maps, stable = self._prepare(objs, paths, writes, components, clock)
+            staged, key_maps, local_maps, stable = self._prepare(objs, paths, writes, components, clock)
             if self.local is not None:
                 writes.round = self.local.begin(iteration)
         except Exception as err:
@@ -152,21 +153,26 @@ class Saver:
         if durable and self.config.incremental and self.checksum is not None:
             carry = carry_base(self.target, self.config, self.checksum, iteration)
             paths = dataclasses.replace(paths, carry_chain=carry.chain, carry_from=carry.folder)
-        self._write(paths, writes, components, staged, key_maps, clock, carry, stable)
+        self._write(paths, writes, components, staged, (key_maps, local_maps), clock, carry, stable)
         clock.snapshot = staged.snapshot
         clock.blocked = time.perf_counter() - clock.t0
         return self.committer.hand_off(paths, writes, components, clock)
 
     def _prepare(
         self, objs: TrainingObjects, paths: SavePaths, writes: SaveWrites, components: tuple[str, ...], clock: SaveClock
-    ) -> tuple[Any, dict[str, dict[str, str]], frozenset[str]]:
-        """Build state dicts, run ``remap_keys`` and ``stage``; every rank agrees on success.
-        Also returns, for ``incremental``, the model's storage keys worth comparing."""
+    ) -> tuple[Any, dict[str, dict[str, str]], dict[str, dict[str, str]], frozenset[str]]:
+        """Build state dicts, run ``remap_keys`` and ``stage``; every rank agrees on success and,
+        with several ranks, on what DCP keeps one copy of (``replicated_check``). Returns the
+        staged state, the key maps of ``save_dir`` (state saved per rank under its rank's keys)
+        and of the node-local tier (each rank's folder: its own keys), and, for ``incremental``,
+        the model's storage keys worth comparing."""
         rank, world = _dist.rank(), _dist.world_size()
         staged: Any = None
         key_maps: dict[str, dict[str, str]] = {}
         stable: frozenset[str] = frozenset()
         staging = 0.0
+        checking = world > 1 and self.config.check_replicated
+        check: LocalDigests | None = None
         try:
             publish_phase("prepare")
             state = {name: component_state_dict(objs, name, paths.iteration) for name in components}
@@ -183,6 +189,8 @@ class Saver:
                 key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
             if self.config.incremental and "model" in state:
                 stable = stable_keys(objs.modules, state["model"], key_maps["model"])
+            if world > 1 and (checking or self.config.per_rank_keys):
+                check = digests(state, key_maps, paths.iteration, self.config.per_rank_keys, check=checking)
             if writes.durable:
                 self._clear_for_save(paths, rank, world)
             if self.local is not None and writes.local is not None:
@@ -210,14 +218,21 @@ class Saver:
             local_err = None
         # Consensus (also the barrier after rank 0 cleared the partial folder): a failure on
         # one rank fails the save on all ranks before anyone enters DCP's collectives.
-        failed = agree(local_err, fallback=CheckpointSaveError, step="prepare").first
+        # With the check on, every rank's digests travel in the same all-gather (one collective).
+        payload = (check.sent if check is not None else {}) if checking else None
+        outcome = agree(local_err, payload, fallback=CheckpointSaveError, step="prepare")
+        failed = outcome.first
         if failed is not None:
             # The same message on every rank; the failing rank keeps its traceback as the cause.
             raise CheckpointSaveError(
                 f"rank {failed.rank} failed while preparing the save: {failed.text}"
             ) from local_err
         clock.staging = staging
-        return staged, key_maps, stable
+        saved_maps = key_maps
+        if check is not None:
+            found = differences(check, outcome.payloads) if checking else []
+            saved_maps = per_rank_maps(check, found, key_maps, rank)  # the same verdict on every rank
+        return staged, saved_maps, key_maps, stable
 
     def _clear_for_save(self, paths: SavePaths, rank: int, world: int) -> None:
         """Before staging: rank 0 refuses a committed iteration (``allow_overwrite``), takes the
@@ -243,7 +258,7 @@ class Saver:
         self.committer.report(paths, writes, components, clock, err, cleanup=False)
         if isinstance(err, CollectiveError):
             err.committed = False
-        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveError)):
+        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveError, ReplicatedStateMismatchError)):
             return err
         detail = str(err) if isinstance(err, CkptEngineError) else described(err)
         return CheckpointSaveError(f"saving iteration {paths.iteration} to {paths.final} failed: {detail}")
@@ -254,7 +269,7 @@ class Saver:
         writes: SaveWrites,
         components: tuple[str, ...],
         staged: Any,
-        key_maps: dict[str, dict[str, str]],
+        maps: tuple[dict[str, dict[str, str]], dict[str, dict[str, str]]],
         clock: SaveClock,
         carry: CarryBase | None,
         stable: frozenset[str],
@@ -265,6 +280,7 @@ class Saver:
         raised on every rank (a rank-local write's on its own rank)."""
         clock.write_start = time.perf_counter()
         rank, world = _dist.rank(), _dist.world_size()
+        key_maps, local_maps = maps
         try:
             for name in components if writes.durable else ():
                 planner = EngineSavePlanner(key_maps[name], cache_key=self.plan_prefix + name, checksum=self.checksum)
@@ -294,7 +310,7 @@ class Saver:
                     self.pipeline,
                     writes.local,
                     staged,
-                    key_maps,
+                    local_maps,
                     plan_prefix=self.plan_prefix,
                     checksum=self.checksum,
                     stable=stable,

@@ -30,10 +30,11 @@ def draws() -> list[float]:
 def main() -> None:
     rank, _ = init()
     save_dir = sys.argv[1]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)  # the same weights on every rank, as data parallelism holds them
     random.seed(100 + rank)
     np.random.seed(200 + rank)
     torch.manual_seed(300 + rank)
-    model = nn.Linear(4, 4)
     draws()
     with CheckpointEngine({"save_dir": save_dir, "rng": True, "strict_unexpected": True}) as engine:
         engine.save(1, model=model)
