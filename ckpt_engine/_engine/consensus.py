@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import itertools
 import pickle
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -57,14 +60,18 @@ __all__ = [
     "Agreement",
     "Difference",
     "Failure",
+    "LaterTensorCheck",
     "LocalDigests",
+    "Part",
     "agree",
     "agreed",
     "differences",
     "digests",
+    "gated",
     "page_offsets",
     "per_rank_maps",
     "portable",
+    "shares_memory",
     "tensor_digest",
     "unwrap",
     "value_digest",
@@ -243,18 +250,31 @@ class LocalDigests:
     configured: dict[str, list[str]]
     sent: dict[str, tuple[bytes, bytes, bytes]]
 
+    def plus(self, other: LocalDigests) -> LocalDigests:
+        """These digests and ``other``'s (of other items of the same components), as one."""
+        out = LocalDigests(dict(self.keys), dict(self.configured), dict(self.sent))
+        for name, sent in other.sent.items():
+            mine = out.sent.get(name, (b"", b"", b""))
+            out.sent[name] = (mine[0] + sent[0], mine[1] + sent[1], mine[2] + sent[2])
+            out.keys[name] = [*out.keys.get(name, []), *other.keys[name]]
+        return out
+
+
+#: Which items :func:`digests` hashes: every one; all but the plain tensors of the standard
+#: components (their check may wait, :class:`LaterTensorCheck`); only those; none.
+Part = Literal["all", "values", "tensors", "none"]
+
 
 def digests(
     state: Mapping[str, dict[str, Any]],
     key_maps: Mapping[str, Mapping[str, str]],
     salt: int,
     patterns: Sequence[str],
-    *,
-    check: bool = True,
+    part: Part = "all",
 ) -> LocalDigests:
-    """Digest every item of ``state`` that DCP would keep one copy of (plain tensors and
-    non-tensor values; DTensors and other tensor subclasses are sharded by their layout), but
-    those ``patterns`` name (``per_rank_keys``); ``check=False``: only find those."""
+    """Digest the items of ``state`` (``part`` of them) that DCP would keep one copy of (plain
+    tensors and non-tensor values; DTensors and other tensor subclasses are sharded by their
+    layout), but those ``patterns`` name (``per_rank_keys``), which are only listed."""
     out = LocalDigests({}, {}, {})
     for name, sd in state.items():
         key_map = key_maps.get(name, {})
@@ -267,18 +287,15 @@ def digests(
             if patterns and _per_rank(name, key, patterns):
                 configured.append(key)
                 continue
-            if not check:
+            plain = type(value) is torch.Tensor
+            if part == "none" or (not plain and isinstance(value, torch.Tensor)):
                 continue
-            if type(value) is torch.Tensor:
-                digest = tensor_digest(value, salt)
-            elif isinstance(value, torch.Tensor):
+            if part != "all" and (part == "tensors") != (plain and name in STANDARD_COMPONENTS):
                 continue
-            else:
-                digest = value_digest(value)
             keys.append(key)
-            kinds.append(type(value) is torch.Tensor)
+            kinds.append(plain)
             key_hashes.append(xxhash.xxh3_64_intdigest(key_map.get(key, key).encode()))
-            value_hashes.append(digest)
+            value_hashes.append(tensor_digest(value, salt) if plain else value_digest(value))
         out.keys[name], out.configured[name] = keys, configured
         out.sent[name] = (
             np.array(key_hashes, dtype=np.uint64).tobytes(),
@@ -380,3 +397,77 @@ def per_rank_maps(
         for key in (*keys, *local.configured.get(name, ())):
             key_map[key] = per_rank_key(key_map.get(key, key), rank)
     return maps
+
+
+def shares_memory(components: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Whether two plain tensors of staged ``components`` overlap in memory: a stager that refills
+    one buffer in windows (``pinned_staging``'s ``max_host_bytes``), whose copy is never whole."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for sd in components.values()
+        for t in _flat(dict(sd)).values()
+        if type(t) is torch.Tensor and t.numel()
+    )
+    return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
+
+
+class LaterTensorCheck:
+    """The plain tensors' part of the check for a save whose state is a staged copy: hashed from
+    that copy on a background thread once ``save()`` returned, compared across the ranks over a
+    gloo group of its own, before the save may commit (:meth:`start` gives the future the
+    commit waits for). One thread, so every rank runs its checks in the order of its saves."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._group: Any = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-engine-replicated-check")
+
+    def start(
+        self,
+        staged: Any,
+        key_maps: Mapping[str, Mapping[str, str]],
+        salt: int,
+        patterns: Sequence[str],
+        hashed: LocalDigests | None,
+    ) -> Future[None]:
+        """Check ``staged`` (``hashed``: its tensors' digests, taken from the live state already).
+        Collective: every rank calls it for the same save (the first call creates the group)."""
+        if self._group is None:
+            self._group = dist.new_gloo_group(self.timeout_s)
+        return self._pool.submit(self._run, staged, (key_maps, salt, patterns), hashed, self._group)
+
+    @staticmethod
+    def _run(staged: Any, how: tuple[Any, int, Sequence[str]], hashed: LocalDigests | None, group: Any) -> None:
+        key_maps, salt, patterns = how
+        if hashed is None:
+            if staged.snapshot is not None:
+                staged.snapshot.wait()
+            standard = {n: sd for n, sd in staged.components.items() if n in STANDARD_COMPONENTS}
+            hashed = digests(standard, key_maps, salt, patterns, "tensors")
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, hashed.sent, group=group)
+        per_rank_maps(hashed, differences(hashed, gathered), {}, torch.distributed.get_rank())  # raises
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def gated(write: Future[Any], check: Future[None]) -> Future[Any]:
+    """``write``'s outcome once ``check`` passed; ``check``'s error where it failed and the write
+    did not."""
+    out: Future[Any] = Future()
+    lock = threading.Lock()
+
+    def settle(_: Future[Any]) -> None:
+        with lock:
+            if out.done() or not (write.done() and check.done()):
+                return
+            err = write.exception() or check.exception()
+            if err is not None:
+                out.set_exception(err)
+            else:
+                out.set_result(write.result())
+
+    write.add_done_callback(settle)
+    check.add_done_callback(settle)
+    return out

@@ -39,7 +39,18 @@ from ..pipeline import Pipeline
 from ..types import RemapContext, SaveContext, WriteContext
 from .collectives import watch_group
 from .committer import SaveClock, SaveCommitter, SaveWrites
-from .consensus import LocalDigests, agree, differences, digests, per_rank_maps, unwrap
+from .consensus import (
+    LaterTensorCheck,
+    LocalDigests,
+    Part,
+    agree,
+    differences,
+    digests,
+    gated,
+    per_rank_maps,
+    shares_memory,
+    unwrap,
+)
 from .incremental import CarryBase, carry_base, stable_keys
 from .local_tier import LocalTier
 from .pending import SaveHandle, SaveQueue
@@ -84,6 +95,8 @@ class Saver:
         self.lock = SaveDirLock(target.staging_root)
         #: Commits what this saver wrote, in each tier, and reports every outcome.
         self.committer = SaveCommitter(config, pipeline, target, queue, local, checksum)
+        #: The background check of staged copies' plain tensors (made at the first such save).
+        self._later: LaterTensorCheck | None = None
 
     def remove_leftovers_at_start(self) -> None:
         """Rank 0 removes the hidden folders a crashed save or deletion left in ``save_dir``.
@@ -122,6 +135,8 @@ class Saver:
     def close(self) -> None:
         """Drop this saver's plan caches and release the save_dir lock (after every save ended)."""
         drop_plan_caches(self.plan_prefix)
+        if self._later is not None:
+            self._later.close()
         self.lock.release()
 
     # -- one save ---------------------------------------------------------------------------
@@ -141,7 +156,7 @@ class Saver:
         paths = self.target.paths(iteration) if durable or local is None else local
         components = tuple(objs.available())
         try:
-            staged, key_maps, local_maps, stable = self._prepare(objs, paths, writes, components, clock)
+            staged, maps, stable, checked = self._prepare(objs, paths, writes, components, clock)
             if self.local is not None:
                 writes.round = self.local.begin(iteration)
         except Exception as err:
@@ -153,19 +168,18 @@ class Saver:
         if durable and self.config.incremental and self.checksum is not None:
             carry = carry_base(self.target, self.config, self.checksum, iteration)
             paths = dataclasses.replace(paths, carry_chain=carry.chain, carry_from=carry.folder)
-        self._write(paths, writes, components, staged, (key_maps, local_maps), clock, carry, stable)
+        self._write(paths, writes, components, staged, maps, clock, carry, stable, checked)
         clock.snapshot = staged.snapshot
         clock.blocked = time.perf_counter() - clock.t0
         return self.committer.hand_off(paths, writes, components, clock)
 
     def _prepare(
         self, objs: TrainingObjects, paths: SavePaths, writes: SaveWrites, components: tuple[str, ...], clock: SaveClock
-    ) -> tuple[Any, dict[str, dict[str, str]], dict[str, dict[str, str]], frozenset[str]]:
+    ) -> tuple[Any, tuple[dict[str, dict[str, str]], dict[str, dict[str, str]]], frozenset[str], Future[None] | None]:
         """Build state dicts, run ``remap_keys`` and ``stage``; every rank agrees on success and,
-        with several ranks, on what DCP keeps one copy of (``replicated_check``). Returns the
-        staged state, the key maps of ``save_dir`` (state saved per rank under its rank's keys)
-        and of the node-local tier (each rank's folder: its own keys), and, for ``incremental``,
-        the model's storage keys worth comparing."""
+        with several ranks, on what DCP keeps one copy of (``consensus.digests``). Returns the
+        staged state, the key maps of ``save_dir`` (per-rank state under rank keys) and of the
+        local tier, the model's stable keys (``incremental``), and the background tensor check."""
         rank, world = _dist.rank(), _dist.world_size()
         staged: Any = None
         key_maps: dict[str, dict[str, str]] = {}
@@ -173,6 +187,7 @@ class Saver:
         staging = 0.0
         checking = world > 1 and self.config.check_replicated
         check: LocalDigests | None = None
+        later: tuple[Any, LocalDigests | None] | None = None
         try:
             publish_phase("prepare")
             state = {name: component_state_dict(objs, name, paths.iteration) for name in components}
@@ -190,7 +205,8 @@ class Saver:
             if self.config.incremental and "model" in state:
                 stable = stable_keys(objs.modules, state["model"], key_maps["model"])
             if world > 1 and (checking or self.config.per_rank_keys):
-                check = digests(state, key_maps, paths.iteration, self.config.per_rank_keys, check=checking)
+                part: Part = "values" if checking else "none"
+                check = digests(state, key_maps, paths.iteration, self.config.per_rank_keys, part)
             if writes.durable:
                 self._clear_for_save(paths, rank, world)
             if self.local is not None and writes.local is not None:
@@ -210,6 +226,8 @@ class Saver:
             if staged.completion is not None:
                 staged.completion.result()
             staging = time.perf_counter() - t_stage
+            if checking and check is not None:
+                check, later = self._tensor_digests(state, staged, key_maps, check, paths.iteration)
         except Exception as exc:
             if world == 1:
                 raise
@@ -232,7 +250,32 @@ class Saver:
         if check is not None:
             found = differences(check, outcome.payloads) if checking else []
             saved_maps = per_rank_maps(check, found, key_maps, rank)  # the same verdict on every rank
-        return staged, saved_maps, key_maps, stable
+        checked = self._start_later(later, key_maps, paths.iteration) if writes.durable else None
+        return staged, (saved_maps, key_maps), stable, checked
+
+    def _start_later(
+        self, later: tuple[Any, LocalDigests | None] | None, key_maps: dict[str, dict[str, str]], iteration: int
+    ) -> Future[None] | None:
+        """The background check of a staged copy's plain tensors (``later`` is the same on every
+        rank: the stager's ``is_copy``), which the commit will wait for."""
+        if later is None:
+            return None
+        if self._later is None:
+            self._later = LaterTensorCheck(self.config.collective_timeout_s)
+        return self._later.start(later[0], key_maps, iteration, self.config.per_rank_keys, later[1])
+
+    def _tensor_digests(
+        self, state: Any, staged: Any, key_maps: dict[str, dict[str, str]], check: LocalDigests, iteration: int
+    ) -> tuple[LocalDigests, tuple[Any, LocalDigests | None] | None]:
+        """The plain tensors' digests: with the values' now (live state), or for the background
+        check of a staged copy (``(staged, None)``: hashed from the copy there; with digests: a
+        copy refilled in windows, never whole, so hashed from the live state now)."""
+        patterns = self.config.per_rank_keys
+        if not staged.is_copy:
+            return check.plus(digests(state, key_maps, iteration, patterns, "tensors")), None
+        if shares_memory(staged.components):
+            return check, (staged, digests(state, key_maps, iteration, patterns, "tensors"))
+        return check, (staged, None)
 
     def _clear_for_save(self, paths: SavePaths, rank: int, world: int) -> None:
         """Before staging: rank 0 refuses a committed iteration (``allow_overwrite``), takes the
@@ -273,6 +316,7 @@ class Saver:
         clock: SaveClock,
         carry: CarryBase | None,
         stable: frozenset[str],
+        checked: Future[None] | None = None,
     ) -> None:
         """Hand each component to the ``write`` provider (with what it may carry over, where
         ``incremental``), for ``save_dir`` where the save is durable and for the local tier;
@@ -301,6 +345,8 @@ class Saver:
                     else carry.for_component(name, stable if name == "model" else frozenset()),
                 )
                 out = self.pipeline.write(ctx, staged.components[name])
+                if checked is not None and isinstance(out, Future):  # commits only once the ranks agree
+                    out, checked = gated(out, checked), None
                 if isinstance(out, Future) and not staged.is_copy:
                     out = out.result()  # the live state: must be written before save() returns
                 writes.outcomes.append(out)

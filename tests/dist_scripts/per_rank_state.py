@@ -8,13 +8,16 @@ argv: root folder. Saves, each into its own folder under it:
   scrambled and loaded back;
 * ``extras``: the same weights on both ranks and differing extras (a plain ``Stateful`` and one
   declaring ``repartitions_state``), for the test's own one-process load;
-* ``same`` and ``same_off``: identical state with the check on and off (the test compares them).
+* ``same`` and ``same_off``: identical state with the check on and off (the test compares them);
+* ``async_mismatch`` and ``async_same``: ``pinned_staging`` saves, the buffer checked from the
+  staged copy after ``save()`` returned: the first must fail before its commit, the second commit.
 
-Reports per rank one dict: the error of ``mismatch``, what ``per_rank`` restored.
+Reports per rank one dict: the error of ``mismatch``, what ``per_rank`` restored, the async outcomes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -77,6 +80,24 @@ def per_rank_round_trip(root: str, rank: int) -> dict[str, Any]:
     }
 
 
+def async_saves(root: str, rank: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, expert in (("async_mismatch", float(rank)), ("async_same", 0.5)):
+        save_dir = os.path.join(root, name)
+        config = {"save_dir": save_dir, "plugins": [{"name": "pinned_staging", "options": {"close_timeout_s": 60}}]}
+        engine = CheckpointEngine(config)
+        handle = engine.save(1, model=model_with_expert(expert))  # returns: the check runs after it
+        try:
+            handle.result()
+            out[name] = {"error": None}
+        except Exception as err:  # reported, compared by the test
+            out[name] = {"error": type(err).__name__, "message": str(err)}
+        with contextlib.suppress(Exception):  # close() raises the failed save again
+            engine.close()
+        out[name]["committed"] = sorted(n for n in os.listdir(save_dir) if n.startswith("iter_"))
+    return out
+
+
 def main() -> None:
     rank, _ = init()
     root = sys.argv[1]
@@ -87,6 +108,7 @@ def main() -> None:
     for name, check in (("same", True), ("same_off", False)):
         with CheckpointEngine({"save_dir": os.path.join(root, name), "check_replicated": check}) as engine:
             engine.save(1, model=model_with_expert(0.5), extra={"loader": Position(2, 100)})
+    out["async"] = async_saves(root, rank)
     report(out)
     ckpt_test_exit()
 

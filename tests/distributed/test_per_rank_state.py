@@ -113,3 +113,13 @@ def test_identical_state_keeps_the_format_of_a_save_without_the_check(launched: 
     with CheckpointEngine({"save_dir": str(root / "same")}) as engine:
         engine.load(model=model(), extra={"loader": position})
     assert (position.epoch, position.index) == (2, 100)
+
+
+def test_an_async_save_checks_its_staged_copy_before_the_commit(launched: Any) -> None:
+    _, by_rank = launched
+    for rank in (0, 1):
+        got = by_rank[rank]["async"]
+        assert got["async_mismatch"]["error"] == "CheckpointSaveError", got
+        assert "component 'model' key 'expert'" in got["async_mismatch"]["message"]
+        assert got["async_mismatch"]["committed"] == []
+        assert got["async_same"] == {"error": None, "committed": ["iter_000000001"]}
