@@ -232,3 +232,17 @@ def test_cli_bench_smoke_run() -> None:
     for row in ("ckpt-engine ls SAVE_DIR (10 checkpoints)", "ckpt-engine inspect model.safetensors", "import torch"):
         assert row in proc.stdout
     assert "failed" not in proc.stdout
+
+
+@pytest.mark.dist
+def test_per_rank_digest_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/perrank_digest_bench.py at 2 ranks (tiny, untimed): every mode saves with the
+    check on and off, and every checkpoint is removed."""
+    out = tmp_path / "perrank.json"
+    script = REPO / "benchmarks" / "perrank_digest_bench.py"
+    _bench(script, "--smoke", "--workdir", str(tmp_path), "--out", str(out), timeout=300)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tensors"] == 196 and row["digest_ms"] > 0
+    for mode in ("sync", "async"):
+        assert set(row[mode]) == {"off", "on"} and all(v > 0 for v in row[mode].values())
+    assert os.listdir(tmp_path) == ["perrank.json"]
