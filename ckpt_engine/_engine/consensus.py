@@ -417,12 +417,15 @@ class LaterTensorCheck:
     """The plain tensors' part of the check for a save whose state is a staged copy: hashed from
     that copy on a background thread once ``save()`` returned, compared across the ranks over a
     gloo group of its own, before the save may commit (:meth:`start` gives the future the
-    commit waits for). One thread, so every rank runs its checks in the order of its saves."""
+    commit waits for). One thread, so every rank runs its checks in the order of its saves; a
+    check waits for :meth:`release` (the end of its ``save()``), so that its hashing does not
+    contend with ``save()`` for the interpreter."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._group: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-engine-replicated-check")
+        self._held: list[threading.Event] = []
 
     def start(
         self,
@@ -436,10 +439,20 @@ class LaterTensorCheck:
         Collective: every rank calls it for the same save (the first call creates the group)."""
         if self._group is None:
             self._group = dist.new_gloo_group(self.timeout_s)
-        return self._pool.submit(self._run, staged, (key_maps, salt, patterns), hashed, self._group)
+        held = threading.Event()
+        self._held.append(held)
+        return self._pool.submit(self._run, held, staged, (key_maps, salt, patterns), hashed, self._group)
+
+    def release(self) -> None:
+        """Let the checks started so far run (``save()`` returns or failed)."""
+        while self._held:
+            self._held.pop().set()
 
     @staticmethod
-    def _run(staged: Any, how: tuple[Any, int, Sequence[str]], hashed: LocalDigests | None, group: Any) -> None:
+    def _run(
+        held: threading.Event, staged: Any, how: tuple[Any, int, Sequence[str]], hashed: LocalDigests | None, group: Any
+    ) -> None:
+        held.wait()
         key_maps, salt, patterns = how
         if hashed is None:
             if staged.snapshot is not None:
@@ -451,6 +464,7 @@ class LaterTensorCheck:
         per_rank_maps(hashed, differences(hashed, gathered), {}, torch.distributed.get_rank())  # raises
 
     def close(self) -> None:
+        self.release()
         self._pool.shutdown(wait=True)
 
 

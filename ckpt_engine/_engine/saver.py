@@ -164,14 +164,18 @@ class Saver:
             if failure is err:
                 raise
             raise failure from err
-        carry = None
-        if durable and self.config.incremental and self.checksum is not None:
-            carry = carry_base(self.target, self.config, self.checksum, iteration)
-            paths = dataclasses.replace(paths, carry_chain=carry.chain, carry_from=carry.folder)
-        self._write(paths, writes, components, staged, maps, clock, carry, stable, checked)
-        clock.snapshot = staged.snapshot
-        clock.blocked = time.perf_counter() - clock.t0
-        return self.committer.hand_off(paths, writes, components, clock)
+        try:
+            carry = None
+            if durable and self.config.incremental and self.checksum is not None:
+                carry = carry_base(self.target, self.config, self.checksum, iteration)
+                paths = dataclasses.replace(paths, carry_chain=carry.chain, carry_from=carry.folder)
+            self._write(paths, writes, components, staged, maps, clock, carry, stable, checked)
+            clock.snapshot = staged.snapshot
+            clock.blocked = time.perf_counter() - clock.t0
+            return self.committer.hand_off(paths, writes, components, clock)
+        finally:
+            if self._later is not None:
+                self._later.release()  # the staged copy's check runs once save() is done
 
     def _prepare(
         self, objs: TrainingObjects, paths: SavePaths, writes: SaveWrites, components: tuple[str, ...], clock: SaveClock
