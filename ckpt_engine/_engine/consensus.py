@@ -70,6 +70,7 @@ __all__ = [
     "gated",
     "page_offsets",
     "per_rank_maps",
+    "plain_keys",
     "portable",
     "shares_memory",
     "tensor_digest",
@@ -430,12 +431,13 @@ class LaterTensorCheck:
     def start(
         self,
         staged: Any,
-        key_maps: Mapping[str, Mapping[str, str]],
+        key_maps: tuple[Mapping[str, Mapping[str, str]], Mapping[str, Mapping[str, str]]],
         salt: int,
         patterns: Sequence[str],
         hashed: LocalDigests | None,
     ) -> Future[None]:
-        """Check ``staged`` (``hashed``: its tensors' digests, taken from the live state already).
+        """Check ``staged`` (``key_maps``: the save's, and :func:`plain_keys` of the live state;
+        ``hashed``: its tensors' digests, taken from the live state already).
         Collective: every rank calls it for the same save (the first call creates the group)."""
         if self._group is None:
             self._group = dist.new_gloo_group(self.timeout_s)
@@ -453,12 +455,11 @@ class LaterTensorCheck:
         held: threading.Event, staged: Any, how: tuple[Any, int, Sequence[str]], hashed: LocalDigests | None, group: Any
     ) -> None:
         held.wait()
-        key_maps, salt, patterns = how
+        (key_maps, plain), salt, patterns = how
         if hashed is None:
             if staged.snapshot is not None:
                 staged.snapshot.wait()
-            standard = {n: sd for n, sd in staged.components.items() if n in STANDARD_COMPONENTS}
-            hashed = digests(standard, key_maps, salt, patterns, "tensors")
+            hashed = digests(_plain_part(staged.components, plain), key_maps, salt, patterns, "tensors")
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, hashed.sent, group=group)
         per_rank_maps(hashed, differences(hashed, gathered), {}, torch.distributed.get_rank())  # raises
@@ -466,6 +467,28 @@ class LaterTensorCheck:
     def close(self) -> None:
         self.release()
         self._pool.shutdown(wait=True)
+
+
+def plain_keys(state: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """Per standard component, the keys whose live value is a plain tensor (a key map of each to
+    itself): all a staged copy is checked by, since a stager may copy a DTensor's local shard
+    into a plain host tensor."""
+    return {
+        name: {k: k for k, v in _flat(sd).items() if type(v) is torch.Tensor}
+        for name, sd in state.items()
+        if name in STANDARD_COMPONENTS
+    }
+
+
+def _plain_part(
+    components: Mapping[str, Mapping[str, Any]], plain: Mapping[str, Mapping[str, str]]
+) -> dict[str, dict[str, Any]]:
+    """The items of staged ``components`` that :func:`plain_keys` names."""
+    return {
+        name: {k: v for k, v in _flat(dict(components[name])).items() if k in keys}
+        for name, keys in plain.items()
+        if name in components
+    }
 
 
 def gated(write: Future[Any], check: Future[None]) -> Future[Any]:

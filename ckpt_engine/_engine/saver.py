@@ -48,6 +48,7 @@ from .consensus import (
     digests,
     gated,
     per_rank_maps,
+    plain_keys,
     shares_memory,
     unwrap,
 )
@@ -191,7 +192,7 @@ class Saver:
         staging = 0.0
         checking = world > 1 and self.config.check_replicated
         check: LocalDigests | None = None
-        later: tuple[Any, LocalDigests | None] | None = None
+        later: tuple[Any, LocalDigests | None, Any] | None = None
         try:
             publish_phase("prepare")
             state = {name: component_state_dict(objs, name, paths.iteration) for name in components}
@@ -258,7 +259,7 @@ class Saver:
         return staged, (saved_maps, key_maps), stable, checked
 
     def _start_later(
-        self, later: tuple[Any, LocalDigests | None] | None, key_maps: dict[str, dict[str, str]], iteration: int
+        self, later: tuple[Any, LocalDigests | None, Any] | None, key_maps: dict[str, dict[str, str]], iteration: int
     ) -> Future[None] | None:
         """The background check of a staged copy's plain tensors (``later`` is the same on every
         rank: the stager's ``is_copy``), which the commit will wait for."""
@@ -266,11 +267,12 @@ class Saver:
             return None
         if self._later is None:
             self._later = LaterTensorCheck(self.config.collective_timeout_s)
-        return self._later.start(later[0], key_maps, iteration, self.config.per_rank_keys, later[1])
+        maps = (key_maps, plain_keys(later[2]))
+        return self._later.start(later[0], maps, iteration, self.config.per_rank_keys, later[1])
 
     def _tensor_digests(
         self, state: Any, staged: Any, key_maps: dict[str, dict[str, str]], check: LocalDigests, iteration: int
-    ) -> tuple[LocalDigests, tuple[Any, LocalDigests | None] | None]:
+    ) -> tuple[LocalDigests, tuple[Any, LocalDigests | None, Any] | None]:
         """The plain tensors' digests: with the values' now (live state), or for the background
         check of a staged copy (``(staged, None)``: hashed from the copy there; with digests: a
         copy refilled in windows, never whole, so hashed from the live state now)."""
@@ -278,8 +280,8 @@ class Saver:
         if not staged.is_copy:
             return check.plus(digests(state, key_maps, iteration, patterns, "tensors")), None
         if shares_memory(staged.components):
-            return check, (staged, digests(state, key_maps, iteration, patterns, "tensors"))
-        return check, (staged, None)
+            return check, (staged, digests(state, key_maps, iteration, patterns, "tensors"), state)
+        return check, (staged, None, state)
 
     def _clear_for_save(self, paths: SavePaths, rank: int, world: int) -> None:
         """Before staging: rank 0 refuses a committed iteration (``allow_overwrite``), takes the
