@@ -456,9 +456,7 @@ class LaterTensorCheck:
     ) -> None:
         held.wait()
         (key_maps, plain), salt, patterns = how
-        if hashed is None:
-            if staged.snapshot is not None:
-                staged.snapshot.wait()
+        if hashed is None:  # a whole copy, taken inside save()
             hashed = digests(_plain_part(staged.components, plain), key_maps, salt, patterns, "tensors")
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, hashed.sent, group=group)

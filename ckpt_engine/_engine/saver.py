@@ -275,11 +275,12 @@ class Saver:
     ) -> tuple[LocalDigests, tuple[Any, LocalDigests | None, Any] | None]:
         """The plain tensors' digests: with the values' now (live state), or for the background
         check of a staged copy (``(staged, None)``: hashed from the copy there; with digests: a
-        copy refilled in windows, never whole, so hashed from the live state now)."""
+        copy refilled in windows, never whole, or one still being taken (``overlap``: only its
+        owner may wait for it), so hashed from the live state now)."""
         patterns = self.config.per_rank_keys
         if not staged.is_copy:
             return check.plus(digests(state, key_maps, iteration, patterns, "tensors")), None
-        if shares_memory(staged.components):
+        if staged.snapshot is not None or shares_memory(staged.components):
             return check, (staged, digests(state, key_maps, iteration, patterns, "tensors"), state)
         return check, (staged, None, state)
 
