@@ -144,6 +144,21 @@ class StorageOptions(BaseModel):
         return dict(self.options)
 
 
+#: The descriptions of two fields of :class:`EngineConfig`, kept here for the class's length.
+_CHECK_REPLICATED = (
+    "Several ranks: at every save the ranks compare digests of what DCP keeps one copy of (plain tensors, "
+    "non-tensor values, extras' state). A non-tensor value or an extra that differs is saved and restored per "
+    "rank; a plain tensor that differs fails the save with `ReplicatedStateMismatchError` (unless "
+    "`per_rank_keys` names it). Tensors above 256 KiB are hashed by 16 sampled pages (docs/reliability.md, "
+    "Per-rank state). False: no check; DCP keeps the lowest rank's copy of each."
+)
+_PER_RANK_KEYS = (
+    "fnmatch patterns of `component.key` (e.g. `model.experts.*`, `optim.state.experts.*`) saved by every rank "
+    "under its own key and restored to each rank (same number of ranks only): state meant to differ across "
+    "ranks without being a DTensor, such as expert weights under expert parallelism."
+)
+
+
 class EngineConfig(BaseModel):
     """Everything the engine needs to know, from keyword arguments, a dict or a file.
 
@@ -329,6 +344,8 @@ class EngineConfig(BaseModel):
         "goes on at full speed; `wait`: `save()` waits until a round finishes (back-pressure: the saves slow to "
         "the link's pace).",
     )
+    check_replicated: bool = Field(default=True, description=_CHECK_REPLICATED)
+    per_rank_keys: tuple[str, ...] = Field(default=(), description=_PER_RANK_KEYS)
     storage: StorageOptions = Field(
         default_factory=StorageOptions,
         description="Credentials, endpoint and transfer settings for URLs; the two-tier `local_dir` (docs/storage.md).",
@@ -416,7 +433,7 @@ class EngineConfig(BaseModel):
             return os.path.expanduser(v)  # `~/ckpt` is the home folder, as in a shell
         return v.rstrip("/") if v is not None else v
 
-    @field_validator("keys_not_to_resume", mode="before")
+    @field_validator("keys_not_to_resume", "per_rank_keys", mode="before")
     @classmethod
     def _coerce_keys(cls, v: Any) -> Any:
         return (v,) if isinstance(v, str) else v

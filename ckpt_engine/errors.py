@@ -267,3 +267,14 @@ def described(err: BaseException) -> str:
     plugin's hook raised it), for the typed error that wraps it."""
     notes = getattr(err, "__notes__", None) or []
     return f"{type(err).__name__}: {err}" + "".join(f" ({clip(str(n), 200)[1:-1]})" for n in notes)
+
+
+class ReplicatedStateMismatchError(CheckpointSaveError):
+    """A plain tensor that several ranks save under one key differs between them: DCP would keep
+    one rank's copy. The message names the component, the key and which ranks hold which value;
+    ``EngineConfig.per_rank_keys`` saves such keys per rank instead."""
+
+
+class PerRankStateError(CheckpointLoadError):
+    """State saved per rank (it differed across ranks) loaded into a job of another size: rank
+    ``r``'s copy means something only to rank ``r`` of a job of the saved size."""

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from .._format.metadata_read import is_rank_local
+from .._format.names import resolve_per_rank
 from ..errors import LoadStrictnessError, RankLocalCoverageError, UnsafeCheckpointError, clip
 from ..pipeline import Pipeline
 from ..report import ComponentReport, OverlapRecord, SkipRecord
@@ -169,6 +170,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         ignore_unexpected_prefixes: tuple[str, ...] = (),
         rank: int = 0,
         world_size: int = 1,
+        repartitions: bool = False,
     ) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=False)
         self.component = component
@@ -180,6 +182,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         self.ignore_unexpected_prefixes = ignore_unexpected_prefixes
         self.rank = rank
         self.world_size = world_size
+        self.repartitions = repartitions  # the object re-partitions state saved per rank
         self.report: ComponentReport | None = None
         #: Top-level keys of the original state dict whose value was not (fully) replaced.
         self.untouched_roots: set[Any] = set()
@@ -216,7 +219,8 @@ class EngineLoadPlanner(DefaultLoadPlanner):
             rank=self.rank,
             world_size=self.world_size,
         )
-        key_map = self.pipeline.remap_keys(remap_ctx, dest_keys)
+        mapped = self.pipeline.remap_keys(remap_ctx, dest_keys)
+        key_map, copies = resolve_per_rank(mapped, storage_keys, self)
         entries = tuple(self._initial_entry(dest, key_map[dest], saved) for dest in dest_keys)
         entries = self.pipeline.pre_load_plan(
             LoadContext(
@@ -229,7 +233,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
             ),
             entries,
         )
-        claimed = {e.storage_key for e in entries if e.stored is not None}
+        claimed = {e.storage_key for e in entries if e.stored is not None} | copies
         unexpected = sorted(k for k in storage_keys - claimed if not k.startswith(self.ignore_unexpected_prefixes))
         tied = self._ties(entries)
         self._apply_strictness(entries, unexpected, tied)

@@ -65,7 +65,7 @@ from .local_sources import local_tier_source, two_tier_copy
 from .rank_views import folder_view, require_one_checkpoint
 from .resave import advance_latest, newest_unnamed
 from .rng import RNG_COMPONENT, absent_rng_is_allowed, ignored_rng_prefixes, prepare_rng_load
-from .state import TrainingObjects, apply_component, component_state_dict
+from .state import TrainingObjects, apply_component, component_state_dict, repartitions_state
 from .weights_load import is_safetensors_path, load_pth, load_safetensors
 
 __all__ = [
@@ -516,6 +516,7 @@ class Loader:
             else (),
             rank=_dist.rank(),
             world_size=_dist.world_size(),
+            repartitions=repartitions_state(objs, name),
         )
         try:
             with _dist.quiet_dcp():

@@ -31,6 +31,7 @@ from ..errors import (
     CheckpointSaveError,
     CkptEngineError,
     CollectiveError,
+    ReplicatedStateMismatchError,
     SaveDirLockedError,
     UnsupportedTensorError,
     described,
@@ -39,7 +40,19 @@ from ..pipeline import Pipeline
 from ..types import RemapContext, SaveContext, WriteContext
 from .collectives import watch_group
 from .committer import SaveClock, SaveCommitter, SaveWrites
-from .consensus import agree, unwrap
+from .consensus import (
+    LaterTensorCheck,
+    LocalDigests,
+    Part,
+    agree,
+    differences,
+    digests,
+    gated,
+    per_rank_maps,
+    plain_keys,
+    shares_memory,
+    unwrap,
+)
 from .incremental import CarryBase, carry_base, stable_keys
 from .local_tier import LocalTier
 from .pending import SaveHandle, SaveQueue
@@ -84,6 +97,8 @@ class Saver:
         self.lock = SaveDirLock(target.staging_root)
         #: Commits what this saver wrote, in each tier, and reports every outcome.
         self.committer = SaveCommitter(config, pipeline, target, queue, local, checksum)
+        #: The background check of staged copies' plain tensors (made at the first such save).
+        self._later: LaterTensorCheck | None = None
 
     def remove_leftovers_at_start(self) -> None:
         """Rank 0 removes the hidden folders a crashed save or deletion left in ``save_dir``.
@@ -122,6 +137,8 @@ class Saver:
     def close(self) -> None:
         """Drop this saver's plan caches and release the save_dir lock (after every save ended)."""
         drop_plan_caches(self.plan_prefix)
+        if self._later is not None:
+            self._later.close()
         self.lock.release()
 
     # -- one save ---------------------------------------------------------------------------
@@ -141,7 +158,7 @@ class Saver:
         paths = self.target.paths(iteration) if durable or local is None else local
         components = tuple(objs.available())
         try:
-            staged, key_maps, stable = self._prepare(objs, paths, writes, components, clock)
+            staged, maps, stable, checked = self._prepare(objs, paths, writes, components, clock)
             if self.local is not None:
                 writes.round = self.local.begin(iteration)
         except Exception as err:
@@ -149,25 +166,34 @@ class Saver:
             if failure is err:
                 raise
             raise failure from err
-        carry = None
-        if durable and self.config.incremental and self.checksum is not None:
-            carry = carry_base(self.target, self.config, self.checksum, iteration)
-            paths = dataclasses.replace(paths, carry_chain=carry.chain, carry_from=carry.folder)
-        self._write(paths, writes, components, staged, key_maps, clock, carry, stable)
-        clock.snapshot = staged.snapshot
-        clock.blocked = time.perf_counter() - clock.t0
-        return self.committer.hand_off(paths, writes, components, clock)
+        try:
+            carry = None
+            if durable and self.config.incremental and self.checksum is not None:
+                carry = carry_base(self.target, self.config, self.checksum, iteration)
+                paths = dataclasses.replace(paths, carry_chain=carry.chain, carry_from=carry.folder)
+            self._write(paths, writes, components, staged, maps, clock, carry, stable, checked)
+            clock.snapshot = staged.snapshot
+            clock.blocked = time.perf_counter() - clock.t0
+            return self.committer.hand_off(paths, writes, components, clock)
+        finally:
+            if self._later is not None:
+                self._later.release()  # the staged copy's check runs once save() is done
 
     def _prepare(
         self, objs: TrainingObjects, paths: SavePaths, writes: SaveWrites, components: tuple[str, ...], clock: SaveClock
-    ) -> tuple[Any, dict[str, dict[str, str]], frozenset[str]]:
-        """Build state dicts, run ``remap_keys`` and ``stage``; every rank agrees on success.
-        Also returns, for ``incremental``, the model's storage keys worth comparing."""
+    ) -> tuple[Any, tuple[dict[str, dict[str, str]], dict[str, dict[str, str]]], frozenset[str], Future[None] | None]:
+        """Build state dicts, run ``remap_keys`` and ``stage``; every rank agrees on success and,
+        with several ranks, on what DCP keeps one copy of (``consensus.digests``). Returns the
+        staged state, the key maps of ``save_dir`` (per-rank state under rank keys) and of the
+        local tier, the model's stable keys (``incremental``), and the background tensor check."""
         rank, world = _dist.rank(), _dist.world_size()
         staged: Any = None
         key_maps: dict[str, dict[str, str]] = {}
         stable: frozenset[str] = frozenset()
         staging = 0.0
+        checking = world > 1 and self.config.check_replicated
+        check: LocalDigests | None = None
+        later: tuple[Any, LocalDigests | None, Any] | None = None
         try:
             publish_phase("prepare")
             state = {
@@ -186,6 +212,9 @@ class Saver:
                 key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
             if self.config.incremental and "model" in state:
                 stable = stable_keys(objs.modules, state["model"], key_maps["model"])
+            if world > 1 and (checking or self.config.per_rank_keys):
+                part: Part = "values" if checking else "none"
+                check = digests(state, key_maps, paths.iteration, self.config.per_rank_keys, part)
             if writes.durable:
                 self._clear_for_save(paths, rank, world)
             if self.local is not None and writes.local is not None:
@@ -205,6 +234,8 @@ class Saver:
             if staged.completion is not None:
                 staged.completion.result()
             staging = time.perf_counter() - t_stage
+            if checking and check is not None:
+                check, later = self._tensor_digests(state, staged, key_maps, check, paths.iteration)
         except Exception as exc:
             if world == 1:
                 raise
@@ -213,14 +244,48 @@ class Saver:
             local_err = None
         # Consensus (also the barrier after rank 0 cleared the partial folder): a failure on
         # one rank fails the save on all ranks before anyone enters DCP's collectives.
-        failed = agree(local_err, fallback=CheckpointSaveError, step="prepare").first
+        # With the check on, every rank's digests travel in the same all-gather (one collective).
+        payload = (check.sent if check is not None else {}) if checking else None
+        outcome = agree(local_err, payload, fallback=CheckpointSaveError, step="prepare")
+        failed = outcome.first
         if failed is not None:
             # The same message on every rank; the failing rank keeps its traceback as the cause.
             raise CheckpointSaveError(
                 f"rank {failed.rank} failed while preparing the save: {failed.text}"
             ) from local_err
         clock.staging = staging
-        return staged, key_maps, stable
+        saved_maps = key_maps
+        if check is not None:
+            found = differences(check, outcome.payloads) if checking else []
+            saved_maps = per_rank_maps(check, found, key_maps, rank)  # the same verdict on every rank
+        checked = self._start_later(later, key_maps, paths.iteration) if writes.durable else None
+        return staged, (saved_maps, key_maps), stable, checked
+
+    def _start_later(
+        self, later: tuple[Any, LocalDigests | None, Any] | None, key_maps: dict[str, dict[str, str]], iteration: int
+    ) -> Future[None] | None:
+        """The background check of a staged copy's plain tensors (``later`` is the same on every
+        rank: the stager's ``is_copy``), which the commit will wait for."""
+        if later is None:
+            return None
+        if self._later is None:
+            self._later = LaterTensorCheck(self.config.collective_timeout_s)
+        maps = (key_maps, plain_keys(later[2]))
+        return self._later.start(later[0], maps, iteration, self.config.per_rank_keys, later[1])
+
+    def _tensor_digests(
+        self, state: Any, staged: Any, key_maps: dict[str, dict[str, str]], check: LocalDigests, iteration: int
+    ) -> tuple[LocalDigests, tuple[Any, LocalDigests | None, Any] | None]:
+        """The plain tensors' digests: with the values' now (live state), or for the background
+        check of a staged copy (``(staged, None)``: hashed from the copy there; with digests: a
+        copy refilled in windows, never whole, or one still being taken (``overlap``: only its
+        owner may wait for it), so hashed from the live state now)."""
+        patterns = self.config.per_rank_keys
+        if not staged.is_copy:
+            return check.plus(digests(state, key_maps, iteration, patterns, "tensors")), None
+        if staged.snapshot is not None or shares_memory(staged.components):
+            return check, (staged, digests(state, key_maps, iteration, patterns, "tensors"), state)
+        return check, (staged, None, state)
 
     def _clear_for_save(self, paths: SavePaths, rank: int, world: int) -> None:
         """Before staging: rank 0 refuses a committed iteration (``allow_overwrite``), takes the
@@ -246,7 +311,16 @@ class Saver:
         self.committer.report(paths, writes, components, clock, err, cleanup=False)
         if isinstance(err, CollectiveError):
             err.committed = False
-        if isinstance(err, (SaveDirLockedError, CheckpointExistsError, CollectiveError, UnsupportedTensorError)):
+        if isinstance(
+            err,
+            (
+                SaveDirLockedError,
+                CheckpointExistsError,
+                CollectiveError,
+                UnsupportedTensorError,
+                ReplicatedStateMismatchError,
+            ),
+        ):
             return err
         detail = str(err) if isinstance(err, CkptEngineError) else described(err)
         return CheckpointSaveError(f"saving iteration {paths.iteration} to {paths.final} failed: {detail}")
@@ -257,10 +331,11 @@ class Saver:
         writes: SaveWrites,
         components: tuple[str, ...],
         staged: Any,
-        key_maps: dict[str, dict[str, str]],
+        maps: tuple[dict[str, dict[str, str]], dict[str, dict[str, str]]],
         clock: SaveClock,
         carry: CarryBase | None,
         stable: frozenset[str],
+        checked: Future[None] | None = None,
     ) -> None:
         """Hand each component to the ``write`` provider (with what it may carry over, where
         ``incremental``), for ``save_dir`` where the save is durable and for the local tier;
@@ -268,6 +343,7 @@ class Saver:
         raised on every rank (a rank-local write's on its own rank)."""
         clock.write_start = time.perf_counter()
         rank, world = _dist.rank(), _dist.world_size()
+        key_maps, local_maps = maps
         try:
             for name in components if writes.durable else ():
                 planner = EngineSavePlanner(key_maps[name], cache_key=self.plan_prefix + name, checksum=self.checksum)
@@ -288,6 +364,8 @@ class Saver:
                     else carry.for_component(name, stable if name == "model" else frozenset()),
                 )
                 out = self.pipeline.write(ctx, staged.components[name])
+                if checked is not None and isinstance(out, Future):  # commits only once the ranks agree
+                    out, checked = gated(out, checked), None
                 if isinstance(out, Future) and not staged.is_copy:
                     out = out.result()  # the live state: must be written before save() returns
                 writes.outcomes.append(out)
@@ -297,7 +375,7 @@ class Saver:
                     self.pipeline,
                     writes.local,
                     staged,
-                    key_maps,
+                    local_maps,
                     plan_prefix=self.plan_prefix,
                     checksum=self.checksum,
                     stable=stable,

@@ -425,6 +425,15 @@ def component_state_dict(objs: TrainingObjects, component: str, iteration: int =
     return extra_sd
 
 
+def repartitions_state(objs: TrainingObjects, component: str) -> bool:
+    """Whether ``component`` is an extra whose class declares ``repartitions_state = True``: its
+    ``load_state_dict`` re-partitions the state one rank saved, so state it saved per rank (it
+    differed across ranks) loads into a job of another size (each rank gets the copy of saving
+    rank ``rank % saved ranks``) instead of being refused."""
+    obj = objs.extra.get(component)
+    return obj is not None and getattr(type(obj), "repartitions_state", False) is True
+
+
 def apply_component(
     objs: TrainingObjects,
     component: str,

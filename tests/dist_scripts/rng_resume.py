@@ -51,8 +51,9 @@ def main() -> None:
     save_dir, one_rank_dir = sys.argv[1], sys.argv[2]
     count = Count()
     logging.getLogger("ckpt_engine").addHandler(count)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)  # the same weights on every rank, as data parallelism holds them
     scramble(100 + rank)
-    model = nn.Linear(4, 4)
     draws()
     with CheckpointEngine({"save_dir": save_dir, "strict_unexpected": True}) as engine:
         engine.save(1, model=model)

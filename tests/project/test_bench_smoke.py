@@ -242,3 +242,17 @@ def test_verified_read_benchmark_smoke_run(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert {level: len(ts) for level, ts in result["seconds"].items()} == {"sizes": 2, "read": 2}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("verified-read-bench-")]  # cleaned up
+
+
+@pytest.mark.dist
+def test_per_rank_digest_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/perrank_digest_bench.py at 2 ranks (tiny, untimed): every mode saves with the
+    check on and off, and every checkpoint is removed."""
+    out = tmp_path / "perrank.json"
+    script = REPO / "benchmarks" / "perrank_digest_bench.py"
+    _bench(script, "--smoke", "--workdir", str(tmp_path), "--out", str(out), timeout=300)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tensors"] == 196 and row["digest_ms"] > 0
+    for mode in ("sync", "async"):
+        assert set(row[mode]) == {"off", "on"} and all(v > 0 for v in row[mode].values())
+    assert os.listdir(tmp_path) == ["perrank.json"]

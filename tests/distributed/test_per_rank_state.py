@@ -1,0 +1,125 @@
+"""Per-rank state (DESIGN section 12): what DCP keeps one copy of is never silently reduced to rank
+0's copy. One torchrun launch of 2 gloo ranks (tests/dist_scripts/per_rank_state.py) saves each
+case; this process checks what they reported and loads their checkpoints into one process.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _torchrun import run_torchrun
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+
+from ckpt_engine import CheckpointEngine
+from ckpt_engine.errors import CheckpointLoadError, PerRankStateError
+
+pytestmark = [pytest.mark.dist, pytest.mark.full]
+
+
+class Position:
+    def __init__(self) -> None:
+        self.epoch, self.index = -1, -1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.epoch, self.index = int(sd["epoch"]), int(sd["index"])
+
+
+class Shards(Position):
+    repartitions_state = True
+
+
+def model() -> nn.Module:
+    m = nn.Linear(4, 4)
+    m.register_buffer("expert", torch.zeros(3))
+    return m
+
+
+def stored(save_dir: str) -> dict[str, tuple[list[str], list[str]]]:
+    """Per component of the checkpoint in ``save_dir``: its storage keys and its files."""
+    (folder,) = glob.glob(os.path.join(save_dir, "iter_*"))
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path):
+            keys = sorted(FileSystemReader(path).read_metadata().state_dict_metadata)
+            out[name] = (keys, sorted(os.listdir(path)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("per_rank")
+    run = run_torchrun("per_rank_state.py", str(root), nproc=2)
+    assert run.returncode == 0, run.describe()
+    results = run.results()
+    assert sorted(results) == [0, 1], run.describe()
+    return root, {rank: lines[0] for rank, lines in results.items()}
+
+
+def test_a_differing_plain_tensor_fails_the_save_on_every_rank_naming_key_and_ranks(launched: Any) -> None:
+    root, by_rank = launched
+    for rank in (0, 1):
+        got = by_rank[rank]["mismatch"]
+        assert got["type"] == "ReplicatedStateMismatchError", got
+        assert "component 'model' key 'expert'" in got["message"]
+        assert "rank(s) [0] hold value 1; rank(s) [1] hold value 2" in got["message"]
+        assert "per_rank_keys" in got["message"]
+        assert not [n for n in got["latest"] if n.startswith("iter_")]  # nothing committed
+    assert not glob.glob(os.path.join(root, "mismatch", "iter_*"))
+
+
+def test_per_rank_keys_and_differing_extras_are_saved_and_restored_per_rank(launched: Any) -> None:
+    root, by_rank = launched
+    for rank in (0, 1):
+        got = by_rank[rank]["per_rank"]
+        assert got["expert"] == [float(rank)] * 3
+        assert got["loader"] == [2, 100 + rank]
+    keys = stored(str(root / "per_rank"))
+    assert keys["model"][0] == ["bias", "expert@rank0", "expert@rank1", "weight"]
+    assert keys["loader"][0] == ["epoch@rank0", "epoch@rank1", "index@rank0", "index@rank1"]
+
+
+def test_a_per_rank_extra_refuses_another_world_size_unless_it_repartitions(launched: Any) -> None:
+    root, _ = launched
+    save_dir = str(root / "extras")
+    with (
+        CheckpointEngine({"save_dir": save_dir}) as engine,
+        pytest.raises(PerRankStateError, match=r"component 'loader'.*saved per rank by 2 rank.*this job has 1") as info,
+    ):
+        engine.load(model=model(), extra={"loader": Position()})
+    assert isinstance(info.value, CheckpointLoadError)
+    shards = Shards()
+    with CheckpointEngine({"save_dir": save_dir}) as engine:
+        engine.load(model=model(), extra={"shards": shards})
+    assert (shards.epoch, shards.index) == (5, 10)  # rank 0's copy, to re-partition from
+
+
+def test_identical_state_keeps_the_format_of_a_save_without_the_check(launched: Any) -> None:
+    root, _ = launched
+    checked, unchecked = stored(str(root / "same")), stored(str(root / "same_off"))
+    assert checked == unchecked
+    assert checked["model"][0] == ["bias", "expert", "weight"]
+    assert checked["loader"][0] == ["epoch", "index"]
+    position = Position()
+    with CheckpointEngine({"save_dir": str(root / "same")}) as engine:
+        engine.load(model=model(), extra={"loader": position})
+    assert (position.epoch, position.index) == (2, 100)
+
+
+def test_an_async_save_checks_its_staged_copy_before_the_commit(launched: Any) -> None:
+    _, by_rank = launched
+    for rank in (0, 1):
+        got = by_rank[rank]["async"]
+        assert got["async_mismatch"]["error"] == "CheckpointSaveError", got
+        assert "component 'model' key 'expert'" in got["async_mismatch"]["message"]
+        assert got["async_mismatch"]["committed"] == []
+        assert got["async_same"] == {"error": None, "committed": ["iter_000000001"]}
