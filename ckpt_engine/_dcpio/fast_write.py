@@ -168,6 +168,10 @@ class FastFileSystemWriter(FileSystemWriter):
     #: A subclass that must write the items in the order its plan gives them (staging windows)
     #: sets this: an incremental layout then keeps that order.
     keep_item_order = False
+    #: A subclass whose items' memory is refilled as soon as they are written (staging windows)
+    #: sets this: each part is then hashed before its write returns, never later on a helper
+    #: thread that would hash the next window's bytes instead of the ones on disk.
+    reuses_item_memory = False
 
     def __init__(
         self, *args: Any, carry_over: CarryOver | None = None, rank_local: bool = False, **kwargs: Any
@@ -290,7 +294,12 @@ class FastFileSystemWriter(FileSystemWriter):
         # holding the same shards (a data-parallel replica) links instead of receiving.
         path = os.path.join(os.fspath(self.path), name)
         with DataFile(
-            create_new(path), algorithm, self.sync_files, hashed_by_caller=self.rank_local, blocks=algorithm
+            create_new(path),
+            algorithm,
+            self.sync_files,
+            hashed_by_caller=self.rank_local,
+            blocks=algorithm,
+            hash_at_write=self.reuses_item_memory,
         ) as out:
             hasher = out.hasher if self.rank_local else None
             for item in _dcp_order(items):
@@ -343,7 +352,9 @@ class FastFileSystemWriter(FileSystemWriter):
             logger.warning("%s is unchanged but was written, not carried over: %s", path, reason)
             self.carried[name] = ("write", size)
         results = []
-        with DataFile(create_new(path), None, self.sync_files, blocks=carry.algorithm) as out:
+        with DataFile(
+            create_new(path), None, self.sync_files, blocks=carry.algorithm, hash_at_write=self.reuses_item_memory
+        ) as out:
             for item, parts in encoded:
                 offset = out.pos
                 out.item(sum(memoryview(p).nbytes for p in parts))

@@ -256,19 +256,23 @@ class DataFile:
         *,
         hashed_by_caller: bool = False,
         blocks: str | None = None,
+        hash_at_write: bool = False,
     ) -> None:
         """``f``: the file, opened for writing (buffered by at most 1 MiB) and closed with this
         object; ``durable``: it will be fsynced once written (:meth:`sync`); ``hashed_by_caller``:
         the caller updates :attr:`hasher` with every part before it writes it (it needs the
         digest so far as it goes), so :meth:`write` only writes; ``blocks``: the algorithm of
-        the per-block digests (:meth:`item` announces each item; :meth:`blocks` returns them)."""
+        the per-block digests (:meth:`item` announces each item; :meth:`blocks` returns them);
+        ``hash_at_write``: the caller refills a part's memory once :meth:`write` returns (staging
+        windows), so each part is hashed before that, never on the helper thread."""
         self.f = f
         self.pos = 0
         self.hasher = new_hasher(algorithm) if algorithm is not None else None
         self._blocks = BlockHasher(blocks) if blocks is not None and new_hasher(blocks) is not None else None
         own = None if hashed_by_caller else self.hasher
         self._hashing: Any = own if self._blocks is None else _Both(own, self._blocks)
-        self._behind = _BackgroundHash(self._hashing) if self._hashing is not None and _SPARE_CPU else None
+        behind = self._hashing is not None and _SPARE_CPU and not hash_at_write
+        self._behind = _BackgroundHash(self._hashing) if behind else None
         self._writeback = _Writeback(self.f.fileno()) if durable and WRITEBACK and _sync_file_range else None
 
     def write(self, data: Any) -> None:

@@ -2,8 +2,9 @@
 
 argv: save_dir. Steps (every rank runs each; each reports what it got):
 
-* ``commit``: FSDP2 model + AdamW saved at iterations 1, 2, 3 with ``keep_last=2``: the
-  manifest lists both ranks' files (each rank checksummed its own), retention keeps 2 and 3;
+* ``commit``: FSDP2 model + AdamW (and each rank's RNG state: ``rng`` is on by default) saved at
+  iterations 1, 2, 3 with ``keep_last=2``: the manifest lists both ranks' files (each rank
+  checksummed its own), retention keeps 2 and 3;
 * ``verified``: a ``verify="checksums"`` load (files split among ranks) restores iteration 3;
 * ``flip``: rank 0 flips one byte in the model file rank 1 wrote; a ``verify="checksums"`` load
   raises ``IntegrityError`` on both ranks, naming the file, with nothing loaded;

@@ -832,7 +832,9 @@ def test_two_ranks_commit_verify_fallback_lock_and_one_rank_failures(tmp_path: P
     results = run.results()
     assert sorted(results) == [0, 1], run.describe()
     assert time.monotonic() - t0 < 120
-    names = [f"{c}/{f}" for c in ("model", "optim", "trainer") for f in (".metadata", "__0_0.distcp", "__1_0.distcp")]
+    # rng is on by default: each rank's generators are a component of their own
+    components = ("model", "optim", "rng", "trainer")
+    names = [f"{c}/{f}" for c in components for f in (".metadata", "__0_0.distcp", "__1_0.distcp")]
     for rank in (0, 1):
         got = results[rank][0]
         what = f"rank {rank}"

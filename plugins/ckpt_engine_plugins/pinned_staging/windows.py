@@ -169,6 +169,7 @@ class WindowedStorageWriter(EngineFileSystemWriter):
     """
 
     keep_item_order = True  # windows are read in order, each drained before the next
+    reuses_item_memory = True  # a drained window is refilled: its bytes are hashed before that
 
     def __init__(self, path: str, *, window_of: dict[int, int], cursor: WindowCursor, **kwargs: Any) -> None:
         super().__init__(path, thread_count=1, **kwargs)
