@@ -73,6 +73,9 @@ def _slowest(seconds: float) -> float:
 def _config(spec: dict[str, Any], name: str, *, local: bool, **extra: Any) -> dict[str, Any]:
     rank = dist.get_rank()
     cfg: dict[str, Any] = {"save_dir": os.path.join(spec["work"], name), "collective_timeout_s": 600}
+    # Each rank's state is its own (as a shard is), so every byte of it is saved, replicated and
+    # recovered: declared per rank, or the save's check refuses it as diverged replicated state.
+    cfg["per_rank_keys"] = ["model.*", "optim.state.*"]
     if local:
         cfg.update(local_dir=os.path.join(spec["shm"], name, f"node{rank}"), ranks_per_node=1)
     cfg.update(extra)
@@ -187,6 +190,7 @@ def recover(spec: dict[str, Any]) -> dict[str, Any]:
         s3 = spec["s3"]
         storage = {"endpoint_url": s3["endpoint"], "access_key_id": s3["key"], "secret_access_key": s3["secret"]}
         s3_cfg = {"save_dir": f"s3://{s3['bucket']}/recover", "storage": storage, "collective_timeout_s": 600}
+        s3_cfg["per_rank_keys"] = _config(spec, "recover", local=False)["per_rank_keys"]
         with CheckpointEngine(s3_cfg) as engine:
             engine.save(1, model=model, optimizer=opt)
         configs["durable_s3"] = s3_cfg

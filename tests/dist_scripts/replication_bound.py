@@ -52,6 +52,9 @@ def run(base: str, mode: str, steps: int, rank: int) -> None:
         "peer_bandwidth_mb_s": 1.0,
         "replication_when_behind": mode,
         "collective_timeout_s": 120,
+        # Each rank's state differs on purpose (so that every byte of it travels): declared per rank,
+        # or the save's per-rank state check rightly refuses it as diverged replicated state.
+        "per_rank_keys": ["model.*", "optim.state.*"],
     }
     own = os.path.join(local_dir, f"rank_{rank:05d}")
     saves = []

@@ -108,6 +108,9 @@ def _kill_while_replicating(base: Path) -> None:
         "hold=1",
         "peer_bandwidth_mb_s=0.02",
         "chunk_bytes=2048",
+        # Steps 1 to 3 must all reach the peers: on this slow link the default (skip) would leave
+        # step 3 unreplicated, and a node loss would then find no copy of step 3 to resume.
+        "replication_when_behind=wait",
     ]
     job = subprocess.Popen(
         cmd, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
