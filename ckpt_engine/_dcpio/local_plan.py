@@ -17,7 +17,13 @@ decisions can be made by each rank on its own when the layout says who holds wha
   plain tensors and values is the one thing a rank cannot see alone: each sends a 16-byte digest
   of its plain items in the all-gather every save makes anyway, and a difference plans centrally;
 * **a non-tensor value**: every rank's local plan has it, as it has a plain tensor; rank 0
-  writes it (its index as the local plan made it, as DCP leaves it).
+  writes it (its index as the local plan made it, as DCP leaves it);
+* **a key of this rank's own** (a plain tensor or a value): its copy of a key saved per rank,
+  ``<key>@rank<r>`` (``_format/names.py``), or the ``rng`` component's ``rank<r>.<...>``, ``r``
+  this rank: no other rank saves it, so this rank writes it (chunk 0, as DCP numbers a tensor
+  one rank saves). The digest holds such a key with its rank number blanked, so the ranks agree
+  only when each holds its own copy of the same keys; a rank holding another's (every rank
+  saving ``rank0.<...>``) differs from that rank, and plans centrally.
 
 That is exactly DCP's plan (same items on the same ranks, same chunk numbers, same files), as
 ``tests/engine/test_local_plan.py`` checks against DCP's central plan for several layouts. Anything
@@ -60,7 +66,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["PlanColumns", "build_metadata", "finish_alone", "replicated_digest"]
+from .._format.names import RANK_MARK, split_per_rank
+
+__all__ = ["PlanColumns", "build_metadata", "finish_alone", "own_key", "replicated_digest"]
 
 _BYTES, _TENSOR, _SHARD = 0, 1, 2
 _KIND = {WriteItemType.BYTE_IO: _BYTES, WriteItemType.TENSOR: _TENSOR, WriteItemType.SHARD: _SHARD}
@@ -89,20 +97,39 @@ def replicated_digest(planner: SavePlanner, storage_writer: StorageWriter, plan:
     state = getattr(planner, "state_dict", None)
     if not isinstance(state, Mapping):
         return None
-    plain: list[tuple[str, tuple[int, ...] | None]] = []
+    me = _global_rank()
+    plain: list[tuple[Any, ...]] = []
     for item in plan.items:
-        if item.type == WriteItemType.BYTE_IO:
-            plain.append((item.index.fqn, None))
-            continue
-        value = state.get(item.index.fqn)
+        fqn = item.index.fqn
+        value = None if item.type == WriteItemType.BYTE_IO else state.get(fqn)
         if isinstance(value, DTensor):
-            if not _alone_layout(value, world):
-                return None
-        elif type(value) is torch.Tensor and item.type == WriteItemType.TENSOR:
-            plain.append((item.index.fqn, tuple(item.index.offset or ())))
-        else:
+            if not _alone_layout(value, world) or own_key(fqn, me) is not None:
+                return None  # a DTensor under a rank's own key is no one tensor of the mesh
+            continue
+        if item.type != WriteItemType.BYTE_IO and not (
+            type(value) is torch.Tensor and item.type == WriteItemType.TENSOR
+        ):
             return None  # a tensor subclass, a ShardedTensor: DCP's own planning
+        offset = None if item.type == WriteItemType.BYTE_IO else tuple(item.index.offset or ())
+        neutral = own_key(fqn, me)
+        plain.append((fqn, offset) if neutral is None else ("own", neutral, offset))
     return hashlib.blake2b(pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL), digest_size=16).digest()
+
+
+def own_key(fqn: str, rank: int) -> str | None:
+    """``fqn`` with its rank number blanked if it names a key only ``rank`` saves (its copy of
+    a per-rank key, ``<key>@rank<rank>``, or the ``rng`` component's ``rank<rank>.<...>``), else
+    ``None``."""
+    parsed = split_per_rank(fqn)
+    if parsed is not None:
+        return f"{parsed[0]}{RANK_MARK}*" if parsed[1] == rank else None
+    prefix = f"rank{rank}."
+    return "rank*." + fqn[len(prefix) :] if fqn.startswith(prefix) else None
+
+
+def _global_rank() -> int:
+    """The rank that ``@rank<r>`` keys and the ``rng`` component's keys name (the default group's)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _alone_layout(value: DTensor, world: int) -> bool:
@@ -155,10 +182,11 @@ def finish_alone(planner: SavePlanner, storage_writer: StorageWriter, plan: Save
     items it writes with their chunk numbers, and its file prefix from the storage writer."""
     state: Mapping[str, Any] = planner.state_dict  # type: ignore[attr-defined]
     writers = _Writers(rank)
+    me = _global_rank()
     items: list[WriteItem] = []
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
-            if rank == 0:
+            if rank == 0 or own_key(item.index.fqn, me) is not None:
                 items.append(item)  # DCP keeps a value's index as the local plan made it
             continue
         value = state[item.index.fqn]
@@ -166,7 +194,7 @@ def finish_alone(planner: SavePlanner, storage_writer: StorageWriter, plan: Save
             writes, number = writers.of(value)
             if writes:
                 items.append(_hinted(item, number))
-        elif rank == 0:
+        elif rank == 0 or own_key(item.index.fqn, me) is not None:
             items.append(item if item.index.index == 0 else _hinted(item, 0))
     final = SavePlan(items, storage_data=plan.storage_data, planner_data=plan.planner_data, usable=plan.usable)
     # The writer's own prefix for this rank (FileSystemWriter's numbers the plans by rank).

@@ -50,6 +50,18 @@ def layouts(rank: int, world: int) -> dict[str, dict[str, Any]]:
             "big": distribute_tensor(big, sharded_2d, [Replicate(), Shard(1)]),
         },
         "replicated_dtensor": {"w": distribute_tensor(w, flat, [Replicate()]), "b": b},
+        "own_keys": {  # each rank its copy of per-rank keys and its own random state: planned alone
+            f"loader.position@rank{rank}": 10 + rank,
+            f"buffer@rank{rank}": torch.full((2,), float(rank)),
+            f"rank{rank}.torch_cpu": torch.full((4,), float(rank), dtype=torch.float64),
+            f"rank{rank}.python.version": 3,
+            "w": distribute_tensor(w, flat, [Shard(0)]),
+            "step": torch.tensor(3.0),
+        },
+        "another_ranks_key": {  # every rank saves rank 0's key: not its own, planned centrally
+            "rank0.torch_cpu": torch.ones(4),
+            "w": distribute_tensor(w, flat, [Shard(0)]),
+        },
         "ranks_differ": {  # each rank its own plain key: planned centrally
             f"only_{rank}": torch.full((3,), float(rank)),
             "w": distribute_tensor(w, flat, [Shard(0)]),

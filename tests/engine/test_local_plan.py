@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import (
 from ckpt_engine._dcpio import fast_save
 from ckpt_engine._dcpio.fast_save import plan_cache, save_state_dict
 from ckpt_engine._dcpio.fast_write import FastFileSystemWriter
-from ckpt_engine._dcpio.local_plan import PlanColumns, build_metadata
+from ckpt_engine._dcpio.local_plan import PlanColumns, build_metadata, own_key
 from ckpt_engine._dcpio.planner import EngineSavePlanner
 
 
@@ -115,6 +115,13 @@ def _columns(*plans: list[WriteItem]) -> list[PlanColumns]:
     ]
 
 
+def test_a_key_of_a_ranks_own_is_named_with_its_rank_blanked() -> None:
+    assert own_key("loader.position@rank1", 1) == "loader.position@rank*"
+    assert own_key("rank1.python.state", 1) == "rank*.python.state"
+    for key in ("loader.position@rank1", "rank1.python.state", "rank10.torch_cpu", "w", "ranked.x"):
+        assert own_key(key, 0 if "1" in key else 1) is None, key
+
+
 def test_the_built_metadata_orders_chunks_by_rank_and_shares_descriptions() -> None:
     cols = _columns(
         [_shard("w", (0, 0), (2, 4), (4, 4)), _shard("v", (0,), (3,), (6,))],
@@ -151,7 +158,13 @@ def test_two_ranks_plan_alone_exactly_as_dcp_plans_centrally(tmp_path: Path) -> 
     assert run.returncode == 0, run.describe()
     results = run.results()
     assert sorted(results) == [0, 1], run.describe()
-    went_alone = {"fsdp": True, "hsdp_replicas": True, "hsdp_shards": True, "replicated_dtensor": True}
+    went_alone = {
+        "fsdp": True,
+        "hsdp_replicas": True,
+        "hsdp_shards": True,
+        "replicated_dtensor": True,
+        "own_keys": True,
+    }
     for rank in (0, 1):
         (out,) = results[rank]
         for layout, row in out.items():
