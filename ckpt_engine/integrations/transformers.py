@@ -478,12 +478,10 @@ class EngineTrainerMixin(_TrainerBase):
         self.store_flos()
         step = self.state.global_step
         self._track_best(step)
-        if self.args.should_save:
-            self._export_callback_states()
+        self._export_callback_states()
         full = not self.args.save_only_model
         components = ("model", "trainer", COMPONENT, *(("optim", "scheduler", RNG_COMPONENT) if full else ()))
-        state_json = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
-        extra: dict[str, Any] = {COMPONENT: StateItems(state_json, components)}
+        extra: dict[str, Any] = {COMPONENT: StateItems(self._state_json(), components)}
         training: dict[str, Any] = {}
         if full:
             extra[RNG_COMPONENT] = RngState()
@@ -493,6 +491,16 @@ class EngineTrainerMixin(_TrainerBase):
             self._protected[step] = self.state.best_model_checkpoint
         self.engine.save(step, model=self._model(), extra=extra, **training)
         self._saved_steps.add(step)
+
+    def _state_json(self) -> str:
+        """The trainer state as the Trainer's ``trainer_state.json`` holds it, the same text on
+        every rank: the world process zero's, which writes that file. Its ``is_*_process_zero``
+        flags differ between ranks, and a resume sets them anew
+        (``TrainerState.init_training_references``); saved as each rank has them, they (like
+        callback states exported on one rank only) would make the component per-rank state,
+        which a resume on another number of ranks refuses."""
+        state = dataclasses.asdict(self.state) | {"is_local_process_zero": True, "is_world_process_zero": True}
+        return json.dumps(state, indent=2, sort_keys=True) + "\n"
 
     def _training_objects(self) -> dict[str, Any]:
         """What the engine saves and loads: the model (unwrapped), the optimizer (accelerate's
@@ -525,7 +533,8 @@ class EngineTrainerMixin(_TrainerBase):
             self.state.best_model_checkpoint = folder
 
     def _export_callback_states(self) -> None:
-        """The stateful callbacks' states into the trainer state, as ``Trainer._save_checkpoint`` does."""
+        """The stateful callbacks' states into the trainer state, as ``Trainer._save_checkpoint`` does
+        on the process that saves; here on every rank, so that every rank saves the same trainer state."""
         stored = cast(dict[str, Any], self.state.stateful_callbacks)  # a dict once TrainerState is built
         for cb in [cb for cb in [*self.callback_handler.callbacks, self.control] if isinstance(cb, ExportableState)]:
             name, state = type(cb).__name__, cb.state()
