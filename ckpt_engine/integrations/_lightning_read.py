@@ -60,6 +60,12 @@ _LAST_NAME = re.compile(r"^last(-\d+|-v\d+|-engine)?\.ckpt$")
 class Items:
     """A flat mapping as an engine ``extra=`` component (``Stateful``)."""
 
+    #: A checkpoint dict whose items differ by rank (a callback's state) is saved per rank, and each
+    #: rank resumes its own; on another number of ranks, rank r takes saving rank r % n's whole dict
+    #: (on one process, global rank 0's: what Lightning's own file holds), so that a sharded
+    #: checkpoint still resumes on another world size (docs/reliability.md, Per-rank state).
+    repartitions_state = True
+
     def __init__(self, items: dict[str, Any]) -> None:
         self.items = items
 

@@ -352,8 +352,9 @@ class EngineCheckpointIO(CheckpointIO):
         Under DDP and ``ModelParallelStrategy`` every rank gives its own checkpoint dict (so all
         ranks fail together on a bad one). What several ranks give under one key (the replicated
         model and optimizer of DDP, the loops, the structure) the engine writes once, from the
-        lowest rank that gives it (``dedup_save_to_lowest_rank``): the checkpoint holds global
-        rank 0's values, as Lightning's would. DTensors are written as each rank's shard."""
+        lowest rank that gives it (``dedup_save_to_lowest_rank``), as Lightning's would; what
+        differs by rank (a callback's state) is saved per rank, and each rank resumes its own
+        (docs/reliability.md, Per-rank state). DTensors are written as each rank's shard."""
         rest = dict(checkpoint)
         state_dict = rest.pop("state_dict", None)
         state_dict = state_dict if isinstance(state_dict, Mapping) else {}

@@ -33,7 +33,9 @@ def job(save_dir: str, save_at: int, stop_at: int) -> dict[str, Any]:
     dataset = TensorDataset(torch.arange(N), torch.randn(N, 4, generator=torch.Generator().manual_seed(0)))
     sampler = ResumableDistributedSampler(dataset, seed=5)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=2)
-    model = nn.Linear(4, 1)
+    # data parallel, as a sampler over ranks is used: DDP keeps the replicas identical (the ranks'
+    # gradients averaged), as the engine's per-rank state check requires of plain tensors
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     out: dict[str, Any] = {"batches": []}
     with CheckpointEngine({"save_dir": save_dir}) as engine:

@@ -86,8 +86,8 @@ class Regressor(L.LightningModule):
 
 
 class RankState(Callback):
-    """A callback whose state differs by rank: the checkpoint holds global rank 0's, as Lightning's
-    own does, and a resumed run loads that on every rank (``loaded``)."""
+    """A callback whose state differs by rank: the engine saves it per rank (unlike Lightning's own
+    file, which holds global rank 0's), and a resumed run loads each rank's own (``loaded``)."""
 
     def __init__(self) -> None:
         self.loaded: dict[str, Any] | None = None
