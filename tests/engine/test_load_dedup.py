@@ -110,17 +110,22 @@ def test_a_rank_lost_between_broadcasts_is_named(tmp_path: Path, sig: str) -> No
     spec = {"mode": "fault", "config": config, "victim": 2, "at": 2, "signal": sig, "work": str(tmp_path)}
     run = run_ranks("dedup_load.py", json.dumps(spec), nproc=4, timeout=180)
     results = run.results()
+    named = []
     for rank in (0, 1, 3):
         assert rank in results, run.describe()
         got = results[rank][0]["load"]
         assert got["typed"], got
         assert got["type"] in ("CollectiveTimeoutError", "ProcessGroupError"), got
-        assert "rank 2" in got["message"], got
+        named.append("rank 2" in got["message"])
         # named within the timeout of the moment it was lost (half of it for the broadcast, the
         # rest to call the roll), plus scheduling slack on a shared 2-core machine; before the
         # roll call counted the broadcast's wait it took 1.5x the timeout
         lost = float((tmp_path / "victim.lost").read_text())
         assert got["ended"] - lost < 1.25 * timeout_s, got
+    # The lost rank is named. After a SIGKILL, the rank whose broadcast connection to it closed may
+    # report its own failed collective first (the process group is broken either way); the others'
+    # roll call names it.
+    assert all(named) if sig == "STOP" else any(named), [results[r][0]["load"]["message"] for r in (0, 1, 3)]
     if sig == "STOP":  # woken after the others gave up: it raises too, instead of hanging
         assert 2 in results, run.describe()
         assert results[2][0]["load"]["typed"], results[2]
