@@ -32,7 +32,7 @@ from ckpt_engine import CheckpointEngine
 class Position:
     """A data position, different on each rank (a plain ``Stateful`` of non-tensor values)."""
 
-    def __init__(self, epoch: int, index: int) -> None:
+    def __init__(self, epoch: int = -1, index: int = -1) -> None:
         self.epoch, self.index = epoch, index
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _torchrun import run_torchrun
+from per_rank_state import Position, Shards
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -20,21 +21,6 @@ from ckpt_engine import CheckpointEngine
 from ckpt_engine.errors import CheckpointLoadError, PerRankStateError
 
 pytestmark = [pytest.mark.dist, pytest.mark.full]
-
-
-class Position:
-    def __init__(self) -> None:
-        self.epoch, self.index = -1, -1
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.epoch, self.index = int(sd["epoch"]), int(sd["index"])
-
-
-class Shards(Position):
-    repartitions_state = True
 
 
 def model() -> nn.Module:
