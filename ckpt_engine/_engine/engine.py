@@ -25,7 +25,7 @@ from ..plugin_manager import build_plugin_manager
 from ..types import LoadResult
 from .collectives import EngineCollectives, bounded
 from .loader import Loader
-from .local_tier import LocalTier
+from .local_tier import node_local_tiers
 from .pending import SaveHandle, SaveQueue
 from .preemption import PreemptionSaver
 from .resume import ResumePlanner
@@ -33,6 +33,7 @@ from .rng import with_rng
 from .saver import Saver
 from .state import TrainingObjects
 from .targets import open_target
+from .tiers import DurableTier, TierStack
 
 __all__ = ["CheckpointEngine", "SaveHandle"]
 
@@ -63,27 +64,24 @@ class CheckpointEngine:
         self._collectives = EngineCollectives(self.config.collective_timeout_s)
         #: Names this engine's save-plan caches (``fast_save``): one per component.
         self._plan_prefix = f"engine-{os.getpid()}-{id(self):x}:"
-        #: The storage mode, chosen once: staging folder, commit, uploads, cleanup, retention.
-        self._target = open_target(self.config)
         checksum = DEFAULT_ALGORITHM if self.config.save_checksums else None
-        #: The node-local tier, where every save is committed too (None: none configured).
+        #: The tiers every save is committed to and a resume reads from: the durable tier
+        #: (``save_dir`` through its storage mode, chosen once) and the nearer ones configured.
         try:
-            self._local = LocalTier.open(self.config, self.pipeline)
+            nearer = node_local_tiers(self.config, self.pipeline)
         except BaseException:
             self.pipeline.close()  # a plugin that started something (a writer process) stops it
             raise
+        #: The storage mode of ``save_dir``, chosen once: staging folder, commit, uploads, cleanup, retention.
+        self._target = open_target(self.config)
+        durable = DurableTier(self.config, self.pipeline, self._target, checksum)
+        self._tiers = TierStack(durable, nearer, persist_every=self.config.persist_every)
         self._saver = Saver(
-            self.config,
-            self.pipeline,
-            self._target,
-            self._queue,
-            plan_prefix=self._plan_prefix,
-            checksum=checksum,
-            local=self._local,
+            self.config, self.pipeline, self._tiers, self._queue, plan_prefix=self._plan_prefix, checksum=checksum
         )
         #: The resume side: where a load reads from, chosen once, and the reads of what it chose.
         self._loader = Loader(self.config, self.pipeline)
-        self._resume = ResumePlanner(self._loader, self.save_dir)
+        self._resume = ResumePlanner(self._loader, self._target, self._tiers.nearer)
         self._saver.remove_leftovers_at_start()
 
     # -- context manager --------------------------------------------------------------------
@@ -172,8 +170,7 @@ class CheckpointEngine:
         since the last call (the local checkpoints themselves stay committed). Returns at once
         without a local tier or peers."""
         self._queue.wait()
-        if self._local is not None:
-            self._local.wait_replicated(timeout)
+        self._tiers.wait(timeout)
 
     def close(self) -> None:
         """Wait for pending saves, then release workers and plugin resources. Idempotent.
@@ -190,12 +187,11 @@ class CheckpointEngine:
         finally:
             self._closed = True
             try:
-                if self._local is not None:
-                    self._local.close()  # the replication rounds, bounded by collective_timeout_s
+                self._tiers.close()  # the replication rounds, bounded by collective_timeout_s; the locks
             finally:
                 self._collectives.close()
                 self._queue.shutdown()
-                self._saver.close()  # its plan caches and the save_dir lock
+                self._saver.close()  # its plan caches
                 self.pipeline.close()
 
     def _check_open(self) -> None:

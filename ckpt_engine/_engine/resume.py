@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,12 +22,9 @@ from .._dcpio import dist as _dist
 from .._format.names import LATEST_FILE, parse_iteration
 from .._format.pointer import list_checkpoints, read_latest, resolve_save_folder
 from .._storage.store import Store, open_store
-from .._storage.urls import is_url
-from .._tier.lineage import durable_view
-from .._tier.recovery import Recovered, recover
-from .._tier.topology import Topology
+from .._tier.recovery import Recovered
 from ..config import EngineConfig
-from ..errors import CheckpointNotFoundError, CkptEngineError, ConfigError, RankLocalCoverageError
+from ..errors import CheckpointNotFoundError, CkptEngineError, ConfigError
 from ..pipeline import Pipeline
 from ..report import LoadReport
 from ..types import STANDARD_COMPONENTS, LoadResult
@@ -35,6 +32,7 @@ from .consensus import agreed
 from .load_guard import Validated
 from .resave import advance_latest, newest_unnamed
 from .state import TrainingObjects
+from .targets import SaveTarget
 from .weights_load import is_safetensors_path, load_pth, load_safetensors
 
 __all__ = [
@@ -43,7 +41,9 @@ __all__ = [
     "LoadSource",
     "LocalTierSource",
     "PthSource",
+    "ResumeAsk",
     "ResumePlanner",
+    "ResumeTier",
     "SafetensorsSource",
     "ScratchSource",
     "components_by_rule",
@@ -178,7 +178,7 @@ class ScratchSource:
 
 
 @dataclass
-class _Ask:
+class ResumeAsk:
     """What the places of one load share: the load folder, its ``latest`` (or why it could not be
     read), and the committed checkpoint ``latest`` does not name yet (asked once, when a place
     first needs it)."""
@@ -195,6 +195,14 @@ class _Ask:
         if not self._unnamed:
             self._unnamed.append(agreed(lambda: newest_unnamed(self.load_dir, self.store, self.latest)))
         return self._unnamed[0]
+
+
+class ResumeTier(Protocol):
+    """A tier nearer than ``save_dir`` (the node-local tier), asked by :class:`ResumePlanner` for
+    its newest complete candidate: ``None``, or a source checked (agreed by every rank) and at
+    least as new as what ``save_dir`` gives."""
+
+    def newest(self, reader: CheckpointReader, ask: ResumeAsk) -> LoadSource | None: ...
 
 
 class ResumePlanner:
@@ -220,28 +228,33 @@ class ResumePlanner:
     rank runs at the same point (places 1-3 are skipped alike when ``latest`` is unreadable).
     """
 
-    def __init__(self, reader: CheckpointReader, save_dir: str) -> None:
+    def __init__(self, reader: CheckpointReader, target: SaveTarget, nearer: Sequence[ResumeTier] = ()) -> None:
         self.reader = reader
+        #: The tiers nearer than ``save_dir``, nearest first (the tier stack's).
+        self.nearer = tuple(nearer)
         self.config = reader.config
-        self.save_dir = save_dir
-        #: The two-tier local copy's folder (docs/storage.md), as the configuration says.
-        self._copy_dir = self.config.storage.local_dir if is_url(save_dir) else None
+        self.save_dir = target.save_dir
+        #: The folder of committed local copies of ``save_dir`` (docs/storage.md), as its storage
+        #: mode's target says (the two-tier copy; ``None``: it keeps none).
+        self._copy_dir = target.local_dir
 
     def choose(self, objs: TrainingObjects) -> LoadSource:
         """The source of this load, by the restore order of the class docstring."""
         cfg = self.config
         _check_keys_not_to_resume(cfg, objs)
         load_dir = cfg.resolved_load_dir
-        ask = _Ask(objs, load_dir, open_store(load_dir, cfg.storage), components_by_rule(cfg, objs.extra, "latest"))
+        ask = ResumeAsk(
+            objs, load_dir, open_store(load_dir, cfg.storage), components_by_rule(cfg, objs.extra, "latest")
+        )
         try:
             ask.latest = agreed(lambda: read_latest(load_dir, ask.store))
         except CkptEngineError as err:
             if not cfg.fallback_to_last_complete:
                 raise
             ask.latest_error = err
-        places: tuple[Callable[[_Ask], LoadSource | None], ...] = (
+        places: tuple[Callable[[ResumeAsk], LoadSource | None], ...] = (
             self._two_tier_copy,
-            self._node_local_tier,
+            self._nearer_tiers,
             self._unnamed,
             self._latest,
             self._load_path,
@@ -254,16 +267,16 @@ class ResumePlanner:
 
     # -- 1. the two-tier local copy ---------------------------------------------------------------
 
-    def _two_tier_copy(self, ask: _Ask) -> LoadSource | None:
+    def _two_tier_copy(self, ask: ResumeAsk) -> LoadSource | None:
         """The local copy to resume from, if its ``latest`` is complete and at least as new as the
         object store's on every host; ``None`` (logged) otherwise."""
-        local_dir = self._copy_dir
-        if local_dir is None or ask.latest_error is not None or ask.load_dir != self.save_dir:
+        copy_dir = self._copy_dir
+        if copy_dir is None or ask.latest_error is not None or ask.load_dir != self.save_dir:
             return None
         try:
-            name = agreed(lambda: read_latest(local_dir))
+            name = agreed(lambda: read_latest(copy_dir))
         except CkptEngineError as err:
-            logger.warning("ignoring the local copy in %s: %s", local_dir, err)
+            logger.warning("ignoring the local copy in %s: %s", copy_dir, err)
             return None
         names = _dist.all_gather_object(name, step="local copy")
         if any(n != name for n in names):  # each host decides alike, or none reads its copy
@@ -278,9 +291,9 @@ class ResumePlanner:
         local_iter, remote_iter = parse_iteration(name), parse_iteration(ask.latest or "")
         if local_iter is None or (remote_iter is not None and local_iter < remote_iter):
             return None
-        path = os.path.join(local_dir, name)
+        path = os.path.join(copy_dir, name)
         try:
-            validated = self.reader.validate(path, open_store(local_dir), shared=False, what="the local copy")
+            validated = self.reader.validate(path, open_store(copy_dir), shared=False, what="the local copy")
         except CkptEngineError as err:
             if _dist.rank() == 0:
                 logger.warning("the local copy %s cannot be resumed (%s); using %s", name, err, self.save_dir)
@@ -291,46 +304,16 @@ class ResumePlanner:
 
     # -- 2. the node-local tier ---------------------------------------------------------------------
 
-    def _node_local_tier(self, ask: _Ask) -> LoadSource | None:
-        """Every rank: the local tier's source when it holds a step of ``save_dir``'s run at least
-        as new as ``save_dir``'s (latest, or a committed one latest does not name yet) and
-        descended from it, complete across all ranks, that covers this job's sharding; else
-        ``None`` (logged)."""
-        cfg = self.config
-        if cfg.local_dir is None or ask.latest_error is not None or not _same_dir(ask.load_dir, self.save_dir):
+    def _nearer_tiers(self, ask: ResumeAsk) -> LoadSource | None:
+        """The first nearer tier (nearest first) with a candidate, when the load folder is
+        ``save_dir`` (a tier holds this engine's own saves) and ``latest`` could be read."""
+        if ask.latest_error is not None or not _same_dir(ask.load_dir, self.save_dir):
             return None
-        durable = durable_view(ask.load_dir, ask.store, (ask.latest, ask.unnamed()))
-        try:
-            topology = Topology.of(cfg, _dist.world_size())
-        except ConfigError as err:  # another world size than the saves had: save_dir reshards
-            if _dist.rank() == 0:
-                logger.warning("not resuming from the local tier: %s", err)
-            return None
-        recovered = recover(
-            cfg.local_dir,
-            topology,
-            durable,
-            keep_last=cfg.local_keep_last,
-            sync=cfg.sync_files,
-            checksums=cfg.verify == "checksums",
-        )
-        if recovered is None:
-            if _dist.rank() == 0:
-                logger.info("the local tier holds no step newer than save_dir's complete on every rank")
-            return None
-        try:
-            validated = self.reader.validate_rank_local(recovered.path, ask.objs, ask.wanted)
-        except RankLocalCoverageError as err:  # raised on every rank: the check is agreed
-            if _dist.rank() == 0:
-                logger.warning("the local tier cannot serve this job (%s); resuming from save_dir", err)
-            return None
-        if _dist.rank() == 0:
-            logger.info("resuming iteration %d from the local tier", recovered.iteration)
-        return LocalTierSource(recovered, ask.wanted, validated)
+        return next((found for tier in self.nearer if (found := tier.newest(self.reader, ask)) is not None), None)
 
     # -- 3. a committed checkpoint latest does not name yet ----------------------------------------
 
-    def _unnamed(self, ask: _Ask) -> LoadSource | None:
+    def _unnamed(self, ask: ResumeAsk) -> LoadSource | None:
         """The committed checkpoint ``latest`` does not name yet (a save stopped between its
         commit and the pointer's move: :func:`.newest_unnamed`), validated as any resume is;
         ``latest`` is repaired in this engine's ``save_dir``. ``None`` (logged) when there is none
@@ -370,7 +353,7 @@ class ResumePlanner:
 
     # -- 4 and 5. latest, or the fallback -------------------------------------------------------------
 
-    def _latest(self, ask: _Ask) -> LoadSource | None:
+    def _latest(self, ask: ResumeAsk) -> LoadSource | None:
         """What ``latest`` names, checked; with ``fallback_to_last_complete``, the newest checkpoint
         that passes the checks when ``latest`` cannot be read or fails them."""
         latest_file = ask.store.join(ask.load_dir, LATEST_FILE)
@@ -392,7 +375,7 @@ class ResumePlanner:
             return self._fallback(ask, path, err)
         return CheckpointSource(path, ask.wanted, "latest", validated)
 
-    def _fallback(self, ask: _Ask, bad: str, err: CkptEngineError) -> LoadSource:
+    def _fallback(self, ask: ResumeAsk, bad: str, err: CkptEngineError) -> LoadSource:
         """``fallback_to_last_complete``: the newest checkpoint that passes the checks."""
         store = ask.store
 
@@ -428,7 +411,7 @@ class ResumePlanner:
 
     # -- 6 and 7. load_path, or nothing ----------------------------------------------------------------
 
-    def _load_path(self, ask: _Ask) -> LoadSource | None:
+    def _load_path(self, ask: ResumeAsk) -> LoadSource | None:
         """``load_path`` (no ``latest`` to resume): a ``.pth`` file, safetensors weights, or a
         checkpoint folder or save folder (its latest)."""
         cfg = self.config
@@ -449,7 +432,7 @@ class ResumePlanner:
         wanted = components_by_rule(cfg, ask.objs.extra, "load_path")
         return CheckpointSource(lp, wanted, "load_path", self.reader.validate(lp, lp_store, what="load_path"))
 
-    def _scratch(self, ask: _Ask) -> LoadSource:
+    def _scratch(self, ask: ResumeAsk) -> LoadSource:
         cfg = self.config
         explicit = bool(cfg.load_dir) and not _same_dir(cfg.load_dir or "", cfg.save_dir)
         if explicit and not agreed(lambda: ask.store.isdir(ask.load_dir)):
