@@ -212,10 +212,11 @@ class ResumePlanner:
     1. **the two-tier local copy** (``storage.local_dir`` of an object-store ``save_dir``, when
        the load folder is ``save_dir``): its ``latest``, when at least as new as the store's and
        it passes the checks on every host;
-    2. **the node-local tier** (``local_dir``, when the load folder is ``save_dir``): the newest
-       step of ``save_dir``'s run complete across every rank's node or its peers' replicas, at
-       least as new as 3 and 4, that covers what this job's sharding needs (decided here, with
-       the checks: never after a read began);
+    2. **the nearer tiers** of the tier stack, nearest first, when the load folder is
+       ``save_dir`` (:meth:`ResumeTier.newest`): the node-local tier's newest step of
+       ``save_dir``'s run complete across every rank's node or its peers' replicas, at least as
+       new as 3 and 4, that covers what this job's sharding needs (decided with the checks,
+       before anything is chosen: never after a read began);
     3. **a committed checkpoint ``latest`` does not name yet** (a save stopped between its commit
        and the pointer's move), when it passes the checks (``latest`` is repaired);
     4. **``latest``** of the load folder;
