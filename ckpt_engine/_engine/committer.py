@@ -2,8 +2,8 @@
 of the :class:`~ckpt_engine.types.SaveResult` of every outcome, with what follows a commit.
 
 The :class:`~.saver.Saver` prepares and writes a save, then hands it to :class:`SaveCommitter`:
-a synchronous save is committed before ``save()`` returns (the node-local tier first, then
-``save_dir`` through the :class:`~.targets.SaveTarget` and :func:`~.commit.run_commit`), a save
+a synchronous save is committed before ``save()`` returns (in each tier of the
+:class:`~.tiers.TierStack` it went to, the nearer tiers first and the durable tier last), a save
 written in the background from the engine's commit thread. Every outcome, from a refusal before
 anything was written to a commit finished on the commit thread, is recorded by
 :meth:`SaveCommitter.report`, which also tells the target, logs, runs retention and calls
@@ -15,10 +15,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 from .._dcpio import dist as _dist
 from .._format.retention import apply_retention
@@ -26,18 +24,14 @@ from ..config import EngineConfig
 from ..errors import CheckpointSaveError, CollectiveError
 from ..pipeline import Pipeline
 from ..types import PendingSnapshot, SaveResult, WriteResult
-from .commit import CommitPhase, run_commit
-from .consensus import agree
-from .local_tier import LocalTier
 from .pending import SaveHandle, SaveQueue
-from .targets import SavePaths, SaveTarget
+from .targets import SavePaths
+from .tiers import CommitPhase, DurableTier, Outcomes, TierSave, TierStack
 
 __all__ = ["SaveClock", "SaveCommitter", "SaveWrites"]
 
 logger = logging.getLogger("ckpt_engine")
 
-Outcomes = list[WriteResult | Future[WriteResult]]
-Round = Future[Any] | None
 #: How the log line of a save names the way its unchanged files were carried over.
 _CARRIED = {"link": "hard-linked", "copy": "copied in the store", "write": "written: carrying over refused"}
 
@@ -60,49 +54,62 @@ class SaveClock:
 
 @dataclass
 class SaveWrites:
-    """One save's writes: to ``save_dir`` (a durable save) and to the node-local tier."""
+    """One save's parts in the tiers it goes to (:meth:`TierStack.saves`), in write order: the
+    durable tier's first where the save is durable."""
 
-    durable: bool
-    outcomes: Outcomes
-    #: This rank's local-tier paths (``None``: no local tier), and its writes there.
-    local: SavePaths | None = None
-    local_outcomes: Outcomes | None = None
-    #: The replication round that follows the local commit (several ranks with peer replicas).
-    round: Round = None
+    saves: list[TierSave]
+
+    @property
+    def durable(self) -> bool:
+        """Whether this save goes to the durable tier (``save_dir``)."""
+        return any(isinstance(s.tier, DurableTier) for s in self.saves)
+
+    @property
+    def main(self) -> TierSave:
+        """The part its :class:`SaveResult` names: the durable tier's, else the nearest tier's."""
+        return self.saves[0]
+
+    @property
+    def nearer(self) -> list[TierSave]:
+        """The parts in the tiers nearer than the durable one (committed first)."""
+        return [s for s in self.saves if not isinstance(s.tier, DurableTier)]
 
     def all(self) -> Outcomes:
-        return [*self.outcomes, *(self.local_outcomes or [])]
+        return [o for s in self.saves for o in s.outcomes]
+
+    def abandon(self, *, cleanup: bool) -> None:
+        """A save that failed before its commit: every after-commit round resolved with nothing,
+        and (``cleanup``) what it staged in each tier removed."""
+        for part in self.saves:
+            if part.round is not None:
+                part.round.set_result(None)
+            if cleanup:
+                part.tier.finish(part.paths, cleanup=True)
 
 
 class SaveCommitter:
     """Commits the saves of one engine, in every tier, and reports each one's outcome."""
 
     def __init__(
-        self,
-        config: EngineConfig,
-        pipeline: Pipeline,
-        target: SaveTarget,
-        queue: SaveQueue,
-        local: LocalTier | None,
-        checksum: str | None,
+        self, config: EngineConfig, pipeline: Pipeline, tiers: TierStack, queue: SaveQueue, checksum: str | None
     ) -> None:
         self.config = config
         self.pipeline = pipeline
-        self.target = target
+        #: The tiers a save is committed to; the durable tier's target reports, cleans up and
+        #: runs retention.
+        self.tiers = tiers
+        self.target = tiers.durable.target
         self.queue = queue
-        self.local = local
         self.checksum = checksum
 
-    def hand_off(
-        self, paths: SavePaths, writes: SaveWrites, components: tuple[str, ...], clock: SaveClock
-    ) -> SaveHandle:
+    def hand_off(self, writes: SaveWrites, components: tuple[str, ...], clock: SaveClock) -> SaveHandle:
         """Commit now where every write is done (synchronous providers), else from the commit
-        thread; a two-tier upload always continues in the background. The local tier commits
-        first: a durable save is in both tiers, or it failed."""
-        if self.local is not None and self.local.current is not None:  # the manifests record it
-            paths = dataclasses.replace(paths, lineage=self.local.current)
-            if writes.local is not None:
-                writes.local = dataclasses.replace(writes.local, lineage=self.local.current)
+        thread; a two-tier upload always continues in the background. The nearer tiers commit
+        first: a durable save is in every tier, or it failed."""
+        lineage = self.tiers.lineage()  # the manifests record it
+        for part in writes.saves:
+            part.paths = dataclasses.replace(part.paths, lineage=lineage)
+        paths = writes.main.paths
         future: Future[SaveResult] = Future()
         handle = SaveHandle(paths.iteration, paths.final, future, clock.snapshot)
         if not all(isinstance(o, WriteResult) for o in writes.all()):
@@ -110,12 +117,11 @@ class SaveCommitter:
             # the last DCP write of every component already synchronised all ranks).
             self.queue.submit(handle, self._commit_background, future, paths, writes, components, clock)
             return handle
-        local = self._commit_local(writes, components, collective=True)
+        local = self._commit_nearer(writes, components, collective=True)
         if not writes.durable:
             result = self.report(paths, writes, components, clock, local, cleanup=False)
         elif self.target.after_commit_in_background:
-            phase = self._run_commit(paths, components, writes.outcomes, collective=True)
-            self._durable_committed(paths, phase)
+            phase = self._commit_durable(writes.main, components, collective=True)
             if phase.error is None and local.error is None:
                 phase = phase.plus(local)
                 self.queue.submit(
@@ -134,21 +140,13 @@ class SaveCommitter:
             ) from result.error
         return handle
 
-    def _commit_local(self, writes: SaveWrites, components: tuple[str, ...], *, collective: bool) -> CommitPhase:
-        """This rank's local-tier commit (nothing without a local tier). In a synchronous save the
-        ranks agree before it (a rank whose write failed, a full disk, fails the save on every
-        rank, and no rank commits: never two saves of one step in the tier) and after it."""
-        if self.local is None or writes.local is None:
-            return CommitPhase()
-        assert self.checksum is not None
-        phase = self.local.check(self.pipeline, writes.local, writes.local_outcomes or [], self.checksum)
-        together = collective and _dist.world_size() > 1
-        if together:
-            _agree_local(phase, "write", "local writes")
-        wrote = phase.error is None  # the same on every rank, once agreed
-        phase = self.local.commit(writes.local, components, self.checksum, phase, writes.round)
-        if together and wrote:
-            _agree_local(phase, "commit", "local commit")
+    def _commit_nearer(self, writes: SaveWrites, components: tuple[str, ...], *, collective: bool) -> CommitPhase:
+        """This rank's commit in each nearer tier (the node-local tier's: in a synchronous save the
+        ranks agree before it and after it), as one outcome."""
+        phase = CommitPhase()
+        for part in writes.nearer:
+            done = part.tier.commit(part.paths, components, part.outcomes, part.round, collective=collective)
+            phase = phase.plus(done)
         return phase
 
     def _commit(
@@ -161,26 +159,20 @@ class SaveCommitter:
         *,
         collective: bool,
     ) -> SaveResult:
-        """The durable commit (:func:`.commit.run_commit`) and what follows it, then the report
-        of both tiers (``local``: the local tier's commit)."""
-        phase = self._run_commit(paths, components, writes.outcomes, collective=collective)
-        self._durable_committed(paths, phase)
+        """The durable tier's commit (:func:`~.tiers.run_commit`) and what follows it, then the
+        report of every tier (``local``: the nearer tiers' commits)."""
+        phase = self._commit_durable(writes.main, components, collective=collective)
         if phase.error is None and _dist.rank() == 0:
             phase.error = self.target.after_commit(paths)
         cleanup = phase.error is not None
         return self.report(paths, writes, components, clock, phase.plus(local), cleanup=cleanup, collective=collective)
 
-    def _durable_committed(self, paths: SavePaths, phase: CommitPhase) -> None:
-        """The saves after a committed durable one descend from it (their lineage's parent)."""
-        if phase.error is None and self.local is not None:
-            self.local.durable_committed(paths.lineage, paths.iteration)
-
-    def _run_commit(
-        self, paths: SavePaths, components: tuple[str, ...], outcomes: Sequence[Any], *, collective: bool
-    ) -> CommitPhase:
-        return run_commit(
-            self.target, self.pipeline, paths, components, outcomes, collective=collective, algorithm=self.checksum
-        )
+    def _commit_durable(self, part: TierSave, components: tuple[str, ...], *, collective: bool) -> CommitPhase:
+        """The durable tier's commit; once it held, the saves after it descend from it."""
+        phase = part.tier.commit(part.paths, components, part.outcomes, part.round, collective=collective)
+        if phase.error is None:
+            self.tiers.durable_committed(part.paths)
+        return phase
 
     def _after_commit_background(
         self,
@@ -208,7 +200,7 @@ class SaveCommitter:
         clock: SaveClock,
     ) -> None:
         try:
-            local = self._commit_local(writes, components, collective=False)
+            local = self._commit_nearer(writes, components, collective=False)
             if writes.durable:
                 result = self._commit(paths, writes, components, clock, local, collective=False)
             else:
@@ -287,20 +279,6 @@ class SaveCommitter:
                 apply_retention(job.folder, job.keep_last, job.keep_every, job.store)
             except Exception:
                 logger.warning("retention in %s failed; retrying after the next commit", job.folder, exc_info=True)
-
-
-def _agree_local(phase: CommitPhase, what: str, step: str) -> None:
-    """Every rank's outcome of a local-tier step: the first failure, as one typed error naming
-    its rank and cause, on every rank (the failing one included)."""
-    try:
-        failed = agree(phase.error, fallback=CheckpointSaveError, step=step).first
-    except CollectiveError as err:
-        phase.error = err
-        return
-    if failed is not None and not isinstance(phase.error, CollectiveError):
-        error = CheckpointSaveError(f"rank {failed.rank} failed to {what} its local-tier checkpoint: {failed.text}")
-        error.__cause__ = phase.error
-        phase.error = error
 
 
 def _log_saved(result: SaveResult) -> None:

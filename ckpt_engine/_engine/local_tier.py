@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,39 +30,56 @@ from .._dcpio.dist import new_gloo_group
 from .._dcpio.planner import EngineSavePlanner
 from .._format.digests import written_entries
 from .._format.layout import SaveDirLock, cleanup_leftovers, remove_tree
-from .._format.manifest import FileEntry, Lineage, Manifest, list_files, lookup_manifest
+from .._format.manifest import DEFAULT_ALGORITHM, FileEntry, Lineage, Manifest, list_files, lookup_manifest
 from .._format.names import iter_dirname, partial_dirname
 from .._format.pointer import read_latest
 from .._format.retention import apply_retention
 from .._storage.store import open_store
 from .._tier.folders import rank_folder
-from .._tier.lineage import read_run, write_run
+from .._tier.lineage import durable_view, read_run, write_run
+from .._tier.recovery import recover
 from .._tier.replication import Replicator
 from .._tier.topology import Topology
 from ..config import EngineConfig
-from ..errors import CkptEngineError, ConfigError, SaveDirLockedError
+from ..errors import (
+    CheckpointSaveError,
+    CkptEngineError,
+    CollectiveError,
+    ConfigError,
+    RankLocalCoverageError,
+    SaveDirLockedError,
+)
 from ..pipeline import Pipeline
-from ..types import StagedState, WriteContext, WriteResult
-from .commit import CommitPhase, wait_writes
+from ..types import WriteContext, WriteResult
+from .consensus import agree
 from .incremental import CarryBase, carry_base_in
 from .resave import refuse_resave
+from .resume import CheckpointReader, LoadSource, LocalTierSource, ResumeAsk
 from .targets import SavePaths, commit_locally
+from .tiers import CommitPhase, Outcomes, Round, WriteInputs, wait_writes
 
-__all__ = ["LocalTier"]
+__all__ = ["LocalTier", "node_local_tiers"]
 
 logger = logging.getLogger("ckpt_engine")
+
+#: The manifests' checksum algorithm: a local tier needs ``save_checksums`` (:meth:`LocalTier.open`).
+_ALGORITHM = DEFAULT_ALGORITHM
 
 #: The folder inside ``local_dir`` where the first save's node check leaves its markers.
 _PROBE_DIR = ".ckpt_engine_nodes"
 
 
 class LocalTier:
-    """This rank's part of the node-local tier: staging, writes, commit, retention, replication."""
+    """This rank's part of the node-local tier (a :class:`~.tiers.Tier`): staging, writes, commit,
+    retention, and replication, its after-commit step."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    name = "local"
+
+    def __init__(self, config: EngineConfig, pipeline: Pipeline) -> None:
         assert config.local_dir is not None
         self.config = config
         self.root = config.local_dir
+        self._pipeline = pipeline
         self._topology: Topology | None = None
         self._replicator: Replicator | None = None
         self._lock: SaveDirLock | None = None
@@ -80,11 +97,9 @@ class LocalTier:
         self._entries: dict[str, FileEntry] = {}
 
     @classmethod
-    def open(cls, config: EngineConfig, pipeline: Pipeline) -> LocalTier | None:
-        """The local tier ``config`` asks for (``None`` without ``local_dir``), once its needs are
-        checked: a ``write`` provider that writes rank-local checkpoints, and checksums."""
-        if config.local_dir is None:
-            return None
+    def open(cls, config: EngineConfig, pipeline: Pipeline) -> LocalTier:
+        """The local tier ``config`` asks for, once its needs are checked: a ``write`` provider
+        that writes rank-local checkpoints, and checksums."""
         refused = pipeline.rank_local_writer()
         if refused is not None:
             raise ConfigError(
@@ -97,7 +112,7 @@ class LocalTier:
                 "local_dir needs save_checksums: peer replicas are checked against the manifest's checksums; set "
                 "save_checksums true (or unset local_dir)"
             )
-        return cls(config)
+        return cls(config, pipeline)
 
     # -- where ----------------------------------------------------------------------------------
 
@@ -120,7 +135,9 @@ class LocalTier:
 
     def prepare(self, paths: SavePaths) -> None:
         """Every rank, before staging: this rank's folder locked (the first time; leftovers of a
-        crash removed), a committed iteration refused as in ``save_dir``, the partial folder cleared."""
+        crash removed), a committed iteration refused as in ``save_dir``, the partial folder cleared;
+        a ``ranks_per_node`` or ``peer_replicas`` that cannot fit is refused first."""
+        self.topology()
         if self._lock is None:
             os.makedirs(self.folder, exist_ok=True)
             lock = SaveDirLock(self.folder)
@@ -185,11 +202,16 @@ class LocalTier:
         parent_id, parent_it = self._parent if self._parent is not None else (None, None)
         self.current = Lineage(self._run, f"{self._instance}-{self._saves}", parent_id, parent_it)
 
-    def durable_committed(self, lineage: Lineage | None, iteration: int) -> None:
+    def durable_committed(self, paths: SavePaths) -> None:
         """A durable save of this engine is committed in ``save_dir``: the saves that follow
         descend from it."""
+        lineage, iteration = paths.lineage, paths.iteration
         if lineage is not None and (self._parent is None or iteration >= self._parent[1]):
             self._parent = (lineage.save_id, iteration)
+
+    def lineage(self) -> Lineage | None:
+        """The lineage of the save :meth:`begin` began last (its manifests record it)."""
+        return self.current
 
     def _check_node_local(self, topology: Topology) -> None:
         """Every rank must see the markers of exactly the ranks ``ranks_per_node`` puts on its node."""
@@ -220,17 +242,7 @@ class LocalTier:
 
     # -- the write ------------------------------------------------------------------------------
 
-    def write(
-        self,
-        pipeline: Pipeline,
-        paths: SavePaths,
-        staged: StagedState,
-        key_maps: Mapping[str, dict[str, str]],
-        *,
-        plan_prefix: str,
-        checksum: str,
-        stable: frozenset[str],
-    ) -> tuple[SavePaths, list[WriteResult | Future[WriteResult]]]:
+    def write(self, paths: SavePaths, inputs: WriteInputs) -> tuple[SavePaths, Outcomes]:
         """Hand each component to the ``write`` provider as a rank-local write; returns the paths
         (with what an incremental save carries over from this rank's previous checkpoint) and the
         outcomes. A write that raises is not raised here: the commit reports it, on every rank.
@@ -239,7 +251,9 @@ class LocalTier:
         rank-local write): equal state gives equal bytes, so a peer that holds the same shards (a
         data-parallel replica) or the previous step's unchanged files links them instead of
         receiving them. With ``incremental``, the files are laid out and unchanged ones linked from
-        this rank's previous checkpoint as in ``save_dir`` (``stable``: the model's frozen keys)."""
+        this rank's previous checkpoint as in ``save_dir`` (``inputs.stable``: the model's frozen keys)."""
+        pipeline, staged, checksum, stable = inputs.pipeline, inputs.staged, _ALGORITHM, inputs.stable
+        plan_prefix, key_maps = inputs.plan_prefix, inputs.local_maps
         paths, carry = self._carry(paths, checksum)
         outcomes: list[WriteResult | Future[WriteResult]] = []
         for name, state in staged.components.items():
@@ -284,9 +298,25 @@ class LocalTier:
 
     # -- the commit -----------------------------------------------------------------------------
 
-    def check(self, pipeline: Pipeline, paths: SavePaths, outcomes: Sequence[Any], algorithm: str) -> CommitPhase:
+    def commit(
+        self, paths: SavePaths, components: tuple[str, ...], outcomes: Outcomes, round_: Round, *, collective: bool
+    ) -> CommitPhase:
+        """This rank's commit of the save in its folder. In a synchronous save (``collective``) the
+        ranks agree before it (a rank whose write failed, a full disk, fails the save on every
+        rank, and no rank commits: never two saves of one step in the tier) and after it."""
+        phase = self._check(self._pipeline, paths, outcomes, _ALGORITHM)
+        together = collective and _dist.world_size() > 1
+        if together:
+            _agree_local(phase, "write", "local writes")
+        wrote = phase.error is None  # the same on every rank, once agreed
+        phase = self._commit(paths, components, _ALGORITHM, phase, round_)
+        if together and wrote:
+            _agree_local(phase, "commit", "local commit")
+        return phase
+
+    def _check(self, pipeline: Pipeline, paths: SavePaths, outcomes: Sequence[Any], algorithm: str) -> CommitPhase:
         """This rank's writes of the save, waited for and listed (nothing committed yet): the
-        phase to agree on before :meth:`commit` (its error: this rank's write failure)."""
+        phase to agree on before :meth:`_commit` (its error: this rank's write failure)."""
         phase = CommitPhase()
         try:
             wait_writes(pipeline, outcomes, phase)
@@ -300,13 +330,13 @@ class LocalTier:
             self._write_error = None
         return phase
 
-    def commit(
+    def _commit(
         self,
         paths: SavePaths,
         components: tuple[str, ...],
         algorithm: str,
         phase: CommitPhase,
-        round_: Future[Manifest | None] | None,
+        round_: Round,
     ) -> CommitPhase:
         """This rank's commit of the checked save (where ``phase`` holds no error: every rank's
         writes worked); resolves the replication round (with the committed manifest, or
@@ -346,9 +376,15 @@ class LocalTier:
             except OSError:
                 logger.warning("local tier: could not remove %s", paths.partial, exc_info=True)
 
+    # -- the resume side ---------------------------------------------------------------------------
+
+    def newest(self, reader: CheckpointReader, ask: ResumeAsk) -> LoadSource | None:
+        """Every rank: the tier's newest step for this resume (:func:`_recovered_source`)."""
+        return _recovered_source(self.config, reader, ask)
+
     # -- replication and shutdown -----------------------------------------------------------------
 
-    def wait_replicated(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Block until every replication round so far finished; raise :class:`ReplicationError` for
         what failed since the last call."""
         if self._replicator is not None:
@@ -362,6 +398,62 @@ class LocalTier:
         finally:
             if self._lock is not None:
                 self._lock.release()
+
+
+def node_local_tiers(config: EngineConfig, pipeline: Pipeline) -> tuple[LocalTier, ...]:
+    """The node-local tiers of a :class:`~.tiers.TierStack`: one where ``local_dir`` is set (its
+    needs checked: :meth:`LocalTier.open`), none otherwise."""
+    return () if config.local_dir is None else (LocalTier.open(config, pipeline),)
+
+
+def _recovered_source(config: EngineConfig, reader: CheckpointReader, ask: ResumeAsk) -> LoadSource | None:
+    """Every rank: the local tier's source when it holds a step of ``save_dir``'s run at least as
+    new as ``save_dir``'s (latest, or a committed one latest does not name yet) and descended from
+    it, complete across all ranks (received from peers' replicas where a rank lacks its part),
+    that covers this job's sharding (checked with the rest, agreed); else ``None`` (logged)."""
+    assert config.local_dir is not None
+    durable = durable_view(ask.load_dir, ask.store, (ask.latest, ask.unnamed()))
+    try:
+        topology = Topology.of(config, _dist.world_size())
+    except ConfigError as err:  # another world size than the saves had: save_dir reshards
+        if _dist.rank() == 0:
+            logger.warning("not resuming from the local tier: %s", err)
+        return None
+    recovered = recover(
+        config.local_dir,
+        topology,
+        durable,
+        keep_last=config.local_keep_last,
+        sync=config.sync_files,
+        checksums=config.verify == "checksums",
+    )
+    if recovered is None:
+        if _dist.rank() == 0:
+            logger.info("the local tier holds no step newer than save_dir's complete on every rank")
+        return None
+    try:
+        validated = reader.validate_rank_local(recovered.path, ask.objs, ask.wanted)
+    except RankLocalCoverageError as err:  # raised on every rank: the check is agreed
+        if _dist.rank() == 0:
+            logger.warning("the local tier cannot serve this job (%s); resuming from save_dir", err)
+        return None
+    if _dist.rank() == 0:
+        logger.info("resuming iteration %d from the local tier", recovered.iteration)
+    return LocalTierSource(recovered, ask.wanted, validated)
+
+
+def _agree_local(phase: CommitPhase, what: str, step: str) -> None:
+    """Every rank's outcome of a local-tier step: the first failure, as one typed error naming
+    its rank and cause, on every rank (the failing one included)."""
+    try:
+        failed = agree(phase.error, fallback=CheckpointSaveError, step=step).first
+    except CollectiveError as err:
+        phase.error = err
+        return
+    if failed is not None and not isinstance(phase.error, CollectiveError):
+        error = CheckpointSaveError(f"rank {failed.rank} failed to {what} its local-tier checkpoint: {failed.text}")
+        error.__cause__ = phase.error
+        phase.error = error
 
 
 def _lineage_start(config: EngineConfig) -> tuple[str, str, tuple[str, int] | None]:

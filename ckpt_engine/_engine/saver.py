@@ -1,17 +1,16 @@
 """The save side of the engine: preparing a save (state dicts, ``remap_keys``, clearing, ``stage``,
-the ranks' agreement) and its writes, to ``save_dir`` and to the node-local tier.
+the ranks' agreement) and its writes, into each tier of the engine's tier stack it goes to.
 
 :class:`Saver` owns it; :meth:`CheckpointEngine.save <ckpt_engine.CheckpointEngine.save>` checks
-its arguments, builds the training objects and hands them over. With a node-local tier,
-every save is written there and only every ``persist_every``-th (or a forced
-one) also to ``save_dir``. The commit of what was written, and the one builder of every
-outcome's :class:`~ckpt_engine.types.SaveResult`, are the
+its arguments, builds the training objects and hands them over. Which tiers a save goes to is the
+:class:`~ckpt_engine._engine.tiers.TierStack`'s persist policy; each tier prepares and writes its
+part (:class:`~ckpt_engine._engine.tiers.Tier`). The commit of what was written, and the one
+builder of every outcome's :class:`~ckpt_engine.types.SaveResult`, are the
 :class:`~ckpt_engine._engine.committer.SaveCommitter`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -22,9 +21,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcpio import dist as _dist
 from .._dcpio.fast_save import drop_plan_caches
-from .._dcpio.planner import EngineSavePlanner, flat_keys
+from .._dcpio.planner import flat_keys
 from .._dcpio.watch import phase as publish_phase
-from .._format.layout import SaveDirLock, cleanup_leftovers, disk_full_hint, find_leftovers
+from .._format.layout import cleanup_leftovers, disk_full_hint, find_leftovers
 from ..config import EngineConfig
 from ..errors import (
     CheckpointExistsError,
@@ -37,8 +36,7 @@ from ..errors import (
     described,
 )
 from ..pipeline import Pipeline
-from ..types import RemapContext, SaveContext, WriteContext
-from .collectives import watch_group
+from ..types import RemapContext, SaveContext
 from .committer import SaveClock, SaveCommitter, SaveWrites
 from .consensus import (
     LaterTensorCheck,
@@ -47,18 +45,16 @@ from .consensus import (
     agree,
     differences,
     digests,
-    gated,
     per_rank_maps,
     plain_keys,
     shares_memory,
     unwrap,
 )
-from .incremental import CarryBase, carry_base, stable_keys
-from .local_tier import LocalTier
+from .incremental import stable_keys
 from .pending import SaveHandle, SaveQueue
-from .resave import refuse_resave
 from .state import TrainingObjects, component_state_dict, plain_tensors
-from .targets import SavePaths, SaveTarget
+from .targets import SavePaths
+from .tiers import TierStack, WriteInputs
 
 __all__ = ["Saver"]
 
@@ -72,31 +68,26 @@ class Saver:
         self,
         config: EngineConfig,
         pipeline: Pipeline,
-        target: SaveTarget,
+        tiers: TierStack,
         queue: SaveQueue,
         *,
         plan_prefix: str,
         checksum: str | None,
-        local: LocalTier | None = None,
     ) -> None:
         self.config = config
-        #: The node-local tier: every save is committed there too (None: none configured).
-        self.local = local
         self.pipeline = pipeline
-        #: The storage mode, chosen once: staging folder, commit, uploads, cleanup, retention.
-        self.target = target
+        #: The tiers a save goes to (the persist policy), each preparing and writing its part.
+        self.tiers = tiers
+        #: The storage mode of the durable tier, chosen once: its staging folder and lock.
+        self.target = tiers.durable.target
         #: The saves in flight: their handles, the commit thread, failures nobody asked about.
         self.queue = queue
         #: Names the save-plan caches (``fast_save``) of this saver: one per component.
         self.plan_prefix = plan_prefix
         #: The manifest's checksum algorithm (``None``: ``save_checksums`` is off, sizes only).
         self.checksum = checksum
-        #: Held by rank 0 from the first save until close(): a second engine saving into the
-        #: same folder gets SaveDirLockedError instead of interleaving checkpoints. (An object
-        #: store has no lock: the local staging folder is what is locked there.)
-        self.lock = SaveDirLock(target.staging_root)
         #: Commits what this saver wrote, in each tier, and reports every outcome.
-        self.committer = SaveCommitter(config, pipeline, target, queue, local, checksum)
+        self.committer = SaveCommitter(config, pipeline, tiers, queue, checksum)
         #: The background check of staged copies' plain tensors (made at the first such save).
         self._later: LaterTensorCheck | None = None
 
@@ -119,7 +110,7 @@ class Saver:
         leftovers = find_leftovers(self.target.staging_root)
         if not leftovers:
             return
-        holder = self.lock.try_hold_briefly()
+        holder = self.tiers.durable.lock.try_hold_briefly()
         if holder is None:
             logger.info(
                 "%s holds %d leftover temporary folder(s), but another engine holds its lock (or it cannot "
@@ -135,46 +126,43 @@ class Saver:
             holder.release()
 
     def close(self) -> None:
-        """Drop this saver's plan caches and release the save_dir lock (after every save ended)."""
+        """Drop this saver's plan caches (after every save ended; the tiers release their locks)."""
         drop_plan_caches(self.plan_prefix)
         if self._later is not None:
             self._later.close()
-        self.lock.release()
 
     # -- one save ---------------------------------------------------------------------------
 
     def save(self, iteration: int, objs: TrainingObjects, *, durable: bool = False) -> SaveHandle:
         """Save ``objs`` as ``iteration`` (see :meth:`CheckpointEngine.save`): prepare, write,
         then commit now or hand the save to the commit thread. With a local tier, every save is
-        committed there and ``durable`` ones (``persist_every``, or forced) also to ``save_dir``."""
+        committed there and ``durable`` ones (``persist_every``, or forced) also to ``save_dir``:
+        the tier stack's persist policy."""
         # One save in flight (more only where the stage provider says so): never re-stage while
         # a write may still read the buffers.
         self.queue.wait(keep=self.queue.may_keep(iteration, self.pipeline.max_saves_in_flight()), raise_errors=False)
 
         clock = SaveClock(time.perf_counter())
-        local = self.local.paths(iteration) if self.local is not None else None
-        durable = local is None or durable or iteration % self.config.persist_every == 0
-        writes = SaveWrites(durable, [], local)
-        paths = self.target.paths(iteration) if durable or local is None else local
+        writes = SaveWrites(self.tiers.saves(iteration, durable=durable))
+        paths = writes.main.paths
         components = tuple(objs.available())
         try:
             staged, maps, stable, checked = self._prepare(objs, paths, writes, components, clock)
-            if self.local is not None:
-                writes.round = self.local.begin(iteration)
+            for part in writes.saves:
+                part.round = part.tier.begin(iteration)
         except Exception as err:
             failure = self._failed_before_write(paths, writes, components, err, clock)
             if failure is err:
                 raise
             raise failure from err
         try:
-            carry = None
-            if durable and self.config.incremental and self.checksum is not None:
-                carry = carry_base(self.target, self.config, self.checksum, iteration)
-                paths = dataclasses.replace(paths, carry_chain=carry.chain, carry_from=carry.folder)
-            self._write(paths, writes, components, staged, maps, clock, carry, stable, checked)
+            inputs = WriteInputs(
+                self.pipeline, staged, maps[0], maps[1], stable, checked, self.plan_prefix, self.checksum
+            )
+            self._write(writes, components, inputs, clock)
             clock.snapshot = staged.snapshot
             clock.blocked = time.perf_counter() - clock.t0
-            return self.committer.hand_off(paths, writes, components, clock)
+            return self.committer.hand_off(writes, components, clock)
         finally:
             if self._later is not None:
                 self._later.release()  # the staged copy's check runs once save() is done
@@ -215,11 +203,8 @@ class Saver:
             if world > 1 and (checking or self.config.per_rank_keys):
                 part: Part = "values" if checking else "none"
                 check = digests(state, key_maps, paths.iteration, self.config.per_rank_keys, part)
-            if writes.durable:
-                self._clear_for_save(paths, rank, world)
-            if self.local is not None and writes.local is not None:
-                self.local.topology()  # a ranks_per_node or peer_replicas that cannot fit: refused now
-                self.local.prepare(writes.local)
+            for tier_save in writes.saves:  # the durable tier first: the rank-0 clearing, the lock
+                tier_save.tier.prepare(tier_save.paths)
             t_stage = time.perf_counter()
             publish_phase("stage")
             ctx_stage = SaveContext(
@@ -287,27 +272,12 @@ class Saver:
             return check, (staged, digests(state, key_maps, iteration, patterns, "tensors"), state)
         return check, (staged, None, state)
 
-    def _clear_for_save(self, paths: SavePaths, rank: int, world: int) -> None:
-        """Before staging: rank 0 refuses a committed iteration (``allow_overwrite``), takes the
-        save_dir lock (the first save also clears what a crash left) and lets the target clear
-        this iteration's leftovers; the other ranks clear what only they can see."""
-        if rank != 0:
-            self.target.clear_own_files(paths, rank, world)
-            return
-        refuse_resave(paths.iteration, self.target.resave_targets(paths), self.config.allow_overwrite)
-        os.makedirs(self.target.staging_root, exist_ok=True)
-        if self.lock.acquire():
-            for line in cleanup_leftovers(self.target.staging_root):
-                logger.warning("%s", line)
-        self.target.clear_for_save(paths)
-
     def _failed_before_write(
         self, paths: SavePaths, writes: SaveWrites, components: tuple[str, ...], err: Exception, clock: SaveClock
     ) -> Exception:
         """Report a save that failed before any write, and return the error ``save()`` raises:
         refusals and timeouts as they are, anything else as a :class:`CheckpointSaveError`."""
-        if writes.round is not None:
-            writes.round.set_result(None)
+        writes.abandon(cleanup=False)
         self.committer.report(paths, writes, components, clock, err, cleanup=False)
         if isinstance(err, CollectiveError):
             err.committed = False
@@ -325,68 +295,18 @@ class Saver:
         detail = str(err) if isinstance(err, CkptEngineError) else described(err)
         return CheckpointSaveError(f"saving iteration {paths.iteration} to {paths.final} failed: {detail}")
 
-    def _write(
-        self,
-        paths: SavePaths,
-        writes: SaveWrites,
-        components: tuple[str, ...],
-        staged: Any,
-        maps: tuple[dict[str, dict[str, str]], dict[str, dict[str, str]]],
-        clock: SaveClock,
-        carry: CarryBase | None,
-        stable: frozenset[str],
-        checked: Future[None] | None = None,
-    ) -> None:
-        """Hand each component to the ``write`` provider (with what it may carry over, where
-        ``incremental``), for ``save_dir`` where the save is durable and for the local tier;
+    def _write(self, writes: SaveWrites, components: tuple[str, ...], inputs: WriteInputs, clock: SaveClock) -> None:
+        """Each tier's writes of the save (the durable tier's first, where the save goes there);
         the live state (no staged copy) is written before this returns. A failure is reported and
-        raised on every rank (a rank-local write's on its own rank)."""
+        raised on every rank (a rank-local write's on its own rank, by the commit)."""
         clock.write_start = time.perf_counter()
-        rank, world = _dist.rank(), _dist.world_size()
-        key_maps, local_maps = maps
         try:
-            for name in components if writes.durable else ():
-                planner = EngineSavePlanner(key_maps[name], cache_key=self.plan_prefix + name, checksum=self.checksum)
-                ctx = WriteContext(
-                    component=name,
-                    iteration=paths.iteration,
-                    path=os.path.join(paths.partial, name),
-                    rank=rank,
-                    world_size=world,
-                    planner=planner,
-                    staged_copy=staged.is_copy,
-                    thread_count=self.config.thread_count,
-                    sync_files=self.config.sync_files,
-                    process_group=watch_group(),
-                    collective_timeout_s=self.config.collective_timeout_s,
-                    carry_over=None
-                    if carry is None
-                    else carry.for_component(name, stable if name == "model" else frozenset()),
-                )
-                out = self.pipeline.write(ctx, staged.components[name])
-                if checked is not None and isinstance(out, Future):  # commits only once the ranks agree
-                    out, checked = gated(out, checked), None
-                if isinstance(out, Future) and not staged.is_copy:
-                    out = out.result()  # the live state: must be written before save() returns
-                writes.outcomes.append(out)
-            if self.local is not None and writes.local is not None:
-                assert self.checksum is not None
-                writes.local, writes.local_outcomes = self.local.write(
-                    self.pipeline,
-                    writes.local,
-                    staged,
-                    local_maps,
-                    plan_prefix=self.plan_prefix,
-                    checksum=self.checksum,
-                    stable=stable,
-                )
+            for part in writes.saves:
+                part.paths, part.outcomes = part.tier.write(part.paths, inputs)
         except (Exception, CheckpointException) as exc:
             cause, ranks = unwrap(exc)
-            if writes.round is not None:
-                writes.round.set_result(None)
-            if writes.local is not None and self.local is not None:
-                self.local.finish(writes.local, cleanup=True)
-            failure = self._failed_write(paths, writes, components, cause, ranks, clock)
+            writes.abandon(cleanup=True)
+            failure = self._failed_write(writes.main.paths, writes, components, cause, ranks, clock)
             if isinstance(cause, CollectiveError):
                 cause.committed = False
                 raise cause from None

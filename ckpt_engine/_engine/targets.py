@@ -15,7 +15,8 @@ it instead of testing the storage mode:
 
 A target owns the staging folder, the per-rank file publication, the commit, what follows it,
 the cleanup of an uncommitted save and the folders retention runs in. The commit *protocol*
-(waiting for the writes, the ranks' agreement) is :mod:`ckpt_engine._engine.commit`'s.
+(waiting for the writes, the ranks' agreement) is :func:`ckpt_engine._engine.tiers.run_commit`'s,
+run by the durable tier (:class:`~ckpt_engine._engine.tiers.DurableTier`) that holds the target.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,6 +28,7 @@ from .._dcpio import dist as _dist
 from .._dcpio.hf_read import SafetensorsReader, is_safetensors_path, read_index
 from .._dcpio.planner import EngineLoadPlanner
 from .._storage.store import Store
+from ..config import EngineConfig
 from ..errors import (
     CheckpointLoadError,
     CheckpointNotFoundError,
@@ -36,14 +37,12 @@ from ..errors import (
     InvalidArgumentError,
     first_failure,
 )
+from ..pipeline import Pipeline
 from ..report import ComponentReport, LoadReport, SkipRecord
 from ..types import LoadResult
 from .consensus import agreed
 from .rank_views import file_view, require_one_checkpoint, safetensors_view
 from .state import TrainingObjects, apply_component, component_state_dict
-
-if TYPE_CHECKING:
-    from .loader import Loader
 
 __all__ = ["is_safetensors_path", "load_pth", "load_safetensors"]
 
@@ -103,21 +102,20 @@ def load_pth(objs: TrainingObjects, path: str, store: Store) -> LoadResult:
 # -- Hugging Face safetensors --------------------------------------------------------------------
 
 
-def load_safetensors(engine: Loader, objs: TrainingObjects, path: str) -> LoadResult:
+def load_safetensors(cfg: EngineConfig, pipeline: Pipeline, objs: TrainingObjects, path: str) -> LoadResult:
     """Resume rule for safetensors weights: ``model`` only, iteration 0, through the engine's planner."""
     if not objs.modules:
         raise ConfigError(f"load_path {path!r} holds model weights (safetensors): pass model= to load()")
-    if "model" in engine.config.keys_not_to_resume:
+    if "model" in cfg.keys_not_to_resume:
         logger.info("load_path %s: model is in keys_not_to_resume; nothing loaded", path)
         return LoadResult(iteration=0, checkpoint_path=path, report=LoadReport(), source="safetensors")
     index = agreed(lambda: read_index(path))
     require_one_checkpoint(safetensors_view(index), "load_path")
-    cfg = engine.config
     sd = component_state_dict(objs, "model")
     planner = EngineLoadPlanner(
         component="model",
         checkpoint_dir=path,
-        pipeline=engine.pipeline,
+        pipeline=pipeline,
         strict=cfg.strict,
         strict_unexpected=cfg.strict_unexpected,
         rank=_dist.rank(),

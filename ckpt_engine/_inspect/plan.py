@@ -20,7 +20,8 @@ from torch.futures import Future
 
 from .._dcpio.dist import quiet_dcp
 from .._dcpio.planner import EngineLoadPlanner
-from .._engine.loader import Loader, components_by_rule
+from .._engine.loader import Loader
+from .._engine.resume import components_by_rule
 from .._engine.state import TrainingObjects, component_state_dict
 from .._format.layout import check_component_files
 from .._format.metadata import SafeFileSystemReader, read_metadata
@@ -185,7 +186,7 @@ def _dry_run(config: EngineConfig, target: Any, objs: TrainingObjects, wanted: l
     """The engine's own checks and per-component plans, with a reader that reads nothing."""
     loaded = build_plugin_manager(config)
     pipeline = Pipeline(loaded)
-    engine = Loader(config, pipeline, config.save_dir)  # the engine's own resume logic
+    engine = Loader(config, pipeline)  # the engine's own resume logic
     try:
         plugins = ", ".join(loaded.order) or "(none)"
         run.lines.append(f"plugins (fold order): {plugins}; strict={config.strict}")

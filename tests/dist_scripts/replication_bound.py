@@ -62,7 +62,7 @@ def run(base: str, mode: str, steps: int, rank: int) -> None:
         for it in range(1, steps + 1):
             step(model, optim, seed=100 * rank + it)  # each rank its own bytes: all of them travel
             engine.save(it, model=model, optimizer=optim).result()
-            replicator = engine._local._replicator  # what pins steps: asserted by the test
+            replicator = engine._tiers.nearer[0]._replicator  # what pins steps: asserted by the test
             saves.append({"in_flight": len(replicator.in_flight()), "held": len(_held(own))})
         engine.wait_replicated()
         after = _held(own)
