@@ -352,8 +352,6 @@ LONG_FUNCTIONS_ALLOWED = {
     "a save and every rank's agreement that they worked, in sequence",
     "ckpt_engine/_engine/saver.py::Saver._write": "debt (62 lines): the durable writes, the local tier's and "
     "the one failure path of both",
-    "plugins/ckpt_engine_plugins/pinned_staging/process.py::WriterProcess.__init__": "debt (62 lines): the "
-    "writer's state, its process and pipes, and its two I/O threads started",
 }
 
 
