@@ -12,7 +12,6 @@ once the Trainer has built its optimizer and scheduler.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
@@ -49,8 +48,6 @@ __all__ = [
     "read_training_state",
     "reader_engine",
 ]
-
-logger = logging.getLogger("ckpt_engine")
 
 #: The component holding the Trainer's state (``TrainerState`` as JSON) and what the save holds.
 COMPONENT = "trainer_state"
