@@ -36,7 +36,7 @@ from typing import BinaryIO
 
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from .._format.hashing import new_hasher
+from .._format.hashing import hash_stream, new_hasher
 from .._storage.store import local_file_version
 
 __all__ = ["GROUP_BYTES", "CarriedFile", "FileGroup", "create_new", "group_items", "link_file"]
@@ -181,11 +181,8 @@ def _vouch_by_reading(source: str, st: os.stat_result, expected: CarriedFile) ->
     try:
         if os.fstat(fd).st_ino != st.st_ino:
             return f"{source} was replaced while it was checked"
-        buf = bytearray(_BUFFER * 8)
-        view = memoryview(buf)
         with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                hasher.update(view[:n])
+            hash_stream(f, hasher)
     finally:
         os.close(fd)
     if hasher.hexdigest() != expected.checksum:

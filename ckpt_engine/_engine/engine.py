@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .._dcpio.fast_read import gc_paused
-from .._format.manifest import DEFAULT_ALGORITHM
+from .._format.hashing import DEFAULT_ALGORITHM
 from ..config import EngineConfig
 from ..errors import ArgumentTypeError, CkptEngineError, InvalidArgumentError, clip
 from ..pipeline import Pipeline

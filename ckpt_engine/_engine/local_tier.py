@@ -29,8 +29,9 @@ from .._dcpio.coordination import RANK_LOCAL
 from .._dcpio.dist import new_gloo_group
 from .._dcpio.planner import EngineSavePlanner
 from .._format.digests import written_entries
+from .._format.hashing import DEFAULT_ALGORITHM
 from .._format.layout import SaveDirLock, cleanup_leftovers, remove_tree
-from .._format.manifest import DEFAULT_ALGORITHM, FileEntry, Lineage, Manifest, list_files, lookup_manifest
+from .._format.manifest import FileEntry, Lineage, Manifest, list_files, lookup_manifest
 from .._format.names import iter_dirname, partial_dirname
 from .._format.pointer import read_latest
 from .._format.retention import apply_retention

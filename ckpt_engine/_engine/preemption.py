@@ -35,18 +35,30 @@ import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._dcpio import dist as _dist
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from .engine import CheckpointEngine
+    from ..pipeline import Pipeline
     from .pending import SaveHandle
 
-__all__ = ["PreemptionSaver"]
+__all__ = ["PreemptionSaver", "SavingEngine"]
 
 logger = logging.getLogger("ckpt_engine")
+
+
+class SavingEngine(Protocol):
+    """What a :class:`PreemptionSaver` needs of the engine (``CheckpointEngine`` is one): a save,
+    the wait for every save's commit, and the pipeline whose background writer it asks."""
+
+    @property
+    def pipeline(self) -> Pipeline: ...
+
+    def save(self, iteration: int, *args: Any, **objects: Any) -> SaveHandle: ...
+
+    def wait(self) -> None: ...
 
 
 class PreemptionSaver:
@@ -55,7 +67,7 @@ class PreemptionSaver:
 
     def __init__(
         self,
-        engine: CheckpointEngine,
+        engine: SavingEngine,
         *,
         every: int | None = None,
         signals: Sequence[signal.Signals] = (signal.SIGTERM,),

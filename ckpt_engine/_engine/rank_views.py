@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from .._dcpio import dist as _dist
 from .._dcpio.hf_read import SafetensorsIndex
-from .._format.hashing import DEFAULT_ALGORITHM, new_hasher
+from .._format.hashing import DEFAULT_ALGORITHM, hash_stream, new_hasher
 from .._format.manifest import lookup_manifest
 from .._format.metadata import MAX_METADATA_BYTES
 from .._format.names import METADATA_FILE, parse_iteration
@@ -43,7 +43,6 @@ __all__ = ["CheckpointView", "file_view", "folder_view", "require_one_checkpoint
 #: Rank groups and characters of each shown in a disagreement (the message stays bounded).
 _GROUPS_SHOWN = 4
 _NAME_CHARS = 80
-_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -101,11 +100,8 @@ def file_view(path: str, store: Store) -> CheckpointView:
     hasher = new_hasher(DEFAULT_ALGORITHM)
     assert hasher is not None
     try:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
         with store.open_read(path) as f:
-            while n := f.readinto(buf):
-                hasher.update(view[:n])
+            hash_stream(f, hasher)
     except (OSError, CkptEngineError) as err:
         return CheckpointView(_name(path), None, f"unreadable ({type(err).__name__})")
     return CheckpointView(_name(path), None, f"file {hasher.hexdigest()}")

@@ -17,7 +17,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .manifest import CARRIED, FileEntry, entry_doc, hash_files, parse_blocks
+from .hashing import hash_files
+from .manifest import CARRIED, FileEntry, entry_doc, parse_blocks
 from .names import PART_PREFIX, is_part
 
 __all__ = [

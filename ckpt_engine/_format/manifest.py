@@ -1,4 +1,4 @@
-"""The manifest: the file list a checkpoint is committed with, written, read and hashed.
+"""The manifest: the file list a checkpoint is committed with, written and read.
 
 Every checkpoint the engine commits holds ``ckpt_engine_manifest.json`` at its top level (next to
 the component folders, never inside one, so each component stays a plain DCP checkpoint). It
@@ -6,8 +6,8 @@ lists every file with its size and checksum, plus the engine and torch versions,
 the components and the iteration. Checkpoints without one (plain DCP, the original
 checkpointer) still load; they are reported as unverified.
 
-The engine writes it on save (:func:`hash_files`, :func:`write_manifest`) and finds it on load
-(:func:`lookup_manifest`); checking a checkpoint against it is :mod:`.verify`'s job.
+The engine writes it on save (:func:`write_manifest`, with the digests of :mod:`.hashing`) and finds
+it on load (:func:`lookup_manifest`); checking a checkpoint against it is :mod:`.verify`'s job.
 """
 
 from __future__ import annotations
@@ -15,24 +15,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .._storage.store import VERSION_PATTERN, Store, store_for
 from .._version import __version__
-from ..errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, clip, denied
+from ..errors import CheckpointPermissionError, CorruptCheckpointError, clip, denied
 from . import bounded_json
-from .hashing import DEFAULT_ALGORITHM, new_hasher
 from .layout import CheckedCheckpoint
 from .names import MANIFEST_FILE, RANK_PART_PREFIX, is_part
 
 __all__ = [
-    "DEFAULT_ALGORITHM",
     "MANIFEST_FILE",
     "FileEntry",
     "Lineage",
@@ -44,7 +40,6 @@ MANIFEST_FORMAT = "ckpt-engine-manifest"
 MANIFEST_VERSION = 1
 #: A manifest lists a few files per component and rank; anything bigger is not one of ours.
 MAX_MANIFEST_BYTES = 64 << 20
-_CHUNK = 8 << 20
 _SAFE_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _RANK_FILE = re.compile(r"^__(\d+)_")
 _HEX = re.compile(r"[0-9a-f]{1,128}")
@@ -261,69 +256,6 @@ def owner_rank(rel: str, world_size: int) -> int:
     if m is not None and int(m.group(1)) < world_size:
         return int(m.group(1))
     return 0
-
-
-def hash_file(
-    path: str, algorithm: str | None, progress: Callable[[int], None] | None = None, store: Store | None = None
-) -> FileEntry:
-    """Size and checksum of one regular file or object (``algorithm`` None: the size only)."""
-    store = store_for(path, store)
-    try:
-        size: int | None = None
-        if store.capabilities.local_files:
-            st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(f"{path} is not a regular file")
-            size = st.st_size
-        if algorithm is None:
-            return FileEntry(size=store.size(path) if size is None else size)
-        hasher = new_hasher(algorithm)
-        if hasher is None:
-            raise CkptEngineError(f"checksum algorithm {algorithm!r} is not available here")
-        size = 0
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        with store.open_read(path) as f:
-            while n := f.readinto(buf):
-                hasher.update(view[:n])
-                size += n
-                if progress is not None:
-                    progress(n)
-        return FileEntry(size=size, checksum=hasher.hexdigest())
-    except PermissionError as err:
-        raise CheckpointPermissionError(f"cannot read {path}: {denied(err)}") from err
-
-
-def hash_files(
-    checkpoint_dir: str | os.PathLike[str],
-    rels: Collection[str],
-    algorithm: str | None,
-    *,
-    threads: int = 4,
-    progress: Callable[[int], None] | None = None,
-    store: Store | None = None,
-) -> dict[str, FileEntry]:
-    """:func:`hash_file` over ``rels`` (relative to ``checkpoint_dir``), a few files at a time."""
-    root = os.fspath(checkpoint_dir)
-    store = store_for(root, store)
-    todo = sorted(rels)
-    if not todo:
-        return {}
-
-    def one(rel: str) -> tuple[str, FileEntry]:
-        return rel, hash_file(store.join(root, *rel.split("/")), algorithm, progress, store)
-
-    if threads <= 1 or len(todo) == 1 or algorithm is None:
-        return dict(one(rel) for rel in todo)
-    try:
-        with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="ckpt-engine-hash") as pool:
-            return dict(pool.map(one, todo))
-    except RuntimeError as err:
-        # A background commit at interpreter exit: concurrent.futures refuses new work once
-        # shutdown began ("cannot schedule new futures after interpreter shutdown").
-        if "interpreter shutdown" not in str(err):
-            raise
-        return dict(one(rel) for rel in todo)
 
 
 def write_manifest(checkpoint_dir: str | os.PathLike[str], manifest: Manifest, store: Store | None = None) -> None:

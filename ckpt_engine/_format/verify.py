@@ -28,13 +28,12 @@ from typing import Any, Literal
 
 from .._storage.store import Store, store_for
 from ..errors import CheckpointPermissionError, CkptEngineError, CorruptCheckpointError, IntegrityError, denied
-from .hashing import new_hasher
+from .hashing import hash_bytes, hash_file, new_hasher
 from .layout import CheckedCheckpoint, check_complete
 from .manifest import (
     FileEntry,
     Manifest,
     ManifestLookup,
-    hash_file,
     lookup_manifest,
     referenced_files,
 )
@@ -70,13 +69,11 @@ def metadata_checker(
             return  # not in the manifest: check_against_manifest reports that
         if len(data) != entry.size:
             raise IntegrityError(f"{path} is {len(data)} bytes, but {MANIFEST_FILE} records {entry.size}")
-        hasher = new_hasher(manifest.algorithm) if manifest.algorithm and entry.checksum else None
-        if hasher is not None:
-            hasher.update(data)
-            if hasher.hexdigest() != entry.checksum:
-                raise IntegrityError(
-                    f"{path} does not match the checksum in {MANIFEST_FILE}: the file is damaged; nothing was parsed"
-                )
+        digest = hash_bytes(data, manifest.algorithm) if manifest.algorithm and entry.checksum else None
+        if digest is not None and digest != entry.checksum:
+            raise IntegrityError(
+                f"{path} does not match the checksum in {MANIFEST_FILE}: the file is damaged; nothing was parsed"
+            )
 
     return check
 

@@ -18,12 +18,12 @@ import io
 import os
 import struct
 import zipfile
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .._format import safe_pickle
+from .._format.hashing import hash_stream, new_hasher
 from .._format.metadata_parser import PickleMalformed, PickleRefused
 from .._format.safe_pickle import Opaque, TensorRef
 from .._storage.fscheck import open_regular, require_regular_file
@@ -241,15 +241,10 @@ def crc_problems(archive: PtArchive, progress: Callable[[int], None] | None = No
     with open_regular(archive.path, "a torch.save file") as f:
         for record in archive.records.values():
             f.seek(record.offset)
-            crc, left = 0, record.size
-            while left:
-                chunk = f.read(min(left, 1 << 20))
-                if not chunk:
-                    break
-                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
-                if progress is not None:
-                    progress(len(chunk))
-            if left or crc != record.crc:
+            crc = new_hasher("crc32")
+            assert crc is not None
+            read = hash_stream(f, crc, limit=record.size, progress=progress)
+            if read < record.size or crc.hexdigest() != f"{record.crc:08x}":
                 problems.append(
                     f"{archive.path}: record {clip(record.name)} fails its CRC-32 check: the file is corrupt"
                 )

@@ -12,9 +12,9 @@ Object stores have neither FIFOs nor symlinks; callers skip these checks there.
 
 from __future__ import annotations
 
+import io
 import os
 import stat
-from typing import BinaryIO
 
 from ..errors import CorruptCheckpointError
 
@@ -68,7 +68,7 @@ def _open_checked(path: str, what: str) -> int:
     return fd
 
 
-def open_regular(path: str | os.PathLike[str], what: str = "a checkpoint file") -> BinaryIO:
+def open_regular(path: str | os.PathLike[str], what: str = "a checkpoint file") -> io.BufferedReader:
     """The regular file ``path`` opened for binary reading (see :func:`_open_checked`).
     ``FileNotFoundError`` / ``PermissionError`` / ``IsADirectoryError`` pass through."""
     fd = _open_checked(os.fspath(path), what)

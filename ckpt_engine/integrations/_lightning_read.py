@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._format import bounded_json
-from .._format.pointer import read_latest
-from .._storage.store import open_store
+from ..checkpoints import latest_checkpoint
 from ..config import EngineConfig
 from ..errors import (
     CheckpointLoadError,
@@ -172,7 +171,7 @@ class CheckpointReader:
 
     def _engine(self, save_dir: str, folder: str | None, *, verify: str | None = None) -> Any:
         """An engine that only loads: ``folder`` exactly, or the latest of ``save_dir``."""
-        from .._engine.engine import CheckpointEngine
+        from .. import CheckpointEngine
 
         update: dict[str, Any] = {
             "plugins": tuple(p for p in self.config.plugins if p.name != "pinned_staging"),
@@ -223,7 +222,7 @@ class CheckpointReader:
 
     def _has_component(self, save_dir: str, folder: str | None) -> bool:
         if folder is None:
-            name = read_latest(save_dir, open_store(save_dir, self.config.storage))
+            name = latest_checkpoint(save_dir, self.config.storage)
             if name is None:
                 return True  # nothing to tell: let the engine's error stand
             folder = f"{save_dir.rstrip('/')}/{name}"

@@ -20,9 +20,9 @@ from typing import Any
 import fsspec
 
 from .._format import bounded_json
-from .._format.names import parse_iteration
 from .._storage.store import store_for
 from .._storage.urls import is_url
+from ..checkpoints import iteration_of
 from ..errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
 
 __all__ = [
@@ -150,7 +150,7 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
     pointer = Pointer(data["save_dir"], data["checkpoint"], data["iteration"], save_id, moved)
     if not ITER_NAME.match(pointer.checkpoint):
         raise CorruptCheckpointError(f"{path}: names {pointer.checkpoint[:80]!r}, which is no checkpoint folder name")
-    if parse_iteration(pointer.checkpoint) != pointer.iteration:
+    if iteration_of(pointer.checkpoint) != pointer.iteration:
         raise CorruptCheckpointError(
             f"{path}: the pointer names {pointer.checkpoint} but claims iteration {pointer.iteration}; rewrite the "
             "pointer, or load the checkpoint folder itself"

@@ -12,7 +12,6 @@ once the Trainer has built its optimizer and scheduler.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
@@ -23,10 +22,8 @@ from typing import Any
 from .._dcpio import dist as _dist
 from .._engine.rng import RNG_COMPONENT, RngState
 from .._format import bounded_json
-from .._format.layout import CheckpointInUseError, remove_checkpoint
-from .._format.pointer import list_checkpoints, read_latest
-from .._format.retention import plan_retention
 from .._storage.store import open_store
+from ..checkpoints import apply_retention, iteration_of, latest_checkpoint, list_checkpoints
 from ..config import EngineConfig
 from ..errors import (
     CheckpointNotFoundError,
@@ -51,8 +48,6 @@ __all__ = [
     "read_training_state",
     "reader_engine",
 ]
-
-logger = logging.getLogger("ckpt_engine")
 
 #: The component holding the Trainer's state (``TrainerState`` as JSON) and what the save holds.
 COMPONENT = "trainer_state"
@@ -139,7 +134,7 @@ def reader_engine(config: EngineConfig, plugins: Sequence[Any], folder: str | No
     by the engine's resume rules in the configured load folder (``fallback_to_last_complete`` as
     configured). ``keys_not_to_resume`` keeps the standard components and the ``extra`` ones the
     load passes (``rng`` is not in a model-only checkpoint's load)."""
-    from .._engine.engine import CheckpointEngine
+    from .. import CheckpointEngine
 
     known = {*STANDARD_COMPONENTS, *extra}
     update: dict[str, Any] = {
@@ -224,7 +219,7 @@ def _lacking_component(config: EngineConfig, folder: str | None) -> str | None:
     load_dir = folder or config.resolved_load_dir
     store = open_store(load_dir, config.storage)
     try:
-        name = read_latest(load_dir, store)
+        name = latest_checkpoint(load_dir, config.storage)
         checkpoint = store.join(load_dir, name) if name is not None else load_dir
         return None if store.exists(store.join(checkpoint, COMPONENT)) else checkpoint
     except (OSError, CkptEngineError):
@@ -235,29 +230,13 @@ _COMPONENT_OF = {"optimizer": "optim", "scheduler": "scheduler", "grad_scaler": 
 
 
 def apply_save_total_limit(config: EngineConfig, limit: int, protected: str | None) -> list[str]:
-    """``save_total_limit`` after a commit (rank 0): delete all but the ``limit`` newest complete
-    checkpoints and ``protected`` (the best one), never the latest. Best effort, as the engine's
-    own retention: failures are logged, and retried after the next commit. Returns the deleted paths."""
-    store = open_store(config.save_dir, config.storage)
-    try:
-        doomed = plan_retention(config.save_dir, limit, None, store)
-    except (CkptEngineError, OSError) as err:
-        logger.warning("save_total_limit: retention skipped in %s: %s", config.save_dir, err)
-        return []
-    keep = {_name(protected)} if protected else set()
-    deleted = []
-    for path in doomed:
-        if _name(path) in keep:
-            continue
-        try:
-            remove_checkpoint(path, store)
-        except FileNotFoundError:
-            continue
-        except (CheckpointInUseError, OSError, CkptEngineError) as err:
-            logger.warning("save_total_limit: could not delete %s (%s); retried after the next commit", path, err)
-            continue
-        deleted.append(path)
-    return deleted
+    """``save_total_limit`` after a commit (rank 0): the engine's retention keeping the ``limit``
+    newest complete checkpoints and ``protected`` (the best one), never the latest. Best effort,
+    as the engine's own retention: failures are logged, and retried after the next commit.
+    Returns the deleted paths."""
+    best = iteration_of(protected) if protected else None
+    kept = () if best is None else (best,)
+    return apply_retention(config.save_dir, limit, protected=kept, storage=config.storage).deleted
 
 
 def newer_checkpoints(config: EngineConfig, step: int) -> list[str]:
@@ -265,8 +244,7 @@ def newer_checkpoints(config: EngineConfig, step: int) -> list[str]:
     lists them (every rank gets rank 0's list, so every rank decides alike)."""
     names = None
     if _dist.rank() == 0:
-        store = open_store(config.save_dir, config.storage)
-        names = [_name(path) for it, path in list_checkpoints(config.save_dir, store) if it > step]
+        names = [_name(path) for it, path in list_checkpoints(config.save_dir, config.storage) if it > step]
     if _dist.initialized() and _dist.world_size() > 1:
         names = _dist.broadcast_object(names, step="newer checkpoints")
     return list(names or [])

@@ -42,12 +42,10 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.strategies import Strategy
 
+from .. import hookimpl
 from .._format import bounded_json
-from .._format.layout import CheckpointInUseError, remove_checkpoint
-from .._format.pointer import read_latest
-from .._markers import hookimpl
-from .._storage.store import open_store
 from .._storage.urls import is_url
+from ..checkpoints import CheckpointInUseError, latest_checkpoint, remove_checkpoint
 from ..config import EngineConfig
 from ..errors import ArgumentTypeError, CheckpointExistsError, CheckpointSaveError, CkptEngineError
 from ..types import SaveResult
@@ -221,7 +219,7 @@ class EngineCheckpointIO(CheckpointIO):
     def engine(self) -> Any:
         """The :class:`~ckpt_engine.CheckpointEngine` of this run (created on first use)."""
         if self._engine is None:
-            from .._engine.engine import CheckpointEngine
+            from .. import CheckpointEngine
 
             self._engine = CheckpointEngine(self.config, plugins=[*self._plugins, _CommitObserver(self)])
         return self._engine
@@ -488,8 +486,7 @@ class EngineCheckpointIO(CheckpointIO):
             doomed = list(self._doomed.values())
         if not doomed:
             return
-        store = open_store(self.save_dir, self.config.storage)
-        latest = read_latest(self.save_dir, store)
+        latest = latest_checkpoint(self.save_dir, self.config.storage)
         named: set[str] | None = None
         for pointer in doomed:
             if pointer.checkpoint == latest:
@@ -500,7 +497,7 @@ class EngineCheckpointIO(CheckpointIO):
             if pointer.checkpoint in named:
                 continue
             try:
-                remove_checkpoint(pointer.folder, store)
+                remove_checkpoint(pointer.folder, self.config.storage)
             except CheckpointInUseError as err:
                 logger.warning("not removing %s: %s", pointer.folder, err)
             except FileNotFoundError:

@@ -35,12 +35,12 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy, get_last_checkpoint
 
+from .. import hookimpl
 from .._dcpio import dist as _dist
 from .._engine.rng import RNG_COMPONENT, RngState
-from .._format.names import iter_dirname, parse_iteration
-from .._markers import hookimpl
 from .._storage.store import open_store
 from .._storage.urls import is_url
+from ..checkpoints import checkpoint_name, iteration_of
 from ..config import EngineConfig
 from ..errors import (
     ArgumentTypeError,
@@ -65,7 +65,7 @@ from ._trainer_checkpoint import (
 )
 
 if TYPE_CHECKING:
-    from .._engine.engine import CheckpointEngine
+    from .. import CheckpointEngine
 
     _TrainerBase = Trainer
 else:  # at run time the mixin is a plain class, so it composes with any Trainer subclass
@@ -312,7 +312,7 @@ class EngineTrainerMixin(_TrainerBase):
     def engine(self) -> CheckpointEngine:
         """The :class:`~ckpt_engine.CheckpointEngine` this trainer saves with (created on first use)."""
         if self._engine is None:
-            from .._engine.engine import CheckpointEngine
+            from .. import CheckpointEngine
 
             config = self.engine_config
             if self._overwrite:
@@ -328,7 +328,7 @@ class EngineTrainerMixin(_TrainerBase):
 
     def checkpoint_path(self, step: int) -> str:
         """The engine checkpoint folder of global step ``step`` (it may not exist)."""
-        return f"{self.checkpoint_dir.rstrip('/')}/{iter_dirname(step)}"
+        return f"{self.checkpoint_dir.rstrip('/')}/{checkpoint_name(step)}"
 
     def _refuse_unsupported(self) -> None:
         args, cfg = self.args, self.engine_config
@@ -611,7 +611,7 @@ class EngineTrainerMixin(_TrainerBase):
 
     def _is_engine_checkpoint(self, path: str) -> bool:
         parent, name = path.rstrip("/").rsplit("/", 1) if "/" in path else ("", path)
-        return parse_iteration(name) is not None and parent == self.checkpoint_dir.rstrip("/")
+        return iteration_of(name) is not None and parent == self.checkpoint_dir.rstrip("/")
 
 
 class EngineTrainer(EngineTrainerMixin, Trainer):

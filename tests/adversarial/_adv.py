@@ -13,7 +13,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckpt_engine import CheckpointEngine, LoadResult
-from ckpt_engine._format.manifest import MANIFEST_FILE, hash_file
+from ckpt_engine._format.hashing import hash_file
+from ckpt_engine._format.manifest import MANIFEST_FILE
 from ckpt_engine._format.metadata import read_metadata
 from ckpt_engine.testing import TinyTrainingState
 

@@ -13,7 +13,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from ckpt_engine import CheckpointEngine
 from ckpt_engine._dcpio.fast_save import plan_cache
-from ckpt_engine._format.manifest import MANIFEST_FILE, hash_files, list_files
+from ckpt_engine._format.hashing import hash_files
+from ckpt_engine._format.manifest import MANIFEST_FILE, list_files
 
 
 class Bag(nn.Module):
@@ -130,7 +131,7 @@ def test_checksums_computed_while_writing_equal_a_full_reread(tmp_path: Any) -> 
 
 def test_commit_uses_the_streamed_digests(tmp_path: Any, monkeypatch: Any) -> None:
     """The commit reads no data file back: hashing a file at commit is an error here."""
-    import ckpt_engine._format.manifest as integrity
+    import ckpt_engine._format.hashing as integrity
 
     hashed: list[str] = []
     real = integrity.hash_file
@@ -160,7 +161,7 @@ def test_a_part_that_disagrees_with_its_file_is_not_trusted(tmp_path: Any) -> No
 
 
 def test_async_saves_stream_their_checksums_too(tmp_path: Any, monkeypatch: Any) -> None:
-    import ckpt_engine._format.manifest as integrity
+    import ckpt_engine._format.hashing as integrity
 
     hashed: list[str] = []
     real = integrity.hash_file

@@ -138,7 +138,10 @@ class WriterProcess:
         self._start_error: str | None = None
         self._kill_reason: str | None = None
         self._expected_exit = self._stopped_unready = False  # the latter: see shutdown()
+        self._start(init)
 
+    def _start(self, init: Init) -> None:
+        """Spawn the writer process on two pipes, hand it ``init`` and start the two I/O threads."""
         child_in, parent_out = os.pipe()
         parent_in, child_out = os.pipe()
         try:
