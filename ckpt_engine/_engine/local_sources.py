@@ -71,7 +71,7 @@ def local_tier_source(config: EngineConfig, durable: Durable | None, wanted: lis
     complete across all ranks (one save of it), else ``None`` (logged)."""
     assert config.local_dir is not None
     try:
-        topology = Topology.of(config, _dist.world_size())
+        topology = Topology.gather(config, _dist.world_size())
     except ConfigError as err:  # another world size than the saves had: save_dir reshards
         if _dist.rank() == 0:
             logger.warning("not resuming from the local tier: %s", err)

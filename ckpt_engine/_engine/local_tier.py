@@ -109,7 +109,7 @@ class LocalTier:
     def topology(self) -> Topology:
         world = _dist.world_size()
         if self._topology is None or self._topology.world != world:
-            self._topology = Topology.of(self.config, world)
+            self._topology = Topology.gather(self.config, world)
         return self._topology
 
     def paths(self, iteration: int) -> SavePaths:
