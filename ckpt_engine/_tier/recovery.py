@@ -167,8 +167,8 @@ def _plan(kept: list[Announced], refused: set[Copy], topology: Topology) -> _Pla
     for (iteration, save_id), holders in sorted(saves.items(), reverse=True):
         source = {}
         for owner in range(topology.world):
-            order = [owner, *topology.holders(owner), *range(topology.world)]
-            holder = next((h for h in order if h in holders.get(owner, ())), None)
+            have = holders.get(owner, set())  # its own node, its replicas in order, else the lowest rank
+            holder = next((h for h in (owner, *topology.holders(owner)) if h in have), min(have, default=None))
             if holder is None:
                 break
             source[owner] = holder
