@@ -313,8 +313,9 @@ class EngineConfig(BaseModel):
     ranks_per_node: int | None = Field(
         default=None,
         ge=1,
-        description="With `local_dir`: ranks that share one node (one failure domain, one `local_dir`). Replicas "
-        "go to ranks `ranks_per_node` apart. Default: torchrun's `LOCAL_WORLD_SIZE` (1 without it).",
+        description="With `local_dir`: ranks that share one node (one `local_dir`, the smallest failure domain). "
+        "Replicas go to the same local rank on other nodes, in other failure domains first (`failure_domain`). "
+        "Default: torchrun's `LOCAL_WORLD_SIZE` (1 without it).",
     )
     failure_domain: str | None = Field(
         default=None,
