@@ -25,6 +25,11 @@ def _taken(reports: list[dict[str, Any]]) -> list[str]:
     return ["peer" if "peer" in r["by_source"] else "+".join(sorted(r["by_source"])) for r in reports]
 
 
+def _from_tier(reports: list[dict[str, Any]]) -> bool:
+    """The last step, equal bit for bit, with 0 bytes from ``save_dir`` on every rank."""
+    return all(r["iteration"] == 5 and r["same"] and "durable" not in r["by_source"] for r in reports)
+
+
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], list[dict[str, Any]]]:
     """Each resume's reports by rank, keyed by scenario and loss number."""
@@ -47,6 +52,7 @@ def test_a_second_node_lost_before_any_save_still_resumes_from_the_tier(resumed:
     assert _taken(first) == ["local", "local", "peer", "peer"]  # node 1 rebuilt from node 0's replicas
     # Node 0 lost too, with no save in between: node 1 holds node 0's replicas again.
     assert [(r["iteration"], r["same"]) for r in second] == [(5, True)] * RANKS
+    assert _from_tier(first) and _from_tier(second)
     assert _taken(second) == ["peer", "peer", "local", "local"]  # 0 bytes from save_dir
 
 
@@ -57,8 +63,9 @@ def test_a_whole_rack_lost_resumes_from_the_other_rack(resumed: dict[Any, Any]) 
     assert _taken(rack_b) == ["local", "local", "peer", "peer"]
     assert [(r["iteration"], r["same"]) for r in rack_a] == [(5, True)] * RANKS
     assert _taken(rack_a) == ["peer", "peer", "local", "local"]
+    assert _from_tier(rack_b) and _from_tier(rack_a)
     # One replica (domains given in the config): node order would put rank 0's copy on node 1,
     # its own rack; the placement puts it on rack b.
     (one,) = [resumed["racks1", 0]]
     assert [(r["iteration"], r["same"]) for r in one] == [(5, True)] * RANKS
-    assert _taken(one) == ["peer", "peer", "local", "local"]
+    assert _taken(one) == ["peer", "peer", "local", "local"] and _from_tier(one)
