@@ -313,8 +313,18 @@ class EngineConfig(BaseModel):
     ranks_per_node: int | None = Field(
         default=None,
         ge=1,
-        description="With `local_dir`: ranks that share one node (one failure domain, one `local_dir`). Replicas "
-        "go to ranks `ranks_per_node` apart. Default: torchrun's `LOCAL_WORLD_SIZE` (1 without it).",
+        description="With `local_dir`: ranks that share one node (one `local_dir`, the smallest failure domain). "
+        "Replicas go to the same local rank on other nodes, in other failure domains first (`failure_domain`). "
+        "Default: torchrun's `LOCAL_WORLD_SIZE` (1 without it).",
+    )
+    failure_domain: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="With `local_dir`: this rank's failure domain, a label such as a rack, a power feed or a "
+        "zone (the same on every rank of a node). Replicas go to nodes of other domains first, so losing a whole "
+        "domain leaves a copy (docs/reliability.md, Failure domains). Default: the `CKPT_ENGINE_FAILURE_DOMAIN` "
+        "environment variable; without either, each node is a domain of its own.",
     )
     local_keep_last: int = Field(
         default=2,
@@ -546,6 +556,7 @@ def _check_local_tier(config: EngineConfig) -> None:
                 ("peer_replicas", None),
                 ("ranks_per_node", None),
                 ("peer_bandwidth_mb_s", None),
+                ("failure_domain", None),
             )
             if getattr(config, name) != default
         ]

@@ -125,7 +125,7 @@ class LocalTier:
     def topology(self) -> Topology:
         world = _dist.world_size()
         if self._topology is None or self._topology.world != world:
-            self._topology = Topology.of(self.config, world)
+            self._topology = Topology.gather(self.config, world)
         return self._topology
 
     def paths(self, iteration: int) -> SavePaths:
@@ -415,7 +415,7 @@ def _recovered_source(config: EngineConfig, reader: CheckpointReader, ask: Resum
     assert config.local_dir is not None
     durable = durable_view(ask.load_dir, ask.store, (ask.latest, ask.unnamed()))
     try:
-        topology = Topology.of(config, _dist.world_size())
+        topology = Topology.gather(config, _dist.world_size())
     except ConfigError as err:  # another world size than the saves had: save_dir reshards
         if _dist.rank() == 0:
             logger.warning("not resuming from the local tier: %s", err)

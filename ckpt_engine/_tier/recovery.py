@@ -21,7 +21,9 @@ Run by every rank inside a load, before anything is read:
    (:mod:`.transfer`: JSON manifest, raw bytes, every checksum checked on arrival whatever
    ``verify`` says, nothing unpickled), into its own node's folder, so the node's tier is
    rebuilt; a transfer that fails (a damaged replica among them) drops that source and the plan
-   is made again.
+   is made again;
+5. the replicas of the step that their holders lack (those lost with a node, damaged or never
+   committed) are sent again by their owners (:func:`~.replication.restore_replicas`).
 
 It returns ``None`` when no step at least as new as ``durable`` is complete in the local tier, or
 ``save_dir`` has none (the load then reads ``save_dir``, or starts fresh). Every collective is
@@ -55,6 +57,7 @@ from .folders import (
     verify_held,
 )
 from .lineage import Announced, Durable, admissible, describe_set_aside
+from .replication import restore_replicas
 from .topology import Topology
 from .transfer import Incoming, Outgoing, exchange_bytes, exchange_files
 
@@ -122,6 +125,7 @@ def recover(
         if newly:
             refused |= newly
             continue
+        _restore(local_dir, topology, plan, kept, refused, keep_last=keep_last, sync=sync)
         path = os.path.join(rank_folder(local_dir, rank), iter_dirname(plan.iteration))
         return Recovered(plan.iteration, path, plan.source[rank], received, linked)
     return None
@@ -163,14 +167,40 @@ def _plan(kept: list[Announced], refused: set[Copy], topology: Topology) -> _Pla
     for (iteration, save_id), holders in sorted(saves.items(), reverse=True):
         source = {}
         for owner in range(topology.world):
-            order = [owner, *topology.holders(owner), *range(topology.world)]
-            holder = next((h for h in order if h in holders.get(owner, ())), None)
+            have = holders.get(owner, set())  # its own node, its replicas in order, else the lowest rank
+            holder = next((h for h in (owner, *topology.holders(owner)) if h in have), min(have, default=None))
             if holder is None:
                 break
             source[owner] = holder
         else:
             return _Plan(iteration, source, save_id or None)
     return None
+
+
+def _restore(
+    local_dir: str,
+    topology: Topology,
+    plan: _Plan,
+    kept: list[Announced],
+    refused: set[Copy],
+    *,
+    keep_last: int,
+    sync: bool,
+) -> None:
+    """Every rank holds its part now: the replicas of the step their holders lack are sent again
+    (:func:`~.replication.restore_replicas`)."""
+    held = {
+        (c.holder, c.owner)
+        for c in kept
+        if c.iteration == plan.iteration
+        and (c.save_id or None) == plan.save_id
+        and (c.holder, c.owner, c.iteration) not in refused
+    }
+    watch = active_watch()
+    group = watch.group if watch is not None else None
+    restore_replicas(
+        local_dir, topology, plan.iteration, plan.save_id, held, group=group, keep_last=keep_last, sync=sync
+    )
 
 
 def _damaged(held: Held) -> bool:

@@ -1,5 +1,6 @@
 """Peer replicas: after each local-tier commit, a background thread copies every rank's new
-checkpoint to the ranks that hold its replicas, sending only what they do not already hold.
+checkpoint to the ranks that hold its replicas, sending only what they do not already hold;
+after a rebuild, the replicas its holders lost are sent again.
 
 One *round* per save, on every rank, in save order (the engine announces each round with
 :meth:`Replicator.expect` at the same point of every rank's save and resolves it once the rank's
@@ -23,6 +24,11 @@ A round never blocks ``save()``: the training thread only hands it the committed
 failure of one copy (a bad checksum, a full disk) is recorded and the next round tries afresh; a
 failure of the process group (a rank died or stopped) ends replication for this engine, since
 the group cannot be trusted any more. Both are raised by :meth:`Replicator.wait`.
+
+After a resume that rebuilt a node from its peers, :func:`restore_replicas` sends again, at once,
+the replicas of the resumed step that the placement asks for and their holders lost (the rebuilt
+node's copies of its peers, and its own ranks' copies on nodes lost with it), so a second
+failure before the next save still finds every rank's part.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._dcpio import dist as _dist
 from .._format import bounded_json
 from .._format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .._format.names import iter_dirname
@@ -56,7 +63,7 @@ from .folders import (
 from .topology import Topology
 from .transfer import Incoming, Outgoing, Throttle, TransferOutcome, exchange_bytes, exchange_files
 
-__all__ = ["Replicator"]
+__all__ = ["Replicator", "missing_replicas", "restore_replicas"]
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -240,45 +247,14 @@ class Replicator:
         when there is nothing to copy (the source's commit failed) or it cannot be (recorded)."""
         if not raw:
             return None
-        partial = ""
         try:
-            manifest = parse_manifest(raw, f"the manifest rank {source} sent for iteration {iteration}")
-            if manifest.rank != source or manifest.iteration != iteration or manifest.algorithm is None:
-                raise ReplicationError(
-                    f"rank {source} sent the manifest of rank {manifest.rank}, iteration {manifest.iteration}"
-                )
-            if manifest.world_size != self._topology.world:
-                raise ReplicationError(f"rank {source} sent a manifest of {manifest.world_size} ranks")
-            world = self._topology.world
-            near = [*held_checkpoints(self._local_dir, self._rank, world, since=iteration)[:1]]
-            near += held_checkpoints(self._local_dir, source, world)[:1]
-            partial = start_copy(self._local_dir, source, iteration)
-            rest = link_local_files(partial, manifest.files, local_sources(near))
-            needed = {rel: (e.size, e.checksum or "") for rel, e in rest.items()}
-            return _Copy(manifest, partial, needed)
+            return _start_replica(self._local_dir, self._rank, self._topology.world, source, iteration, raw)
         except (OSError, CkptEngineError) as err:
-            if partial:
-                abandon_copy(partial)
             self._record(f"iteration {iteration}: replica of rank {source} not started: {clip(str(err), 200)}")
             return None
 
     def _outgoing(self, manifest: Manifest | None, asked: bytes, holder: int) -> Outgoing | None:
-        """What the holder asked for, checked against this rank's manifest (anything else is a
-        broken protocol: raised, which ends replication)."""
-        try:
-            names = bounded_json.loads(asked, max_depth=2, max_int_digits=20) if asked else []
-        except bounded_json.JSONRefused as err:
-            raise ReplicationError(f"rank {holder} sent a list of needed files that is refused: {err}") from None
-        if not isinstance(names, list) or (names and manifest is None):
-            raise ReplicationError(f"rank {holder} asked for files of a checkpoint this rank did not send")
-        if not names:
-            return None
-        assert manifest is not None
-        unknown = [n for n in names if not isinstance(n, str) or n not in manifest.files]
-        if unknown:
-            raise ReplicationError(f"rank {holder} asked for {clip(repr(unknown[:3]), 200)}, not in the manifest")
-        root = os.path.join(rank_folder(self._local_dir, self._rank), iter_dirname(manifest.iteration))
-        return Outgoing(holder, root, [(rel, manifest.files[rel].size) for rel in sorted(names)])
+        return _asked_files(self._local_dir, self._rank, manifest, asked, holder)
 
     def _finish(self, copy: _Copy, outcome: TransferOutcome, source: int) -> None:
         iteration = copy.manifest.iteration
@@ -291,6 +267,128 @@ class Replicator:
         except (OSError, CkptEngineError) as err:
             abandon_copy(copy.partial)
             self._record(f"iteration {iteration}: replica of rank {source} not committed: {clip(str(err), 200)}")
+
+
+def restore_replicas(
+    local_dir: str,
+    topology: Topology,
+    iteration: int,
+    save_id: str | None,
+    held: set[tuple[int, int]],
+    *,
+    group: Any,
+    keep_last: int,
+    sync: bool,
+) -> int:
+    """Every rank, after a resume from the local tier put every rank's part of ``iteration`` (save
+    ``save_id``) on its own node: each replica of that step the placement asks for and its holder
+    lacks (``held``: the ``(holder, owner)`` pairs that hold it) is sent by its owner, pair by pair
+    in ``(owner, holder)`` order (each rank waits only in its own pairs), so a second failure
+    before the next save still finds a copy. Returns the bytes this rank received. A copy that
+    fails is logged, not raised (the next save's round replicates afresh); a process group that
+    fails raises."""
+    rank = _dist.rank()
+    missing = missing_replicas(topology, held)
+    received = 0
+    for owner, holder in missing:
+        if rank == owner:
+            _restore_send(local_dir, topology.world, iteration, holder, group)
+        elif rank == holder:
+            received += _restore_receive(local_dir, topology.world, owner, iteration, save_id, group, keep_last, sync)
+    if missing and rank == 0:
+        logger.info("local tier: %d replica(s) of iteration %d sent again to their holders", len(missing), iteration)
+    return received
+
+
+def missing_replicas(topology: Topology, held: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ``(owner, holder)`` pairs the placement asks for that ``held`` (``(holder, owner)``
+    pairs) lacks, in ``(owner, holder)`` order: the same list on every rank."""
+    return sorted((o, h) for o in range(topology.world) for h in topology.holders(o) if (h, o) not in held)
+
+
+def _restore_send(local_dir: str, world: int, iteration: int, holder: int, group: Any) -> None:
+    rank = _dist.rank()
+    own = [h for h in held_checkpoints(local_dir, rank, world, since=iteration) if h.iteration == iteration]
+    manifest = own[0].manifest if own else None
+    exchange_bytes(group, holder, manifest.to_json().encode("utf-8") if manifest else b"", None, 0)
+    asked = exchange_bytes(group, None, b"", holder, _MAX_NEEDS_BYTES) or b""
+    outcome = exchange_files(group, _asked_files(local_dir, rank, manifest, asked, holder), None)
+    if outcome.unsent:
+        logger.warning("local tier: could not send %s to rank %d", _files(outcome.unsent), holder)
+
+
+def _restore_receive(
+    local_dir: str, world: int, owner: int, iteration: int, save_id: str | None, group: Any, keep_last: int, sync: bool
+) -> int:
+    """Receive rank ``owner``'s ``iteration`` as a replica and commit it; the bytes received."""
+    raw = exchange_bytes(group, None, b"", owner, MAX_MANIFEST_BYTES) or b""
+    try:
+        copy = _start_replica(local_dir, _dist.rank(), world, owner, iteration, raw)
+        sent = None if copy.manifest.lineage is None else copy.manifest.lineage.save_id
+        if sent != save_id:
+            abandon_copy(copy.partial)
+            raise ReplicationError(f"rank {owner} sent save {sent} of iteration {iteration}, not {save_id}")
+    except (OSError, CkptEngineError) as err:
+        logger.warning("local tier: the replica of rank %d is not restored: %s", owner, clip(str(err), 300))
+        exchange_bytes(group, owner, b"[]", None, 0)
+        return 0
+    exchange_bytes(group, owner, json.dumps(sorted(copy.needed)).encode(), None, 0)
+    files = [(rel, size, checksum) for rel, (size, checksum) in sorted(copy.needed.items())]
+    assert copy.manifest.algorithm is not None
+    inc = Incoming(owner, copy.partial, files, copy.manifest.algorithm, sync) if files else None
+    outcome = exchange_files(group, None, inc)
+    try:
+        if outcome.bad:
+            raise ReplicationError(f"files refused: {_files(outcome.bad)}")
+        commit_copy(local_dir, copy.manifest, copy.partial, keep_last)
+    except (OSError, CkptEngineError) as err:
+        abandon_copy(copy.partial)
+        logger.warning("local tier: the replica of rank %d is not restored: %s", owner, clip(str(err), 300))
+    return outcome.bytes_received
+
+
+def _start_replica(local_dir: str, rank: int, world: int, source: int, iteration: int, raw: bytes) -> _Copy:
+    """Parse the manifest rank ``source`` sent of its ``iteration`` and start this rank's copy of
+    it with what this node already holds (this rank's own checkpoint of that step or later, the
+    source's previous replica): the files still needed from the source are the copy's
+    ``needed``. Raises what is wrong (nothing left behind)."""
+    partial = ""
+    try:
+        manifest = parse_manifest(raw, f"the manifest rank {source} sent for iteration {iteration}")
+        if manifest.rank != source or manifest.iteration != iteration or manifest.algorithm is None:
+            raise ReplicationError(
+                f"rank {source} sent the manifest of rank {manifest.rank}, iteration {manifest.iteration}"
+            )
+        if manifest.world_size != world:
+            raise ReplicationError(f"rank {source} sent a manifest of {manifest.world_size} ranks")
+        near = [*held_checkpoints(local_dir, rank, world, since=iteration)[:1]]
+        near += held_checkpoints(local_dir, source, world)[:1]
+        partial = start_copy(local_dir, source, iteration)
+        rest = link_local_files(partial, manifest.files, local_sources(near))
+        return _Copy(manifest, partial, {rel: (e.size, e.checksum or "") for rel, e in rest.items()})
+    except BaseException:
+        if partial:
+            abandon_copy(partial)
+        raise
+
+
+def _asked_files(local_dir: str, rank: int, manifest: Manifest | None, asked: bytes, holder: int) -> Outgoing | None:
+    """What the holder asked for, checked against this rank's manifest (anything else is a
+    broken protocol: raised, which ends replication)."""
+    try:
+        names = bounded_json.loads(asked, max_depth=2, max_int_digits=20) if asked else []
+    except bounded_json.JSONRefused as err:
+        raise ReplicationError(f"rank {holder} sent a list of needed files that is refused: {err}") from None
+    if not isinstance(names, list) or (names and manifest is None):
+        raise ReplicationError(f"rank {holder} asked for files of a checkpoint this rank did not send")
+    if not names:
+        return None
+    assert manifest is not None
+    unknown = [n for n in names if not isinstance(n, str) or n not in manifest.files]
+    if unknown:
+        raise ReplicationError(f"rank {holder} asked for {clip(repr(unknown[:3]), 200)}, not in the manifest")
+    root = os.path.join(rank_folder(local_dir, rank), iter_dirname(manifest.iteration))
+    return Outgoing(holder, root, [(rel, manifest.files[rel].size) for rel in sorted(names)])
 
 
 def _files(problems: dict[str, str]) -> str:
