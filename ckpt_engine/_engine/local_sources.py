@@ -21,9 +21,10 @@ from .._format.pointer import read_latest
 from .._storage.store import open_store
 from .._tier.lineage import Durable
 from .._tier.recovery import Recovered, recover
+from .._tier.reshard import reshard
 from .._tier.topology import Topology
 from ..config import EngineConfig
-from ..errors import CkptEngineError, ConfigError, RankLocalCoverageError
+from ..errors import CkptEngineError, ConfigError, CorruptCheckpointError, RankLocalCoverageError
 from ..types import LoadResult
 from .consensus import agreed
 from .load_guard import Validated
@@ -48,16 +49,30 @@ class LocalTierSource:
     def read(self, loader: Loader, objs: TrainingObjects) -> LoadResult:
         # The recovery checked the sizes (and per verify, checksums) of every copy it uses, and
         # every byte received from a peer: the sizes are checked once more as the load opens it.
-        validated = loader.validate_rank_local(self.recovered.path)
+        recovered = self.recovered
+        resharded = recovered.reshard  # a step of another shape: its own reader
         try:
+            validated = loader.validate_rank_local(recovered.path)
             result = loader.read_checkpoint(
-                objs, self.recovered.path, self.wanted, "latest", validated, dedup_reads="off"
+                objs,
+                recovered.path,
+                self.wanted,
+                "latest",
+                validated,
+                dedup_reads="off",
+                local_reader=None if resharded is None else resharded.reader,
             )
-        except RankLocalCoverageError as err:  # raised on every rank: the plan phase is collective
+        except (RankLocalCoverageError, CorruptCheckpointError) as err:  # on every rank: the load agrees
+            if resharded is None and not isinstance(err, RankLocalCoverageError):
+                raise
             if _dist.rank() == 0:
                 logger.warning("the local tier cannot serve this job (%s); resuming from save_dir", err)
             return loader.durable_source(objs).read(loader, objs)
-        recovered = self.recovered
+        finally:
+            if resharded is not None:
+                resharded.discard()
+        if resharded is not None:
+            return dataclasses.replace(result, bytes_by_source=resharded.by_source())
         if recovered.source == _dist.rank():  # on its own node: everything read came from there
             by_source = {"local": result.bytes_read}
         else:  # received from a peer into this node (and what this node had of it, linked)
@@ -84,6 +99,9 @@ def local_tier_source(config: EngineConfig, durable: Durable | None, wanted: lis
         sync=config.sync_files,
         checksums=config.verify == "checksums",
     )
+    if recovered is None and not config.per_rank_keys:  # none of this job's shape: one of another,
+        # resharded (tensors saved per rank are told apart in save_dir's checkpoints only)
+        recovered = reshard(config.local_dir, durable, sync=config.sync_files)
     if recovered is None:
         if _dist.rank() == 0:
             logger.info("the local tier holds no step newer than save_dir's complete on every rank")
