@@ -124,6 +124,10 @@ def reshard(local_dir: str, durable: Durable | None, *, sync: bool) -> Recovered
             error = clip(str(err), 300)
     failed = [(r, e) for r, e in enumerate(_dist.all_gather_object(error, step="local tier: reshard folders")) if e]
     if failed:
+        try:
+            clear_folder(folder)
+        except OSError:  # the next resharding load clears it first
+            logger.warning("local tier: could not remove %s", folder, exc_info=True)
         if rank == 0:
             logger.warning(
                 "local tier: iteration %d cannot be resharded (rank %d: %s); resuming from save_dir",
