@@ -110,6 +110,8 @@ class Exchange:
         wanted: dict[str, list[Span]] = {}
         for name, offset, length in reads:
             part = self.files[f"{component}/{name}"]
+            if length == 0:  # nothing to read (an empty value's item)
+                continue
             if part.held_at is not None:
                 self.bytes_local += length
             else:
