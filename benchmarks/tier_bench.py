@@ -108,6 +108,8 @@ def run_reshard(mib: float, args: argparse.Namespace, s3: dict[str, Any] | None)
 
 
 def report_reshard(results: list[dict[str, Any]]) -> None:
+    if not any("reshard" in r for r in results):
+        return
     head = ("MiB/old rank", "same 4->4", "reshard 4->2", "from peers", "disk", "S3", "S3/reshard", "reshard/same")
     print("\n" + " ".join(f"{h:>{len(h) + 1}}" for h in head))
     for r in results:
