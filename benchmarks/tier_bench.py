@@ -14,6 +14,10 @@ Two ranks under torchrun, each a node of its own (``ranks_per_node: 1``, ``local
                                                                             target <= 1.05
 (c) ``load()`` after a restart and after a node loss (from the local tier and a peer's replica),
     against ``load()`` from ``save_dir`` on disk and on the S3 server      target S3 / local >= 3
+(d) ``--phases reshard`` (``benchmarks/_reshard_worker.py``; FSDP2 saved by 4 ranks as 2 nodes):
+    ``load()`` on 2 ranks resharded from the tier (node 1 lost; node 0 lost, from peers), against
+    the same-shape restart on 4 ranks and ``save_dir`` on disk and S3 on 2 ranks
+                                              targets S3 / reshard >= 3, reshard / same shape <= 2
 
 The S3 server is moto on loopback (pure Python: slower than a real endpoint; the ratio to it says
 what the tier saves where the durable store is remote). Usage::
@@ -74,6 +78,51 @@ def run_size(mib: float, args: argparse.Namespace, s3: dict[str, Any] | None) ->
     return result
 
 
+def _torchrun(nproc: int, worker: str, spec: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    proc = subprocess.run([*cmd, str(HERE / worker), json.dumps(spec)], capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return result
+
+
+def run_reshard(mib: float, args: argparse.Namespace, s3: dict[str, Any] | None) -> dict[str, Any]:
+    """(d): the 4-rank save and same-shape restart, then the 2-rank loads."""
+    work = Path(tempfile.mkdtemp(prefix="tier-bench-", dir=args.work))
+    shm = Path(tempfile.mkdtemp(prefix="tier-bench-", dir=args.shm))
+    spec = {"mib": mib, "rounds": args.rounds, "work": str(work), "shm": str(shm / "tier"), "s3": s3}
+    try:
+        saved = _torchrun(4, "_reshard_worker.py", {**spec, "mode": "save"})
+        loaded = _torchrun(2, "_reshard_worker.py", {**spec, "mode": "load"})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    print(f"reshard, {mib:g} MiB per old rank: {json.dumps(saved)} {json.dumps(loaded)}", flush=True)
+    runs = {**saved["runs"], **loaded["runs"]}
+    sources = {"same_shape": saved["bytes_by_source"], **loaded["bytes_by_source"]}
+    times = {k: v for k, v in {**saved, **loaded}.items() if k.endswith("_s")}
+    return {"mib": mib, "reshard": {**times, "runs": runs, "bytes_by_source": sources}}
+
+
+def report_reshard(results: list[dict[str, Any]]) -> None:
+    if not any("reshard" in r for r in results):
+        return
+    head = ("MiB/old rank", "same 4->4", "reshard 4->2", "from peers", "disk", "S3", "S3/reshard", "reshard/same")
+    print("\n" + " ".join(f"{h:>{len(h) + 1}}" for h in head))
+    for r in results:
+        c = r.get("reshard")
+        if c:
+            s3 = c.get("durable_s3_s")
+            cells = [r["mib"], c["same_shape_s"], c["reshard_s"], c["reshard_peer_s"], c["durable_disk_s"]]
+            cells += [s3, s3 / c["reshard_s"] if s3 else None, c["reshard_s"] / c["same_shape_s"]]
+            print(
+                " ".join(f"{'-' if v is None else f'{v:.3f}':>{len(h) + 1}}" for h, v in zip(head, cells, strict=True))
+            )
+
+
 def report(results: list[dict[str, Any]]) -> None:
     print(
         f"{'MiB/rank':>9} {'floor':>8} {'async':>8} {'local':>8} {'local/async':>11} {'local/floor':>11} "
@@ -131,11 +180,17 @@ def main() -> int:
             bucket = f"tier-bench-{int(time.time() * 1000) % 10**9}"
             server.fs().call_s3("create_bucket", Bucket=bucket)
             s3 = {"endpoint": server.endpoint, "key": KEY, "secret": SECRET, "bucket": bucket}
-        results = [run_size(float(mib), args, s3) for mib in args.sizes.split(",")]
+        phases = args.phases.split(",")
+        args.phases = ",".join(p for p in phases if p != "reshard")
+        results = [run_size(float(mib), args, s3) for mib in args.sizes.split(",")] if args.phases else []
+        if "reshard" in phases:
+            results += [run_reshard(float(mib), args, s3) for mib in args.sizes.split(",")]
     finally:
         if server is not None:
             server.close()
-    report(results)
+    if any("reshard" not in r for r in results):
+        report([r for r in results if "reshard" not in r])
+    report_reshard(results)
     if args.out:
         machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()}
         Path(args.out).write_text(json.dumps({"machine": machine, "args": vars(args), "results": results}, indent=1))

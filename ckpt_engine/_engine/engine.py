@@ -227,4 +227,4 @@ class CheckpointEngine:
         # plan entries, read items) and few cycles, and each full collection walks them all:
         # with 50 000 tensors that made the load grow faster than linearly (9 s against 25 s).
         with gc_paused():
-            return self._resume.choose(objs).read(self._loader, objs)
+            return self._resume.load(objs)

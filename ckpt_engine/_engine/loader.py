@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.storage import StorageReader
 
 from .._dcpio import dist as _dist
 from .._dcpio.fast_load import load_state_dict
@@ -198,6 +199,7 @@ class Loader:
         *,
         fell_back_from: str | None = None,
         dedup_reads: str | None = None,
+        local_reader: Callable[[str, Any], StorageReader] | None = None,
     ) -> LoadResult:
         checked = validated.checked
         self._bytes_read = 0
@@ -230,6 +232,7 @@ class Loader:
                     validated.store,
                     dedup_reads or self.config.dedup_reads,
                     {} if digests is None else component_blocks(digests, name, folder, validated.store.join),
+                    local_reader,
                 )
                 assert planner.report is not None
                 reports[name] = planner.report
@@ -283,13 +286,15 @@ class Loader:
         store: Store,
         dedup_reads: str,
         blocks: dict[str, FileBlocks],
+        local_reader: Callable[[str, Any], StorageReader] | None = None,
     ) -> EngineLoadPlanner:
         """Load component ``name`` into ``sd``; ``blocks``: its data files' per-block digests,
-        which every byte read is checked against."""
+        which every byte read is checked against; ``local_reader``: the reader of a local folder
+        (the engine's fast reader by default)."""
         planner = self._planner(name, component_dir, objs)
         try:
             with _dist.quiet_dcp():
-                reader = reader_for(component_dir, store, metadata, FastFileSystemReader)
+                reader = reader_for(component_dir, store, metadata, local_reader or FastFileSystemReader)
                 if isinstance(reader, (FastFileSystemReader, ObjectStoreReader)):
                     reader.blocks = blocks
                 stats = load_state_dict(

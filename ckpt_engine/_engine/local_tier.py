@@ -40,6 +40,7 @@ from .._tier.folders import rank_folder
 from .._tier.lineage import durable_view, read_run, write_run
 from .._tier.recovery import recover
 from .._tier.replication import Replicator
+from .._tier.reshard import reshard
 from .._tier.topology import Topology
 from ..config import EngineConfig
 from ..errors import (
@@ -428,6 +429,9 @@ def _recovered_source(config: EngineConfig, reader: CheckpointReader, ask: Resum
         sync=config.sync_files,
         checksums=config.verify == "checksums",
     )
+    if recovered is None and not config.per_rank_keys:  # none of this job's shape: one of another,
+        # resharded (tensors saved per rank are told apart in save_dir's checkpoints only)
+        recovered = reshard(config.local_dir, durable, sync=config.sync_files)
     if recovered is None:
         if _dist.rank() == 0:
             logger.info("the local tier holds no step newer than save_dir's complete on every rank")
@@ -435,6 +439,8 @@ def _recovered_source(config: EngineConfig, reader: CheckpointReader, ask: Resum
     try:
         validated = reader.validate_rank_local(recovered.path, ask.objs, ask.wanted)
     except RankLocalCoverageError as err:  # raised on every rank: the check is agreed
+        if recovered.reshard is not None:
+            recovered.reshard.discard()
         if _dist.rank() == 0:
             logger.warning("the local tier cannot serve this job (%s); resuming from save_dir", err)
         return None

@@ -16,7 +16,9 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+from torch.distributed.checkpoint.storage import StorageReader
 
 from .._dcpio import dist as _dist
 from .._format.names import LATEST_FILE, parse_iteration
@@ -24,7 +26,7 @@ from .._format.pointer import list_checkpoints, read_latest, resolve_save_folder
 from .._storage.store import Store, open_store
 from .._tier.recovery import Recovered
 from ..config import EngineConfig
-from ..errors import CheckpointNotFoundError, CkptEngineError, ConfigError
+from ..errors import CheckpointNotFoundError, CkptEngineError, ConfigError, CorruptCheckpointError
 from ..pipeline import Pipeline
 from ..report import LoadReport
 from ..types import STANDARD_COMPONENTS, LoadResult
@@ -91,7 +93,14 @@ class CheckpointReader(Protocol):
         *,
         fell_back_from: str | None = None,
         dedup_reads: str | None = None,
+        local_reader: Callable[[str, Any], StorageReader] | None = None,
     ) -> LoadResult: ...
+
+
+class PassedOver(Exception):
+    """Raised alike on every rank by a nearer tier's source whose read found a copy it cannot use
+    (a resharded step's received block that fails its digest): :meth:`ResumePlanner.load` passes
+    that tier over and goes on down the restore order. Never reaches the caller."""
 
 
 class LoadSource(Protocol):
@@ -134,9 +143,27 @@ class LocalTierSource:
     validated: Validated
 
     def read(self, reader: CheckpointReader, objs: TrainingObjects) -> LoadResult:
-        path = self.recovered.path
-        result = reader.read_checkpoint(objs, path, self.wanted, "latest", self.validated, dedup_reads="off")
         recovered = self.recovered
+        resharded = recovered.reshard  # a step of another shape: read through its byte exchange
+        try:
+            result = reader.read_checkpoint(
+                objs,
+                recovered.path,
+                self.wanted,
+                "latest",
+                self.validated,
+                dedup_reads="off",
+                local_reader=None if resharded is None else resharded.reader,
+            )
+        except CorruptCheckpointError as err:  # raised on every rank: the load's checks agree
+            if resharded is None:
+                raise
+            raise PassedOver(f"a copy the resharded step {recovered.path} takes failed its check ({err})") from err
+        finally:
+            if resharded is not None:
+                resharded.discard()
+        if resharded is not None:
+            return dataclasses.replace(result, bytes_by_source=resharded.by_source())
         if recovered.source == _dist.rank():  # on its own node: everything read came from there
             by_source = {"local": result.bytes_read}
         else:  # received from a peer into this node (and what this node had of it, linked)
@@ -239,8 +266,21 @@ class ResumePlanner:
         #: mode's target says (the two-tier copy; ``None``: it keeps none).
         self._copy_dir = target.local_dir
 
-    def choose(self, objs: TrainingObjects) -> LoadSource:
-        """The source of this load, by the restore order of the class docstring."""
+    def load(self, objs: TrainingObjects) -> LoadResult:
+        """Chooses this load's source and reads it. A nearer tier whose read finds a copy it cannot
+        use (:class:`PassedOver`, alike on every rank) is passed over: the choice goes on down the
+        restore order without the nearer tiers, and that source's read replaces every component
+        (nothing read from the passed-over tier stays in the training objects)."""
+        try:
+            return self.choose(objs).read(self.reader, objs)
+        except PassedOver as err:
+            if _dist.rank() == 0:
+                logger.warning("%s; resuming from %s", err, self.save_dir)
+            return self.choose(objs, nearer=False).read(self.reader, objs)
+
+    def choose(self, objs: TrainingObjects, *, nearer: bool = True) -> LoadSource:
+        """The source of this load, by the restore order of the class docstring (``nearer``: the
+        nearer tiers asked too)."""
         cfg = self.config
         _check_keys_not_to_resume(cfg, objs)
         load_dir = cfg.resolved_load_dir
@@ -255,7 +295,7 @@ class ResumePlanner:
             ask.latest_error = err
         places: tuple[Callable[[ResumeAsk], LoadSource | None], ...] = (
             self._two_tier_copy,
-            self._nearer_tiers,
+            *((self._nearer_tiers,) if nearer else ()),
             self._unnamed,
             self._latest,
             self._load_path,

@@ -56,9 +56,10 @@ def rank_folder(local_dir: str, owner: int) -> str:
     return os.path.join(local_dir, rank_dirname(owner))
 
 
-def held_checkpoints(local_dir: str, owner: int, world: int, *, since: int | None = None) -> list[Held]:
+def held_checkpoints(local_dir: str, owner: int, world: int | None, *, since: int | None = None) -> list[Held]:
     """Rank ``owner``'s committed checkpoints in this node's ``local_dir``, newest first, from
-    iteration ``since`` on: those whose manifest names ``owner`` and a job of ``world`` ranks and
+    iteration ``since`` on: those whose manifest names ``owner`` and a job of ``world`` ranks (any
+    number: ``None``, a resharding recovery's survey) and
     whose files are all regular files of the sizes it records (one ``lstat`` and ``stat`` each;
     checksums are :func:`verify_held`'s). Anything else (a damaged, foreign or half-deleted
     folder, a planted symlink) is skipped: the planner takes another source. Whose run a copy
@@ -75,7 +76,9 @@ def held_checkpoints(local_dir: str, owner: int, world: int, *, since: int | Non
         except CkptEngineError as err:
             logger.warning("local tier: %s is not usable (%s)", path, err)
             continue
-        if manifest is None or manifest.rank != owner or manifest.world_size != world or manifest.algorithm is None:
+        if manifest is None or manifest.rank != owner or manifest.algorithm is None:
+            continue
+        if world is not None and manifest.world_size != world:
             continue
         if manifest.iteration != iteration:
             continue

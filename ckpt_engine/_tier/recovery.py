@@ -37,7 +37,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._dcpio import dist as _dist
 from .._dcpio.watch import active_watch
@@ -61,6 +61,9 @@ from .replication import restore_replicas
 from .topology import Topology
 from .transfer import Incoming, Outgoing, exchange_bytes, exchange_files
 
+if TYPE_CHECKING:
+    from .reshard_read import Exchange
+
 __all__ = ["Recovered", "recover"]
 
 logger = logging.getLogger("ckpt_engine")
@@ -82,6 +85,9 @@ class Recovered:
     bytes_received: int = 0
     #: Bytes of its files that were on its own node already (linked) when it came from a peer.
     bytes_linked: int = 0
+    #: A step saved by a job of another shape (:mod:`.reshard`): ``path`` is this rank's resharded
+    #: folder, read through this exchange's readers (``None``: a step of this job's shape).
+    reshard: Exchange | None = None
 
 
 @dataclass(frozen=True)
