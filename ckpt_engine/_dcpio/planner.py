@@ -125,20 +125,34 @@ def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
 
 #: The origin of an array of each number of dimensions (``torch.Size`` is immutable: shared).
 _ZEROS = tuple(torch.Size([0] * n) for n in range(9))
+#: The offsets and length of every value's read item (DCP's ``_create_read_item_for_byteio``).
+_BYTE_ORIGIN = torch.Size((0,))
 
 
 def _whole_tensor_read(storage: str, dest: str, value: Any, md: Any) -> ReadItem | None:
     """The one read item DCP's planner makes for a plain tensor stored whole as one chunk of
     its shape (``create_read_items_for_chunk_list`` with one local and one saved chunk, both
-    covering the tensor), built directly: DCP's general resharding sweep costs about 35
-    microseconds a tensor. ``None`` for anything else (DTensor, several chunks, an empty or
-    0-d tensor, another shape): DCP plans those. ``tests/dcpio/test_fast_paths.py`` pins the item
-    against DCP's."""
+    covering the tensor; a 0-d tensor included: AdamW's ``step`` values) or for a stored value
+    (``BytesStorageMetadata``: a hyper-parameter), built directly: DCP's general resharding
+    sweep costs about 35 microseconds a tensor, its generic planning about 15 a value. ``None``
+    for anything else (DTensor, several chunks, an empty tensor, another shape): DCP plans
+    those. ``tests/dcpio/test_load_speed.py`` pins the item against DCP's."""
+    if type(md) is BytesStorageMetadata:
+        if isinstance(value, DTensor):
+            return None
+        return ReadItem(
+            type=LoadItemType.BYTE_IO,
+            dest_index=MetadataIndex(dest),
+            dest_offsets=_BYTE_ORIGIN,
+            storage_index=MetadataIndex(storage),
+            storage_offsets=_BYTE_ORIGIN,
+            lengths=_BYTE_ORIGIN,
+        )
     if type(value) is not torch.Tensor or type(md) is not TensorStorageMetadata or len(md.chunks) != 1:
         return None
     shape = value.shape
     chunk = md.chunks[0]
-    if not shape or shape != md.size or chunk.sizes != shape or any(chunk.offsets) or not all(shape):
+    if shape != md.size or chunk.sizes != shape or any(chunk.offsets) or not all(shape):
         return None
     zeros = _ZEROS[len(shape)] if len(shape) < len(_ZEROS) else torch.Size([0] * len(shape))
     dest_index = MetadataIndex(dest, zeros, 0)
