@@ -523,15 +523,19 @@ class FastFileSystemReader(SafeFileSystemReader):
             os.close(fd)
         left: list[ReadItem] = []
         read: set[int] = set()
+        load_bytes = planner.load_bytes
         for info, req in entries:
             data = small.get(info.offset)
             if data is None or len(data) != info.length:
                 left.append(req)
                 continue
-            with self.naming_errors(rel, [req]):
-                planner.load_bytes(req, io.BytesIO(data))
-            self.stats.values += 1
+            try:  # naming_errors' handling, without a context manager a value
+                load_bytes(req, io.BytesIO(data))
+            except Exception:
+                with self.naming_errors(rel, [req]):
+                    raise
             read.add(info.offset)
+        self.stats.values += len(entries) - len(left)
         self.stats.bytes_read += sum(len(small[offset]) for offset in read)
         return left
 
@@ -585,12 +589,12 @@ class FastFileSystemReader(SafeFileSystemReader):
         target = planner.resolve_tensor(req).detach()
         if (
             type(target) is not torch.Tensor
-            or target.device.type != "cpu"
+            or not target.is_cpu
             or target.layout != torch.strided
             or not target.is_contiguous()
             or target.is_conj()
             or target.is_neg()
-            or tuple(target.shape) != tuple(req.lengths)
+            or target.shape != req.lengths  # two torch.Size
         ):
             return False
         cached = layouts.get(info.offset)

@@ -60,10 +60,23 @@ from .unsafe import unsafe_value_error, weights_only_reason
 __all__ = ["EngineLoadPlanner", "EngineSavePlanner", "already_flat", "flat_keys", "target_spec"]
 
 
+#: The spec of a plain value by its type (a ``ValueSpec`` is immutable: one serves every value of
+#: a type, such as an optimizer's thousands of hyper-parameters).
+_VALUE_SPECS: dict[type, ValueSpec] = {}
+#: The spec of every stored value (``BytesStorageMetadata``).
+_STORED_VALUE = ValueSpec(is_tensor=False, type_name="bytes")
+
+
 def target_spec(value: Any) -> ValueSpec:
     if isinstance(value, torch.Tensor):  # DTensor included: .shape is the global shape
         return ValueSpec(is_tensor=True, shape=tuple(value.shape), dtype=value.dtype)
-    return ValueSpec(is_tensor=False, type_name=type(value).__name__)
+    kind = type(value)
+    spec = _VALUE_SPECS.get(kind)
+    if spec is None:
+        spec = ValueSpec(is_tensor=False, type_name=kind.__name__)
+        if kind in _LEAVES:  # a fixed set of types: the cache cannot grow
+            _VALUE_SPECS[kind] = spec
+    return spec
 
 
 def stored_spec(md: TensorStorageMetadata | BytesStorageMetadata | None) -> ValueSpec | None:
@@ -71,7 +84,7 @@ def stored_spec(md: TensorStorageMetadata | BytesStorageMetadata | None) -> Valu
         return None
     if isinstance(md, TensorStorageMetadata):
         return ValueSpec(is_tensor=True, shape=tuple(md.size), dtype=md.properties.dtype)
-    return ValueSpec(is_tensor=False, type_name="bytes")
+    return _STORED_VALUE
 
 
 def _redirect(item: ReadItem, dest: str) -> ReadItem:
