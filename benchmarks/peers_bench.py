@@ -425,6 +425,7 @@ def _run_states(args: argparse.Namespace) -> dict[str, Any]:
         args.states = args.states or "8,small300"
         args.rounds, args.steps, args.batch, args.max_loop_s = "1", 2, 8, 120.0
         args.small_cold = True
+        args.paired = args.paired or 2
     args.states = args.states or "256,1024,small"
     specs = _specs(args)
     load_start, t0 = os.getloadavg(), time.perf_counter()
