@@ -505,10 +505,9 @@ class FastFileSystemReader(SafeFileSystemReader):
                     os.close(fd)
 
     def _read_values(self, rel: str, entries: list[tuple[Any, ReadItem]], planner: LoadPlanner) -> list[ReadItem]:
-        """Hand the non-tensor values of data file ``rel`` to ``planner.load_bytes`` as DCP's path
-        does (each item's archive bytes, whole), read with one ``pread`` per run of small items
-        instead of a seek and a read per item; returns the items left to DCP's path (large ones,
-        and all of them when the file cannot be opened: that path reports it)."""
+        """Hand the non-tensor values of data file ``rel`` to ``planner.load_bytes`` as DCP's path does
+        (each item's archive bytes), read with one ``pread`` per run of small items, not one per item;
+        returns the items left to DCP's path (large ones; all when the file cannot be opened)."""
         try:
             fd = os.open(os.path.join(os.fspath(self.path), rel), os.O_RDONLY)
         except OSError:
@@ -523,14 +522,13 @@ class FastFileSystemReader(SafeFileSystemReader):
             os.close(fd)
         left: list[ReadItem] = []
         read: set[int] = set()
-        load_bytes = planner.load_bytes
         for info, req in entries:
             data = small.get(info.offset)
             if data is None or len(data) != info.length:
                 left.append(req)
                 continue
             try:  # naming_errors' handling, without a context manager a value
-                load_bytes(req, io.BytesIO(data))
+                planner.load_bytes(req, io.BytesIO(data))
             except Exception:
                 with self.naming_errors(rel, [req]):
                     raise
