@@ -47,6 +47,44 @@ class SmallModel(nn.Module):
         return (torch.cat(list(self.p)) * x).square().sum()
 
 
+class SmallLM(nn.Module):
+    """A model shaped like a small language model: an embedding and 20 blocks of ten parameters
+    (two layer norms, a fused ``qkv`` projection with bias, an output projection, an MLP), 201
+    parameters in all, sized so that parameters and AdamW's two moments add up to about ``mib``
+    MiB; with AdamW its flattened state dict holds about 3,000 items (a ``step`` and eleven
+    hyper-parameters per parameter), the shape whose load is mostly per-item work."""
+
+    VOCAB, BLOCKS = 8000, 20
+
+    def __init__(self, mib: int) -> None:
+        super().__init__()
+        d = 256 if mib <= 384 else 512
+        per_block = (mib * MIB // 4 // 3 - self.VOCAB * d) // self.BLOCKS
+        hidden = max(64, (per_block - 4 * d * d) // (2 * d))
+        self.d = d
+        self.embed = nn.Embedding(self.VOCAB, d)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "ln1": nn.LayerNorm(d),
+                    "qkv": nn.Linear(d, 3 * d),
+                    "o": nn.Linear(d, d, bias=False),
+                    "ln2": nn.LayerNorm(d),
+                    "up": nn.Linear(d, hidden),
+                    "down": nn.Linear(hidden, d, bias=False),
+                }
+            )
+            for _ in range(self.BLOCKS)
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for b in self.blocks:
+            h = h + b["o"](b["qkv"](b["ln1"](h))[..., : self.d])
+            h = h + b["down"](torch.relu(b["up"](b["ln2"](h))))
+        return h
+
+
 def world_size() -> int:
     import torch.distributed as dist
 
@@ -55,7 +93,8 @@ def world_size() -> int:
 
 def build(kind: str, size: int, batch: int) -> tuple[Work, Callable[[], torch.Tensor], str]:
     """``kind`` "big": an MLP of 1024-wide layers whose parameters and AdamW moments add up to
-    about ``size`` MiB; "small": ``size`` tiny parameters, a stateless SGD, saved model only.
+    about ``size`` MiB; "lm": :class:`SmallLM` of about ``size`` MiB with AdamW; "small":
+    ``size`` tiny parameters, a stateless SGD, saved model only.
     With more than one rank, FSDP2 (``fully_shard``) shards every layer (and the small model)
     over them before the optimizer is built, as a training script does."""
     from async_bench import _overlap_model
@@ -66,6 +105,10 @@ def build(kind: str, size: int, batch: int) -> tuple[Work, Callable[[], torch.Te
         model: nn.Module = SmallModel(size)
         x = torch.randn(size * 16)
         label = f"{size:,} tensors of 16 fp32"
+    elif kind == "lm":
+        model = SmallLM(size)
+        x = torch.randint(0, SmallLM.VOCAB, (batch, 16))
+        label = f"{size} MiB small-LM model+AdamW (201 parameters)"
     else:
         model = _overlap_model(size)
         x = torch.randn(batch, 1024)

@@ -194,6 +194,25 @@ def plot(states: list[dict[str, Any]], summaries: list[dict[str, Any]], path: st
     return None
 
 
+def paired_table(states: list[dict[str, Any]]) -> str:
+    """One row per state of ``_peers_paired.paired_loads``' figures."""
+    lines = [
+        "| state | rounds | engine verified | engine unverified | safetensors | verified / safetensors "
+        "| unverified / safetensors | verified / unverified |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for state in states:
+        p = state["paired_loads"]
+        med = p["median_wall_s"]
+        cells = [f"{med[n] * 1000:.0f} ms" for n in ("ours_verified", "ours_unverified", "safetensors")]
+        for key in ("verified_x_safetensors", "verified_x_unverified", "unverified_x_safetensors"):
+            w, c = p["ratios"][f"{key}_wall"], p["ratios"][f"{key}_cpu"]
+            cells.append(f"**{w['median']:.2f}x** ({w['min']:.2f}-{w['max']:.2f}) / {c['median']:.2f}x")
+        cells[3:] = [cells[3], cells[5], cells[4]]
+        lines.append(f"| {state['label']} | {p['rounds']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report(
     states: list[dict[str, Any]], machine: dict[str, Any], avail: dict[str, str | None], out: str, png: str | None
 ) -> dict[str, Any]:
@@ -205,6 +224,10 @@ def report(
     if ok:
         print("\n### Best peer against the engine (peer value; engine mode value; engine / peer)\n")
         print(best_table(ok, summaries))
+    paired = [s for s in ok if "paired_loads" in s]
+    if paired:
+        print("\n### Hot loads, paired round by round (median of per-round ratios, range; wall / CPU)\n")
+        print(paired_table(paired))
     failed = [s["error"] for s in states if "error" in s]
     for why in failed:
         print(f"\nstate failed: {why}")

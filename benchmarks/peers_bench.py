@@ -6,6 +6,9 @@
     python benchmarks/peers_bench.py --list            # every method, and whether it can run here
     python benchmarks/peers_bench.py --smoke           # tiny, one round: checks that it runs (CI)
     python benchmarks/peers_bench.py --ranks 2 --states 256,small10000   # FSDP2 over 2 gloo ranks
+    python benchmarks/peers_bench.py --states 256,lm256 --methods ours_sync,safetensors --paired 11
+        # the engine's hot load verified and unverified against safetensors, paired round by
+        # round (benchmarks/_peers_paired.py); lm256: a small LM (201 parameters) with AdamW
     python benchmarks/peers_bench.py --full --out benchmarks/results/performance-peers-results.json \
         --plot benchmarks/results/performance-peers.png
         # the whole table: one rank (256 MiB, 1 GiB, 50,000 tensors), then two ranks (256 MiB,
@@ -230,6 +233,11 @@ def run_state(spec: dict[str, Any]) -> dict[str, Any]:
         base = {k: (first[k] + last[k]) / 2 for k in first}
         out["rounds"].append({"order": order, "baseline": base, "baselines": [first, last], "rows": rows})
     out["peers"] = {n: {"family": PEERS[n].family, "load_as": PEERS[n].load_as} for n in spec["methods"]}
+    if spec.get("paired") and _rank() == 0 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        from _peers_paired import paired_loads
+
+        out["paired_loads"] = paired_loads(w, spec["paired"])
+        log(f"  {label}, paired hot loads: {_paired_brief(out['paired_loads'])}")
     import torch.distributed as dist
 
     if dist.get_world_size() > 1:
@@ -245,6 +253,10 @@ def _brief(row: dict[str, Any]) -> str:
         return str(row.get("skipped") or row.get("error"))
     keys = [k for k in METRICS if k in row]
     return ", ".join(f"{k[:-2]} {row[k]:.3f} s" for k in keys)
+
+
+def _paired_brief(paired: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v['median']:.2f}" for k, v in paired["ratios"].items() if k.endswith("_wall"))
 
 
 def log(msg: str) -> None:
@@ -287,11 +299,12 @@ def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     rounds += [rounds[-1]] * (len(states) - len(rounds))
     specs = []
     for state, n in zip(states, rounds, strict=False):
-        small = state.startswith("small")
+        small, lm = state.startswith("small"), state.startswith("lm")
         specs.append(
             {
-                "kind": "small" if small else "big",
-                "size": int(state[5:] or args.small_count) if small else int(state),
+                "kind": "small" if small else "lm" if lm else "big",
+                "size": int(state[5:] or args.small_count) if small else int(state[2:] if lm else state),
+                "paired": args.paired,
                 "rounds": n,
                 "methods": methods,
                 "steps": args.steps,
@@ -335,8 +348,17 @@ def _run_child(specs: list[dict[str, Any]], timeout: float) -> list[dict[str, An
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--states", help="MiB of model+AdamW state, or 'small[N]' (default 256,1024,small)")
+    parser.add_argument(
+        "--states", help="MiB of model+AdamW state, 'lmN' (a small LM of N MiB), or 'small[N]' (default 256,1024,small)"
+    )
     parser.add_argument("--rounds", default="3,2,1", help="rounds per state (one number: all states)")
+    parser.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        help="after the rounds, this many rounds of paired hot loads per state (one rank): the engine "
+        "verified, unverified and safetensors back to back; medians of the per-round ratios",
+    )
     parser.add_argument("--small-count", type=int, default=50_000, help="tensors of the 'small' state")
     parser.add_argument("--small-cold", action="store_true", help="also cold loads of the small state")
     parser.add_argument("--methods", default="all", help="comma-separated (see --list)")
@@ -375,6 +397,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.full:
         if args.ranks != 1 or args.smoke:
             parser.error("--full runs one rank and then two: leave out --ranks and --smoke")
+        args.paired = args.paired or 11
+        args.states = args.states or "256,1024,lm256,lm1024,small"
         one = _run_states(args)
         two_rank = argparse.Namespace(**{**vars(args), "ranks": 2, "states": "256,small10000", "rounds": "2,1"})
         two_rank.out, two_rank.plot = _two_rank_name(args.out), args.plot and _two_rank_name(args.plot)
@@ -401,6 +425,7 @@ def _run_states(args: argparse.Namespace) -> dict[str, Any]:
         args.states = args.states or "8,small300"
         args.rounds, args.steps, args.batch, args.max_loop_s = "1", 2, 8, 120.0
         args.small_cold = True
+        args.paired = args.paired or 2
     args.states = args.states or "256,1024,small"
     specs = _specs(args)
     load_start, t0 = os.getloadavg(), time.perf_counter()

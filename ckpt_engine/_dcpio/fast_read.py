@@ -505,10 +505,9 @@ class FastFileSystemReader(SafeFileSystemReader):
                     os.close(fd)
 
     def _read_values(self, rel: str, entries: list[tuple[Any, ReadItem]], planner: LoadPlanner) -> list[ReadItem]:
-        """Hand the non-tensor values of data file ``rel`` to ``planner.load_bytes`` as DCP's path
-        does (each item's archive bytes, whole), read with one ``pread`` per run of small items
-        instead of a seek and a read per item; returns the items left to DCP's path (large ones,
-        and all of them when the file cannot be opened: that path reports it)."""
+        """Hand the non-tensor values of data file ``rel`` to ``planner.load_bytes`` as DCP's path does
+        (each item's archive bytes), read with one ``pread`` per run of small items, not one per item;
+        returns the items left to DCP's path (large ones; all when the file cannot be opened)."""
         try:
             fd = os.open(os.path.join(os.fspath(self.path), rel), os.O_RDONLY)
         except OSError:
@@ -528,10 +527,13 @@ class FastFileSystemReader(SafeFileSystemReader):
             if data is None or len(data) != info.length:
                 left.append(req)
                 continue
-            with self.naming_errors(rel, [req]):
+            try:  # naming_errors' handling, without a context manager a value
                 planner.load_bytes(req, io.BytesIO(data))
-            self.stats.values += 1
+            except Exception:
+                with self.naming_errors(rel, [req]):
+                    raise
             read.add(info.offset)
+        self.stats.values += len(entries) - len(left)
         self.stats.bytes_read += sum(len(small[offset]) for offset in read)
         return left
 
@@ -585,12 +587,12 @@ class FastFileSystemReader(SafeFileSystemReader):
         target = planner.resolve_tensor(req).detach()
         if (
             type(target) is not torch.Tensor
-            or target.device.type != "cpu"
+            or not target.is_cpu
             or target.layout != torch.strided
             or not target.is_contiguous()
             or target.is_conj()
             or target.is_neg()
-            or tuple(target.shape) != tuple(req.lengths)
+            or target.shape != req.lengths  # two torch.Size
         ):
             return False
         cached = layouts.get(info.offset)

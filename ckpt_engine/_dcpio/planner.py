@@ -63,7 +63,7 @@ __all__ = ["EngineLoadPlanner", "EngineSavePlanner", "already_flat", "flat_keys"
 def target_spec(value: Any) -> ValueSpec:
     if isinstance(value, torch.Tensor):  # DTensor included: .shape is the global shape
         return ValueSpec(is_tensor=True, shape=tuple(value.shape), dtype=value.dtype)
-    return ValueSpec(is_tensor=False, type_name=type(value).__name__)
+    return _VALUE_SPECS.get(type(value)) or ValueSpec(is_tensor=False, type_name=type(value).__name__)
 
 
 def stored_spec(md: TensorStorageMetadata | BytesStorageMetadata | None) -> ValueSpec | None:
@@ -71,7 +71,7 @@ def stored_spec(md: TensorStorageMetadata | BytesStorageMetadata | None) -> Valu
         return None
     if isinstance(md, TensorStorageMetadata):
         return ValueSpec(is_tensor=True, shape=tuple(md.size), dtype=md.properties.dtype)
-    return ValueSpec(is_tensor=False, type_name="bytes")
+    return _VALUE_SPECS[bytes]  # the spec of every stored value
 
 
 def _redirect(item: ReadItem, dest: str) -> ReadItem:
@@ -103,6 +103,8 @@ def already_flat(state_dict: Mapping[Any, Any]) -> bool:
 #: Value types DCP's flattening leaves as they are, checked before the slower ``isinstance`` (a
 #: flattened AdamW state dict holds about three of these a tensor).
 _LEAVES: frozenset[type] = frozenset({bool, int, float, complex, str, bytes, tuple, type(None)})
+#: One spec per plain-value type (immutable: shared by an optimizer's thousands of hyper-parameters).
+_VALUE_SPECS = {t: ValueSpec(is_tensor=False, type_name=t.__name__) for t in _LEAVES}
 
 
 def _same_layout(a: Any, b: Any) -> bool:
@@ -125,20 +127,22 @@ def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
 
 #: The origin of an array of each number of dimensions (``torch.Size`` is immutable: shared).
 _ZEROS = tuple(torch.Size([0] * n) for n in range(9))
+_BYTE_ORIGIN = torch.Size((0,))
 
 
 def _whole_tensor_read(storage: str, dest: str, value: Any, md: Any) -> ReadItem | None:
-    """The one read item DCP's planner makes for a plain tensor stored whole as one chunk of
-    its shape (``create_read_items_for_chunk_list`` with one local and one saved chunk, both
-    covering the tensor), built directly: DCP's general resharding sweep costs about 35
-    microseconds a tensor. ``None`` for anything else (DTensor, several chunks, an empty or
-    0-d tensor, another shape): DCP plans those. ``tests/dcpio/test_fast_paths.py`` pins the item
-    against DCP's."""
+    """The one read item DCP's planner makes for a plain tensor (0-d included) stored whole as one
+    chunk of its shape (``create_read_items_for_chunk_list`` with one local and one saved chunk)
+    or for a stored value (``BytesStorageMetadata``), built directly: DCP's general sweep costs
+    about 35 microseconds a tensor, 15 a value. ``None`` for anything else (DTensor, several
+    chunks, an empty tensor, another shape): DCP plans those. ``test_load_speed.py`` pins it."""
+    if type(md) is BytesStorageMetadata:  # DCP's _create_read_item_for_byteio: offsets, length 0
+        o, d, s = _BYTE_ORIGIN, MetadataIndex(dest), MetadataIndex(storage)
+        return None if isinstance(value, DTensor) else ReadItem(LoadItemType.BYTE_IO, d, o, s, o, o)
     if type(value) is not torch.Tensor or type(md) is not TensorStorageMetadata or len(md.chunks) != 1:
         return None
-    shape = value.shape
-    chunk = md.chunks[0]
-    if not shape or shape != md.size or chunk.sizes != shape or any(chunk.offsets) or not all(shape):
+    shape, chunk = value.shape, md.chunks[0]
+    if shape != md.size or chunk.sizes != shape or any(chunk.offsets) or not all(shape):
         return None
     zeros = _ZEROS[len(shape)] if len(shape) < len(_ZEROS) else torch.Size([0] * len(shape))
     dest_index = MetadataIndex(dest, zeros, 0)

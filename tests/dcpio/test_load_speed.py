@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     TensorProperties,
@@ -112,7 +113,7 @@ def _md(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ..
     )
 
 
-@pytest.mark.parametrize("shape", [(16,), (3, 4), (1,), (2, 1, 5)])
+@pytest.mark.parametrize("shape", [(16,), (3, 4), (1,), (2, 1, 5), ()])
 def test_whole_tensor_read_item_is_dcps(shape: tuple[int, ...]) -> None:
     md = _md(shape, [((0,) * len(shape), shape)])
     value = torch.zeros(shape)
@@ -126,7 +127,6 @@ def test_whole_tensor_read_item_is_dcps(shape: tuple[int, ...]) -> None:
 @pytest.mark.parametrize(
     ("shape", "stored", "chunks"),
     [
-        ((), (), [((), ())]),  # 0-d: DCP plans it
         ((0,), (0,), [((0,), (0,))]),  # empty: DCP makes no read item
         ((8,), (8,), [((0,), (4,)), ((4,), (4,))]),  # several chunks: resharding
         ((8,), (4,), [((0,), (4,))]),  # another shape
@@ -137,3 +137,17 @@ def test_whole_tensor_read_leaves_the_rest_to_dcp(
 ) -> None:
     assert _whole_tensor_read("k", "k", torch.zeros(shape), _md(stored, chunks)) is None
     assert _whole_tensor_read("k", "k", 3, _md(stored, chunks)) is None
+
+
+@pytest.mark.parametrize("value", [0.1, (0.9, 0.99), None, "text", torch.zeros(2)])
+def test_value_read_item_is_dcps(value: object, one_rank_mesh: object) -> None:
+    """A stored value (a hyper-parameter) gets DCP's byte read item, whatever the destination
+    holds now; a DTensor destination is left to DCP."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    md = BytesStorageMetadata()
+    (dcp_item,) = create_default_local_load_plan({"k": value}, Metadata({"k": md}), strict=True).items
+    assert _whole_tensor_read("k", "k", value, md) == dcp_item
+    renamed = _whole_tensor_read("k", "dest", value, md)
+    assert renamed is not None and renamed.dest_index.fqn == "dest" and renamed.storage_index.fqn == "k"
+    assert _whole_tensor_read("k", "k", DTensor.from_local(torch.zeros(2), one_rank_mesh, [Replicate()]), md) is None
