@@ -274,7 +274,11 @@ class Tier(Protocol):
     in the :class:`~.resume.ResumePlanner`'s restore order: the tier's newest complete candidate,
     checked and agreed by every rank, or ``None`` alike on every rank. The node-local tier's
     (:meth:`~.local_tier.LocalTier.newest`) runs the recovery's collectives (one all-gather of the
-    holdings, one agreement per check and per transfer round) and the checks' one agreement; the
+    holdings, one agreement per check and per transfer round) and the checks' one agreement, or,
+    where no step of this job's shape is complete, the resharding recovery's (one all-gather of the
+    holdings, one broadcast per old rank's part); a resharded step's read exchanges bytes between
+    ranks per component and, where a received block fails its digest, raises
+    :class:`~.resume.PassedOver` on every rank, and the planner goes on without the nearer tiers; the
     durable tier's candidates are the planner's own places for its save folder (the two-tier copy,
     a committed checkpoint ``latest`` does not name yet, ``latest``, the fallback), asked after the
     nearer tiers'.
