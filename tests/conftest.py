@@ -85,31 +85,13 @@ def _cost(item: pytest.Item) -> int:
     return 1 if item.get_closest_marker("full") is not None else 2
 
 
-def _shared_fixtures(item: pytest.Item) -> bool:
-    """Whether the test uses a module-scoped fixture of its own module (a shared torchrun launch,
-    a trained model, a saved checkpoint)."""
-    fixtureinfo = getattr(item, "_fixtureinfo", None)
-    if fixtureinfo is None:
-        return False
-    module = item.nodeid.split("::", 1)[0]
-    return any(
-        fixturedef.scope == "module" and fixturedef.baseid == module
-        for defs in fixtureinfo.name2fixturedefs.values()
-        for fixturedef in defs
-    )
-
-
 def _schedule(items: list[pytest.Item]) -> None:
-    """Order and group the tests for the workers of ``-n N`` (``--dist loadgroup``, pyproject.toml).
-
-    Tests that share a module-scoped fixture go to one worker (``xdist_group``), so the fixture's
-    torchrun launch or training run happens once, not once on each worker that got one of its
-    tests. Modules with torchrun tests start first, then the rest of the full tier, then the fast
-    tier: the longest tests do not start last, with one worker idle while the other finishes
-    them. A module's tests stay together and in their order (module fixtures are set up once)."""
-    for item in items:
-        if _shared_fixtures(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    """Order the tests for the workers of ``-n N`` (``--dist loadscope --no-loadscope-reorder``,
+    pyproject.toml): each module goes to one worker, in this order, so a module-scoped fixture
+    (a shared torchrun launch, a trained model) runs once, not once on each worker that got one
+    of its tests. Modules with torchrun tests start first, then the rest of the full tier, then
+    the fast tier: the longest tests do not start last, with one worker idle while the other
+    finishes them. A module's tests stay together and in their order."""
     module_cost: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::", 1)[0]

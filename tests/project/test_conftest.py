@@ -44,20 +44,3 @@ def test_the_fast_tier_leaves_out_dist_and_full_tests_and_keeps_the_rest() -> No
     assert "test_the_benchmark_runs_in_its_smoke_mode" in left_out
     assert len(left_out) == 4, sorted(left_out)
     assert "test_rng_is_on_by_default_and_its_name_is_reserved" in fast
-
-
-@pytest.fixture(scope="module")
-def shared_by_the_module() -> list[str]:
-    return []
-
-
-def test_tests_sharing_a_module_fixture_go_to_one_worker(
-    request: pytest.FixtureRequest, shared_by_the_module: list[str]
-) -> None:
-    """``-n N`` runs with ``--dist loadgroup`` (pyproject.toml): the tests that use a module-scoped
-    fixture of their module carry one ``xdist_group``, so the fixture (a torchrun launch, in the
-    modules that have one) runs once, on one worker; the other tests are scheduled one by one."""
-    module = request.node.nodeid.split("::", 1)[0]
-    assert [mark.args[0] for mark in request.node.iter_markers("xdist_group")] == [module]
-    alone = [item for item in request.session.items if "launch_without_the_dist_marker" in item.nodeid]
-    assert alone and not list(alone[0].iter_markers("xdist_group"))
