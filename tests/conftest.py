@@ -69,12 +69,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("dist") is not None and item.get_closest_marker("full") is None:
             item.add_marker(pytest.mark.full)
+    _schedule(items)
     if torch.cuda.is_available():
         return
     kept = [item for item in items if item.get_closest_marker("cuda") is None]
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("cuda")])
         items[:] = kept
+
+
+def _cost(item: pytest.Item) -> int:
+    """0 for torchrun tests, 1 for the rest of the full tier, 2 for the fast tier."""
+    if item.get_closest_marker("dist") is not None:
+        return 0
+    return 1 if item.get_closest_marker("full") is not None else 2
+
+
+def _schedule(items: list[pytest.Item]) -> None:
+    """Order the tests for the workers of ``-n N`` (``--dist loadscope --no-loadscope-reorder``,
+    pyproject.toml): each module goes to one worker, in this order, so a module-scoped fixture
+    (a shared torchrun launch, a trained model) runs once, not once on each worker that got one
+    of its tests. Modules with torchrun tests start first, then the rest of the full tier, then
+    the fast tier: the longest tests do not start last, with one worker idle while the other
+    finishes them. A module's tests stay together and in their order."""
+    module_cost: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        module_cost[module] = min(module_cost.get(module, 2), _cost(item))
+    items.sort(key=lambda item: module_cost[item.nodeid.split("::", 1)[0]])
 
 
 @pytest.fixture(autouse=True)

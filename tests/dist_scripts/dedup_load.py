@@ -11,8 +11,9 @@ argv: one JSON object ``{"mode": ..., "config": {engine config}, ...}``. Modes:
   reports the full parameters and exp_avg values and its ``bytes_read``.
 * ``fault``: like ``replicated`` with ``dedup_reads: on``, but rank ``victim`` sends itself
   ``signal`` (KILL or STOP) just before its ``at``-th broadcast of the shared reads. The
-  survivors report what ``load()`` raised and how long it took; with STOP, rank 0 then wakes the
-  stopped rank and waits for its report.
+  survivors report what ``load()`` raised and how long each barrier that carried the failed
+  broadcast's deadline waited; with STOP, rank 0 then wakes the stopped rank and waits for its
+  report.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from _common import (
 
 from ckpt_engine import CheckpointEngine, CkptEngineError
 from ckpt_engine._dcpio import dedup_read
+from ckpt_engine._dcpio.watch import CollectiveWatch
 
 #: Layers of the replicated model: several items of a few KiB to a few hundred KiB each.
 SIZES = ((64, 256), (256, 512), (512, 64), (64, 8))
@@ -79,9 +81,8 @@ def outcome(fn: Any) -> dict[str, Any]:
             "typed": isinstance(err, CkptEngineError),
             "message": str(err),
             "seconds": time.monotonic() - t0,
-            "ended": time.time(),
         }
-    return {"type": None, "seconds": time.monotonic() - t0, "ended": time.time()}
+    return {"type": None, "seconds": time.monotonic() - t0}
 
 
 def replicated(spec: dict[str, Any]) -> None:
@@ -135,16 +136,27 @@ def fault(spec: dict[str, Any], rank: int) -> None:
         if rank == spec["victim"] and calls[0] == spec["at"]:
             with open(pid_file, "w") as f:
                 f.write(str(os.getpid()))
-            with open(os.path.join(spec["work"], "victim.lost"), "w") as f:
-                f.write(repr(time.time()))
             os.kill(os.getpid(), getattr(signal, f"SIG{spec['signal']}"))
         broadcast(tensor, src, group)
 
     dedup_read._broadcast = hit  # type: ignore[assignment]
+    # How long each barrier given a deadline by the failed broadcast (``expect_by``) waited: what
+    # the rank had left of the broadcast's timeout, not a whole new one.
+    roll_waits: list[float] = []
+    wait_s = CollectiveWatch._wait_s
+
+    def recorded(watch: CollectiveWatch) -> float:
+        shortened = watch._deadline is not None
+        seconds = wait_s(watch)
+        if shortened:
+            roll_waits.append(seconds)
+        return seconds
+
+    CollectiveWatch._wait_s = recorded  # type: ignore[method-assign]
     model, optim = replicated_state()
     with CheckpointEngine({**spec["config"], "dedup_reads": "on"}) as engine:
         got = outcome(lambda: engine.load(model=model, optimizer=optim))
-    report({"rank": rank, "load": got})
+    report({"rank": rank, "load": got, "roll_waits": roll_waits})
     if rank == 0 and spec["signal"] == "STOP":
         with open(pid_file) as f:
             os.kill(int(f.read()), signal.SIGCONT)

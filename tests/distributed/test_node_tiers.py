@@ -10,28 +10,25 @@ bit for bit with the state of the step it names.
 A 4-rank launch costs more than the work it runs, so the scenarios share their launches
 (:func:`tiers`): one launch trains both models, one is the job killed while it replicates, and
 one resumes all ten copies; each test then checks its own scenario's part. Under pytest-xdist the
-launches run once per session, whichever worker comes first, and the other worker reads their
-reports (a file lock, in the session's shared temporary folder).
+tests that use the fixture go to one worker (tests/conftest.py groups a module fixture's tests),
+so the launches run once per session.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _paths import DIST_SCRIPTS
 from _torchrun import launch_env, run_torchrun
-from filelock import FileLock
 
 pytestmark = pytest.mark.dist
 
@@ -197,27 +194,10 @@ def _run_scenarios(root: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def tiers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def tiers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The reports of every scenario (``trained[name]``, ``resumed["name/copy"]``, each by rank)
-    and ``root``, their folders. Run once: under pytest-xdist the first worker to get here runs
-    the launches and the other reads its reports (or its failure) from the shared folder."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # no xdist: this process is the only one
-        yield _run_scenarios(tmp_path_factory.mktemp("tiers"))
-        return
-    shared = tmp_path_factory.getbasetemp().parent  # one folder per session, shared by its workers
-    done, failed = shared / "node-tiers.json", shared / "node-tiers.failed"
-    with FileLock(str(shared / "node-tiers.lock")):
-        if not done.exists() and not failed.exists():
-            root = shared / "node-tiers"
-            root.mkdir()
-            try:
-                done.write_text(json.dumps(_run_scenarios(root)))
-            except BaseException as err:
-                failed.write_text(f"{type(err).__name__}: {err}")
-                raise
-    if failed.exists():
-        pytest.fail("the shared node-tier launches failed in the other worker:\n" + failed.read_text()[-6000:])
-    yield json.loads(done.read_text())
+    and ``root``, their folders."""
+    return _run_scenarios(tmp_path_factory.mktemp("tiers"))
 
 
 def test_replicated_model_restart_node_loss_both_nodes_and_damaged_copies(tiers: dict[str, Any]) -> None:
