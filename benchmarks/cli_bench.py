@@ -84,13 +84,16 @@ def _time_once(argv: list[str], env: dict[str, str], failed: set[str] | None = N
 Command = tuple[list[str], dict[str, str]]
 
 
-def paired_rounds(commands: dict[str, Command], rounds: int) -> tuple[dict[str, list[float]], set[str]]:
+def paired_rounds(
+    commands: dict[str, Command], rounds: int, warm: bool = True
+) -> tuple[dict[str, list[float]], set[str]]:
     """Wall seconds of every command in each of ``rounds`` rounds (after one untimed round, which
-    warms the page cache and writes the ``.pyc`` files); odd rounds run the commands in reverse.
+    warms the page cache and writes the ``.pyc`` files, unless ``warm`` is false: the smoke run,
+    whose times mean nothing); odd rounds run the commands in reverse.
     Also the commands that failed (exit code not 0)."""
     names = list(commands)
     failed: set[str] = set()
-    for name in names:
+    for name in names if warm else ():
         _time_once(*commands[name], failed, name)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
@@ -147,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="also run every ckpt-engine command from the checkout DIR, in the same rounds (rows marked 'before')",
     )
-    ap.add_argument("--smoke", action="store_true", help="one round: checks the benchmark runs, times mean nothing")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one round, no warm-up round: checks the benchmark runs, times mean nothing",
+    )
     args = ap.parse_args(argv)
     rounds = 1 if args.smoke else args.rounds
     py = sys.executable
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.before:
             before = _env(args.before, tmp)
             commands.update({f"ckpt-engine {name}{BEFORE}": ([py, "-c", _CLI, *a], before) for name, a in cli.items()})
-        times, failed = paired_rounds(commands, rounds)
+        times, failed = paired_rounds(commands, rounds, warm=not args.smoke)
     ok = _report(times, failed, rounds)
     if any(BEFORE not in name for name in failed):
         return 1  # this checkout's commands must run, in the smoke run too

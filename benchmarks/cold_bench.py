@@ -26,6 +26,10 @@ per round, the order reversed every other round; ratios are medians of the per-r
     python benchmarks/cold_bench.py --counts 50000 --rounds 5 --out cold.json
     python benchmarks/cold_bench.py --dir /tmp/cold                  # on disk instead of tmpfs
     python benchmarks/cold_bench.py --smoke                          # 500 tensors, one round
+
+``--smoke`` checks that the benchmark runs and its figures are well formed: 500 tensors, one
+round, and the four methods in this one process (one interpreter start instead of four; its
+figures are not cold).
 """
 
 from __future__ import annotations
@@ -144,8 +148,19 @@ def _run_child(method: str, count: int, folder: str, timeout: float) -> dict[str
     return result
 
 
-def measure(count: int, rounds: int, root: str, timeout: float) -> dict[str, Any]:
-    """``rounds`` paired rounds at ``count`` tensors; every save goes to a new folder."""
+def _in_process(method: str, count: int, folder: str) -> dict[str, Any]:
+    """:func:`child` in this process, after the heap's free pages went back to the system (so
+    the call's peak RSS growth is its own, not hidden in pages an earlier call left)."""
+    sys.path.insert(0, HERE)
+    from _peers_measure import trim
+
+    trim()
+    return child(method, count, folder)
+
+
+def measure(count: int, rounds: int, root: str, timeout: float, in_process: bool = False) -> dict[str, Any]:
+    """``rounds`` paired rounds at ``count`` tensors; every save goes to a new folder (each
+    method in a new interpreter, or with ``in_process`` in this one: the smoke run)."""
     samples: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
     for r in range(rounds):
         folders = {"ours": tempfile.mkdtemp(prefix="ours-", dir=root), "safetensors": tempfile.mkdtemp(dir=root)}
@@ -155,7 +170,9 @@ def measure(count: int, rounds: int, root: str, timeout: float) -> dict[str, Any
             pair = saves_or_loads if r % 2 == 0 else saves_or_loads[::-1]
             for method in pair:
                 folder = folders[method.split("_")[0]]
-                samples[method].append(_run_child(method, count, folder, timeout))
+                samples[method].append(
+                    _in_process(method, count, folder) if in_process else _run_child(method, count, folder, timeout)
+                )
         for folder in folders.values():
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -212,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None, help="where the folders go")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--timeout", type=float, default=900, help="seconds per child")
-    p.add_argument("--smoke", action="store_true", help="500 tensors, one round: checks that it runs")
+    p.add_argument("--smoke", action="store_true", help="500 tensors, one round, one process: checks that it runs")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
@@ -223,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     start_load, t0 = os.getloadavg(), time.perf_counter()
     root = tempfile.mkdtemp(prefix="ckpt-cold-", dir=args.dir)
     try:
-        results = [measure(c, rounds, root, args.timeout) for c in counts]
+        results = [measure(c, rounds, root, args.timeout, in_process=args.smoke) for c in counts]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(table(results))

@@ -271,6 +271,10 @@ def child_main(specs: list[dict[str, Any]]) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(specs[0]["threads"])
+    if specs[0].get("smoke"):
+        import _peers_measure
+
+        _peers_measure.FREEZE_AFTER_TRIM = True
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun
         import torch.distributed as dist
 
@@ -314,6 +318,7 @@ def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "max_loop_s": args.max_loop_s,
                 "ranks": args.ranks,
                 "workdir": os.path.abspath(args.workdir),
+                "smoke": args.smoke,
             }
         )
     return specs

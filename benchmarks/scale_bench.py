@@ -48,7 +48,7 @@ def _time(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
-def run(count: int, reps: int, root: str) -> dict[str, Any]:
+def run(count: int, reps: int, root: str, fresh_processes: bool = True) -> dict[str, Any]:
     src, dst = Buffers(count, True), Buffers(count, False)
     out: dict[str, list[float]] = {k: [] for k in ("save", "save_nochecksums", "load", "dcp_save", "dcp_load")}
     on = CheckpointEngine({"save_dir": os.path.join(root, "on"), "keep_last": 2})
@@ -87,7 +87,7 @@ def run(count: int, reps: int, root: str) -> dict[str, Any]:
     finally:
         if was:
             gc.enable()
-    fresh = _fresh_metadata_reads(folder, reps)
+    fresh = _fresh_metadata_reads(folder, reps, fresh_processes)
     med = {k: statistics.median(v) for k, v in out.items()}
     return {
         "count": count,
@@ -121,13 +121,28 @@ print(time.perf_counter() - t)
 """
 
 
-def _fresh_metadata_reads(folder: str, reps: int) -> dict[str, list[float]]:
+def _read_once(folder: str, which: str) -> float:
+    """What ``_FRESH`` times, in this process."""
+    t = time.perf_counter()
+    if which == "safe":
+        read_metadata(folder)
+    else:
+        with open(os.path.join(folder, ".metadata"), "rb") as f:
+            pickle.load(f)
+    return time.perf_counter() - t
+
+
+def _fresh_metadata_reads(folder: str, reps: int, fresh_processes: bool = True) -> dict[str, list[float]]:
     """The safe read and ``pickle.load`` of one ``.metadata``, each in a new process (a small
     heap, as at the start of a job), alternating: the benchmark's own process holds the model and
-    every earlier object, which changes what ``pickle.load``'s cyclic collections cost."""
+    every earlier object, which changes what ``pickle.load``'s cyclic collections cost. Without
+    ``fresh_processes`` (the smoke run, untimed) the same code runs in this process instead."""
     out: dict[str, list[float]] = {"safe": [], "pickle": []}
     for rep in range(reps):
         for which in ("safe", "pickle") if rep % 2 == 0 else ("pickle", "safe"):
+            if not fresh_processes:
+                out[which].append(_read_once(folder, which))
+                continue
             done = subprocess.run(
                 [sys.executable, "-c", _FRESH, folder, which], check=True, capture_output=True, text=True
             )
@@ -141,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     p.add_argument("--out")
-    p.add_argument("--smoke", action="store_true", help="tiny and untimed: checks that the benchmark runs")
+    p.add_argument("--smoke", action="store_true", help="tiny, untimed, in one process: checks that the benchmark runs")
     args = p.parse_args(argv)
     counts = [200] if args.smoke else [int(c) for c in args.counts.split(",") if c]
     reps = 1 if args.smoke else args.reps
@@ -150,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     for count in counts:
         root = tempfile.mkdtemp(prefix="ckpt-scale-", dir=args.dir)
         try:
-            r = run(count, reps, root)
+            r = run(count, reps, root, fresh_processes=not args.smoke)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         results.append(r)

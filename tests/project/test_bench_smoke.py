@@ -92,8 +92,8 @@ def test_write_path_benchmark_smoke_run(tmp_path: Path) -> None:
 
 
 def test_cold_benchmark_smoke_run(tmp_path: Path) -> None:
-    """benchmarks/cold_bench.py end to end (untimed): each method in a new process, the loads
-    checked against the saved values, peak memory reported, nothing left behind."""
+    """benchmarks/cold_bench.py end to end (untimed; its smoke mode runs the four methods in one
+    process): the loads checked against the saved values, peak memory reported, nothing left behind."""
     out = tmp_path / "cold.json"
     script = REPO / "benchmarks" / "cold_bench.py"
     _bench(script, "--smoke", "--out", str(out), "--dir", str(tmp_path), timeout=300)
