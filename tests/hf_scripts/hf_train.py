@@ -3,7 +3,10 @@
 Imported by the tests for in-process runs, and run as a script in a new process (under
 ``torchrun`` too) to stop, resume, or be killed with SIGKILL in the middle of a save:
 
-    python tests/hf_scripts/hf_train.py ROOT MODEL MODE [STEP]
+    python tests/hf_scripts/hf_train.py ROOT MODEL MODE [STEP] [+ ROOT MODEL MODE [STEP] ...]
+
+Several jobs joined by ``+`` run one after the other in the one process (one start-up of torch
+and transformers for all, fresh objects for each); a ``kill`` job comes last.
 
 ``MODEL`` is ``gpt2``, ``llama`` (tiny configs, built from scratch, dropout on so the random
 state matters) or ``lora`` (``gpt2`` with a ``peft`` LoRA adapter); ``gpt2-fsdp2`` trains ``gpt2``
@@ -262,13 +265,10 @@ def _stop(step: int) -> None:
     os._exit(3)
 
 
-def main() -> None:
-    root, model, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+def run_job(root: str, model: str, mode: str, step: int | None) -> None:
+    """One job: train ``model`` into ``root`` as ``mode`` says and write its end state."""
     fsdp2 = model.endswith("-fsdp2")
     model = model.removesuffix("-fsdp2")
-    step = int(sys.argv[4]) if len(sys.argv) > 4 else None
-    if mode.startswith("kill"):
-        os.setpgid(0, 0)  # the test kills the whole group: pinned_staging's writer process dies with us
     if mode == "kill":
         assert step is not None
         run = trainer(root, model, plugins=[StopMidWrite(step)])
@@ -280,6 +280,26 @@ def main() -> None:
     run.train(resume_from_checkpoint=True if mode == "resume" else None)
     rank = int(os.environ.get("RANK", "0"))
     torch.save(end_state(run), os.path.join(root, f"result-{rank}.pt"))
+
+
+def jobs(argv: Sequence[str]) -> list[tuple[str, str, str, int | None]]:
+    """``ROOT MODEL MODE [STEP]`` groups of ``argv``, joined by ``+``."""
+    out: list[tuple[str, str, str, int | None]] = []
+    words = list(argv)
+    while words:
+        cut = words.index("+") if "+" in words else len(words)
+        group, words = words[:cut], words[cut + 1 :]
+        root, model, mode = group[:3]
+        out.append((root, model, mode, int(group[3]) if len(group) > 3 else None))
+    return out
+
+
+def main() -> None:
+    todo = jobs(sys.argv[1:])
+    if any(mode.startswith("kill") for _, _, mode, _ in todo):
+        os.setpgid(0, 0)  # the test kills the whole group: pinned_staging's writer process dies with us
+    for job in todo:
+        run_job(*job)
     print("FINISHED", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
