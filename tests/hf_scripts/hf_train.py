@@ -33,15 +33,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from hf_models import SAMPLES as SAMPLES
+from hf_models import VOCAB as VOCAB
+from hf_models import Tokens as Tokens
+from hf_models import build_model as build_model
 from torch.distributed.tensor import DTensor
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import TrainerCallback, TrainingArguments
 
 from ckpt_engine import WriteContext, WriteResult, hookimpl
 from ckpt_engine.defaults import DefaultIO
@@ -49,48 +46,6 @@ from ckpt_engine.integrations.transformers import EngineTrainer
 
 STEPS = 14
 SAVE_EVERY = 3
-SAMPLES = 40  # 10 steps an epoch on one rank (5 on two): a resume lands mid-epoch, the run crosses epochs
-VOCAB = 64
-
-
-def build_model(name: str) -> torch.nn.Module:
-    """A tiny model of ``name``, its initial weights fixed by the seed."""
-    torch.manual_seed(0)
-    if name == "llama":
-        cfg = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32,
-            attention_dropout=0.1,
-            bos_token_id=0,
-            eos_token_id=1,
-        )
-        return LlamaForCausalLM(cfg)
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=1)
-    )
-    if name == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1))
-    return model
-
-
-class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """Fixed random token sequences, each its own label (causal LM)."""
-
-    def __init__(self, n: int = SAMPLES, length: int = 16) -> None:
-        self.ids = torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class StopAfterSave(TrainerCallback):
