@@ -3,7 +3,10 @@
 Imported by the tests for in-process runs, and run as a script in a new process (under
 ``torchrun`` too) to stop, resume, or be killed with SIGKILL in the middle of a save:
 
-    python tests/hf_scripts/hf_train.py ROOT MODEL MODE [STEP]
+    python tests/hf_scripts/hf_train.py ROOT MODEL MODE [STEP] [+ ROOT MODEL MODE [STEP] ...]
+
+Several jobs joined by ``+`` run one after the other in the one process (one start-up of torch
+and transformers for all, fresh objects for each); a ``kill`` job comes last.
 
 ``MODEL`` is ``gpt2``, ``llama`` (tiny configs, built from scratch, dropout on so the random
 state matters) or ``lora`` (``gpt2`` with a ``peft`` LoRA adapter); ``gpt2-fsdp2`` trains ``gpt2``
@@ -30,15 +33,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from hf_models import SAMPLES as SAMPLES
+from hf_models import VOCAB as VOCAB
+from hf_models import Tokens as Tokens
+from hf_models import build_model as build_model
 from torch.distributed.tensor import DTensor
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import TrainerCallback, TrainingArguments
 
 from ckpt_engine import WriteContext, WriteResult, hookimpl
 from ckpt_engine.defaults import DefaultIO
@@ -46,48 +46,6 @@ from ckpt_engine.integrations.transformers import EngineTrainer
 
 STEPS = 14
 SAVE_EVERY = 3
-SAMPLES = 40  # 10 steps an epoch on one rank (5 on two): a resume lands mid-epoch, the run crosses epochs
-VOCAB = 64
-
-
-def build_model(name: str) -> torch.nn.Module:
-    """A tiny model of ``name``, its initial weights fixed by the seed."""
-    torch.manual_seed(0)
-    if name == "llama":
-        cfg = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32,
-            attention_dropout=0.1,
-            bos_token_id=0,
-            eos_token_id=1,
-        )
-        return LlamaForCausalLM(cfg)
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=1)
-    )
-    if name == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1))
-    return model
-
-
-class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """Fixed random token sequences, each its own label (causal LM)."""
-
-    def __init__(self, n: int = SAMPLES, length: int = 16) -> None:
-        self.ids = torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class StopAfterSave(TrainerCallback):
@@ -262,13 +220,10 @@ def _stop(step: int) -> None:
     os._exit(3)
 
 
-def main() -> None:
-    root, model, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+def run_job(root: str, model: str, mode: str, step: int | None) -> None:
+    """One job: train ``model`` into ``root`` as ``mode`` says and write its end state."""
     fsdp2 = model.endswith("-fsdp2")
     model = model.removesuffix("-fsdp2")
-    step = int(sys.argv[4]) if len(sys.argv) > 4 else None
-    if mode.startswith("kill"):
-        os.setpgid(0, 0)  # the test kills the whole group: pinned_staging's writer process dies with us
     if mode == "kill":
         assert step is not None
         run = trainer(root, model, plugins=[StopMidWrite(step)])
@@ -280,6 +235,26 @@ def main() -> None:
     run.train(resume_from_checkpoint=True if mode == "resume" else None)
     rank = int(os.environ.get("RANK", "0"))
     torch.save(end_state(run), os.path.join(root, f"result-{rank}.pt"))
+
+
+def jobs(argv: Sequence[str]) -> list[tuple[str, str, str, int | None]]:
+    """``ROOT MODEL MODE [STEP]`` groups of ``argv``, joined by ``+``."""
+    out: list[tuple[str, str, str, int | None]] = []
+    words = list(argv)
+    while words:
+        cut = words.index("+") if "+" in words else len(words)
+        group, words = words[:cut], words[cut + 1 :]
+        root, model, mode = group[:3]
+        out.append((root, model, mode, int(group[3]) if len(group) > 3 else None))
+    return out
+
+
+def main() -> None:
+    todo = jobs(sys.argv[1:])
+    if any(mode.startswith("kill") for _, _, mode, _ in todo):
+        os.setpgid(0, 0)  # the test kills the whole group: pinned_staging's writer process dies with us
+    for job in todo:
+        run_job(*job)
     print("FINISHED", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+import hf_models
 import hf_train as script
 from transformers import Trainer, TrainingArguments
 
@@ -422,45 +423,11 @@ def test_only_fsdp1_is_refused(enabled: bool, version: int | None, refused: bool
 # -- check_exact_resume around a tiny Hugging Face model ------------------------------------------
 
 
-class _Position:
-    """Which sample comes next (an extra state)."""
-
-    def __init__(self) -> None:
-        self.sample = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"sample": self.sample}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sample = state["sample"]
-
-
-def build_gpt2() -> dict[str, Any]:
-    """The tiny GPT-2 of the Trainer runs (dropout on), AdamW and a linear warmup schedule."""
-    from transformers import get_linear_schedule_with_warmup
-
-    model = script.build_model("gpt2")
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=10)
-    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "extra": {"data": _Position()}}
-
-
-def step_gpt2(objs: dict[str, Any], i: int) -> None:
-    data = objs["extra"]["data"]
-    ids = script.Tokens().ids[data.sample : data.sample + 4]
-    data.sample += 4
-    loss = objs["model"](input_ids=ids, labels=ids).loss  # dropout: the torch generator's draws
-    objs["optimizer"].zero_grad()
-    loss.backward()
-    objs["optimizer"].step()
-    objs["scheduler"].step()
-
-
 @pytest.mark.full  # three new processes, each importing transformers
 def test_a_tiny_gpt2_trained_by_hand_resumes_exactly(tmp_path: Path) -> None:
     from ckpt_engine.testing import check_exact_resume
 
-    report = check_exact_resume(build_gpt2, step_gpt2, steps=5, save_at=2, workdir=tmp_path)
+    # the three processes import hf_models alone (the models, not the Trainer, nor this module)
+    report = check_exact_resume(hf_models.build_gpt2, hf_models.step_gpt2, steps=5, save_at=2, workdir=tmp_path)
     report.raise_if_not_exact()
     assert report.keys_compared > 50  # every parameter, its AdamW state, the schedule, the position, the generators

@@ -5,7 +5,11 @@ for bit where an uninterrupted run ends (parameters, optimizer state, every logg
 
 The runs are ``tests/hf_scripts/hf_train.py`` (tiny GPT-2 and Llama built from configs, dropout
 on): 14 steps, a checkpoint every 3, across an epoch boundary. Every test here starts processes
-(each imports torch and transformers, several seconds), so all are in the full tier.
+(each imports torch and transformers, several seconds), so all are in the full tier. A process
+runs several jobs one after the other (the script's ``+``), so the module starts few of them: one
+process stops both models' jobs and then runs the job killed mid-save, a new one resumes the
+stopped jobs; one ``torchrun`` launch runs the uninterrupted and the stopped DDP and FSDP2 jobs,
+a second one resumes both.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +54,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     return out
 
 
-def _run(root: Path, *args: str) -> None:
+def _args(*jobs: Sequence[str | Path]) -> list[str]:
+    """The script's arguments for ``jobs`` (each ``ROOT MODEL MODE [STEP]``), run one after the other."""
+    out: list[str] = []
+    for job in jobs:
+        out += [*(["+"] if out else []), *map(str, job)]
+    return out
+
+
+def _run(*jobs: Sequence[str | Path]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(root), *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, str(SCRIPT), *_args(*jobs)], capture_output=True, text=True, env=env, timeout=300
     )
     assert proc.returncode == 0 and "FINISHED" in proc.stdout, proc.stderr[-4000:]
 
@@ -62,21 +75,41 @@ def _result(root: Path, rank: int = 0) -> dict[str, Any]:
     return loaded
 
 
-@pytest.mark.parametrize("model", ["gpt2", "llama"])
+MODELS = ("gpt2", "llama")
+KILL_AT = 9
+
+
+def _latest(root: Path) -> str:
+    return (root / "checkpoints" / "latest_checkpoint.txt").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One process stops a job of each model after the save of step 6, then runs a ``gpt2`` job
+    that is killed with SIGKILL in the save of :data:`KILL_AT`; a new process resumes the stopped
+    jobs. Their folders by model (``kill``: the killed job's), and what ``latest`` named after the stop."""
+    root = tmp_path_factory.mktemp("jobs")
+    folders = {name: root / name for name in (*MODELS, "kill")}
+    stops = [(folders[model], model, "stop", 6) for model in MODELS]
+    _run_until_killed(folders["kill"], "kill", KILL_AT, before=stops)
+    latest = {model: _latest(folders[model]) for model in MODELS}
+    _run(*[(folders[model], model, "resume") for model in MODELS])
+    return {"folders": folders, "latest_after_stop": latest}
+
+
+@pytest.mark.parametrize("model", MODELS)
 def test_stopped_at_a_checkpoint_then_resumed_in_a_new_process_is_bit_identical(
-    tmp_path: Path, reference: dict[str, dict[str, Any]], model: str
+    jobs: dict[str, Any], reference: dict[str, dict[str, Any]], model: str
 ) -> None:
-    _run(tmp_path, model, "stop", "6")
-    assert (tmp_path / "checkpoints" / "latest_checkpoint.txt").read_text().strip() == "iter_000000006"
-    _run(tmp_path, model, "resume")
-    script.assert_same(_result(tmp_path), reference[model])
+    assert jobs["latest_after_stop"][model] == "iter_000000006"
+    script.assert_same(_result(jobs["folders"][model]), reference[model])
 
 
-def _run_until_killed(root: Path, mode: str, kill_at: int) -> None:
-    """Run a job and SIGKILL its process group during the save of ``kill_at``. Bounded by
-    progress: the child reports ``MIDSAVE`` or exits."""
+def _run_until_killed(root: Path, mode: str, kill_at: int, before: Sequence[Sequence[str | Path]] = ()) -> None:
+    """Run a job (after the jobs ``before``, in the same process) and SIGKILL its process group
+    during the save of ``kill_at``. Bounded by progress: the child reports ``MIDSAVE`` or exits."""
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(root), "gpt2", mode, str(kill_at)],
+        [sys.executable, str(SCRIPT), *_args(*before, (root, "gpt2", mode, kill_at))],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -112,9 +145,12 @@ SLOW = pytest.mark.skipif(
 
 @pytest.mark.parametrize("mode", ["kill", pytest.param("kill-async", marks=[pytest.mark.slow, SLOW])])
 def test_sigkill_mid_save_leaves_the_previous_checkpoint_resumable(
-    tmp_path: Path, reference: dict[str, dict[str, Any]], mode: str
+    tmp_path: Path, jobs: dict[str, Any], reference: dict[str, dict[str, Any]], mode: str
 ) -> None:
-    _run_until_killed(tmp_path, mode, kill_at=9)
+    if mode == "kill":
+        tmp_path = jobs["folders"]["kill"]  # killed by the fixture, after the stopped jobs
+    else:
+        _run_until_killed(tmp_path, mode, kill_at=KILL_AT)
     save_dir = tmp_path / "checkpoints"
     latest = (save_dir / "latest_checkpoint.txt").read_text().strip()
     if mode == "kill":
@@ -132,12 +168,29 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_resumable(
     assert cli(["verify", str(save_dir)]) == 0
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two ranks under ``torchrun``: one launch trains uninterrupted and stopped-after-step-6 jobs
+    of ``gpt2`` (DDP) and ``gpt2-fsdp2``, a second launch resumes the stopped ones. The folders by
+    ``(model, "full" | "stopped")``, and the stopped FSDP2 job's end states at the stop, by rank."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    models = ("gpt2", "gpt2-fsdp2")
+    folders = {(model, run): root / model / run for model in models for run in ("full", "stopped")}
+    first = _args(
+        *[job for m in models for job in ((folders[m, "full"], m, "full"), (folders[m, "stopped"], m, "stop", 6))]
+    )
+    second = _args(*[(folders[m, "stopped"], m, "resume") for m in models])
+    result = run_torchrun(str(SCRIPT), *first, nproc=2, timeout=480)
+    assert result.returncode == 0, result.describe()
+    at_stop = {rank: _result(folders["gpt2-fsdp2", "stopped"], rank) for rank in (0, 1)}
+    result = run_torchrun(str(SCRIPT), *second, nproc=2, timeout=300)
+    assert result.returncode == 0, result.describe()
+    return {"folders": folders, "fsdp2_at_stop": at_stop}
+
+
 @pytest.mark.dist
-def test_two_ranks_under_torchrun_stop_and_resume_bit_identical(tmp_path: Path) -> None:
-    full, stopped = tmp_path / "full", tmp_path / "stopped"
-    for root, args in ((full, ["full"]), (stopped, ["stop", "6"]), (stopped, ["resume"])):
-        result = run_torchrun(str(SCRIPT), str(root), "gpt2", *args, nproc=2, timeout=300)
-        assert result.returncode == 0, result.describe()
+def test_two_ranks_under_torchrun_stop_and_resume_bit_identical(two_ranks: dict[str, Any]) -> None:
+    full, stopped = two_ranks["folders"]["gpt2", "full"], two_ranks["folders"]["gpt2", "stopped"]
     for rank in (0, 1):
         script.assert_same(_result(stopped, rank), _result(full, rank))
     script.assert_same(_result(full, 0), _result(full, 1))  # DDP kept the replicas equal
@@ -161,19 +214,14 @@ class _ParamsAtStart(TrainerCallback):
 
 
 @pytest.mark.dist
-def test_fsdp2_two_ranks_save_sharded_and_resume_bit_identical_and_on_one_rank(tmp_path: Path) -> None:
+def test_fsdp2_two_ranks_save_sharded_and_resume_bit_identical_and_on_one_rank(two_ranks: dict[str, Any]) -> None:
     """accelerate's FSDP2 (``fsdp_version: 2``): the model's parameters are DTensor shards, the
     optimizer is built by the Trainer after accelerate shards the model. Every rank writes its own
     shards; a new launch resumes bit-identical; one process resumes the 2-rank checkpoint.
     On CPU ranks accelerate drops FSDP (see ``hf_train.fsdp2_on_cpu``); the GPU run is
     ``test_fsdp2_on_a_gpu_stop_and_resume_bit_identical``."""
-    full, stopped = tmp_path / "full", tmp_path / "stopped"
-    at_stop: dict[int, dict[str, Any]] = {}
-    for root, args in ((full, ["full"]), (stopped, ["stop", "6"]), (stopped, ["resume"])):
-        result = run_torchrun(str(SCRIPT), str(root), "gpt2-fsdp2", *args, nproc=2, timeout=300)
-        assert result.returncode == 0, result.describe()
-        if args[0] == "stop":
-            at_stop = {rank: _result(stopped, rank) for rank in (0, 1)}
+    full, stopped = two_ranks["folders"]["gpt2-fsdp2", "full"], two_ranks["folders"]["gpt2-fsdp2", "stopped"]
+    at_stop: dict[int, dict[str, Any]] = two_ranks["fsdp2_at_stop"]
     for rank in (0, 1):
         script.assert_same(_result(stopped, rank), _result(full, rank))
         assert _result(full, rank)["sharded"] and _result(stopped, rank)["sharded"]
