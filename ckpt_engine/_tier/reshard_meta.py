@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._dcpio.torch_private import storage_info
-from .._format.hashing import new_hasher
+from .._format.hashing import hash_bytes
 from .._format.names import RANK_LOCAL_MARK, per_rank_key
 from ..errors import CorruptCheckpointError
 
@@ -61,11 +61,10 @@ def item_digests(folder: str, md: Metadata, algorithm: str) -> list[list[Any]]:
                 continue
             if info.relative_path not in fds:
                 fds[info.relative_path] = os.open(os.path.join(folder, info.relative_path), os.O_RDONLY)
-            hasher = new_hasher(algorithm)
-            assert hasher is not None
-            hasher.update(os.pread(fds[info.relative_path], info.length, info.offset))
+            digest = hash_bytes(os.pread(fds[info.relative_path], info.length, info.offset), algorithm)
+            assert digest is not None
             offsets = None if index.offset is None else [int(o) for o in index.offset]
-            out.append([index.fqn, offsets, hasher.hexdigest()])
+            out.append([index.fqn, offsets, digest])
     finally:
         for fd in fds.values():
             os.close(fd)
