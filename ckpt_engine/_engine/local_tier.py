@@ -52,13 +52,13 @@ from ..errors import (
     SaveDirLockedError,
 )
 from ..pipeline import Pipeline
-from ..types import WriteContext, WriteResult
+from ..types import WriteResult
 from .consensus import agree
 from .incremental import CarryBase, carry_base_in
 from .resave import refuse_resave
 from .resume import CheckpointReader, LoadSource, LocalTierSource, ResumeAsk
 from .targets import SavePaths, commit_locally
-from .tiers import CommitPhase, Outcomes, Round, WriteInputs, wait_writes
+from .tiers import CommitPhase, Outcomes, Round, WriteInputs, component_context, wait_writes
 
 __all__ = ["LocalTier", "node_local_tiers"]
 
@@ -260,22 +260,7 @@ class LocalTier:
         outcomes: list[WriteResult | Future[WriteResult]] = []
         for name, state in staged.components.items():
             planner = EngineSavePlanner(key_maps[name], cache_key=f"{plan_prefix}local:{name}", checksum=checksum)
-            ctx = WriteContext(
-                component=name,
-                iteration=paths.iteration,
-                path=os.path.join(paths.partial, name),
-                rank=_dist.rank(),
-                world_size=_dist.world_size(),
-                planner=planner,
-                staged_copy=staged.is_copy,
-                thread_count=self.config.thread_count,
-                sync_files=self.config.sync_files,
-                process_group=RANK_LOCAL,
-                carry_over=None
-                if carry is None
-                else carry.for_component(name, stable if name == "model" else frozenset()),
-                rank_local=True,
-            )
+            ctx = component_context(self.config, paths, name, planner, staged.is_copy, carry, stable, RANK_LOCAL)
             try:
                 out = pipeline.write(ctx, state)
                 if isinstance(out, Future) and not staged.is_copy:

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcpio import dist as _dist
+from .._dcpio.coordination import RANK_LOCAL
 from .._dcpio.planner import EngineSavePlanner
 from .._dcpio.watch import phase as publish_phase
 from .._format.digests import carried_copies, written_entries
@@ -47,7 +48,7 @@ from ..pipeline import Pipeline
 from ..types import CarriedBy, StagedState, WriteContext, WriteResult
 from .collectives import watch_group
 from .consensus import agree, gated, unwrap
-from .incremental import carry_base
+from .incremental import CarryBase, carry_base
 from .resave import refuse_resave
 from .resume import CheckpointReader, LoadSource, ResumeAsk
 from .targets import SavePaths, SaveTarget
@@ -234,6 +235,38 @@ class WriteInputs:
     checksum: str | None
 
 
+def component_context(
+    config: EngineConfig,
+    paths: SavePaths,
+    name: str,
+    planner: EngineSavePlanner,
+    staged_copy: bool,
+    carry: CarryBase | None,
+    stable: frozenset[str],
+    process_group: Any,
+) -> WriteContext:
+    """The :class:`WriteContext` every tier hands the ``write`` provider for component ``name`` of
+    a save into ``paths``: with ``carry`` (``incremental``), what it may carry over, the model's
+    ``stable`` keys included. A rank-local write (``process_group`` is ``RANK_LOCAL``: the
+    node-local tier) runs no collective, so it carries no ``collective_timeout_s``."""
+    rank_local = process_group is RANK_LOCAL
+    return WriteContext(
+        component=name,
+        iteration=paths.iteration,
+        path=os.path.join(paths.partial, name),
+        rank=_dist.rank(),
+        world_size=_dist.world_size(),
+        planner=planner,
+        staged_copy=staged_copy,
+        thread_count=config.thread_count,
+        sync_files=config.sync_files,
+        process_group=process_group,
+        collective_timeout_s=None if rank_local else config.collective_timeout_s,
+        carry_over=None if carry is None else carry.for_component(name, stable if name == "model" else frozenset()),
+        rank_local=rank_local,
+    )
+
+
 class Tier(Protocol):
     """One tier of the :class:`TierStack`: a place every save it is chosen for is committed to,
     and that a resume may read from.
@@ -364,21 +397,8 @@ class DurableTier:
             planner = EngineSavePlanner(
                 inputs.key_maps[name], cache_key=inputs.plan_prefix + name, checksum=inputs.checksum
             )
-            ctx = WriteContext(
-                component=name,
-                iteration=paths.iteration,
-                path=os.path.join(paths.partial, name),
-                rank=_dist.rank(),
-                world_size=_dist.world_size(),
-                planner=planner,
-                staged_copy=staged.is_copy,
-                thread_count=self.config.thread_count,
-                sync_files=self.config.sync_files,
-                process_group=watch_group(),
-                collective_timeout_s=self.config.collective_timeout_s,
-                carry_over=None
-                if carry is None
-                else carry.for_component(name, inputs.stable if name == "model" else frozenset()),
+            ctx = component_context(
+                self.config, paths, name, planner, staged.is_copy, carry, inputs.stable, watch_group()
             )
             out = inputs.pipeline.write(ctx, staged.components[name])
             if checked is not None and isinstance(out, Future):  # commits only once the ranks agree
