@@ -150,3 +150,14 @@ def attempt(fn: Callable[[], Any], *, keep_value: bool = False) -> dict[str, Any
         out = {"raised": f"NOT-ENGINE:{type(err).__module__}.{type(err).__name__}", "message": str(err)}
     out["seconds"] = round(time.monotonic() - t0, 2)
     return out
+
+
+def wait_for_file(path: str, limit_s: float = 120.0) -> bool:
+    """Poll for ``path``, a file another rank writes when it has done something: one rank waits
+    on another's progress. ``limit_s`` is a hang guard only; returns whether the file appeared."""
+    end = time.monotonic() + limit_s
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True

@@ -7,7 +7,8 @@ argv: save_dir. ``collective_timeout_s`` is 3 s. Steps (each rank reports what i
   0's ``result()`` raises ``CheckpointSaveError`` naming writer rank 1 and its last phase. Then
   rank 1 resumes its writer, which arrives late and fails that save on rank 1 too;
 * ``save_again``: the next save succeeds on both ranks (the writers are replaced);
-* ``closed``: ``close()`` returns promptly on both ranks.
+* ``closed``: ``close()`` returns on rank 0 while rank 1 waits outside the engine for it, then
+  on rank 1: closing needs no other rank.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _common import attempt, ckpt_test_exit, cpu_mesh, make_model, report_ordered, shard_fsdp2
+from _common import attempt, ckpt_test_exit, cpu_mesh, make_model, report_ordered, shard_fsdp2, wait_for_file
 from ckpt_engine_plugins.pinned_staging import PinnedStagingPlugin
 
 from ckpt_engine import CheckpointEngine
@@ -54,7 +55,15 @@ def main() -> None:
         out = attempt(lambda: handle.result(timeout=60))
     report_ordered({"step": "save_stopped", **out})
     report_ordered({"step": "save_again", **attempt(lambda: engine.save(3, model=model, optimizer=optim).result(60))})
-    report_ordered({"step": "closed", **attempt(engine.close)})
+    # Rank 1 closes only once rank 0's close() has returned: closing needs no other rank.
+    closed = os.path.join(save_dir, "rank0-closed")
+    if rank == 0:
+        out = attempt(engine.close)
+        with open(closed, "w"):
+            pass
+    else:
+        out = {"waited_for_rank_0": wait_for_file(closed), **attempt(engine.close)}
+    report_ordered({"step": "closed", **out})
     ckpt_test_exit()
 
 
