@@ -146,6 +146,7 @@ def test_hostile_json_in_an_index_is_corrupt_and_named(tmp_path: Path, what: str
     assert len(message) < 1_000
 
 
+@pytest.mark.full  # over 2 s on 2 cores: a new process
 def test_deep_header_is_refused_even_under_a_raised_recursion_limit(tmp_path: Path) -> None:
     """json's C parser recurses once per level: with the limit raised (as some training scripts
     do) 500,000 levels overflowed the C stack and killed the process."""

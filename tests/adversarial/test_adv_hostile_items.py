@@ -116,6 +116,7 @@ def _value_archive(pickled: bytes, length: int) -> bytes:
     return archive
 
 
+@pytest.mark.full  # over 2 s on 2 cores: a bounded-memory load
 def test_a_value_whose_pickle_names_a_huge_memo_index_loads_in_bounded_memory(save_dir: str, tmp_path: Path) -> None:
     """12 bytes of ``LONG_BINPUT 2**29`` in a stored value would make the C unpickler allocate
     and zero a 4 GiB memo; the engine leaves such a pickle to torch.load's own unpickler, whose

@@ -249,6 +249,7 @@ def unit_chunks(shape: list[int]) -> list[tuple[list[int], list[int]]]:
     return [(o, [1] * len(shape)) for o in offsets]
 
 
+@pytest.mark.full  # over 2 s on 2 cores: metadata with 90,000 chunks
 @pytest.mark.parametrize(
     ("shape", "label"),
     [([2] * 12 + [1] * 52, "4,096 unit chunks of a 64-dim tensor (27.8 s on main)"), ([300, 300], "90,000 1x1 chunks")],

@@ -220,6 +220,7 @@ def fuzz_base(
 
 # Every bit of the region (CKPT_ENGINE_SLOW_TESTS=1) is about 69,000 pairs of parses, 43 ms each here: about
 # 50 minutes, far past the suite's 420 s per test.
+@pytest.mark.full  # over 2 s on 2 cores: every damaged byte of a batch
 @pytest.mark.timeout(7200 if SLOW else 420)
 def test_bit_flips_in_the_batched_region_agree(fuzz_base: tuple[bytes, list[tuple[int, str, Any]]]) -> None:
     data, ops = fuzz_base
@@ -233,6 +234,7 @@ def test_bit_flips_in_the_batched_region_agree(fuzz_base: tuple[bytes, list[tupl
     assert errors  # the cases reach the errors, not only values
 
 
+@pytest.mark.full  # over 2 s on 2 cores: every retargeted reference of a batch
 def test_retargeted_memo_references_agree(fuzz_base: tuple[bytes, list[tuple[int, str, Any]]]) -> None:
     """A reference inside a batch pointed at another memo slot: another string, a class token, a
     record or state dict the batch built, a slot not yet set."""

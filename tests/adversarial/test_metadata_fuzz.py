@@ -78,6 +78,7 @@ def test_every_bit_flip_and_truncation_is_a_typed_error_in_bounded_memory(tmp_pa
     assert peak < 32 << 20
 
 
+@pytest.mark.full  # over 2 s on 2 cores: every damaged .metadata
 def test_verify_never_raises_for_a_damaged_metadata(tmp_path: Path, save_dir: str) -> None:
     """``verify_checkpoint`` reports damage and never raises, whatever one flipped bit does."""
     model = nn.Linear(8, 16)

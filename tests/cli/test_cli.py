@@ -706,6 +706,7 @@ def test_console_script_runs_as_a_real_process(saved: dict[str, Any]) -> None:
 # -- async and 2-rank checkpoints --------------------------------------------------------------
 
 
+@pytest.mark.full  # over 2 s on 2 cores: writer processes
 @pytest.mark.skipif("pinned_staging" not in installed_plugins(), reason="the pinned_staging plugin is not installed")
 def test_commands_on_an_async_checkpoint(cli: Run, tmp_path: Path) -> None:
     state = TinyTrainingState.create(seed=3, hidden=16)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.full  # over 2 s on 2 cores: a CLI process
 def test_closed_stdout_is_a_quiet_sigpipe_exit() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckpt_engine", "plugins"], stdout=subprocess.PIPE, stderr=subprocess.PIPE

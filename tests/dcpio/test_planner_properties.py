@@ -485,6 +485,7 @@ def overlap_cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], dict[str, t
     return dest, stored
 
 
+@pytest.mark.full  # over 2 s on 2 cores: hundreds of hypothesis examples
 @given(case=overlap_cases())
 def test_overlap_writes_exactly_the_shared_region(
     case: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
@@ -563,6 +564,7 @@ remap_ops = st.one_of(
 )
 
 
+@pytest.mark.full  # over 2 s on 2 cores: hundreds of hypothesis examples
 @given(
     paths=key_paths(max_keys=6).filter(bool),
     ops=st.lists(remap_ops, min_size=1, max_size=4),
@@ -644,6 +646,7 @@ def many_to_one(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any], dict[s
     return stored, dest, mapping
 
 
+@pytest.mark.full  # over 2 s on 2 cores: hundreds of hypothesis examples
 @given(case=many_to_one())
 def test_many_to_one_reads_each_storage_key_once_and_fills_every_destination(
     case: tuple[dict[str, Any], dict[str, Any], dict[str, str]],
@@ -686,6 +689,7 @@ _VALUES = st.recursive(
 )
 
 
+@pytest.mark.full  # over 2 s on 2 cores: hundreds of hypothesis examples
 @given(sd=st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 5)), _VALUES, max_size=6))
 def test_flat_keys_are_the_keys_dcp_saves_under(sd: dict[Any, Any]) -> None:
     """``flat_keys`` skips DCP's walk for flat state dicts: the keys must be exactly DCP's."""

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -160,6 +161,7 @@ def test_a_part_that_disagrees_with_its_file_is_not_trusted(tmp_path: Any) -> No
     assert read_parts(str(tmp_path), "xxh3_64") == {}  # another algorithm: hashed again
 
 
+@pytest.mark.full  # over 2 s on 2 cores: many async saves
 def test_async_saves_stream_their_checksums_too(tmp_path: Any, monkeypatch: Any) -> None:
     import ckpt_engine._format.hashing as integrity
 

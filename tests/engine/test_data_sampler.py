@@ -216,6 +216,7 @@ def test_the_engine_saves_the_sampler_as_an_extra_and_resumes_it_on_another_worl
     assert sorted(seen) == list(range(N))
 
 
+@pytest.mark.full  # over 2 s on 2 cores: DataLoader worker processes
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
 def test_statefuldataloader_with_workers_resumes_through_its_own_state_or_the_samplers(tmp_path: Path) -> None:
     """torchdata's ``StatefulDataLoader`` (``num_workers=2``): saved through the engine as the

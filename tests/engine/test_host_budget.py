@@ -78,6 +78,7 @@ def check_loads(path: str, expected: dict[str, Any], tmp_path: Path, hidden: int
     assert_state_dicts_equal(extra.state_dict(), expected["extra"])
 
 
+@pytest.mark.full  # over 2 s on 2 cores: writer processes
 def test_a_quarter_budget_saves_exactly_in_windows_within_the_budget(tmp_path: Path) -> None:
     state, extra = TinyTrainingState.create(hidden=512, steps=2), Extra()
     total = state_bytes(state, extra)
@@ -95,6 +96,7 @@ def test_a_quarter_budget_saves_exactly_in_windows_within_the_budget(tmp_path: P
             assert staging_bytes(plugin) <= budget * 1.05, (staging_bytes(plugin), budget)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: writer processes
 def test_no_budget_is_one_window_as_before(tmp_path: Path) -> None:
     state, extra = TinyTrainingState.create(hidden=64, steps=1), Extra()
     plugin = PinnedStagingPlugin(PinnedStagingPlugin.Options(max_host_bytes=1 << 30))
@@ -104,6 +106,7 @@ def test_no_budget_is_one_window_as_before(tmp_path: Path) -> None:
         assert info.windows == 1
 
 
+@pytest.mark.full  # over 2 s on 2 cores: writer processes
 def test_a_tensor_larger_than_the_budget_gets_a_window_of_its_own(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -140,6 +143,7 @@ def test_a_tensor_larger_than_the_budget_gets_a_window_of_its_own(
     assert_state_dicts_equal(fresh_opt.state_dict(), expected_optim)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: writer processes
 def test_two_buffer_sets_share_the_budget(tmp_path: Path) -> None:
     state, extra = TinyTrainingState.create(hidden=512, steps=1), Extra()
     budget = state_bytes(state, extra) // 2  # each of the two sets gets a quarter of the state
@@ -168,6 +172,7 @@ def test_overlap_and_a_budget_are_refused_naming_both() -> None:
         CheckpointEngine(config)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: writer processes
 def test_a_writer_killed_between_windows_fails_the_save_and_the_next_one_works(tmp_path: Path) -> None:
     state, extra = TinyTrainingState.create(hidden=512, steps=1), Extra()
     budget = state_bytes(state, extra) // 4

@@ -499,6 +499,7 @@ def test_on_save_done_sees_the_same_figures(save_dir: str) -> None:
     assert seen[-1].bytes_reused > 0
 
 
+@pytest.mark.full  # over 2 s on 2 cores: writer processes or the S3 server
 @pytest.mark.parametrize("overlap", [False, True], ids=["pinned_staging", "overlap"])
 def test_async_saves_carry_over_the_same_way(save_dir: str, overlap: bool) -> None:
     plugin: Any = {"name": "pinned_staging", "options": {"overlap": overlap}}
@@ -565,6 +566,7 @@ def _resume_model(config: dict[str, Any], path: str, verify: str = "checksums") 
     return result, job.model_state()
 
 
+@pytest.mark.full  # over 2 s on 2 cores: writer processes or the S3 server
 def test_s3_unchanged_files_are_copied_inside_the_store(s3_bucket: Any) -> None:
     config = _s3(s3_bucket)
     job, results, states = FineTune(), [], []
@@ -587,6 +589,7 @@ def test_s3_unchanged_files_are_copied_inside_the_store(s3_bucket: Any) -> None:
         assert any(e.get("carried") == "copy" for e in doc["files"].values()) == (it > 1)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: writer processes or the S3 server
 def test_s3_async_saves_copy_inside_the_store_too(s3_bucket: Any) -> None:
     config = _s3(s3_bucket, plugins=["pinned_staging"])
     job, states, results = FineTune(), [], []
@@ -651,6 +654,7 @@ def test_s3_an_object_changed_after_its_commit_is_uploaded_not_copied(s3_bucket:
     _assert_equal(got, job.model_state())
 
 
+@pytest.mark.full  # over 2 s on 2 cores: writer processes or the S3 server
 def test_two_tier_a_remote_object_changed_after_its_upload_is_uploaded_again(s3_bucket: Any, tmp_path: Path) -> None:
     local = str(tmp_path / "local")
     config = {**_s3(s3_bucket), "storage": {**s3_bucket.storage, "local_dir": local}}

@@ -352,6 +352,7 @@ def test_cuda_state_saves_to_the_local_tier_and_resumes_bit_exact(tmp_path: Path
         assert torch.equal(opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"])
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server
 def test_an_object_store_save_dir_with_a_local_tier(tmp_path: Path, s3_bucket: Any) -> None:
     """Local saves never reach the store; durable ones are committed there as always; a resume
     takes the local step, and after the local tier is lost the store's."""

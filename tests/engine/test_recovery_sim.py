@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from ckpt_engine._format.manifest import Lineage
 from ckpt_engine._tier import recovery
 from ckpt_engine._tier.lineage import Announced
@@ -24,6 +26,7 @@ def _bench() -> ModuleType:
     return module
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the simulation's smoke run
 def test_the_smoke_run_reports_every_phase(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     assert _bench().main(["--smoke", "--out", str(out)]) == 0

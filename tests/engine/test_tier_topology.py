@@ -92,6 +92,7 @@ def test_a_domain_too_large_to_leave_is_named() -> None:
     assert all(topo.node(topo.holders(r)[0]) != r for r in range(4))  # still on another node
 
 
+@pytest.mark.full  # over 2 s on 2 cores: new processes
 def test_every_rank_computes_the_same_placement() -> None:
     """The rule depends on nothing but its input: another interpreter (another hash seed) gives
     the same holders for a shape with many domains of uneven sizes."""

@@ -262,6 +262,7 @@ def test_a_count_given_as_a_string_is_refused(tmp_path: Path, field: str) -> Non
         EngineConfig(save_dir=str(tmp_path), **{**extra, field: "2"})
 
 
+@pytest.mark.full  # over 2 s on 2 cores: a new process
 def test_a_save_dir_under_the_home_folder_is_expanded_everywhere(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -93,6 +93,7 @@ SLOW = pytest.mark.skipif(
 )
 
 
+@pytest.mark.full  # over 2 s on 2 cores: Lightning training runs
 @pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=[pytest.mark.slow, SLOW])])
 def test_sigkill_mid_save_then_resume_from_last_is_bit_identical(
     tmp_path: Path, reference: dict[int, float], mode: str
@@ -182,6 +183,7 @@ def test_the_checkpoint_dict_round_trips_exactly(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.full  # over 2 s on 2 cores: Lightning training runs
 def test_engine_retention_and_lightning_top_k_are_both_honoured(tmp_path: Path) -> None:
     # the engine's keep_last: two checkpoints stay, whatever Lightning keeps
     root = str(tmp_path / "engine_retention")

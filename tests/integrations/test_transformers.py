@@ -77,6 +77,7 @@ def _stop_then_resume(root: Path, model: str, stop_at: int, **engine: Any) -> En
     return resumed
 
 
+@pytest.mark.full  # over 2 s on 2 cores: Trainer runs
 @pytest.mark.parametrize("model", ["gpt2", "lora"])
 def test_stop_at_a_checkpoint_then_resume_is_bit_identical(
     tmp_path: Path, reference: dict[str, dict[str, Any]], model: str
@@ -113,6 +114,7 @@ def test_a_checkpoint_is_a_plain_engine_checkpoint(tmp_path: Path) -> None:
     assert set(saved) == set(components)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: Trainer runs
 def test_a_torn_latest_is_an_error_or_the_previous_checkpoint_as_configured(
     tmp_path: Path, reference: dict[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -169,6 +171,7 @@ def test_a_trainer_checkpoint_folder_resumes_through_the_trainers_own_loader(
     assert _iters(tmp_path) == ["iter_000000009", "iter_000000012", "iter_000000014"]
 
 
+@pytest.mark.full  # over 2 s on 2 cores: Trainer runs
 def test_a_path_resumes_exactly_that_checkpoint(tmp_path: Path, reference: dict[str, dict[str, Any]]) -> None:
     script.trainer(str(tmp_path), stop_at=9).train()
     older = str(tmp_path / CKPT / "iter_000000006")
@@ -200,6 +203,7 @@ def test_an_engine_checkpoint_of_other_code_is_not_a_trainer_checkpoint(tmp_path
             script.trainer(str(tmp_path)).train(resume_from_checkpoint=target)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: Trainer runs
 def test_save_total_limit_keeps_the_newest_and_the_best_which_loads_at_the_end(tmp_path: Path) -> None:
     evaluated = {
         "eval_strategy": "steps",
@@ -222,6 +226,7 @@ def test_save_total_limit_keeps_the_newest_and_the_best_which_loads_at_the_end(t
     assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in stored.state_dict().items())
 
 
+@pytest.mark.full  # over 2 s on 2 cores: Trainer runs
 def test_lora_with_incremental_writes_only_the_adapter_and_its_optimizer_state_after_the_first_save(
     tmp_path: Path, reference: dict[str, dict[str, Any]]
 ) -> None:
@@ -325,6 +330,7 @@ def _sft_run(root: Path, stop_at: int | None = None, resume: bool = False) -> An
     return trainer
 
 
+@pytest.mark.full  # over 2 s on 2 cores: Trainer runs
 def test_the_mixin_composes_with_trls_sft_trainer(tmp_path: Path) -> None:
     pytest.importorskip("trl")
     whole = script.end_state(_sft_run(tmp_path / "whole"))

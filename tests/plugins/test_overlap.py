@@ -84,6 +84,7 @@ def engine(tmp_path: Path) -> Iterator[CheckpointEngine]:
         yield eng
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_every_overlapped_checkpoint_is_the_state_at_its_save(engine: CheckpointEngine, tmp_path: Path) -> None:
     trainer = Trainer()
     expected: dict[int, dict[str, Any]] = {}
@@ -105,6 +106,7 @@ def test_every_overlapped_checkpoint_is_the_state_at_its_save(engine: Checkpoint
         assert_state_dicts_equal(loaded(tmp_path / "ckpt" / f"iter_{i:09}", tmp_path), want)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_the_step_hook_waits_for_the_copy_then_removes_itself(engine: CheckpointEngine) -> None:
     trainer = Trainer(width=256)
     trainer.step()
@@ -117,6 +119,7 @@ def test_the_step_hook_waits_for_the_copy_then_removes_itself(engine: Checkpoint
     assert handle.result(timeout=60).succeeded
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_an_edit_right_after_save_fails_that_save_with_the_key_and_the_fix(
     engine: CheckpointEngine, tmp_path: Path
 ) -> None:
@@ -138,6 +141,7 @@ def test_an_edit_right_after_save_fails_that_save_with_the_key_and_the_fix(
     assert not trainer.optim._optimizer_step_pre_hooks
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_a_failure_seen_through_wait_staged_is_not_raised_again_by_close(tmp_path: Path) -> None:
     """wait_staged() raising is the caller seeing the failure, as result() raising is: the saves
     after it go on, and close() does not raise it a second time."""
@@ -156,6 +160,7 @@ def test_a_failure_seen_through_wait_staged_is_not_raised_again_by_close(tmp_pat
     assert (tmp_path / "ckpt" / "latest_checkpoint.txt").read_text() == "iter_000000002\n"
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_an_edit_after_wait_staged_never_reaches_the_checkpoint(engine: CheckpointEngine, tmp_path: Path) -> None:
     trainer = Trainer()
     trainer.step()
@@ -190,6 +195,7 @@ def test_an_edit_racing_the_copy_is_exact_or_a_typed_error(engine: CheckpointEng
         trainer.step()
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_without_overlap_wait_staged_returns_at_once_and_nothing_is_hooked(tmp_path: Path) -> None:
     trainer = Trainer()
     trainer.step()
@@ -202,6 +208,7 @@ def test_without_overlap_wait_staged_returns_at_once_and_nothing_is_hooked(tmp_p
     assert result.loop_wait_seconds == result.blocked_seconds
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_an_exception_in_training_while_a_copy_is_pending_never_hangs(tmp_path: Path) -> None:
     trainer = Trainer(width=256)
     trainer.step()
@@ -216,6 +223,7 @@ def test_an_exception_in_training_while_a_copy_is_pending_never_hangs(tmp_path: 
     assert_state_dicts_equal(loaded(tmp_path / "ckpt" / "iter_000000001", tmp_path, 256), want)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_sigkill_during_an_overlapped_copy_leaves_latest_on_the_previous_checkpoint(tmp_path: Path) -> None:
     from overlap_kill import state_at
 

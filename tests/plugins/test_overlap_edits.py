@@ -99,6 +99,7 @@ PAGE_RUNS: dict[str, tuple[Callable[[Trainer], Any], str]] = {
 }
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 @pytest.mark.parametrize(("name", "width"), [(name, 128) for name in CAUGHT] + [(name, 1024) for name in PAGE_RUNS])
 def test_an_edit_before_the_copy_fails_the_save_never_tears_it(
     engine: CheckpointEngine, gate: threading.Event, tmp_path: Path, name: str, width: int
@@ -127,6 +128,7 @@ def test_an_edit_before_the_copy_fails_the_save_never_tears_it(
     assert_state_dicts_equal(loaded(tmp_path / "ckpt" / "iter_000000003", tmp_path, width), want)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_a_single_unsampled_element_is_the_documented_limit(
     engine: CheckpointEngine, gate: threading.Event, tmp_path: Path
 ) -> None:
@@ -169,6 +171,7 @@ HARMLESS: dict[str, Callable[[Trainer], Any]] = {
 }
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 @pytest.mark.parametrize("name", list(HARMLESS))
 def test_an_edit_that_replaces_the_tensor_leaves_the_checkpoint_exact(
     engine: CheckpointEngine, gate: threading.Event, tmp_path: Path, name: str
@@ -241,6 +244,7 @@ class SgdTrainer:
         self.optim.zero_grad()
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_a_stateless_optimizer_is_not_stepped_by_later_saves_and_overlap_defers_its_parameters(
     engine: CheckpointEngine, tmp_path: Path
 ) -> None:
@@ -279,6 +283,7 @@ def test_a_stateful_optimizer_that_never_stepped_still_saves_its_full_state(tmp_
     assert "state.weight.exp_avg" in keys and "state.bias.exp_avg_sq" in keys
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_overlap_without_an_optimizer_warns_once_and_copies_in_save(engine: CheckpointEngine) -> None:
     model = nn.Linear(32, 32)
     with pytest.warns(UserWarning, match="got no optimizer"):
@@ -305,6 +310,7 @@ class LiveCounter:
         self.d = dict(sd)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
 def test_flat_skeletons_are_pickled_after_save_and_hold_the_values_of_save(
     engine: CheckpointEngine, gate: threading.Event, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -146,6 +146,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
     engine.close()
 
 
+@pytest.mark.full  # over 2 s on 2 cores: starts writer processes
 def test_save_returns_a_point_in_time_copy(shared: Shared, tmp_path: Path) -> None:
     engine, _, _, save_dir = shared
     state, extra = TinyTrainingState.create(seed=1, steps=2), Extra()
@@ -250,6 +251,7 @@ def test_values_the_writer_cannot_import_fail_clearly(shared: Shared, monkeypatc
 # -- lifecycle: each test owns its writer ---------------------------------------------------------
 
 
+@pytest.mark.full  # over 2 s on 2 cores: starts writer processes
 def test_writer_killed_mid_save_fails_clearly_and_a_new_writer_takes_over(save_dir: str, tmp_path: Path) -> None:
     engine, plugin, recorder = make(save_dir)
     state = TinyTrainingState.create(seed=7, steps=1)
@@ -283,6 +285,7 @@ def test_writer_killed_mid_save_fails_clearly_and_a_new_writer_takes_over(save_d
     assert shm_files() == []
 
 
+@pytest.mark.full  # over 2 s on 2 cores: starts writer processes
 def test_one_save_in_flight_and_close_drains_it(save_dir: str, tmp_path: Path) -> None:
     engine, plugin, _ = make(save_dir)
     plugin.wait_ready()
@@ -320,6 +323,7 @@ def test_one_save_in_flight_and_close_drains_it(save_dir: str, tmp_path: Path) -
         engine.save(3, **state.objects())
 
 
+@pytest.mark.full  # over 2 s on 2 cores: starts writer processes
 def test_close_gives_up_after_close_timeout(save_dir: str) -> None:
     engine, plugin, recorder = make(save_dir, close_timeout_s=1.0)
     plugin.wait_ready()
@@ -338,6 +342,7 @@ def test_close_gives_up_after_close_timeout(save_dir: str) -> None:
     assert [r.succeeded for r in recorder.results] == [False]
 
 
+@pytest.mark.full  # over 2 s on 2 cores: starts writer processes
 def test_two_buffer_sets_let_a_save_stage_while_the_previous_is_written(save_dir: str, tmp_path: Path) -> None:
     engine, plugin, _ = make(save_dir, buffers=2)
     assert plugin.max_saves_in_flight == 2
@@ -372,6 +377,7 @@ def test_two_buffer_sets_let_a_save_stage_while_the_previous_is_written(save_dir
         assert_state_dicts_equal(snapshot(loaded), snap)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: starts writer processes
 def test_exit_without_close_commits_and_needs_no_main_guard(tmp_path: Path) -> None:
     """The script has no ``if __name__ == "__main__":`` guard, never closes its engine and exits
     while its last save is still being written (its writer is paused until after exit began)."""

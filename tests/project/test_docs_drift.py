@@ -32,6 +32,7 @@ def test_the_pages_with_examples_are_found() -> None:
     assert "cli.md" in {p.name for p in PAGES}
 
 
+@pytest.mark.full  # over 2 s on 2 cores: runs the examples in new processes
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
 def test_every_example_prints_what_the_page_shows(path: Path) -> None:
     problems = regen.check(path, demo=DEMO)

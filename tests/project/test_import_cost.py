@@ -68,6 +68,7 @@ def test_help_and_version_do_not_import_torch(argv: list[str]) -> None:
     assert not any(loaded.values()), f"ckpt-engine {' '.join(argv)} imported {[m for m, on in loaded.items() if on]}"
 
 
+@pytest.mark.full  # over 2 s on 2 cores: new interpreters
 def test_a_lazy_name_imports_what_it_needs() -> None:
     """The first use of ``CheckpointEngine`` imports the engine (and DCP) behind it."""
     loaded = _loaded_after("import ckpt_engine\nckpt_engine.CheckpointEngine")
@@ -88,6 +89,7 @@ def test_every_public_name_resolves_and_dir_lists_it() -> None:
         assert getattr(ckpt_engine, name) is getattr(target, name), name
 
 
+@pytest.mark.full  # over 2 s on 2 cores: new interpreters
 def test_from_import_of_every_public_name_in_a_fresh_process() -> None:
     """``from ckpt_engine import NAME`` works for every name, first thing in a new interpreter."""
     names = ", ".join(ckpt_engine.__all__)
@@ -181,6 +183,7 @@ def test_listing_keys_headers_and_sizes_never_import_torch(holdings: dict[str, P
     assert not loaded["torch"] and not loaded["torch.distributed.checkpoint"], (argv, loaded)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: new interpreters
 def test_diff_imports_torch_to_compare_values(holdings: dict[str, Path]) -> None:
     """The decision, pinned: comparing values needs torch (tensors are compared as tensors)."""
     args = [str(holdings["checkpoint"]), str(holdings["hf"])]
@@ -188,6 +191,7 @@ def test_diff_imports_torch_to_compare_values(holdings: dict[str, Path]) -> None
     assert loaded["torch"]
 
 
+@pytest.mark.full  # over 2 s on 2 cores: new interpreters
 def test_ls_does_not_import_torch(tmp_path: Path) -> None:
     """``ckpt-engine ls`` reads every ``.metadata`` into stand-in records with torch-free dtypes: it
     never imports torch (seconds on a loaded machine; benchmarks/RESULTS.md, "Command-line start-up")."""

@@ -285,6 +285,7 @@ def _s3_config(bucket: Any, **kw: Any) -> dict[str, Any]:
     return {"save_dir": bucket.url, "storage": {**bucket.storage, **kw.pop("storage", {})}, **kw}
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_s3_save_resume_and_retention(s3_bucket: Any) -> None:
     state = TinyTrainingState.create(seed=1, hidden=64)
     config = _s3_config(s3_bucket, keep_last=2, thread_count=2)
@@ -304,6 +305,7 @@ def test_s3_save_resume_and_retention(s3_bucket: Any) -> None:
     _assert_same_state(state, fresh)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_memory_urls_of_two_processes_get_two_spools() -> None:
     # memory:// objects live in one process: another process saving to the same URL saves to
     # another store, and must not find this one's spool locked (test workers each saving to
@@ -326,6 +328,7 @@ def test_memory_urls_of_two_processes_get_two_spools() -> None:
         assert proc.wait(timeout=120) == 0
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_one_bucket_name_on_two_servers_gets_two_spools(s3_bucket: Any) -> None:
     # Two jobs on one machine, each saving to its own server's bucket of the same name: the same
     # URL, so one spool folder and its save lock before (the second engine raised
@@ -350,6 +353,7 @@ def test_one_bucket_name_on_two_servers_gets_two_spools(s3_bucket: Any) -> None:
         other.stop()
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_s3_async_save_uploads_in_the_background(s3_bucket: Any) -> None:
     pytest.importorskip("ckpt_engine_plugins.pinned_staging")
     state = TinyTrainingState.create(seed=1, hidden=64)
@@ -385,6 +389,7 @@ class _StopServerWhileStaging:
         self.results.append(result)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_s3_upload_failure_is_reported_and_latest_stays(s3_bucket: Any) -> None:
     state = TinyTrainingState.create(seed=1, hidden=64)
     plugin = _StopServerWhileStaging(s3_bucket.server)
@@ -404,6 +409,7 @@ def test_s3_upload_failure_is_reported_and_latest_stays(s3_bucket: Any) -> None:
     assert result.iteration == 3
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_s3_async_upload_failure_goes_through_on_save_done(s3_bucket: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("ckpt_engine_plugins.pinned_staging")
     state = TinyTrainingState.create(seed=1, hidden=64)
@@ -439,6 +445,7 @@ def test_s3_async_upload_failure_goes_through_on_save_done(s3_bucket: Any, monke
     assert s3_bucket.fs().cat_file(f"{s3_bucket.name}/run/{LATEST_FILE}") == b"iter_000000003\n"
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_s3_wrong_credentials_give_a_clear_error_without_the_secret(s3_bucket: Any) -> None:
     import moto.settings
 
@@ -462,6 +469,7 @@ def test_s3_wrong_credentials_give_a_clear_error_without_the_secret(s3_bucket: A
     assert wrong not in repr(CheckpointEngine(config).config)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_s3_killed_save_leaves_no_marker_and_is_ignored(s3_bucket: Any, tmp_path: Path) -> None:
     config = _s3_config(s3_bucket, storage={"max_concurrency": 1, "spool_dir": str(tmp_path / "spool")})
     flag = tmp_path / "uploading"
@@ -546,6 +554,7 @@ def test_two_tier_commits_locally_then_uploads_in_the_background(s3_bucket: Any,
     _assert_same_state(state, fresh)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_two_tier_with_async_saves(s3_bucket: Any, tmp_path: Path) -> None:
     pytest.importorskip("ckpt_engine_plugins.pinned_staging")
     local = str(tmp_path / "local")
@@ -564,6 +573,7 @@ def test_two_tier_with_async_saves(s3_bucket: Any, tmp_path: Path) -> None:
         assert_state_dicts_equal(fresh.model.state_dict(), snapshot)
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_two_tier_upload_failure_keeps_the_local_copy(s3_bucket: Any, tmp_path: Path, caplog: Any) -> None:
     local = str(tmp_path / "local")
     config = _s3_config(s3_bucket, storage={"local_dir": local})
@@ -593,6 +603,7 @@ def test_two_tier_upload_failure_keeps_the_local_copy(s3_bucket: Any, tmp_path: 
 # -- the command line on s3:// ------------------------------------------------------------------------
 
 
+@pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_cli_ls_inspect_verify_convert_on_s3(
     s3_bucket: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
