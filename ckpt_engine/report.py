@@ -30,7 +30,9 @@ class ComponentReport:
     """Per-key outcome of loading one component.
 
     Every destination key is in exactly one of ``loaded``, ``overlap``, ``skipped``, ``missing``,
-    ``tied``; every storage key is read by some entry or listed in ``unexpected``.
+    ``tied``; every storage key is read by some entry or listed in ``unexpected``, but for those
+    the load never asks for (an optimizer's hyper-parameters under all but each group's first
+    parameter, which torch does not use: ``_engine.state.load_template``).
     """
 
     component: str

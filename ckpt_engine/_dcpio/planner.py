@@ -18,7 +18,7 @@ import copy
 import dataclasses
 import io
 import pickle
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -175,6 +175,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         rank: int = 0,
         world_size: int = 1,
         repartitions: bool = False,
+        unread: Collection[str] = (),  # keys the object never uses (load_template): not read, never unexpected
     ) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=False)
         self.component = component
@@ -187,6 +188,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         self.rank = rank
         self.world_size = world_size
         self.repartitions = repartitions  # the object re-partitions state saved per rank
+        self.unread = list(unread)
         self.report: ComponentReport | None = None
         #: Top-level keys of the original state dict whose value was not (fully) replaced.
         self.untouched_roots: set[Any] = set()
@@ -223,7 +225,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
             rank=self.rank,
             world_size=self.world_size,
         )
-        mapped = self.pipeline.remap_keys(remap_ctx, dest_keys)
+        mapped = self.pipeline.remap_keys(remap_ctx, dest_keys + self.unread)
         key_map, copies = resolve_per_rank(mapped, storage_keys, self)
         entries = tuple(self._initial_entry(dest, key_map[dest], saved) for dest in dest_keys)
         entries = self.pipeline.pre_load_plan(
@@ -237,7 +239,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
             ),
             entries,
         )
-        claimed = {e.storage_key for e in entries if e.stored is not None} | copies
+        claimed = {e.storage_key for e in entries if e.stored is not None} | copies | {key_map[k] for k in self.unread}
         unexpected = sorted(k for k in storage_keys - claimed if not k.startswith(self.ignore_unexpected_prefixes))
         tied = self._ties(entries)
         self._apply_strictness(entries, unexpected, tied)
@@ -488,10 +490,7 @@ class EngineSavePlanner(DefaultSavePlanner):
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
         if not self.key_map:
             return
-        renamed: dict[str, Any] = {}
-        for key, value in self.state_dict.items():
-            renamed[self.key_map.get(key, key)] = value
-        self.state_dict = renamed
+        self.state_dict = {self.key_map.get(k, k): v for k, v in self.state_dict.items()}
         if self.mappings:
             self.mappings = {
                 self.key_map.get(k, k): ((self.key_map[k],) if k in self.key_map else path)

@@ -53,7 +53,7 @@ from .load_guard import (
 )
 from .rank_views import folder_view, require_one_checkpoint
 from .rng import RNG_COMPONENT, absent_rng_is_allowed, ignored_rng_prefixes, prepare_rng_load
-from .state import TrainingObjects, apply_component, component_state_dict, repartitions_state
+from .state import TrainingObjects, apply_component, load_template, repartitions_state
 
 __all__ = ["Loader"]
 
@@ -97,9 +97,10 @@ class Loader:
             metadata = validated.checked.components.get(name)
             if metadata is None or name == RNG_COMPONENT:  # absent: the read decides; RNG: this rank's own
                 continue
-            planner = self._planner(name, validated.store.join(validated.checked.path, name), objs)
+            sd, unread = load_template(objs, name)
+            planner = self._planner(name, validated.store.join(validated.checked.path, name), objs, unread)
             try:
-                planner.set_up_planner(component_state_dict(objs, name, 0), metadata, False)
+                planner.set_up_planner(sd, metadata, False)
                 planner.create_local_plan()
             except RankLocalCoverageError:
                 raise
@@ -220,7 +221,7 @@ class Loader:
                     continue
                 if name == RNG_COMPONENT:
                     prepare_rng_load(objs.extra[name], checked.components[name], path, _dist.world_size())
-                sd = component_state_dict(objs, name, 0)
+                sd, unread = load_template(objs, name)
                 template = tuple(sd.values())
                 folder = validated.store.join(path, name)
                 planner = self._load_component(
@@ -228,7 +229,7 @@ class Loader:
                     folder,
                     sd,
                     checked.components[name],
-                    objs,
+                    self._planner(name, folder, objs, unread),
                     validated.store,
                     dedup_reads or self.config.dedup_reads,
                     {} if digests is None else component_blocks(digests, name, folder, validated.store.join),
@@ -282,16 +283,15 @@ class Loader:
         component_dir: str,
         sd: dict[str, Any],
         metadata: Any,
-        objs: TrainingObjects,
+        planner: EngineLoadPlanner,
         store: Store,
         dedup_reads: str,
         blocks: dict[str, FileBlocks],
         local_reader: Callable[[str, Any], StorageReader] | None = None,
     ) -> EngineLoadPlanner:
-        """Load component ``name`` into ``sd``; ``blocks``: its data files' per-block digests,
-        which every byte read is checked against; ``local_reader``: the reader of a local folder
-        (the engine's fast reader by default)."""
-        planner = self._planner(name, component_dir, objs)
+        """Load component ``name`` into ``sd`` with ``planner``; ``blocks``: its data files'
+        per-block digests, which every byte read is checked against; ``local_reader``: the reader
+        of a local folder (the engine's fast reader by default)."""
         try:
             with _dist.quiet_dcp():
                 reader = reader_for(component_dir, store, metadata, local_reader or FastFileSystemReader)
@@ -315,8 +315,11 @@ class Loader:
             ) from err
         return planner
 
-    def _planner(self, name: str, component_dir: str, objs: TrainingObjects) -> EngineLoadPlanner:
-        """The load planner of component ``name`` of this load (its report, after the load)."""
+    def _planner(
+        self, name: str, component_dir: str, objs: TrainingObjects, unread: tuple[str, ...] = ()
+    ) -> EngineLoadPlanner:
+        """The load planner of component ``name`` of this load (its report, after the load);
+        ``unread``: the keys its :func:`~.state.load_template` leaves unread."""
         return EngineLoadPlanner(
             component=name,
             checkpoint_dir=component_dir,
@@ -332,4 +335,5 @@ class Loader:
             rank=_dist.rank(),
             world_size=_dist.world_size(),
             repartitions=repartitions_state(objs, name),
+            unread=unread,
         )

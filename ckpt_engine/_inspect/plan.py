@@ -22,7 +22,7 @@ from .._dcpio.dist import quiet_dcp
 from .._dcpio.planner import EngineLoadPlanner
 from .._engine.loader import Loader
 from .._engine.resume import components_by_rule
-from .._engine.state import TrainingObjects, component_state_dict
+from .._engine.state import TrainingObjects, load_template
 from .._format.layout import check_component_files
 from .._format.metadata import SafeFileSystemReader, read_metadata
 from .._format.names import METADATA_FILE
@@ -59,7 +59,7 @@ def dry_run_component(
     strict_unexpected: bool,
 ) -> tuple[ComponentReport, int]:
     """Plan the load of one component; returns its report and the number of read items planned."""
-    sd = component_state_dict(objs, name, 0)
+    sd, unread = load_template(objs, name)
     cfg = engine.config
     planner = EngineLoadPlanner(
         component=name,
@@ -69,6 +69,7 @@ def dry_run_component(
         strict_unexpected=strict_unexpected,
         trust_checkpoint=cfg.trust_checkpoint,
         ignore_unexpected_prefixes=("grad_scaler.",) if name == "trainer" and objs.grad_scaler is None else (),
+        unread=unread,
     )
     require_regular_file(os.path.join(component_dir, METADATA_FILE), "DCP metadata")
     metadata = read_metadata(component_dir)
