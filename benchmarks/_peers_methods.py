@@ -50,6 +50,9 @@ class Peer:
     uses_dcp_daemon = False  # DCP's PROCESS executor: one daemon per process, shared
     #: why it cannot save a state sharded over several ranks ("" where it can)
     one_process_only = ""
+    #: whether one instance may serve several states in turn (``setup`` again with the next
+    #: state; nothing it holds is bound to one state's folder): the smoke run keeps it open
+    reusable = False
 
     def setup(self, w: Work) -> None:
         self.w = w
@@ -361,7 +364,7 @@ class TorchCheckpointing(Peer):
     writer subprocess). Its default ``use_direct_io=True`` fails on ext4 here (EINVAL closing an
     ``O_DIRECT`` file whose size is not block-aligned), so the storage config turns it off."""
 
-    name, family, warm = "torch_checkpointing", "torch_checkpointing", True
+    name, family, warm, reusable = "torch_checkpointing", "torch_checkpointing", True, True
     one_process_only = (
         "saves one process's state_dict() to one path: with several ranks each would write the "
         "same files (it has no collective save of sharded state)"
@@ -369,6 +372,8 @@ class TorchCheckpointing(Peer):
 
     def setup(self, w: Work) -> None:
         super().setup(w)
+        if hasattr(self, "mgr"):  # kept open from the previous state (its writer process too)
+            return
         try:
             from torch_checkpointing import CheckpointManager
             from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig

@@ -4,7 +4,10 @@
 
 ``spec`` (JSON, argv[1]): ``mib`` (state per rank: parameters plus AdamW's two moments),
 ``rounds``, ``work`` (a folder on disk), ``shm`` (a folder on tmpfs), ``s3`` (endpoint, key,
-secret, bucket; or null), ``phases`` (of ``blocked``, ``step``, ``recover``).
+secret, bucket; or null), ``phases`` (of ``blocked``, ``step``, ``recover``), ``smoke`` (the
+test suite's run: no untimed warm-up round or block, and the step phase's engine with replicas
+is the blocked phase's local-tier engine, same configuration, so no second writer per rank
+starts; the measured runs never do either).
 
 * ``blocked``: ``save()``'s blocked seconds of an async durable save (``pinned_staging`` to
   ``save_dir``), of a local-tier save (``pinned_staging`` to ``local_dir``, replicated) and of a
@@ -38,6 +41,8 @@ from ckpt_engine import CheckpointEngine
 
 warnings.filterwarnings("ignore")
 MIB = 2**20
+#: the smoke run's local-tier engine, handed from the blocked phase to the step phase
+_KEPT: dict[str, CheckpointEngine] = {}
 
 
 class Model(nn.Module):
@@ -105,16 +110,20 @@ def blocked(spec: dict[str, Any]) -> dict[str, Any]:
     local.wait_ready()
     out: dict[str, list[float]] = {"durable_async": [], "local": [], "local_sync": []}
     engines = (("durable_async", durable), ("local", local), ("local_sync", sync))
-    for it in range(1, spec["rounds"] + 2):  # round 1: buffers allocated, writers warm (untimed)
+    warm = 0 if spec.get("smoke") else 1
+    for it in range(1, spec["rounds"] + 1 + warm):  # round 1 (but in smoke): buffers allocated, untimed
         for name, engine in engines:
             _train(model, opt)
             dist.barrier()
             result = engine.save(it, model=model, optimizer=opt).result()
             engine.wait_replicated()
-            if it > 1:
+            if it > warm:
                 out[name].append(_slowest(result.blocked_seconds))
-    for _, engine in engines:
-        engine.close()
+    for name, engine in engines:
+        if name == "local" and spec.get("smoke") and "step" in spec["phases"]:
+            _KEPT["replicas"] = engine  # the step phase's "replicas" engine: its configuration
+        else:
+            engine.close()
     floor = _slowest(copy_floor(model, opt, spec["rounds"]))
     return {"floor_s": floor, **{f"{k}_s": statistics.median(v) for k, v in out.items()}, "runs": out}
 
@@ -142,24 +151,27 @@ def _steps(
 
 def step(spec: dict[str, Any]) -> dict[str, Any]:
     model, opt = _state(spec["mib"], seed=dist.get_rank())
+    kept = _KEPT.pop("replicas", None)  # the smoke run: the blocked phase's, past its iterations
     engines = {
         "no_replicas": CheckpointEngine(
             _config(spec, "step-none", local=True, plugins=["pinned_staging"], persist_every=10**6, peer_replicas=0)
         ),
-        "replicas": CheckpointEngine(
+        "replicas": kept
+        or CheckpointEngine(
             _config(spec, "step-peer", local=True, plugins=["pinned_staging"], persist_every=10**6, peer_replicas=1)
         ),
     }
     for engine in engines.values():
         engine.wait_ready()
     times: dict[str, list[float]] = {k: [] for k in engines}
-    first = 1
-    for block in range(spec["rounds"] + 1):
+    first = 1 if kept is None else spec["rounds"] + 2
+    warm = 0 if spec.get("smoke") else 1
+    for block in range(spec["rounds"] + warm):
         for name, engine in engines.items():
             dist.barrier()
             got = _steps(engine, model, opt, spec, first)
             first += spec["block"]
-            if block:  # block 0 warms the writers and buffers up
+            if block >= warm:  # block 0 (but in smoke) warms the writers and buffers up
                 times[name] += got
     for engine in engines.values():
         engine.close()

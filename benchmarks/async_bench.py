@@ -283,6 +283,30 @@ def _overlap_model(state_mib: float, width: int = 1024, copies: int = 3) -> nn.M
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
+class OverlapEngines:
+    """(e)'s three engines (sync, async, async with ``overlap``) saving under ``root``, and the next
+    iteration they save. Each (size, optimizer) run opens its own; the smoke run shares one set
+    between the optimizers of a size (each run's untimed first save allocates its buffers), so it
+    starts two writers, not two per optimizer."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.next_iteration = root, 0
+        self.engines: dict[str, CheckpointEngine] = {
+            "sync": CheckpointEngine({"save_dir": str(root / "ov_sync")}),
+            "async": CheckpointEngine(
+                {"save_dir": str(root / "ov_async")}, plugins=[PinnedStagingPlugin(PinnedStagingPlugin.Options())]
+            ),
+            "overlap": CheckpointEngine(
+                {"save_dir": str(root / "ov_overlap")},
+                plugins=[PinnedStagingPlugin(PinnedStagingPlugin.Options(overlap=True))],
+            ),
+        }
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+
+
 def bench_overlap(
     state_mib: float,
     steps: int,
@@ -291,10 +315,12 @@ def bench_overlap(
     root: Path,
     log: Callable[[str], None],
     optimizer: str = "adamw",
+    shared: OverlapEngines | None = None,
 ) -> dict[str, Any]:
     """(e): no saves / sync / async overlap false / async overlap true, rounds alternating.
     ``optimizer``: ``adamw`` (the state is parameters and two moments) or ``sgd`` (plain SGD,
-    no momentum: the parameters alone make the state)."""
+    no momentum: the parameters alone make the state). ``shared``: engines to use (and leave
+    open) instead of a set of this run's own."""
     root = root / f"overlap_{state_mib:g}_{optimizer}"  # each size its own save folders and iterations
     torch.manual_seed(0)
     model = _overlap_model(state_mib, copies=3 if optimizer == "adamw" else 1)
@@ -327,25 +353,18 @@ def bench_overlap(
         return min(times)
 
     copy_floor()  # touch the targets
-    modes: dict[str, Any] = {
-        "sync": lambda: CheckpointEngine({"save_dir": str(root / "ov_sync")}),
-        "async": lambda: CheckpointEngine(
-            {"save_dir": str(root / "ov_async")}, plugins=[PinnedStagingPlugin(PinnedStagingPlugin.Options())]
-        ),
-        "overlap": lambda: CheckpointEngine(
-            {"save_dir": str(root / "ov_overlap")},
-            plugins=[PinnedStagingPlugin(PinnedStagingPlugin.Options(overlap=True))],
-        ),
-    }
-    engines = {name: make() for name, make in modes.items()}
+    own = shared is None
+    group = OverlapEngines(root) if shared is None else shared
+    engines, modes = group.engines, group.engines
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in ("none", *modes)}
     floors: list[float] = []
+    it = group.next_iteration
     try:
         for plugin in [p for e in engines.values() for p in (e._plugins.pm.get_plugin("pinned_staging"),) if p]:
             plugin.wait_ready()
         for engine in engines.values():  # allocate buffers: not timed
-            engine.save(0, model=model, optimizer=optim).result(timeout=600)
-        it = 1
+            engine.save(it, model=model, optimizer=optim).result(timeout=600)
+        it += 1
         for r in range(rounds):
             floors.append(copy_floor())  # each round's ratios use the floor measured in that round
             for name in runs:
@@ -360,7 +379,7 @@ def bench_overlap(
                 loop_s = time.perf_counter() - t0
                 results = [h.result(timeout=600) for h in handles]
                 if engine is not None:
-                    _prune(root / f"ov_{name}", keep=1)
+                    _prune(group.root / f"ov_{name}", keep=1)
                 runs[name].append(
                     {
                         "loop_s": loop_s,
@@ -372,8 +391,9 @@ def bench_overlap(
                 )
             log("  round " + str(r + 1) + ": " + ", ".join(f"{n} {v[-1]['loop_s']:.2f}s" for n, v in runs.items()))
     finally:
-        for engine in engines.values():
-            engine.close()
+        group.next_iteration = it
+        if own:
+            group.close()
     med = statistics.median
     base = med([x["loop_s"] for x in runs["none"]])
     out: dict[str, Any] = {
@@ -488,10 +508,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = {o.strip() for o in args.overlap_optimizers.split(",") if o.strip()} - {"adamw", "sgd"}
     if unknown:
         parser.error(f"--overlap-optimizers: unknown {sorted(unknown)} (adamw, sgd)")
+    overlap_rounds = 3
     if args.smoke:
         sizes, args.reps, args.rss_saves, args.train_steps, args.save_every = [2.0], 1, 3, 8, 4
         args.train_rounds, width, depth = 1, 64, 2
-        overlap_sizes, args.overlap_steps = [13.0], 4
+        overlap_sizes, args.overlap_steps, overlap_rounds = [13.0], 4, 1
     else:
         sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
         width, depth = 1024, 4
@@ -505,10 +526,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         overlap = []
         for size in overlap_sizes:
-            for optimizer in [o.strip() for o in args.overlap_optimizers.split(",") if o.strip()]:
-                log(f"overlap comparison, {size:g} MiB, {optimizer}")
-                every = max(1, args.overlap_steps // 4)
-                overlap.append(bench_overlap(size, args.overlap_steps, every, 3, root, log, optimizer))
+            shared = OverlapEngines(root / f"overlap_{size:g}") if args.smoke else None
+            try:
+                for optimizer in [o.strip() for o in args.overlap_optimizers.split(",") if o.strip()]:
+                    log(f"overlap comparison, {size:g} MiB, {optimizer}")
+                    every = max(1, args.overlap_steps // 4)
+                    overlap.append(
+                        bench_overlap(size, args.overlap_steps, every, overlap_rounds, root, log, optimizer, shared)
+                    )
+            finally:
+                if shared is not None:
+                    shared.close()
         if args.only_overlap:
             sizes = []
         per_size = []

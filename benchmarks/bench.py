@@ -378,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default=None, help="only these methods (comma separated); see --list")
     p.add_argument("--small", default="10000,50000", help="tensor counts for the planning-cost rows ('' to skip)")
     p.add_argument("--no-dist", action="store_true", help="skip the 2-rank torchrun rows")
+    p.add_argument(
+        "--dist",
+        action="store_true",
+        help="with --smoke of every method: the 2-rank rows too (one run covers every row kind)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the 'tuned' DCP thread count")
     p.add_argument("--out", default=os.path.join(HERE, "results.json"), help="JSON results")
     p.add_argument("--plot", default=None, help="PNG plot of throughput vs size (needs matplotlib)")
@@ -408,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes, reps, group_children = [2], 1, True
         small = small if small_given else [100, 300]
         args.warmup = 0
-        args.no_dist = args.no_dist or wanted is None
+        args.no_dist = args.no_dist or (wanted is None and not args.dist)
     dirs = [d for d in args.dirs.split(",") if d]
     for d in dirs:
         if d not in ("repo", "shm"):

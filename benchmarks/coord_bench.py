@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec["replicated_mib"] = args.replicated_mib
     server = None
     if args.s3:
-        from storage_bench import KEY, SECRET, Server
+        from _s3_server import KEY, SECRET, Server
 
         server = Server()
         server.fs().mkdir("coord-bench")

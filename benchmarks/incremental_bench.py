@@ -219,7 +219,7 @@ def pretrain(work: str, args: argparse.Namespace, plugins: list[Any]) -> dict[st
 
 
 def s3(work: str, args: argparse.Namespace) -> dict[str, Any]:
-    from storage_bench import KEY, SECRET, Server  # the loopback S3 server of the storage benchmark
+    from _s3_server import KEY, SECRET, Server  # the loopback S3 server (moto)
 
     server = Server()
     try:

@@ -105,13 +105,18 @@ def _load_rows(peer: Any, w: Any, step: int, saved: list[Any], cold: bool, meter
     return out
 
 
+#: the smoke run's checkpointers kept open from one state to the next (``Peer.reusable``: those
+#: not bound to one state's folder), so a helper process starts once per run, not once per state
+_KEPT: dict[str, Any] = {}
+
+
 def measure(name: str, w: Any, loss: Any, spec: dict[str, Any], step: int, base: dict[str, Any]) -> dict[str, Any]:
     """One method, one round: set up, (warm), the save in the loop, the loads, close."""
     from _bench_methods import Skip
     from _peers_measure import Meter, descendants, disk_bytes, loop, rss_now, trim, world_size
     from _peers_methods import PEERS
 
-    peer = PEERS[name]()
+    peer = _KEPT.pop(name, None) or PEERS[name]()
     if world_size() > 1 and peer.one_process_only:
         raise Skip(f"{world_size()} ranks: {peer.one_process_only}")
     trim()
@@ -141,7 +146,10 @@ def measure(name: str, w: Any, loss: Any, spec: dict[str, Any], step: int, base:
         if not peer.load_as:
             row.update(_load_rows(peer, w, step, res["saved"], spec["cold"], meter, helpers))
     finally:
-        peer.close()
+        if spec.get("smoke") and peer.reusable:
+            _KEPT[name] = peer  # closed by the next state's run of it, or at the end of the child
+        else:
+            peer.close()
         _barrier()  # no rank removes files another still reads
         if _rank() == 0:
             shutil.rmtree(os.path.join(w.root, name), ignore_errors=True)
@@ -282,6 +290,8 @@ def child_main(specs: list[dict[str, Any]]) -> None:
     else:
         _init_process_group()
     results = [run_state(spec) for spec in specs]
+    for peer in _KEPT.values():
+        peer.close()
     if _rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
     sys.stderr.flush()

@@ -29,9 +29,7 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _s3_server import KEY, SECRET, Server
 from torch import nn
 
 from ckpt_engine import CheckpointEngine
 
 MIB = 2**20
-KEY, SECRET = "bench-key", "bench-secret"
 
 
 class State(nn.Module):
@@ -55,44 +53,6 @@ class State(nn.Module):
         super().__init__()
         numel = size_mib * MIB // 4 // 16
         self.params = nn.ParameterList([nn.Parameter(torch.randn(numel), requires_grad=False) for _ in range(16)])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class Server:
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("the moto server did not start (pip install 'moto[server]')") from None
-                time.sleep(0.1)
-
-    def fs(self) -> Any:
-        import s3fs
-
-        return s3fs.S3FileSystem(
-            key=KEY, secret=SECRET, endpoint_url=self.endpoint, skip_instance_cache=True, use_listings_cache=False
-        )
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 def _timed(fn: Callable[[], Any], reps: int) -> list[float]:

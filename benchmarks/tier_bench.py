@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from storage_bench import KEY, SECRET, Server
+from _s3_server import KEY, SECRET, Server
 
 HERE = Path(__file__).resolve().parent
 
@@ -61,6 +61,7 @@ def run_size(mib: float, args: argparse.Namespace, s3: dict[str, Any] | None) ->
         "save_every": args.save_every,
         "compute_ms": args.compute_ms,
         "idle_ms": args.idle_ms,
+        "smoke": args.smoke,
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

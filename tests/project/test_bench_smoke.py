@@ -29,16 +29,22 @@ def _bench(script: Path, *args: str, timeout: float = 600) -> subprocess.Complet
     return proc
 
 
-def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """One ``bench.py --smoke --dist`` run for the two tests below: every one-process method and
+    the 2-rank torchrun rows (a second run would pay for a second interpreter and raw_write)."""
+    tmp_path = tmp_path_factory.mktemp("bench")
     out = tmp_path / "results.json"
-    proc = _bench(BENCH, "--smoke", "--workdir", str(tmp_path / "work"), "--out", str(out), *args)
+    args = ["--smoke", "--dist", "--dirs", "repo", "--plot", str(tmp_path / "plot.png")]
+    proc = _bench(BENCH, *args, "--workdir", str(tmp_path / "work"), "--out", str(out))
     assert "median s" in proc.stdout  # the table was printed
     result: dict[str, Any] = json.loads(out.read_text())
-    return result
+    return tmp_path, result
 
 
-def test_smoke_run_covers_every_method(tmp_path: Path) -> None:
-    result = _run(tmp_path, "--dirs", "repo", "--plot", str(tmp_path / "plot.png"))
+@pytest.mark.dist
+def test_smoke_run_covers_every_method(bench_run: tuple[Path, dict[str, Any]]) -> None:
+    tmp_path, result = bench_run
     rows = result["rows"]
     errors = [(r["method"], r.get("note")) for r in rows if "median" not in r and "Skip" not in str(r.get("note"))]
     skipped = {r["method"]: r.get("note") for r in rows if "median" not in r}
@@ -55,8 +61,8 @@ def test_smoke_run_covers_every_method(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
-def test_smoke_run_of_the_two_rank_rows(tmp_path: Path) -> None:
-    result = _run(tmp_path, "--dirs", "repo", "--small", "", "--methods", "raw_write")
+def test_smoke_run_of_the_two_rank_rows(bench_run: tuple[Path, dict[str, Any]]) -> None:
+    _, result = bench_run
     dist_rows = [r for r in result["rows"] if r["method"].startswith("ours_2rank")]
     assert {r["method"] for r in dist_rows} == {"ours_2rank_save", "ours_2rank_load_resharded"}
     assert all(r["bit_exact"] for r in dist_rows)
