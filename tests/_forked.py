@@ -18,11 +18,17 @@ Every child has a hang guard (``timeout``, 300 s unless given): past it the serv
 (its process group when it leads one), its pipes close, and ``wait``/``run`` raise
 ``ForkedTimeout`` naming the script. It bounds a hang, never a duration a test checks.
 
-Use this for a child that only needs to be a separate process. Keep ``subprocess`` with
-``sys.executable`` where the test is about a fresh interpreter: the import cost or which modules an
-import pulls in, ``python -c``/``-m`` entry points, the console script and packaging, the demo
-command as users run it, a main guard, or anything fixed at interpreter start. What a fork cannot
-give, because the server fixed it when it started:
+Cost: the server's start, once (what a fresh child paid each time); then about 0.4 CPU-s a child,
+mostly its exit tearing down the interpreter it inherited (``gc.freeze()`` before each fork keeps
+that from copying the server's objects), against 4-5 CPU-s for a fresh child that imports torch
+and DCP.
+
+Use this for a child that imports torch and only needs to be a separate process. Keep
+``subprocess`` with ``sys.executable`` for a child that imports nothing heavy (a bare interpreter
+is cheaper than a fork's exit), and where the test is about a fresh interpreter: the import cost or
+which modules an import pulls in, ``python -c``/``-m`` entry points, the console script and
+packaging, the demo command as users run it, a main guard, or anything fixed at interpreter start.
+What a fork cannot give, because the server fixed it when it started:
 
 - ``PYTHONHASHSEED`` and the other interpreter options (``-X``, ``-W``, ``PYTHONDONTWRITEBYTECODE``);
 - the modules the server imported, imported once, from the server's ``PYTHONPATH``: a call's
@@ -204,7 +210,7 @@ class ForkedProcess:
         first = _recv(status)  # the child says so once its streams, folder and environment are set
         if first is None or "returncode" in first or "error" in first:
             self._finish(first)
-            raise RuntimeError(f"{args}: the forked child failed before running (rc={self.returncode})")
+            raise RuntimeError(self.describe(f"failed before running its script (rc={self.returncode})"))
         self.pid: int = first["pid"]
 
     def __enter__(self) -> ForkedProcess:
