@@ -513,9 +513,12 @@ def _enter(child: _Child) -> None:
     sys.stderr.reconfigure(line_buffering=True)
     if request["env"].get("PYTHONUNBUFFERED"):
         sys.stdout.reconfigure(write_through=True)
-    threads = request["env"].get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 1 and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(threads))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # as in a fresh interpreter, a random seed, not the server's (``random`` reseeds itself)
+        threads = request["env"].get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 1:
+            torch.set_num_threads(int(threads))
     _send(child.status, {"pid": os.getpid()})
     child.status.close()
 

@@ -53,6 +53,8 @@ def test_a_script_runs_as_main_with_the_calls_argv_env_folder_and_streams(tmp_pa
     assert failed.stderr.endswith("ZeroDivisionError: division by zero\n")
     assert run(Code("import os; os.write(1, b'raw'); os._exit(5)")).stdout == "raw"
     assert run(Code("import sys; print(sys.stdin.read().upper())"), input="piped").stdout == "PIPED\n"
+    seeds = {run(Code("import torch; print(torch.initial_seed(), torch.rand(1).item())")).stdout for _ in range(2)}
+    assert len(seeds) == 2  # each child's generator seeded afresh, as each fresh interpreter's is
     as_c = run(Code("import sys; print(sys.argv, repr(sys.path[0]), sys.executable)"), "a b")
     assert as_c.stdout == f"['-c', 'a b'] '' {sys.executable}\n"  # as ``python -c CODE 'a b'``
 
