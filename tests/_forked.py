@@ -18,10 +18,12 @@ Every child has a hang guard (``timeout``, 300 s unless given): past it the serv
 (its process group when it leads one), its pipes close, and ``wait``/``run`` raise
 ``ForkedTimeout`` naming the script. It bounds a hang, never a duration a test checks.
 
-Cost: the server's start, once (what a fresh child paid each time); then about 0.4 CPU-s a child,
-mostly its exit tearing down the interpreter it inherited (``gc.freeze()`` before each fork keeps
-that from copying the server's objects), against 4-5 CPU-s for a fresh child that imports torch
-and DCP.
+Cost: the server's start, once per test process (about 3.5 CPU-s: what a fresh child paid each
+time); then 0.3-0.4 CPU-s a child, mostly its exit tearing down the interpreter it inherited
+(``gc.freeze()`` before each fork keeps that from copying the server's objects), against 4-5
+CPU-s for a fresh child that imports torch and DCP. The server waits for its waiters, and they for
+their children, so a child's CPU time counts in the test process's (``ForkedProcess.cpu_s`` is the
+child's own).
 
 Use this for a child that imports torch and only needs to be a separate process. Keep
 ``subprocess`` with ``sys.executable`` for a child that imports nothing heavy (a bare interpreter
@@ -427,13 +429,14 @@ def _server_main(fd: int) -> _Child | None:
 
 def _serve(control: socket.socket) -> _Child | None:
     """One forked waiter per request, which forks the child and reports its exit status."""
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the waiters
     while True:
+        _reap()
         try:
             data, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 4)
         except ConnectionResetError:
-            return None
+            data = b""
         if not data:
+            _reap()
             return None
         request, status, stdio = json.loads(data), socket.socket(fileno=fds[0]), fds[1:]
         problem = _preload(request["preload"])
@@ -448,10 +451,17 @@ def _serve(control: socket.socket) -> _Child | None:
             os.close(fd)
 
 
+def _reap() -> None:
+    """Collect the waiters that have exited: waited for, their CPU time (and their child's) counts
+    in the server's, and so in the test process's once it waits for the server."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
 def _waiter(control: socket.socket, child: _Child) -> _Child:
     """In the waiter: fork the child and return in it; here, report its exit status and exit."""
     control.close()
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         pid = os.fork()
     except OSError as err:
