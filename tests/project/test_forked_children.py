@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from _forked import PIPE, Code, ForkedTimeout, popen, run
 
+pytestmark = pytest.mark.full  # over 2 s on 2 cores: the fork server's start (as for its users)
+
 SCRIPT = """
 import atexit, os, sys, threading, time
 print("argv", sys.argv[1:], "main", __name__, "file", __file__ == os.path.abspath(sys.argv[0]))
