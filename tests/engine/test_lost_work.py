@@ -11,12 +11,10 @@ the checks and repairs ``latest`` (logged); one that fails the checks is not ado
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+import _forked
 import pytest
 from _paths import CRASH_SCRIPTS
 
@@ -29,12 +27,12 @@ SCRIPT = CRASH_SCRIPTS / "killed_before_latest.py"
 
 
 def _killed_run(config: dict[str, Any]) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), json.dumps(config)],
-        capture_output=True,
-        text=True,
+    proc = _forked.run(  # a forked child: torch and s3fs imported once, by the fork server
+        SCRIPT,
+        json.dumps(config),
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+        env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+        preload=["s3fs"],
     )
     assert proc.returncode == -9, proc.stderr[-3000:]  # SIGKILL, in the window
 

@@ -8,12 +8,11 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import _forked
 import pytest
 import torch
 from _paths import CRASH_SCRIPTS
@@ -29,14 +28,12 @@ pytestmark = pytest.mark.full  # real SIGTERMs to training processes
 SCRIPT = CRASH_SCRIPTS / "preempt_train.py"
 
 
+#: The training processes are forked from a server that imported torch once (tests/_forked.py).
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
 def _run(save_dir: Path, until: int, every: int, pause: float = 0.0) -> tuple[int, dict[int, str], str]:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(save_dir), str(until), str(every), str(pause)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = _forked.run(SCRIPT, str(save_dir), str(until), str(every), str(pause), timeout=120, env=ENV)
     return proc.returncode, _losses(proc.stdout), proc.stdout + proc.stderr
 
 
@@ -51,13 +48,7 @@ def test_sigterm_saves_at_the_step_boundary_and_the_resume_is_bit_exact(tmp_path
     assert saved == ["iter_000000010", "iter_000000020", "iter_000000030"]  # the save interval
 
     save_dir = tmp_path / "preempted"
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(save_dir), "30", "100", "0.05"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = _forked.popen(SCRIPT, str(save_dir), "30", "100", "0.05", stdout=_forked.PIPE, env=ENV)
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
@@ -181,13 +172,7 @@ def _preempt_pinned(tmp_path: Path, mode: str) -> tuple[dict[str, Any], list[int
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     save_dir = tmp_path / "ck"
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(save_dir), mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = _forked.popen(script, str(save_dir), mode, stdout=_forked.PIPE, env=ENV)
     assert proc.stdout is not None
     pids: list[int] = []
     try:

@@ -2,9 +2,9 @@
 
 Every fit is a real ``lightning.Trainer.fit`` on the CPU (a tiny regressor, seeded, 4 steps an
 epoch, a checkpoint every epoch; ``tests/lightning_scripts/fit.py``). The kill tests run the fit
-in a subprocess and SIGKILL its process group in the middle of a save, then resume in this
-process with ``ckpt_path="last"``: every loss after the resume must equal the uninterrupted
-run's, bit for bit.
+in a child forked with Lightning imported (``tests/_forked.py``) and SIGKILL its process group in
+the middle of a save, then resume in this process with ``ckpt_path="last"``: every loss after the
+resume must equal the uninterrupted run's, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import _forked
 import pytest
 import torch
 from _paths import LIGHTNING_SCRIPTS
@@ -56,33 +56,28 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return model.losses
 
 
+#: What the fork server imports before forking the fits (tests/_forked.py): Lightning once.
+LIGHTNING = ["lightning", "ckpt_engine.integrations.lightning"]
+
+
 def _run_until_killed(root: str, mode: str, kill_at: int) -> None:
-    """Run the fit in a subprocess and SIGKILL it (and its writer process) during the save of
+    """Run the fit in a forked child and SIGKILL it (and its writer process) during the save of
     ``kill_at``. Bounded by progress: the child reports ``MIDSAVE`` or exits."""
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), root, str(STEPS), mode, str(kill_at)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    err: list[str] = []
-    drain = threading.Thread(target=lambda: err.extend(proc.stderr or []), daemon=True)
-    drain.start()
-    try:
-        for line in proc.stdout:
-            if line.startswith("MIDSAVE"):
-                assert line.split() == ["MIDSAVE", str(kill_at)]
+    with _forked.popen(SCRIPT, root, str(STEPS), mode, str(kill_at), stdout=_forked.PIPE, preload=LIGHTNING) as proc:
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                if line.startswith("MIDSAVE"):
+                    assert line.split() == ["MIDSAVE", str(kill_at)]
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    break
+            else:
+                proc.wait()
+                pytest.fail(proc.describe(f"ended (rc={proc.returncode}) without reaching the save of {kill_at}"))
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the group may already be gone
                 os.killpg(proc.pid, signal.SIGKILL)
-                break
-        else:
             proc.wait()
-            drain.join(5)
-            pytest.fail(f"the fit ended (rc={proc.returncode}) without reaching the save of {kill_at}:\n{''.join(err)}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # the group may already be gone
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     assert proc.returncode == -signal.SIGKILL
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _forked
 import pytest
 import torch
 from _paths import CRASH_SCRIPTS
@@ -228,21 +227,20 @@ def test_sigkill_during_an_overlapped_copy_leaves_latest_on_the_previous_checkpo
     from overlap_kill import state_at
 
     save_dir = tmp_path / "ckpt"
-    proc = subprocess.Popen(
-        [sys.executable, str(CRASH_SCRIPT), str(save_dir)], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
-    )
-    assert proc.stdout is not None
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line.strip())
-            if line.startswith("STAGING"):
-                os.killpg(proc.pid, signal.SIGKILL)  # while the copy (or the write) of save 2 runs
-                break
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+    # A forked child: torch imported once, by the fork server (tests/_forked.py).
+    with _forked.popen(CRASH_SCRIPT, str(save_dir), stdout=_forked.PIPE) as proc:
+        assert proc.stdout is not None
+        lines = []
+        try:
+            for line in proc.stdout:
+                lines.append(line.strip())
+                if line.startswith("STAGING"):
+                    os.killpg(proc.pid, signal.SIGKILL)  # while the copy (or the write) of save 2 runs
+                    break
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert lines == ["COMMITTED 1", "STAGING 2"], lines
     latest = (save_dir / "latest_checkpoint.txt").read_text().strip()
     assert latest in ("iter_000000001", "iter_000000002")  # 2 only if it was fully committed

@@ -11,12 +11,11 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import _forked
 import fsspec
 import pytest
 import torch
@@ -316,7 +315,7 @@ def test_memory_urls_of_two_processes_get_two_spools() -> None:
         f"e = CheckpointEngine({{'save_dir': {url!r}}}); e.save(1, **TinyTrainingState.create(seed=1).objects()); "
         "print('saved', flush=True); sys.stdin.read(); e.close()"
     )
-    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = _forked.popen(_forked.Code(child), stdin=_forked.PIPE, stdout=_forked.PIPE)  # forked: torch imported once
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "saved"  # it holds its lock
         state = TinyTrainingState.create(seed=2)
@@ -473,22 +472,23 @@ def test_s3_wrong_credentials_give_a_clear_error_without_the_secret(s3_bucket: A
 def test_s3_killed_save_leaves_no_marker_and_is_ignored(s3_bucket: Any, tmp_path: Path) -> None:
     config = _s3_config(s3_bucket, storage={"max_concurrency": 1, "spool_dir": str(tmp_path / "spool")})
     flag = tmp_path / "uploading"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen(
-        [sys.executable, str(CRASH_SCRIPTS / "s3_killed_save.py"), json.dumps(config), str(flag)],
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    # A forked child (torch and s3fs imported once, by the fork server). Its hang guard bounds the
+    # wait for the flag: a child stuck before its first upload is killed, and the loop sees it end.
+    with _forked.popen(
+        CRASH_SCRIPTS / "s3_killed_save.py",
+        json.dumps(config),
+        str(flag),
         env=env,
-        stderr=subprocess.PIPE,
         start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
+        timeout=120,
+        preload=["s3fs"],
+    ) as child:
         while not flag.exists():
-            assert child.poll() is None, child.stderr.read().decode() if child.stderr else ""
-            assert time.monotonic() < deadline, "the child never started uploading iteration 2"
+            assert child.poll() is None, child.describe(f"ended (rc={child.returncode}) before uploading iteration 2")
             time.sleep(0.05)
         os.killpg(child.pid, signal.SIGKILL)
-    finally:
-        child.wait(30)
+        assert child.wait() == -signal.SIGKILL
     keys = s3_bucket.objects()
     assert any(k.startswith("iter_000000002/") for k in keys), keys  # it did upload something
     assert f"iter_000000002/{MANIFEST_FILE}" not in keys

@@ -1,0 +1,575 @@
+"""Run a script as ``__main__`` in a child forked from a server that has already imported torch.
+
+A test that needs a separate process (to SIGKILL it mid-save, to send it SIGTERM, to hold a lock
+from another pid) used to start ``python script.py``, and each child paid 2-4 CPU-seconds of
+``import torch`` and DCP before its first line. Here one server process per test process imports
+torch, ``torch.distributed.checkpoint`` and ``ckpt_engine`` once (``PRELOAD``, plus what a call
+names in ``preload=``) and forks a child per call, which then runs the script exactly as
+``python`` would: a fresh ``__main__`` module, ``sys.argv``, ``sys.path[0]`` the script's folder,
+the environment, working folder and stdin/stdout/stderr of the call (on file descriptors 0-2, so
+C-level writes, ``os._exit`` and child processes keep working), and the interpreter's own exit:
+non-daemon threads joined, ``atexit`` hooks run, the exit status of ``sys.exit`` or 1 with the
+traceback of an uncaught exception. The child is a real OS process (real signals, real files, its
+own pid); ``ForkedProcess`` is used like ``subprocess.Popen`` (``pid``, ``poll``, ``wait``,
+``communicate``, ``send_signal``, ``kill``) and ``returncode`` is what ``subprocess`` gives:
+``-9`` for a SIGKILL. ``run`` is ``subprocess.run(..., capture_output=True, text=True)``.
+
+Every child has a hang guard (``timeout``, 300 s unless given): past it the server kills the child
+(its process group when it leads one), its pipes close, and ``wait``/``run`` raise
+``ForkedTimeout`` naming the script. It bounds a hang, never a duration a test checks.
+
+Cost: the server's start, once per test process (about 3.5 CPU-s: what a fresh child paid each
+time); then 0.3-0.4 CPU-s a child, mostly its exit tearing down the interpreter it inherited
+(``gc.freeze()`` before each fork keeps that from copying the server's objects), against 4-5
+CPU-s for a fresh child that imports torch and DCP. The server waits for its waiters, and they for
+their children, so a child's CPU time counts in the test process's (``ForkedProcess.cpu_s`` is the
+child's own).
+
+Use this for a child that imports torch and only needs to be a separate process. Keep
+``subprocess`` with ``sys.executable`` for a child that imports nothing heavy (a bare interpreter
+is cheaper than a fork's exit), and where the test is about a fresh interpreter: the import cost or
+which modules an import pulls in, ``python -c``/``-m`` entry points, the console script and
+packaging, the demo command as users run it, a main guard, or anything fixed at interpreter start.
+What a fork cannot give, because the server fixed it when it started:
+
+- ``PYTHONHASHSEED`` and the other interpreter options (``-X``, ``-W``, ``PYTHONDONTWRITEBYTECODE``);
+- the modules the server imported, imported once, from the server's ``PYTHONPATH``: a call's
+  ``PYTHONPATH`` adds folders to ``sys.path`` but re-imports nothing;
+- ``OMP_NUM_THREADS``: the server runs with 1 (``torch.set_num_threads(1)``, no thread started
+  before a fork); a child's own ``OMP_NUM_THREADS`` above 1 is applied with ``torch.set_num_threads``,
+  and without it the child keeps 1 where a fresh interpreter would use every core;
+- stdin: ``/dev/null`` unless ``stdin=PIPE``, never the test process's.
+
+``PYTHONUNBUFFERED`` in a call's environment makes the child's stdout write through, as it would.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import contextlib
+import fcntl
+import gc
+import importlib
+import importlib.machinery
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+PIPE = subprocess.PIPE
+DEVNULL = subprocess.DEVNULL
+#: What the server imports before its first fork: what nearly every child imports.
+PRELOAD = ("torch", "torch.distributed.checkpoint", "ckpt_engine", "ckpt_engine.testing")
+#: The hang guard of a child when the call gives none.
+DEFAULT_TIMEOUT_S = 300.0
+#: The largest request (its environment, mostly) and status message.
+MAX_MESSAGE = 1 << 20
+
+
+@dataclass(frozen=True)
+class Code:
+    """Source to run as ``python -c CODE`` runs it (``sys.argv[0] == "-c"``, ``sys.path[0] == ""``)."""
+
+    source: str
+
+
+class ForkedTimeout(AssertionError):
+    """A forked child ran past its hang guard and was killed."""
+
+
+# -- the test process's side -----------------------------------------------------------------------
+
+
+class _Server:
+    """The server process and the socket requests reach it on."""
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # read at import: before the server starts
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C of the test run is not the server's
+        )
+        theirs.close()
+        self.owner = os.getpid()
+        self.control = mine
+        self.lock = threading.Lock()
+        ready = _recv(mine)  # bounded by the server's progress: it answers or its socket closes
+        if ready is None or ready.get("error"):
+            problem = "it exited" if ready is None else ready["error"]
+            raise RuntimeError(f"the fork server (tests/_forked.py) did not start: {problem}")
+
+    def alive(self) -> bool:
+        return self.owner == os.getpid() and self.proc.poll() is None
+
+    def request(self, request: dict[str, Any], stdio: list[int]) -> socket.socket:
+        """Send one request with the child's stdin/stdout/stderr; the socket its status comes on."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with self.lock:
+                socket.send_fds(self.control, [json.dumps(request).encode()], [theirs.fileno(), *stdio])
+        finally:
+            theirs.close()
+        return mine
+
+    def close(self) -> None:
+        self.control.close()  # the server sees EOF and exits
+        if self.owner == os.getpid():
+            self.proc.wait()
+
+
+_server: _Server | None = None
+_server_lock = threading.Lock()
+
+
+def _the_server() -> _Server:
+    global _server
+    with _server_lock:
+        if _server is None or not _server.alive():
+            _server = _Server()
+            atexit.register(_server.close)
+        return _server
+
+
+def _capture_fd() -> int:
+    """An unlinked temporary file opened for appending: a child's output, read back with pread."""
+    fd, path = tempfile.mkstemp(prefix="ckpt-forked-")
+    os.unlink(path)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+    return fd
+
+
+def _read_capture(fd: int) -> str:
+    chunks, offset = [], 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks).decode(errors="replace")
+
+
+class _Stream:
+    """One of the child's stdin/stdout/stderr as the test process holds it."""
+
+    def __init__(self, spec: int | None, reading: bool) -> None:
+        #: What the child gets (sent to the server, closed here once sent).
+        self.child_fd: int
+        self.file: IO[str] | None = None  # PIPE: the test's end
+        self.capture: int | None = None  # the default for stdout/stderr: a file read back
+        if spec == PIPE:
+            r, w = os.pipe()
+            self.child_fd, mine = (w, r) if reading else (r, w)
+            self.file = open(mine, "r" if reading else "w", encoding="utf-8", errors="replace")  # noqa: SIM115
+        elif spec == DEVNULL or (spec is None and not reading):
+            self.child_fd = os.open(os.devnull, os.O_RDWR)
+        elif spec is None:
+            self.capture = _capture_fd()
+            self.child_fd = os.dup(self.capture)
+        else:
+            raise ValueError(f"stream {spec!r}: use None (captured, /dev/null for stdin), PIPE or DEVNULL")
+
+    def text(self) -> str | None:
+        return None if self.capture is None else _read_capture(self.capture)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.capture is not None:
+            os.close(self.capture)
+            self.capture = None
+
+
+class ForkedProcess:
+    """A child forked by the server, used like ``subprocess.Popen`` in text mode.
+
+    ``stdout``/``stderr`` are files to read where the call asked for ``PIPE``; otherwise they are
+    captured to files and ``communicate()`` returns them once the child has exited. Leaving the
+    ``with`` block kills a child still running and waits for it."""
+
+    def __init__(self, args: list[str], status: socket.socket, streams: tuple[_Stream, _Stream, _Stream]) -> None:
+        self.args = args
+        self.returncode: int | None = None
+        self.timed_out = False
+        self._status = status
+        self._streams = streams
+        self.stdin, self.stdout, self.stderr = (s.file for s in streams)
+        self._readers: dict[int, tuple[threading.Thread, list[str]]] = {}
+        first = _recv(status)  # the child says so once its streams, folder and environment are set
+        if first is None or "returncode" in first or "error" in first:
+            self._finish(first)
+            raise RuntimeError(self.describe(f"failed before running its script (rc={self.returncode})"))
+        self.pid: int = first["pid"]
+
+    def __enter__(self) -> ForkedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.poll() is None:
+            self.kill()
+            self._collect(None)
+        for stream in self._streams:
+            stream.close()
+
+    def poll(self) -> int | None:
+        """The exit status, or None while the child runs (never raises ``ForkedTimeout``)."""
+        self._collect(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status (``-N`` after signal N); ``subprocess.TimeoutExpired`` past ``timeout``;
+        ``ForkedTimeout`` when the hang guard killed the child."""
+        if not self._collect(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        if self.timed_out:
+            raise ForkedTimeout(self.describe(f"ran past its hang guard and was killed (rc={self.returncode})"))
+        assert self.returncode is not None
+        return self.returncode
+
+    def _collect(self, timeout: float | None) -> bool:
+        """Whether the child has exited, its status read within ``timeout``."""
+        if self.returncode is None:
+            if not select.select([self._status], [], [], timeout)[0]:
+                return False
+            self._finish(_recv(self._status))
+        return True
+
+    def _finish(self, message: dict[str, Any] | None) -> None:
+        self._status.close()
+        if message is None or "error" in message:
+            problem = "its waiter is gone" if message is None else message["error"]
+            raise RuntimeError(f"{self.args}: the fork server could not run it: {problem}")
+        self.returncode = int(message["returncode"])
+        self.timed_out = bool(message.get("timed_out"))
+        #: The child's CPU seconds (user and system; its own children not counted).
+        self.cpu_s = float(message.get("cpu_s", 0.0))
+
+    def communicate(self, input: str | None = None, timeout: float | None = None) -> tuple[str, str]:
+        """Write ``input`` (then close stdin), read the piped streams to their end, wait for the
+        exit; returns stdout and stderr (piped or captured, ``""`` for ``DEVNULL``)."""
+        if self.stdin is not None and not self.stdin.closed:
+            if input:
+                self.stdin.write(input)
+            self.stdin.close()
+        for file in (self.stdout, self.stderr):
+            if file is not None and id(file) not in self._readers:
+                chunks: list[str] = []
+                reader = threading.Thread(target=lambda f=file, c=chunks: c.append(f.read()), daemon=True)
+                reader.start()
+                self._readers[id(file)] = (reader, chunks)
+        for reader, _ in self._readers.values():
+            reader.join(timeout)
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self.wait(timeout)
+        return self._text(1), self._text(2)
+
+    def _text(self, index: int) -> str:
+        stream = self._streams[index]
+        if stream.file is not None:
+            return "".join(self._readers[id(stream.file)][1]) if id(stream.file) in self._readers else ""
+        return stream.text() or ""
+
+    def output(self) -> tuple[str, str]:
+        """What the child wrote so far to its captured stdout and stderr (``""`` where piped)."""
+        return self._streams[1].text() or "", self._streams[2].text() or ""
+
+    def describe(self, what: str) -> str:
+        out, err = self.output()
+        return f"{self.args} {what}\n--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-6000:]}"
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+Target = str | os.PathLike[str] | Code
+
+
+def popen(
+    target: Target,
+    *args: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    stdin: int | None = None,
+    stdout: int | None = None,
+    stderr: int | None = None,
+    start_new_session: bool = False,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    preload: Sequence[str] = (),
+) -> ForkedProcess:
+    """Start ``python target *args`` (``Code``: ``python -c``) as a forked child.
+
+    ``env`` is added to this process's environment; ``stdin`` is ``/dev/null`` unless ``PIPE``;
+    ``stdout``/``stderr`` are captured to files unless ``PIPE`` or ``DEVNULL``; ``preload`` names
+    modules the server imports before forking (once per server: ``lightning``, ``s3fs``);
+    ``timeout`` is the hang guard (``None``: none)."""
+    argv = ["-c" if isinstance(target, Code) else os.fspath(target), *(os.fspath(a) for a in args)]
+    request = {
+        "script": None if isinstance(target, Code) else argv[0],
+        "code": target.source if isinstance(target, Code) else None,
+        "argv": argv,
+        "env": {**os.environ, **(env or {})},
+        "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+        "new_session": start_new_session,
+        "timeout": timeout,
+        "preload": list(preload),
+    }
+    streams = (_Stream(stdin, reading=False), _Stream(stdout, reading=True), _Stream(stderr, reading=True))
+    try:
+        status = _the_server().request(request, [s.child_fd for s in streams])
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    finally:
+        for stream in streams:
+            os.close(stream.child_fd)
+    return ForkedProcess(argv, status, streams)
+
+
+def run(
+    target: Target,
+    *args: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    input: str | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    preload: Sequence[str] = (),
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([python, target, *args], capture_output=True, text=True)`` in a forked
+    child; ``ForkedTimeout`` when it runs past ``timeout``."""
+    stdin = PIPE if input is not None else None
+    with popen(target, *args, env=env, cwd=cwd, stdin=stdin, timeout=timeout, preload=preload) as proc:
+        out, err = proc.communicate(input)
+        return subprocess.CompletedProcess(proc.args, proc.wait(), out, err)
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.send(json.dumps(message).encode())
+
+
+def _recv(sock: socket.socket) -> dict[str, Any] | None:
+    """One message, or None at EOF (the other end exited)."""
+    try:
+        data = sock.recv(MAX_MESSAGE)
+    except ConnectionResetError:
+        return None
+    return json.loads(data) if data else None
+
+
+# -- the server's side -------------------------------------------------------------------------------
+
+#: ``sys.path`` past its first entry and the server's ``PYTHONPATH``: the interpreter's own folders.
+_BASE_PATH: list[str] = []
+#: Set when an import left a thread running in the server: no fork from it is safe any more.
+_broken: str | None = None
+
+
+@dataclass
+class _Child:
+    """What a forked child runs, and the streams and status socket it was given."""
+
+    request: dict[str, Any]
+    status: socket.socket
+    stdio: list[int]
+
+
+def _pythonpath(env: Mapping[str, str]) -> list[str]:
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _preload(modules: Sequence[str]) -> str | None:
+    """Import ``modules`` here, before any fork; why not, or None. An import that leaves a thread
+    running breaks the server: a fork copies only the forking thread, not the locks it holds."""
+    global _broken
+    for name in modules:
+        if _broken is None and name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except BaseException:
+                return f"importing {name} failed in the fork server:\n{traceback.format_exc()}"
+            if len(os.listdir("/proc/self/task")) > 1:
+                _broken = f"importing {name} started a thread in the fork server: forking from it is unsafe"
+    return _broken
+
+
+def _server_main(fd: int) -> _Child | None:
+    """The server: import, say so, serve; returns in a forked child only (None: the client left)."""
+    control = socket.socket(fileno=fd)
+    base = sys.path[1:]
+    pythonpath = _pythonpath(os.environ)
+    _BASE_PATH[:] = base[len(pythonpath) :] if base[: len(pythonpath)] == pythonpath else base
+    problem = _preload(PRELOAD)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+    _send(control, {"ready": os.getpid(), "error": problem})
+    return None if problem else _serve(control)
+
+
+def _serve(control: socket.socket) -> _Child | None:
+    """One forked waiter per request, which forks the child and reports its exit status."""
+    while True:
+        _reap()
+        try:
+            data, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 4)
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            _reap()
+            return None
+        request, status, stdio = json.loads(data), socket.socket(fileno=fds[0]), fds[1:]
+        problem = _preload(request["preload"])
+        if problem is not None:
+            _send(status, {"error": problem})
+        else:
+            gc.freeze()  # no collection in a child walks (and so copies) the server's objects
+            if os.fork() == 0:
+                return _waiter(control, _Child(request, status, stdio))
+        status.close()
+        for fd in stdio:
+            os.close(fd)
+
+
+def _reap() -> None:
+    """Collect the waiters that have exited: waited for, their CPU time (and their child's) counts
+    in the server's, and so in the test process's once it waits for the server."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def _waiter(control: socket.socket, child: _Child) -> _Child:
+    """In the waiter: fork the child and return in it; here, report its exit status and exit."""
+    control.close()
+    try:
+        pid = os.fork()
+    except OSError as err:
+        _send(child.status, {"error": f"fork: {err}"})
+        os._exit(1)
+    if pid == 0:
+        return child
+    for fd in child.stdio:
+        os.close(fd)
+    os._exit(_report(child.status, pid, child.request["timeout"]))
+
+
+def _report(status: socket.socket, pid: int, timeout: float | None) -> int:
+    """Wait for the child (killing it at ``timeout``: the hang guard) and send its exit status."""
+    timed_out = False
+
+    def on_alarm(signum: int, frame: object) -> None:
+        nonlocal timed_out
+        timed_out = True
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)  # the group it leads: its own children too
+            else:
+                os.kill(pid, signal.SIGKILL)
+
+    if timeout is not None:
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+    _, code, usage = os.wait4(pid, 0)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    cpu_s = usage.ru_utime + usage.ru_stime
+    message = {"pid": pid, "returncode": os.waitstatus_to_exitcode(code), "timed_out": timed_out, "cpu_s": cpu_s}
+    with contextlib.suppress(OSError):
+        _send(status, message)
+    return 0
+
+
+def _enter(child: _Child) -> None:
+    """Become the process ``python`` would have started: session, streams, folder, environment,
+    ``sys.argv`` and ``sys.path``; then tell the test process the child's pid."""
+    request = child.request
+    if request["new_session"]:
+        os.setsid()
+    for target, fd in enumerate(child.stdio):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = request["argv"]
+    script = request["script"]
+    first = "" if script is None else os.path.dirname(os.path.realpath(script))
+    sys.path[:] = [first, *_pythonpath(request["env"]), *_BASE_PATH]
+    encoding = sys.__stdout__.encoding if sys.__stdout__ is not None else "utf-8"
+    sys.stdin = open(0, encoding=encoding, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", encoding=encoding, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding=encoding, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
+    sys.stderr.reconfigure(line_buffering=True)
+    if request["env"].get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(write_through=True)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # as in a fresh interpreter, a random seed, not the server's (``random`` reseeds itself)
+        threads = request["env"].get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 1:
+            torch.set_num_threads(int(threads))
+    _send(child.status, {"pid": os.getpid()})
+    child.status.close()
+
+
+def _run_as_main(request: dict[str, Any]) -> None:
+    """Execute the script (or ``-c`` code) in a fresh ``__main__`` module, as ``python`` does: an
+    uncaught exception prints its traceback (from the script's frame) and exits with 1."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, __package__=None, __spec__=None)
+    script = request["script"]
+    if script is not None:
+        main.__file__ = os.path.abspath(script)
+        main.__loader__ = importlib.machinery.SourceFileLoader("__main__", main.__file__)
+        main.__cached__ = None  # type: ignore[attr-defined]
+    sys.modules["__main__"] = main
+    try:
+        if script is not None:
+            with open(script, "rb") as f:
+                source: str | bytes = f.read()
+        else:
+            source = request["code"]
+        exec(compile(source, script or "<string>", "exec", dont_inherit=True), main.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # from the script's own frame
+        raise SystemExit(1) from None
+
+
+def _child_main(child: _Child) -> None:
+    try:
+        _enter(child)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(70)
+    _run_as_main(child.request)
+
+
+if __name__ == "__main__":  # the server: started by _Server, never by hand
+    _CHILD = _server_main(int(sys.argv[1]))
+    if _CHILD is not None:  # a forked child: the script runs, then this interpreter's usual exit
+        _child_main(_CHILD)
