@@ -1,22 +1,21 @@
 """2 ranks: resume a checkpoint written by one process into an FSDP2 model + AdamW.
 
-argv: save_dir (holding latest_checkpoint.txt). Reports (rank-ordered) the load result and, per
-parameter, this rank's local shard and the gathered full value of the parameter and its exp_avg.
+A scenario of ``core.py`` (argument: save_dir, holding latest_checkpoint.txt). Returns the load
+result and, per parameter, this rank's local shard and the gathered full value of the parameter
+and its exp_avg.
 """
 
 from __future__ import annotations
 
-import sys
+from typing import Any
 
 import torch
-from _common import ckpt_test_exit, cpu_mesh, full, init, local, make_model, report_ordered, shard_fsdp2
+from _common import cpu_mesh, full, local, make_model, shard_fsdp2
 
 from ckpt_engine import CheckpointEngine
 
 
-def main() -> None:
-    save_dir = sys.argv[1]
-    init()
+def scenario(save_dir: str) -> list[Any]:
     model = shard_fsdp2(make_model(seed=42), cpu_mesh())
     optim = torch.optim.AdamW(model.parameters(), lr=0.5)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
@@ -34,7 +33,7 @@ def main() -> None:
             "placements": [str(pl) for pl in p.placements],
         }
         exp_avg[name] = {"full": full(state).tolist(), "local": local(state).tolist()}
-    report_ordered(
+    return [
         {
             "iteration": result.iteration,
             "path": result.checkpoint_path,
@@ -47,9 +46,4 @@ def main() -> None:
             "last_epoch": sched.last_epoch,
             "scale": scaler.get_scale(),
         }
-    )
-    ckpt_test_exit()
-
-
-if __name__ == "__main__":
-    main()
+    ]

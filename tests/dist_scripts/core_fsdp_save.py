@@ -1,27 +1,18 @@
 """2 ranks: FSDP2 model, 2 AdamW steps with a GradScaler, save every component with the engine.
 
-argv: save_dir. Reports (rank-ordered) the full parameters, the optimizer's exp_avg/exp_avg_sq
-(gathered), step, lr, the scheduler and scaler state, and this rank's per-rank extra state.
+A scenario of ``core.py`` (argument: save_dir). Returns the full parameters, the optimizer's
+exp_avg/exp_avg_sq (gathered), step, lr, the scheduler and scaler state, and this rank's per-rank
+extra state.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
 from typing import Any
 
 import torch
-from _common import (
-    ckpt_test_exit,
-    cpu_mesh,
-    init,
-    make_model,
-    optim_full,
-    params_full,
-    report_ordered,
-    shard_fsdp2,
-    train_inputs,
-)
+import torch.distributed as dist
+from _common import cpu_mesh, make_model, optim_full, params_full, shard_fsdp2, train_inputs
 
 from ckpt_engine import CheckpointEngine
 
@@ -43,9 +34,8 @@ class RankState:
         raise AssertionError("not loaded in this script")
 
 
-def main() -> None:
-    save_dir = sys.argv[1]
-    rank, _ = init()
+def scenario(save_dir: str) -> list[Any]:
+    rank = dist.get_rank()
     mesh = cpu_mesh()
     model = shard_fsdp2(make_model(seed=0), mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.05)
@@ -67,7 +57,7 @@ def main() -> None:
     engine.close()
 
     first = next(iter(model.parameters()))
-    report_ordered(
+    return [
         {
             "params": params_full(model),
             "exp_avg": optim_full(model, optim, "exp_avg"),
@@ -84,9 +74,4 @@ def main() -> None:
             },
             "saved": {"succeeded": result.succeeded, "path": result.path, "bytes": result.bytes_written},
         }
-    )
-    ckpt_test_exit()
-
-
-if __name__ == "__main__":
-    main()
+    ]

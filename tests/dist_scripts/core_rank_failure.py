@@ -1,22 +1,21 @@
 """2 ranks: a plugin that fails on rank 1 only must fail the load (and the save) on both ranks.
 
-argv: save_dir. Saves iteration 1 (FSDP2 model + AdamW), then:
+A scenario of ``core.py`` (argument: save_dir). Saves iteration 1 (FSDP2 model + AdamW), then:
 
 * ``load``: a plugin whose ``pre_load_plan`` raises on rank 1 only;
 * ``save``: a plugin whose ``remap_keys`` raises on rank 1 only, on save (iteration 2);
 * ``recover``: a plain engine loads iteration 1 into a fresh model on both ranks.
 
-Each rank reports, per step, the error type and message it got and the seconds it took.
+Each rank returns, per step, the error type and message it got and the seconds it took.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import torch
-from _common import attempt, ckpt_test_exit, cpu_mesh, init, make_model, params_full, report_ordered, shard_fsdp2
+from _common import attempt, cpu_mesh, make_model, params_full, shard_fsdp2
 
 from ckpt_engine import CheckpointEngine, hookimpl
 
@@ -41,9 +40,7 @@ class FailSaveRemapOnRank:
             raise RuntimeError(f"planned remap_keys failure on rank {ctx.rank} ({ctx.component})")
 
 
-def main() -> None:
-    save_dir = sys.argv[1]
-    init()
+def scenario(save_dir: str) -> list[Any]:
     mesh = cpu_mesh()
     src = shard_fsdp2(make_model(seed=0), mesh)
     src_optim = torch.optim.AdamW(src.parameters(), lr=0.1)
@@ -68,9 +65,4 @@ def main() -> None:
     with CheckpointEngine({"save_dir": save_dir}) as engine:
         result = engine.load(model=good)
     recover = {"iteration": result.iteration, "equal": params_full(good) == saved}
-    report_ordered({"load": load, "save": save, "recover": recover, "plugins": list(load_engine.plugin_names)})
-    ckpt_test_exit()
-
-
-if __name__ == "__main__":
-    main()
+    return [{"load": load, "save": save, "recover": recover, "plugins": list(load_engine.plugin_names)}]

@@ -1,29 +1,18 @@
 """2 ranks: save from FSDP2 (Shard(0) per Linear), load into a differently sharded model.
 
-argv: save_dir. The target model keeps the module tree but places parameters differently:
-``0.weight`` Shard(1), ``0.bias`` Shard(0), ``2.*`` plain (replicated) tensors, ``3.weight``
-Shard(1) (3 + 2 columns), ``3.bias`` Replicate(). Reports the saved full values, then per
-parameter of the target the placements, local shard and full value of the parameter and exp_avg.
+A scenario of ``core.py`` (argument: save_dir). The target model keeps the module tree but places
+parameters differently: ``0.weight`` Shard(1), ``0.bias`` Shard(0), ``2.*`` plain (replicated)
+tensors, ``3.weight`` Shard(1) (3 + 2 columns), ``3.bias`` Replicate(). Returns the saved full
+values, then per parameter of the target the placements, local shard and full value of the
+parameter and exp_avg.
 """
 
 from __future__ import annotations
 
-import sys
+from typing import Any
 
 import torch
-from _common import (
-    ckpt_test_exit,
-    cpu_mesh,
-    full,
-    init,
-    local,
-    make_model,
-    optim_full,
-    params_full,
-    report_ordered,
-    shard_fsdp2,
-    train_inputs,
-)
+from _common import cpu_mesh, full, local, make_model, optim_full, params_full, shard_fsdp2, train_inputs
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ckpt_engine import CheckpointEngine
@@ -31,9 +20,7 @@ from ckpt_engine import CheckpointEngine
 TARGET_PLACEMENTS = {"0.weight": Shard(1), "0.bias": Shard(0), "3.weight": Shard(1), "3.bias": Replicate()}
 
 
-def main() -> None:
-    save_dir = sys.argv[1]
-    init()
+def scenario(save_dir: str) -> list[Any]:
     mesh = cpu_mesh()
     src = shard_fsdp2(make_model(seed=0), mesh)
     src_optim = torch.optim.AdamW(src.parameters(), lr=0.1)
@@ -44,7 +31,7 @@ def main() -> None:
         src_optim.zero_grad()
     with CheckpointEngine({"save_dir": save_dir}) as engine:
         engine.save(5, model=src, optimizer=src_optim)
-    report_ordered({"saved_params": params_full(src), "saved_exp_avg": optim_full(src, src_optim, "exp_avg")})
+    saved = {"saved_params": params_full(src), "saved_exp_avg": optim_full(src, src_optim, "exp_avg")}
 
     dst = make_model(seed=7)
     for name, placement in TARGET_PLACEMENTS.items():
@@ -69,17 +56,13 @@ def main() -> None:
             "exp_avg_local": local(state).tolist(),
             "step": float(dst_optim.state[p]["step"]),
         }
-    report_ordered(
+    return [
+        saved,
         {
             "iteration": result.iteration,
             "components": list(result.components),
             "loaded": sorted(result.report["model"].loaded),
             "optim_loaded": len(result.report["optim"].loaded),
             "params": loaded,
-        }
-    )
-    ckpt_test_exit()
-
-
-if __name__ == "__main__":
-    main()
+        },
+    ]

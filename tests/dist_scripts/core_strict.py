@@ -1,28 +1,25 @@
 """2 ranks: a strict load into a model whose shapes and keys differ must fail on every rank.
 
-argv: save_dir. Saves an FSDP2 model (``LINEAR_SIZES``), then loads it (strict, the default)
-into an FSDP2 model whose ``2.*``/``3.weight`` shapes differ and that has an extra layer ``4``.
-Each rank catches the error and reports its type, fields, message and how long it took, plus
-whether the target parameters were left untouched; then both ranks load the checkpoint into a
-correct model (the process group is still in step after the failure).
+A scenario of ``core.py`` (argument: save_dir). Saves an FSDP2 model (``LINEAR_SIZES``), then
+loads it (strict, the default) into an FSDP2 model whose ``2.*``/``3.weight`` shapes differ and
+that has an extra layer ``4``. Each rank catches the error and returns its type, fields, message
+and how long it took, plus whether the target parameters were left untouched; then both ranks load
+the checkpoint into a correct model (the process group is still in step after the failure).
 """
 
 from __future__ import annotations
 
-import sys
 import time
+from typing import Any
 
-import torch
-from _common import ckpt_test_exit, cpu_mesh, init, make_model, params_full, report_ordered, shard_fsdp2
+from _common import cpu_mesh, make_model, params_full, shard_fsdp2
 
 from ckpt_engine import CheckpointEngine, CkptEngineError, LoadStrictnessError
 
 MISMATCHED_SIZES = ((8, 16), (16, 6), (6, 1), (1, 2))
 
 
-def main() -> None:
-    save_dir = sys.argv[1]
-    init()
+def scenario(save_dir: str) -> list[Any]:
     mesh = cpu_mesh()
     src = shard_fsdp2(make_model(seed=0), mesh)
     with CheckpointEngine({"save_dir": save_dir}) as engine:
@@ -54,10 +51,4 @@ def main() -> None:
         result = engine.load(model=good)
     outcome["recovered_iteration"] = result.iteration
     outcome["recovered_equal"] = params_full(good) == saved
-    report_ordered(outcome)
-    ckpt_test_exit()
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    main()
+    return [outcome]

@@ -1,6 +1,7 @@
 """Loads with ``dedup_reads`` (reads several ranks share: each byte read once, then broadcast).
 
-argv: one JSON object ``{"mode": ..., "config": {engine config}, ...}``. Modes:
+argv: JSON objects ``{"mode": ..., "config": {engine config}, ...}``, run one after another in one
+launch (each from the seed a fresh process has). Modes:
 
 * ``replicated``: load the plain model + AdamW of a checkpoint one process wrote (``load_path``
   in ``config``) into every rank, with ``dedup_reads: off`` and then ``on``; then the same
@@ -8,7 +9,8 @@ argv: one JSON object ``{"mode": ..., "config": {engine config}, ...}``. Modes:
   Reports, rank-ordered, each load's ``bytes_read`` and a SHA-256 of every loaded tensor.
 * ``fsdp_save`` / ``fsdp_load``: save / load (``dedup_reads`` from ``config``) an FSDP2 model +
   AdamW of seed ``seed`` (``hsdp``: HSDP, 2 replicas of FSDP2 over half the ranks); a load
-  reports the full parameters and exp_avg values and its ``bytes_read``.
+  reports the full parameters and exp_avg values and its ``bytes_read``, under the spec's
+  ``name``.
 * ``fault``: like ``replicated`` with ``dedup_reads: on``, but rank ``victim`` sends itself
   ``signal`` (KILL or STOP) just before its ``at``-th broadcast of the shared reads. The
   survivors report what ``load()`` raised and how long each barrier that carried the failed
@@ -122,6 +124,7 @@ def fsdp(spec: dict[str, Any]) -> None:
             "exp_avg": avg,
             "bytes_read": result.bytes_read if result else None,
             "components": list(result.components) if result else [],
+            "name": spec.get("name", spec["mode"]),
         }
     )
 
@@ -169,14 +172,16 @@ def fault(spec: dict[str, Any], rank: int) -> None:
 
 
 def main() -> None:
-    spec: dict[str, Any] = json.loads(sys.argv[1])
     rank, _ = init()
-    if spec["mode"] == "replicated":
-        replicated(spec)
-    elif spec["mode"] in ("fsdp_save", "fsdp_load"):
-        fsdp(spec)
-    else:
-        fault(spec, rank)
+    for arg in sys.argv[1:]:
+        spec: dict[str, Any] = json.loads(arg)
+        torch.manual_seed(0)  # as init() leaves a fresh process
+        if spec["mode"] == "replicated":
+            replicated(spec)
+        elif spec["mode"] in ("fsdp_save", "fsdp_load"):
+            fsdp(spec)
+        else:
+            fault(spec, rank)
     ckpt_test_exit()
 
 

@@ -1,9 +1,11 @@
 """Any number of ranks (the 4-rank tests): FSDP2 save, load, strict refusal, async save.
 
-argv: MODE SAVE_DIR [--async]. MODE ``save``: 2 AdamW steps, then ``engine.save(2)`` (with
-``pinned_staging`` when ``--async``). ``load``: a fresh FSDP2 model and optimizer resumed from
-SAVE_DIR. ``strict``: a model of other shapes, whose strict load must raise on every rank. Every
-mode reports (rank-ordered) the full parameters and AdamW ``exp_avg`` it holds, or the error.
+argv: ``NAME:MODE:SAVE_DIR[:async]`` steps, run one after another in one launch (a 4-rank launch
+costs more than these steps), each reporting under its NAME. MODE ``save``: 2 AdamW steps, then
+``engine.save(2)`` (with ``pinned_staging`` when ``async``). ``load``: a fresh FSDP2 model and
+optimizer resumed from SAVE_DIR. ``strict``: a model of other shapes, whose strict load must raise
+on every rank. Every step reports (rank-ordered) the full parameters and AdamW ``exp_avg`` it
+holds, or the error.
 """
 
 from __future__ import annotations
@@ -16,10 +18,7 @@ from _common import ckpt_test_exit, cpu_mesh, init, make_model, optim_full, para
 from ckpt_engine import CheckpointEngine, LoadStrictnessError
 
 
-def main() -> None:
-    mode, save_dir = sys.argv[1], sys.argv[2]
-    use_async = "--async" in sys.argv[3:]
-    init()
+def run_step(mode: str, save_dir: str, use_async: bool) -> dict[str, object]:
     mesh = cpu_mesh()
     sizes = ((8, 16), (16, 6), (6, 1)) if mode == "strict" else ((8, 16), (16, 5), (5, 1))
     model = shard_fsdp2(make_model(seed=0 if mode == "save" else 99, sizes=sizes), mesh)
@@ -45,7 +44,15 @@ def main() -> None:
     if mode != "strict":
         out["params"] = params_full(model)
         out["exp_avg"] = optim_full(model, optim, "exp_avg")
-    report_ordered(out)
+    return out
+
+
+def main() -> None:
+    init()
+    for spec in sys.argv[1:]:
+        name, mode, save_dir, *flags = spec.split(":")
+        torch.manual_seed(0)  # as init() leaves a fresh process
+        report_ordered({"scenario": name, **run_step(mode, save_dir, "async" in flags)})
     ckpt_test_exit()
 
 

@@ -1,7 +1,9 @@
 """Files and messages between 2 gloo ranks (``ckpt_engine._tier.transfer``), both directions at once.
 
-``BASE``: a folder of the test's. Small chunks (1,000 bytes) so that files span several chunks
-and chunks span several files. Each rank reports what it received and what its outcome said:
+Run by ``tiers.py pair BASE`` (:func:`exchanges`), last in that launch: its last step leaves the
+pair out of step. ``base``: a folder of the test's. Small chunks (1,000 bytes) so that files span
+several chunks and chunks span several files. Each rank reports (``"scenario": "transfer"``) what
+it received and what its outcome said:
 
 1. messages both ways, one of them empty;
 2. files both ways: several chunks, a file of 0 bytes, files smaller than a chunk;
@@ -15,10 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 
 import torch.distributed as dist
-from _common import ckpt_test_exit, init, report
+from _common import report
 
 from ckpt_engine._format.hashing import DEFAULT_ALGORITHM, new_hasher
 from ckpt_engine._tier import transfer
@@ -51,13 +52,11 @@ def swap(rank: int, files: list[tuple[str, int, str]], group: object) -> list[tu
     return [tuple(f) for f in json.loads(got)]  # type: ignore[misc]
 
 
-def main() -> None:
-    rank, _ = init()
-    base = sys.argv[1]
+def exchanges(base: str, rank: int) -> None:
     group = dist.new_group(backend="gloo")
     transfer.CHUNK_BYTES = 1000
     mine, theirs = os.path.join(base, f"from{rank}"), os.path.join(base, f"into{rank}")
-    out: dict[str, object] = {}
+    out: dict[str, object] = {"scenario": "transfer"}
 
     text = b"hello from rank 0" if rank == 0 else b""
     out["message"] = (exchange_bytes(group, 1 - rank, text, 1 - rank, 100) or b"").decode()
@@ -100,13 +99,8 @@ def main() -> None:
             exchange_bytes(group, 1, b"x" * 500, None, 0)
         else:
             exchange_bytes(group, None, b"", 0, 10)
-        report({"limit": None})
+        report({"scenario": "transfer", "limit": None})
     except ValueError as err:
-        report({"limit": str(err)})
+        report({"scenario": "transfer", "limit": str(err)})
     except RuntimeError:  # rank 0: its payload's receiver left, as it should
-        report({"limit": "sender cut off"})
-    ckpt_test_exit()
-
-
-if __name__ == "__main__":
-    main()
+        report({"scenario": "transfer", "limit": "sender cut off"})

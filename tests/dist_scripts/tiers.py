@@ -14,6 +14,11 @@ pid is in ``<base>/pid_<rank>``).
 the other, each with its own base, engine and model (a torchrun launch costs more than a short
 training); each reports its base with its saves.
 
+``pair BASE`` (2 ranks): the 2-rank scenarios in one launch, each reporting under its name:
+``shared`` (two ranks said to be on two nodes given one ``local_dir``: the first save is refused)
+in ``BASE/shared``, then ``transfer`` (``tier_transfer.py``: files and messages between the two
+ranks; last, as its last step leaves the pair out of step) in ``BASE/transfer``.
+
 ``resume KIND:BASE [KIND:BASE ...]``: for each base in turn, a fresh model of that kind resumed
 through a new engine (with the config fields in ``<base>/resume.json``, if any); reports the
 iteration, the bytes by source, the path and whether its state equals that step's
@@ -28,6 +33,7 @@ import sys
 import time
 from typing import Any
 
+import tier_transfer
 import torch
 from _common import attempt, ckpt_test_exit, cpu_mesh, init, local, make_model, report, shard_fsdp2, step
 
@@ -125,7 +131,7 @@ def shared(base: str, rank: int) -> None:
     model, optim = build("replicated")
     cfg = {"save_dir": os.path.join(base, "durable"), "local_dir": os.path.join(base, "one"), "ranks_per_node": 1}
     with CheckpointEngine(cfg) as engine:
-        report(attempt(lambda: engine.save(1, model=model, optimizer=optim)))
+        report({"scenario": "shared", **attempt(lambda: engine.save(1, model=model, optimizer=optim))})
 
 
 def fields(items: list[str]) -> dict[str, Any]:
@@ -147,8 +153,9 @@ def train_one(base: str, kind: str, steps: int, rank: int, items: list[str]) -> 
 def main() -> None:
     rank, _ = init()
     mode = sys.argv[1]
-    if mode == "shared":
-        shared(sys.argv[2], rank)
+    if mode == "pair":
+        shared(os.path.join(sys.argv[2], "shared"), rank)
+        tier_transfer.exchanges(os.path.join(sys.argv[2], "transfer"), rank)
     elif mode == "train":
         train_one(sys.argv[2], sys.argv[3], int(sys.argv[4]), rank, sys.argv[5:])
     elif mode == "trains":

@@ -1,17 +1,21 @@
 """The core engine under ``torchrun``: 2 gloo ranks on CPU, FSDP2 and DTensor models.
 
-Each scenario is one torchrun launch (``tests/dist_scripts/core_*.py``); launches that several
-tests inspect run once per module. The ranks report what they hold (full parameters gathered
-with ``full_tensor()``, local shards with ``to_local()``, errors they caught) as ``RESULT``
-lines, and this process checks them, bit-exact, against what it saved or loaded itself in a
-single process without a process group.
+Every scenario (``tests/dist_scripts/core_<name>.py``) runs in one shared torchrun launch
+(``tests/dist_scripts/core.py``, from the module fixture :func:`core`): a 2-rank launch costs
+more CPU than the scenarios it runs. The ranks report what they hold (full parameters gathered
+with ``full_tensor()``, local shards with ``to_local()``, errors they caught) under the
+scenario's name, and each test checks its own scenario's report, bit-exact, against what this
+process saved or loaded itself in a single process without a process group. A scenario that
+fails ends the launch: its tests and those of the scenarios after it fail with its traceback.
+Under pytest-xdist the module's tests go to one worker (tests/conftest.py), so the launch runs
+once per session.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +32,68 @@ from ckpt_engine import CheckpointEngine
 pytestmark = pytest.mark.dist
 
 WORLD = 2
-#: Generous for 2 ranks on 2 CPU cores (a launch takes 3 to 10 s); a hang fails the test.
-TIMEOUT = 90.0
+#: Generous for the shared launch of 2 ranks on 2 CPU cores (its 5 scenarios took 3 to 10 s each
+#: as launches of their own); a hang fails the tests. Below the ranks' default collective timeout
+#: (600 s), which the strict and rank-failure tests rely on.
+TIMEOUT = 300.0
+#: The scenarios of the shared launch, in the order they run (``core_<name>.py``).
+SCENARIOS = ("fsdp_save", "fsdp_load", "reshard", "strict", "rank_failure")
 COMPONENTS = ("model", "optim", "scheduler", "trainer")
 PARAM_NAMES = [f"{i}.{a}" for i in (0, 2, 3) for a in ("weight", "bias")]
 
 
-def launch(script: str, *args: str) -> tuple[TorchrunResult, dict[int, list[Any]], float]:
-    t0 = time.monotonic()
-    run = run_torchrun(script, *args, nproc=WORLD, timeout=TIMEOUT)
-    elapsed = time.monotonic() - t0
-    assert run.returncode == 0, run.describe()
-    results = run.results()
-    assert sorted(results) == list(range(WORLD)), f"not every rank reported\n{run.describe()}"
-    return run, results, elapsed
+@dataclass
+class CoreLaunch:
+    """The shared launch: each scenario's save_dir and its reports by rank, and what ended it."""
+
+    run: TorchrunResult
+    dirs: dict[str, Path]
+    #: The training objects of the one-process save that the ``fsdp_load`` scenario loads.
+    one_process: tuple[nn.Module, torch.optim.Optimizer, Any, Any]
+
+    def results(self, name: str) -> dict[int, list[Any]]:
+        """Scenario ``name``'s payloads by rank (as a launch of its own reported them); fails the
+        test, naming the scenario, where a rank did not report it or raised in it."""
+        results: dict[int, list[Any]] = {}
+        errors: list[str] = []
+        unfinished = set()
+        for rank, reports in self.run.results().items():
+            done = {r["scenario"] for r in reports if "payloads" in r}
+            unfinished |= set(SCENARIOS) - done
+            for r in reports:
+                if r["scenario"] == name and "payloads" in r:
+                    results[rank] = r["payloads"]
+                elif "error" in r:
+                    errors.append(f"scenario {r['scenario']!r} raised on rank {rank}:\n{r['error']}")
+        problems = "\n".join(errors) + f"\n{self.run.describe()}"
+        assert sorted(results) == list(range(WORLD)), f"scenario {name!r}: not every rank reported\n{problems}"
+        # A launch that failed after every scenario reported is every test's failure.
+        assert self.run.returncode == 0 or unfinished, f"the launch failed after scenario {name!r}\n{problems}"
+        return results
+
+
+def one_process_save(save_dir: str) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+    """The checkpoint the ``fsdp_load`` scenario loads: 2 steps trained and saved in this process."""
+    model, optim, sched, scaler = fresh_training_objects(seed=11)
+    x = train_inputs()
+    for _ in range(2):
+        scaler.scale(model(x).pow(2).mean()).backward()
+        scaler.step(optim)
+        scaler.update()
+        sched.step()
+        optim.zero_grad()
+    with CheckpointEngine({"save_dir": save_dir}) as engine:
+        engine.save(7, model=model, optimizer=optim, scheduler=sched, grad_scaler=scaler)
+    return model, optim, sched, scaler
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory: pytest.TempPathFactory) -> CoreLaunch:
+    """Every scenario in one launch; the one-process save for ``fsdp_load`` is written first."""
+    dirs = {name: tmp_path_factory.mktemp(name) / "checkpoints" for name in SCENARIOS}
+    one_process = one_process_save(str(dirs["fsdp_load"]))
+    run = run_torchrun("core.py", *(f"{n}={d}" for n, d in dirs.items()), nproc=WORLD, timeout=TIMEOUT)
+    return CoreLaunch(run, dirs, one_process)
 
 
 def as_tensor(values: Any) -> torch.Tensor:
@@ -90,10 +142,9 @@ def fresh_training_objects(seed: int) -> tuple[nn.Module, torch.optim.Optimizer,
 
 
 @pytest.fixture(scope="module")
-def fsdp_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, dict[str, Any]]]:
-    save_dir = str(tmp_path_factory.mktemp("fsdp_save") / "checkpoints")
-    _, results, _ = launch("core_fsdp_save.py", save_dir)
-    return save_dir, {rank: payloads[0] for rank, payloads in results.items()}
+def fsdp_saved(core: CoreLaunch) -> tuple[str, dict[int, dict[str, Any]]]:
+    results = core.results("fsdp_save")
+    return str(core.dirs["fsdp_save"]), {rank: payloads[0] for rank, payloads in results.items()}
 
 
 def test_fsdp2_save_reports_consistent_state_on_every_rank(fsdp_saved):
@@ -240,22 +291,14 @@ def test_fsdp2_checkpoint_loads_with_plain_dcp(fsdp_saved):
 # -- 2. one-process save -> FSDP2 load (2 ranks) ------------------------------------------------
 
 
-def test_single_process_checkpoint_loads_into_fsdp2(tmp_path):
-    save_dir = str(tmp_path / "checkpoints")
-    model, optim, sched, scaler = fresh_training_objects(seed=11)
-    x = train_inputs()
-    for _ in range(2):
-        scaler.scale(model(x).pow(2).mean()).backward()
-        scaler.step(optim)
-        scaler.update()
-        sched.step()
-        optim.zero_grad()
-    with CheckpointEngine({"save_dir": save_dir}) as engine:
-        engine.save(7, model=model, optimizer=optim, scheduler=sched, grad_scaler=scaler)
+def test_single_process_checkpoint_loads_into_fsdp2(core):
+    # The fixture saved the checkpoint in this process (one_process_save) before the launch.
+    save_dir = str(core.dirs["fsdp_load"])
+    model, optim, sched, scaler = core.one_process
     expected = {n: p.detach().clone() for n, p in model.named_parameters()}
     expected_avg = {n: optim.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
 
-    _, results, _ = launch("core_fsdp_load.py", save_dir)
+    results = core.results("fsdp_load")
     for rank in range(WORLD):
         got = results[rank][0]
         assert got["iteration"] == 7
@@ -291,9 +334,8 @@ def test_single_process_checkpoint_loads_into_fsdp2(tmp_path):
 # -- 3. 2-rank save (FSDP2) -> 2-rank load with other placements --------------------------------
 
 
-def test_fsdp2_checkpoint_reshards_into_other_placements(tmp_path):
-    save_dir = str(tmp_path / "checkpoints")
-    _, results, _ = launch("core_reshard.py", save_dir)
+def test_fsdp2_checkpoint_reshards_into_other_placements(core):
+    results = core.results("reshard")
     expected_placements = {
         "0.weight": ["S(1)"],
         "0.bias": ["S(0)"],
@@ -338,10 +380,10 @@ def test_fsdp2_checkpoint_reshards_into_other_placements(tmp_path):
 # -- 4. strict mismatch fails on every rank -----------------------------------------------------
 
 
-def test_strict_mismatch_raises_on_every_rank(tmp_path):
+def test_strict_mismatch_raises_on_every_rank(core):
     # The ranks keep the default collective_timeout_s (600 s): a rank left waiting for another
     # would outlast the launch's hang guard, so finishing at all shows that nobody waited.
-    _, results, _ = launch("core_strict.py", str(tmp_path / "checkpoints"))
+    results = core.results("strict")
     for rank in range(WORLD):
         got = results[rank][0]
         what = f"rank {rank}"
@@ -361,11 +403,11 @@ def test_strict_mismatch_raises_on_every_rank(tmp_path):
 # -- 5. one rank fails while planning: every rank raises, nobody hangs ------------------------
 
 
-def test_one_rank_failures_raise_on_every_rank(tmp_path):
-    save_dir = tmp_path / "checkpoints"
+def test_one_rank_failures_raise_on_every_rank(core):
+    save_dir = core.dirs["rank_failure"]
     # As in the strict test: with the default 600 s collective timeout, finishing within the
     # launch's hang guard shows that no rank waited for the one that failed.
-    _, results, _ = launch("core_rank_failure.py", str(save_dir))
+    results = core.results("rank_failure")
     for rank in range(WORLD):
         got = results[rank][0]
         what = f"rank {rank}"

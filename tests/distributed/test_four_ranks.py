@@ -4,13 +4,15 @@ one process's checkpoint into 4 ranks; a strict mismatch raising on all 4; an as
 Bit-exact: every rank reports the full parameters and AdamW ``exp_avg`` it holds, and this
 process compares them with what it saved or loaded itself. About a minute on 2 CPU cores, so
 the module runs with ``CKPT_ENGINE_SLOW_TESTS=1`` (the 2-rank variants run in every suite:
-test_distributed.py, test_async_distributed.py).
+test_distributed.py, test_async_distributed.py). The 4-rank steps share one launch (:func:`four`);
+each test checks its own step's report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -29,12 +31,18 @@ pytestmark = [
 TIMEOUT = 240.0
 
 
-def launch(nproc: int, *args: str) -> list[dict[str, Any]]:
-    run = run_torchrun("four_ranks.py", *args, nproc=nproc, timeout=TIMEOUT)
+def launch(nproc: int, *steps: str) -> dict[str, list[dict[str, Any]]]:
+    """``four_ranks.py`` steps (``NAME:MODE:SAVE_DIR[:async]``) in one launch: by name, each rank's report."""
+    run = run_torchrun("four_ranks.py", *steps, nproc=nproc, timeout=TIMEOUT)
     assert run.returncode == 0, run.describe()
     results = run.results()
     assert sorted(results) == list(range(nproc)), run.describe()
-    return [results[r][0] for r in range(nproc)]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for rank in range(nproc):
+        for report in results[rank]:
+            out.setdefault(report["scenario"], []).append(report)
+    assert all(len(ranks) == nproc for ranks in out.values()), run.describe()
+    return out
 
 
 def single_process_state(save_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -50,10 +58,51 @@ def single_process_state(save_dir: str) -> tuple[dict[str, Any], dict[str, Any]]
     )
 
 
+@dataclass
+class FourRanks:
+    """The shared 4-rank launch: each step's save_dir and its reports by rank."""
+
+    dirs: dict[str, str]
+    ranks: dict[str, list[dict[str, Any]]]
+    #: The full parameters and ``exp_avg`` of the one-process checkpoint the ``one`` step loads.
+    one_process: tuple[dict[str, Any], dict[str, Any]]
+
+
+def one_process_save(save_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint the ``one`` step loads, trained and saved in this process."""
+    model = make_model(seed=0)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1234))
+    for _ in range(2):
+        model(x).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    with CheckpointEngine({"save_dir": save_dir}) as engine:
+        engine.save(2, model=model, optimizer=optim)
+    expected = {n: p.detach().tolist() for n, p in model.named_parameters()}
+    exp_avg = {n: optim.state[p]["exp_avg"].tolist() for n, p in model.named_parameters()}
+    return expected, exp_avg
+
+
 @pytest.fixture(scope="module")
-def saved_at_four(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
-    save_dir = str(tmp_path_factory.mktemp("four") / "ckpt")
-    ranks = launch(4, "save", save_dir)
+def four(tmp_path_factory: pytest.TempPathFactory) -> FourRanks:
+    """Every 4-rank step in one launch, in order: the save, the strict refusal of it, the load of a
+    one-process checkpoint (saved here first) and, where ``pinned_staging`` imports, the async save."""
+    root = tmp_path_factory.mktemp("four")
+    dirs = {name: str(root / name) for name in ("save", "one", "async")}
+    one_process = one_process_save(dirs["one"])
+    steps = [f"save:save:{dirs['save']}", f"strict:strict:{dirs['save']}", f"one:load:{dirs['one']}"]
+    with contextlib.suppress(ImportError):
+        import ckpt_engine_plugins.pinned_staging  # noqa: F401
+
+        steps.append(f"async:save:{dirs['async']}:async")
+    return FourRanks(dirs, launch(4, *steps), one_process)
+
+
+@pytest.fixture(scope="module")
+def saved_at_four(four: FourRanks) -> tuple[str, dict[str, Any]]:
+    save_dir = four.dirs["save"]
+    ranks = four.ranks["save"]
     assert all(r["saved"] for r in ranks)
     assert all(r["params"] == ranks[0]["params"] and r["exp_avg"] == ranks[0]["exp_avg"] for r in ranks)
     return save_dir, ranks[0]
@@ -67,38 +116,27 @@ def test_four_rank_checkpoint_loads_into_one_process_bit_exact(saved_at_four: tu
 
 def test_four_rank_checkpoint_reshards_into_two_ranks(saved_at_four: tuple[str, dict[str, Any]]) -> None:
     save_dir, saved = saved_at_four
-    for rank in launch(2, "load", save_dir):
+    for rank in launch(2, f"load:load:{save_dir}")["load"]:
         assert rank["iteration"] == 2
         assert rank["params"] == saved["params"] and rank["exp_avg"] == saved["exp_avg"]
 
 
-def test_a_strict_mismatch_raises_on_all_four_ranks(saved_at_four: tuple[str, dict[str, Any]]) -> None:
-    assert [r["error"] for r in launch(4, "strict", saved_at_four[0])] == ["LoadStrictnessError"] * 4
+def test_a_strict_mismatch_raises_on_all_four_ranks(saved_at_four: tuple[str, dict[str, Any]], four: FourRanks) -> None:
+    assert [r["error"] for r in four.ranks["strict"]] == ["LoadStrictnessError"] * 4
 
 
-def test_one_process_checkpoint_loads_into_four_ranks(tmp_path: Path) -> None:
-    save_dir = str(tmp_path / "one")
-    model = make_model(seed=0)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1234))
-    for _ in range(2):
-        model(x).pow(2).mean().backward()
-        optim.step()
-        optim.zero_grad()
-    with CheckpointEngine({"save_dir": save_dir}) as engine:
-        engine.save(2, model=model, optimizer=optim)
-    expected = {n: p.detach().tolist() for n, p in model.named_parameters()}
-    exp_avg = {n: optim.state[p]["exp_avg"].tolist() for n, p in model.named_parameters()}
-    for rank in launch(4, "load", save_dir):
+def test_one_process_checkpoint_loads_into_four_ranks(four: FourRanks) -> None:
+    expected, exp_avg = four.one_process  # saved by the fixture (one_process_save) before the launch
+    for rank in four.ranks["one"]:
         assert rank["params"] == expected and rank["exp_avg"] == exp_avg
 
 
 def test_async_save_at_four_ranks_equals_the_sync_one(
-    tmp_path: Path, saved_at_four: tuple[str, dict[str, Any]]
+    four: FourRanks, saved_at_four: tuple[str, dict[str, Any]]
 ) -> None:
     pytest.importorskip("ckpt_engine_plugins.pinned_staging")
-    save_dir = str(tmp_path / "async")
-    ranks = launch(4, "save", save_dir, "--async")
+    save_dir = four.dirs["async"]
+    ranks = four.ranks["async"]
     assert all(r["saved"] for r in ranks)
     params, exp_avg = single_process_state(save_dir)
     assert params == saved_at_four[1]["params"] and exp_avg == saved_at_four[1]["exp_avg"]

@@ -11,7 +11,8 @@ A 4-rank launch costs more than the work it runs, so the scenarios share their l
 (:func:`tiers`): one launch trains both models, one is the job killed while it replicates, and
 one resumes all ten copies; each test then checks its own scenario's part. Under pytest-xdist the
 tests that use the fixture go to one worker (tests/conftest.py groups a module fixture's tests),
-so the launches run once per session.
+so the launches run once per session. The two 2-rank scenarios (a ``local_dir`` shared between
+nodes, files between two ranks) share one 2-rank launch too (:func:`pair`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 from _paths import DIST_SCRIPTS
-from _torchrun import launch_env, run_torchrun
+from _torchrun import TorchrunResult, launch_env, run_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -265,14 +266,26 @@ def test_a_job_killed_while_it_replicates_resumes_the_last_complete_step(tiers: 
     assert _taken(node_lost) == [{"local"}, {"local"}, {"peer"}, {"peer"}]
 
 
-def test_files_between_two_ranks_are_checked_on_arrival(tmp_path: Path) -> None:
-    run = run_torchrun("tier_transfer.py", str(tmp_path), nproc=2, timeout=TIMEOUT)
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[TorchrunResult, Path]:
+    """The 2-rank scenarios, ``shared`` then ``transfer``, in one 2-rank launch (``tiers.py pair``)."""
+    base = tmp_path_factory.mktemp("pair")
+    return run_torchrun("tiers.py", "pair", str(base), nproc=2, timeout=TIMEOUT), base
+
+
+def _scenario(run: TorchrunResult, name: str, rank: int) -> list[dict[str, Any]]:
+    """What ``rank`` reported under scenario ``name`` of the shared 2-rank launch."""
+    return [r for r in run.results().get(rank, []) if r["scenario"] == name]
+
+
+def test_files_between_two_ranks_are_checked_on_arrival(pair: tuple[TorchrunResult, Path]) -> None:
+    run, base = pair
     assert run.returncode == 0, run.describe()
-    (r0, limit0), (r1, limit1) = (run.results()[r] for r in (0, 1))
+    (r0, limit0), (r1, limit1) = (_scenario(run, "transfer", r) for r in (0, 1))
     assert (r0["message"], r1["message"]) == ("", "hello from rank 0")
     assert r0["files"] == {"bad": {}, "same": True, "received": 3000, "sent": 2510}
     assert r1["files"] == {"bad": {}, "same": True, "received": 2510, "sent": 3000}
-    assert (tmp_path / "into1/model/empty").read_bytes() == b""
+    assert (base / "transfer/into1/model/empty").read_bytes() == b""
     assert r1["changed"]["bad"] == {"late.distcp": "its checksum does not match the manifest's"}
     assert r0["changed"]["bad"] == {}
     assert "gone.distcp" in r0["unreadable"]["unsent"]
@@ -281,11 +294,11 @@ def test_files_between_two_ranks_are_checked_on_arrival(tmp_path: Path) -> None:
     assert limit0["limit"] in (None, "sender cut off")  # its send may have completed first
 
 
-def test_a_local_dir_shared_between_nodes_is_refused_at_the_first_save(tmp_path: Path) -> None:
-    run = run_torchrun("tiers.py", "shared", str(tmp_path), nproc=2, timeout=TIMEOUT)
+def test_a_local_dir_shared_between_nodes_is_refused_at_the_first_save(pair: tuple[TorchrunResult, Path]) -> None:
+    run, _ = pair
     assert run.returncode == 0, run.describe()
     for rank in (0, 1):
-        (outcome,) = run.results()[rank]
+        (outcome,) = _scenario(run, "shared", rank)
         assert outcome["raised"] == "CheckpointSaveError", outcome
         assert (
             "is not node-local as ranks_per_node=1 says: rank 0 sees the local_dir of ranks [0, 1]"
