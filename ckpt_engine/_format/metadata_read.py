@@ -102,6 +102,12 @@ def read_metadata(
         raise CheckpointLoadError(f"cannot read {path}: {err.strerror or err}") from err
     if check_bytes is not None:
         check_bytes(path, data)
+    return metadata_from_bytes(data, path)
+
+
+def metadata_from_bytes(data: bytes, path: str) -> Metadata:
+    """Parse and validate ``data``, the bytes of the ``.metadata`` at ``path``, as :func:`read_metadata`
+    does after reading them; its typed errors name ``path``."""
     # No cyclic collection while the records are built and checked (see parse_metadata).
     was_enabled = gc.isenabled()
     gc.disable()

@@ -17,6 +17,7 @@ import os
 import pickle
 import pickletools
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,26 +42,67 @@ from ckpt_engine._format.metadata_types import dcp_types, plain_types
 SLOW = os.environ.get("CKPT_ENGINE_SLOW_TESTS") == "1"
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
-def canon(x: Any) -> Any:
+def canon(x: Any, memo: dict[int, Any] | None = None) -> Any:
     """``x`` as nested tuples: type names (a leading ``_`` dropped, for the stand-ins), fields in
-    order, dict items in order; so equal canons mean equal values of equal types."""
-    cls = type(x)
+    order, dict items in order; so equal canons mean equal values of equal types.
+
+    An object met twice (the parsers share equal tensor descriptions) is walked once: ``memo``,
+    by ``id``, holds only objects reachable from ``x``, so none is freed and its id reused."""
+    handler = _HANDLERS.get(type(x)) or _handler(type(x))
+    return handler(x, {} if memo is None else memo)
+
+
+_Handler = Callable[[Any, dict[int, Any]], Any]
+_HANDLERS: dict[type, _Handler] = {}
+
+
+def _handler(cls: type) -> _Handler:
+    """How :func:`canon` writes an instance of ``cls`` (found once per class)."""
     name = cls.__name__.lstrip("_")
-    if cls in (str, int, float, bool, bytes, type(None)):
+
+    def leaf(x: Any, memo: dict[int, Any]) -> Any:
         return (name, x)
-    if dataclasses.is_dataclass(x):
-        names = _FIELDS.get(cls)
-        if names is None:
-            names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(x))
-        return (name, tuple((n, canon(getattr(x, n))) for n in names))
-    if isinstance(x, dict):
-        return (name, tuple((canon(k), canon(v)) for k, v in x.items()))
-    if isinstance(x, (list, tuple, set, frozenset)):
-        return (name, tuple(canon(v) for v in (sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x)))
-    return (name, str(x))
+
+    def other(x: Any, memo: dict[int, Any]) -> Any:
+        return (name, str(x))
+
+    def fields(x: Any, memo: dict[int, Any]) -> Any:
+        return (name, tuple([(n, canon(getattr(x, n), memo)) for n in names]))
+
+    def items(x: Any, memo: dict[int, Any]) -> Any:
+        return (name, tuple([(canon(k, memo), canon(v, memo)) for k, v in x.items()]))
+
+    def values(x: Any, memo: dict[int, Any]) -> Any:
+        return (name, tuple([canon(v, memo) for v in x]))
+
+    def members(x: Any, memo: dict[int, Any]) -> Any:
+        return (name, tuple([canon(v, memo) for v in sorted(x, key=repr)]))
+
+    names = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
+    if cls in (str, int, float, bool, bytes, type(None)):
+        handler = leaf
+    elif dataclasses.is_dataclass(cls):
+        handler = _once(fields)
+    elif issubclass(cls, dict):
+        handler = _once(items)
+    elif issubclass(cls, (list, tuple)):
+        handler = _once(values)
+    elif issubclass(cls, (set, frozenset)):
+        handler = _once(members)
+    else:
+        handler = other
+    _HANDLERS[cls] = handler
+    return handler
+
+
+def _once(build: _Handler) -> _Handler:
+    def memoised(x: Any, memo: dict[int, Any]) -> Any:
+        found = memo.get(id(x))
+        if found is None:
+            found = memo[id(x)] = build(x, memo)
+        return found
+
+    return memoised
 
 
 def outcome(data: bytes, *, batches: bool, plain: bool = False) -> Any:
