@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import event, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
@@ -691,8 +692,15 @@ _VALUES = st.recursive(
 
 @pytest.mark.full  # over 2 s on 2 cores: hundreds of hypothesis examples
 @given(sd=st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 5)), _VALUES, max_size=6))
+@example(sd={"": 0, 3: [], "3": []})  # 3 and "3" flatten to one key: DCP refuses the dict
 def test_flat_keys_are_the_keys_dcp_saves_under(sd: dict[Any, Any]) -> None:
-    """``flat_keys`` skips DCP's walk for flat state dicts: the keys must be exactly DCP's."""
+    """``flat_keys`` skips DCP's walk for flat state dicts: the keys must be exactly DCP's, and a
+    state dict DCP refuses is refused with DCP's error."""
     planner = DefaultSavePlanner()
-    planner.set_up_planner(sd, None, False)
+    try:
+        planner.set_up_planner(sd, None, False)
+    except ValueError as refused:
+        with pytest.raises(ValueError, match=re.escape(str(refused))):
+            flat_keys(sd)
+        return
     assert flat_keys(sd) == list(planner.state_dict)
