@@ -68,6 +68,9 @@ ItemKey = tuple[str, int, int]
 
 _groups: dict[tuple[int, tuple[int, ...]], Any] = {}
 _lock = threading.Lock()
+#: The ``_groups.get`` default of a set whose group was not made yet (on a rank outside a made
+#: group, the value kept is what torch's ``new_group`` returns there, not a group).
+_NOT_MADE = object()
 
 
 def dedup_wanted(mode: str, reader: Any, world: int) -> bool:
@@ -121,19 +124,44 @@ def _broadcast(tensor: torch.Tensor, src: int, group: Any) -> None:
     dist.broadcast(tensor, src=src, group=group)
 
 
-def _subgroup(members: tuple[int, ...], timeout_s: float) -> Any:
-    """A gloo group of the global ranks ``members``, created by them alone and kept for later
-    loads (a group is named by its ranks, so one set of ranks has one group)."""
+def _subgroup(members: tuple[int, ...], timeout_s: float, *, everyone: bool) -> Any:
+    """The gloo group of the global ranks ``members``, kept for later loads (a group is named by
+    its ranks, so one set of ranks has one group).
+
+    ``everyone``: every rank of the default group calls this for the same ``members`` in the same
+    order, and the group is made collectively, under torch's counted name. Otherwise only the
+    members call it (``use_local_synchronization``), and torch names the group by its ranks and
+    by how many groups the calling rank already has: members that joined different sharing groups
+    before would name it differently and wait for each other under different store keys."""
     key = (id(dist.group.WORLD), members)
     with _lock:
-        group = _groups.get(key)
-    if group is None:
+        group = _groups.get(key, _NOT_MADE)
+    if group is _NOT_MADE:
         group = dist.new_group(
-            ranks=list(members), backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+            ranks=list(members),
+            backend="gloo",
+            timeout=timedelta(seconds=timeout_s),
+            use_local_synchronization=not everyone,
         )
         with _lock:
             _groups[key] = group
     return group
+
+
+def sharing_sets(table: list[tuple[bytes, ...]]) -> list[tuple[int, ...]]:
+    """Every set of two or more ranks that share one class of items, from the all-gathered
+    digests (``table[rank][class]``; empty: the rank has none of that class), in one order that
+    every rank computes alike."""
+    sets: list[tuple[int, ...]] = []
+    for c in range(len(table[0]) if table else 0):
+        by_digest: dict[bytes, list[int]] = {}
+        for rank, digests in enumerate(table):
+            if digests[c]:
+                by_digest.setdefault(digests[c], []).append(rank)
+        for ranks in by_digest.values():
+            if len(ranks) >= 2 and tuple(ranks) not in sets:
+                sets.append(tuple(ranks))
+    return sets
 
 
 def _drop_subgroup(members: tuple[int, ...]) -> None:
@@ -188,6 +216,10 @@ class SharedReads:
         digests = tuple(_digest(keys) for keys in classes)
         phase("read (find shared items)")
         table = self.comm.all_gather("read (shared items)", digests)
+        everyone = dist.is_initialized() and self.comm.world == dist.get_world_size()
+        if everyone:  # the groups of every sharing set, made on every rank in one order
+            for ranks in sharing_sets(table):
+                _subgroup(tuple(self.comm._global(r) for r in ranks), self.comm.watch.timeout_s / 2, everyone=True)
         shared: set[ItemKey] = set()
         for c, keys in enumerate(classes):
             members = tuple(self.comm._global(r) for r, d in enumerate(table) if digests[c] and d[c] == digests[c])
@@ -202,7 +234,8 @@ class SharedReads:
         self, keys: list[ItemKey], members: tuple[int, ...], items: dict[ItemKey, list[ReadItem]], planner: LoadPlanner
     ) -> None:
         self.members = tuple(sorted({*self.members, *members}))
-        group = _subgroup(members, self.comm.watch.timeout_s / 2)
+        everyone = self.comm.world == dist.get_world_size()
+        group = _subgroup(members, self.comm.watch.timeout_s / 2, everyone=everyone)
         index = members.index(self.comm._global(self.comm.rank))
         try:
             with gc_paused():

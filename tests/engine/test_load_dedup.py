@@ -6,7 +6,7 @@ tests/_s3.py): 4 ranks loading a checkpoint one process wrote read it once betwe
 it), bit-exact; a strict mismatch raises the same error on every rank; a rank SIGKILLed or
 SIGSTOPped between two broadcasts of the shared reads is named by the others (no hang); FSDP2
 resharding (4 -> 2, 2 -> 4) is unchanged with ``dedup_reads: on`` and HSDP replicas read their
-shards once. The S3 loads and the FSDP2/HSDP loads run with
+shards once, also right after an FSDP2 load in the same process group. The S3 loads run with
 ``CKPT_ENGINE_SLOW_TESTS=1``.
 """
 
@@ -24,7 +24,7 @@ from _torchrun import run_ranks, run_torchrun
 
 from ckpt_engine import CheckpointEngine, EngineConfig
 from ckpt_engine._dcpio.coordination import Comm
-from ckpt_engine._dcpio.dedup_read import BATCH_BYTES, dedup_wanted, stripe
+from ckpt_engine._dcpio.dedup_read import BATCH_BYTES, dedup_wanted, sharing_sets, stripe
 from ckpt_engine._dcpio.fast_read import FastFileSystemReader
 from ckpt_engine._dcpio.object_read import ObjectStoreReader
 from ckpt_engine._format.metadata import read_metadata
@@ -152,8 +152,7 @@ def test_a_rank_lost_between_broadcasts_is_named(tmp_path: Path, sig: str) -> No
         assert results[2][0]["load"]["typed"], results[2]
 
 
-@pytest.mark.dist
-@pytest.mark.skipif(not SLOW, reason="FSDP2 4 -> 2, 2 -> 4 and HSDP with dedup_reads; CKPT_ENGINE_SLOW_TESTS=1")
+@pytest.mark.dist  # in CI: its HSDP load is the regression test of the sharing groups' names
 def test_fsdp2_resharding_is_unchanged_with_dedup_reads(tmp_path: Path) -> None:
     def launch(world: int, *steps: tuple[str, str, Path, int, bool]) -> dict[str, dict[int, dict[str, Any]]]:
         """``(name, mode, save_dir, seed, hsdp)`` steps in one launch of ``world`` ranks: each step's
@@ -178,11 +177,19 @@ def test_fsdp2_resharding_is_unchanged_with_dedup_reads(tmp_path: Path) -> None:
         assert all(sorted(by_rank) == list(range(world)) for by_rank in out.values()), run.describe()
         return out
 
-    # 4 launches for the 5 steps: the load of the 2-rank save and the 4-rank save share one. The
-    # HSDP load has its own: after an FSDP2 load in the same process group it did not return.
+    # 3 launches for the 5 steps: the 4-rank load of the 2-rank save, the HSDP load of it and the
+    # 4-rank save share one. The HSDP load after the FSDP2 load is the regression test of the
+    # sharing groups' names: members that had joined different sharing groups before named one
+    # group differently (torch counts a rank's groups into the name of a locally made group) and
+    # waited for each other until the timeout.
     w2, w4 = tmp_path / "w2", tmp_path / "w4"
     saved_at = {2: launch(2, ("save", "fsdp_save", w2, 1, False))["save"][0]}
-    four = launch(4, ("load", "fsdp_load", w2, 2, False), ("save", "fsdp_save", w4, 1, False))
+    four = launch(
+        4,
+        ("load", "fsdp_load", w2, 2, False),
+        ("hsdp", "fsdp_load", w2, 3, True),
+        ("save", "fsdp_save", w4, 1, False),
+    )
     saved_at[4] = four["save"][0]
     loaded_at = {(2, 4): four["load"], (4, 2): launch(2, ("load", "fsdp_load", w4, 2, False))["load"]}
     for saver, loader in ((2, 4), (4, 2)):
@@ -194,7 +201,7 @@ def test_fsdp2_resharding_is_unchanged_with_dedup_reads(tmp_path: Path) -> None:
             assert got["params"] == saved["params"], (saver, loader, rank)
             assert got["exp_avg"] == saved["exp_avg"], (saver, loader, rank)
         if saver == 2:  # HSDP: 2 replicas of the 2-rank sharding; each pair of replicas reads its shards once
-            hsdp = launch(4, ("hsdp", "fsdp_load", save_dir, 3, True))["hsdp"]
+            hsdp = four["hsdp"]
             assert all(hsdp[r]["params"] == saved["params"] for r in range(4))
             folder = save_dir / f"iter_{ITERATION:09}"
             total = sum(_data_bytes(folder / name) for name in hsdp[0]["components"])
@@ -206,6 +213,17 @@ def test_fsdp2_resharding_is_unchanged_with_dedup_reads(tmp_path: Path) -> None:
 
 
 # -- the parts, in one process ------------------------------------------------------------------
+
+
+def test_every_rank_finds_every_sharing_set_in_one_order() -> None:
+    """The groups of all sharing sets are made on every rank, in the order this gives: ranks that
+    shared with different ranks before must still agree on each group's name."""
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    # class 0 (plain values): ranks 0-3 alike; class 1 (shards): 0 and 1 alike, 2 alone, 3 none
+    table = [(a, b), (a, b), (a, c), (a, b"")]
+    assert sharing_sets(table) == [(0, 1, 2, 3), (0, 1)]
+    assert sharing_sets([(a, b), (a, b)]) == [(0, 1)]  # one set shared by both classes: one group
+    assert sharing_sets([(b"", b"")] * 3) == [] and sharing_sets([]) == []
 
 
 def test_stripe_gives_every_item_to_one_member_in_runs_of_about_equal_bytes() -> None:
