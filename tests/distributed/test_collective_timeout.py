@@ -62,6 +62,20 @@ def _run(fns: list[Any]) -> list[Any]:
     return out
 
 
+def _first(w: CollectiveWatch, step: str) -> tuple[Any, threading.Event]:
+    """``w``'s barrier at ``step`` as a thread's function, and the event it sets once that
+    barrier returned or raised: a late rank waits for it, so ``w`` cannot have waited for that rank."""
+    returned = threading.Event()
+
+    def first() -> None:
+        try:
+            w.barrier(step)
+        finally:
+            returned.set()
+
+    return first, returned
+
+
 def test_default_timeout_is_600_s() -> None:
     assert EngineConfig(save_dir="x").collective_timeout_s == 600
 
@@ -85,13 +99,7 @@ def test_a_rank_that_does_not_arrive_is_named_with_its_last_phase() -> None:
     w0, w1, w2 = _watches(3, 0.5)
     w1.phase("stage")
     w2.phase("write")
-    gave_up = threading.Event()
-
-    def first() -> None:
-        try:
-            w0.barrier("write")
-        finally:
-            gave_up.set()
+    first, gave_up = _first(w0, "write")
 
     def late() -> None:
         # Rank 2 arrives only once rank 0 has given up: rank 0 cannot have waited for it.
@@ -111,13 +119,7 @@ def test_a_rank_that_does_not_arrive_is_named_with_its_last_phase() -> None:
 
 def test_a_rank_arriving_after_the_others_gave_up_raises_instead_of_entering_the_collective() -> None:
     w0, w1 = _watches(2, 0.5)
-    gave_up = threading.Event()
-
-    def first() -> None:
-        try:
-            w0.barrier("write")
-        finally:
-            gave_up.set()
+    first, gave_up = _first(w0, "write")
 
     def late() -> None:
         assert gave_up.wait(60), "rank 0 never gave up"
