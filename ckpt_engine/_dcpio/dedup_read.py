@@ -224,17 +224,22 @@ class SharedReads:
         for c, keys in enumerate(classes):
             members = tuple(self.comm._global(r) for r, d in enumerate(table) if digests[c] and d[c] == digests[c])
             if len(members) >= 2:
-                self._share(keys, members, items, planner)
+                self._share(keys, members, items, planner, everyone=everyone)
                 shared.update(keys)
         if not shared:
             return plan
         return dataclasses.replace(plan, items=[r for r in plan.items if _key(self.reader, r) not in shared])
 
     def _share(
-        self, keys: list[ItemKey], members: tuple[int, ...], items: dict[ItemKey, list[ReadItem]], planner: LoadPlanner
+        self,
+        keys: list[ItemKey],
+        members: tuple[int, ...],
+        items: dict[ItemKey, list[ReadItem]],
+        planner: LoadPlanner,
+        *,
+        everyone: bool,
     ) -> None:
         self.members = tuple(sorted({*self.members, *members}))
-        everyone = self.comm.world == dist.get_world_size()
         group = _subgroup(members, self.comm.watch.timeout_s / 2, everyone=everyone)
         index = members.index(self.comm._global(self.comm.rank))
         try:
