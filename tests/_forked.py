@@ -54,6 +54,7 @@ import importlib
 import importlib.machinery
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -70,12 +71,15 @@ from typing import IO, Any
 
 PIPE = subprocess.PIPE
 DEVNULL = subprocess.DEVNULL
+STDOUT = subprocess.STDOUT
 #: What the server imports before its first fork: what nearly every child imports.
 PRELOAD = ("torch", "torch.distributed.checkpoint", "ckpt_engine", "ckpt_engine.testing")
 #: The hang guard of a child when the call gives none.
 DEFAULT_TIMEOUT_S = 300.0
 #: The largest request (its environment, mostly) and status message.
 MAX_MESSAGE = 1 << 20
+#: The most file descriptors a call passes on besides stdin, stdout and stderr (``pass_fds``).
+MAX_PASS_FDS = 8
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,14 @@ class Code:
     """Source to run as ``python -c CODE`` runs it (``sys.argv[0] == "-c"``, ``sys.path[0] == ""``)."""
 
     source: str
+
+
+@dataclass(frozen=True)
+class Module:
+    """A module to run as ``python -m NAME`` runs it (``sys.argv[0]`` its file, ``sys.path[0]`` the
+    working folder)."""
+
+    name: str
 
 
 class ForkedTimeout(AssertionError):
@@ -114,12 +126,16 @@ class _Server:
         if ready is None or ready.get("error"):
             problem = "it exited" if ready is None else ready["error"]
             raise RuntimeError(f"the fork server (tests/_forked.py) did not start: {problem}")
+        #: Where processes this one did not start (torchrun's ranks: tests/_forked_rank.py) reach
+        #: it: an abstract unix socket name, without its leading NUL.
+        self.address: str = ready["address"]
 
     def alive(self) -> bool:
         return self.owner == os.getpid() and self.proc.poll() is None
 
     def request(self, request: dict[str, Any], stdio: list[int]) -> socket.socket:
-        """Send one request with the child's stdin/stdout/stderr; the socket its status comes on."""
+        """Send one request with the child's stdin/stdout/stderr (and ``pass_fds``); the socket its
+        status comes on."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with self.lock:
@@ -136,6 +152,8 @@ class _Server:
 
 _server: _Server | None = None
 _server_lock = threading.Lock()
+#: The environment variable that gives tests/_forked_rank.py the server's address.
+ADDRESS_VAR = "CKPT_TEST_FORK_SERVER"
 
 
 def _the_server() -> _Server:
@@ -145,6 +163,11 @@ def _the_server() -> _Server:
             _server = _Server()
             atexit.register(_server.close)
         return _server
+
+
+def server_address() -> str:
+    """The address of this test process's server (started if need be), for ``ADDRESS_VAR``."""
+    return _the_server().address
 
 
 def _capture_fd() -> int:
@@ -180,8 +203,17 @@ class _Stream:
         elif spec is None:
             self.capture = _capture_fd()
             self.child_fd = os.dup(self.capture)
+        elif spec >= 0:
+            self.child_fd = os.dup(spec)  # the caller's own file descriptor, shared as Popen shares it
         else:
-            raise ValueError(f"stream {spec!r}: use None (captured, /dev/null for stdin), PIPE or DEVNULL")
+            raise ValueError(f"stream {spec!r}: use None (captured, /dev/null for stdin), PIPE, DEVNULL or a fd")
+
+    def same(self) -> _Stream:
+        """Another stream that writes where this one does (``stderr=STDOUT``)."""
+        twin = _Stream(DEVNULL, reading=True)
+        os.close(twin.child_fd)
+        twin.child_fd = os.dup(self.child_fd)
+        return twin
 
     def text(self) -> str | None:
         return None if self.capture is None else _read_capture(self.capture)
@@ -206,12 +238,16 @@ class ForkedProcess:
         self.returncode: int | None = None
         self.timed_out = False
         self._status = status
+        self._status_lock = threading.Lock()  # poll/wait from several threads, as Popen allows
         self._streams = streams
         self.stdin, self.stdout, self.stderr = (s.file for s in streams)
         self._readers: dict[int, tuple[threading.Thread, list[str]]] = {}
         first = _recv(status)  # the child says so once its streams, folder and environment are set
         if first is None or "returncode" in first or "error" in first:
-            self._finish(first)
+            try:
+                self._finish(first)
+            finally:
+                status.close()
             raise RuntimeError(self.describe(f"failed before running its script (rc={self.returncode})"))
         self.pid: int = first["pid"]
 
@@ -219,9 +255,14 @@ class ForkedProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill the child if it still runs, wait for it, and release its status and captures."""
         if self.poll() is None:
             self.kill()
             self._collect(None)
+        self._status.close()
         for stream in self._streams:
             stream.close()
 
@@ -241,15 +282,17 @@ class ForkedProcess:
         return self.returncode
 
     def _collect(self, timeout: float | None) -> bool:
-        """Whether the child has exited, its status read within ``timeout``."""
+        """Whether the child has exited, its status read within ``timeout``. The status socket
+        stays open until ``__exit__`` (readable at its end), so threads may wait at once."""
         if self.returncode is None:
             if not select.select([self._status], [], [], timeout)[0]:
                 return False
-            self._finish(_recv(self._status))
+            with self._status_lock:
+                if self.returncode is None:
+                    self._finish(_recv(self._status))
         return True
 
     def _finish(self, message: dict[str, Any] | None) -> None:
-        self._status.close()
         if message is None or "error" in message:
             problem = "its waiter is gone" if message is None else message["error"]
             raise RuntimeError(f"{self.args}: the fork server could not run it: {problem}")
@@ -303,7 +346,7 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-Target = str | os.PathLike[str] | Code
+Target = str | os.PathLike[str] | Code | Module
 
 
 def popen(
@@ -317,27 +360,26 @@ def popen(
     start_new_session: bool = False,
     timeout: float | None = DEFAULT_TIMEOUT_S,
     preload: Sequence[str] = (),
+    pass_fds: Sequence[int] = (),
+    inherit_env: bool = True,
 ) -> ForkedProcess:
-    """Start ``python target *args`` (``Code``: ``python -c``) as a forked child.
+    """Start ``python target *args`` (``Code``: ``python -c``, ``Module``: ``python -m``) as a
+    forked child.
 
-    ``env`` is added to this process's environment; ``stdin`` is ``/dev/null`` unless ``PIPE``;
-    ``stdout``/``stderr`` are captured to files unless ``PIPE`` or ``DEVNULL``; ``preload`` names
-    modules the server imports before forking (once per server: ``lightning``, ``s3fs``);
-    ``timeout`` is the hang guard (``None``: none)."""
-    argv = ["-c" if isinstance(target, Code) else os.fspath(target), *(os.fspath(a) for a in args)]
-    request = {
-        "script": None if isinstance(target, Code) else argv[0],
-        "code": target.source if isinstance(target, Code) else None,
-        "argv": argv,
-        "env": {**os.environ, **(env or {})},
-        "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
-        "new_session": start_new_session,
-        "timeout": timeout,
-        "preload": list(preload),
-    }
-    streams = (_Stream(stdin, reading=False), _Stream(stdout, reading=True), _Stream(stderr, reading=True))
+    ``env`` is added to this process's environment (is the whole environment where
+    ``inherit_env=False``); ``stdin`` is ``/dev/null`` unless ``PIPE``; ``stdout``/``stderr`` are
+    captured to files unless ``PIPE``, ``DEVNULL`` or a file descriptor of this process to share;
+    ``pass_fds`` are file descriptors the child gets at the same numbers (``Popen``'s
+    ``pass_fds``); ``stderr=STDOUT`` sends both to one place; ``preload`` names modules the server
+    imports before forking (once per server: ``lightning``, ``s3fs``); ``timeout`` is the hang guard
+    (``None``: none)."""
+    full_env = {**(os.environ if inherit_env else {}), **(env or {})}
+    request = make_request(target, args, full_env, cwd, start_new_session, timeout, preload, pass_fds)
+    argv = request["argv"]
+    out = _Stream(stdout, reading=True)
+    streams = (_Stream(stdin, reading=False), out, out.same() if stderr == STDOUT else _Stream(stderr, reading=True))
     try:
-        status = _the_server().request(request, [s.child_fd for s in streams])
+        status = _the_server().request(request, [*(s.child_fd for s in streams), *pass_fds])
     except BaseException:
         for stream in streams:
             stream.close()
@@ -346,6 +388,39 @@ def popen(
         for stream in streams:
             os.close(stream.child_fd)
     return ForkedProcess(argv, status, streams)
+
+
+def make_request(
+    target: Target,
+    args: Sequence[str | os.PathLike[str]],
+    env: Mapping[str, str],
+    cwd: str | os.PathLike[str] | None = None,
+    new_session: bool = False,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    preload: Sequence[str] = (),
+    pass_fds: Sequence[int] = (),
+) -> dict[str, Any]:
+    """What the server is sent to start ``python target *args`` with exactly ``env``."""
+    if len(pass_fds) > MAX_PASS_FDS or any(fd <= 2 for fd in pass_fds):
+        raise ValueError(f"pass_fds {list(pass_fds)}: at most {MAX_PASS_FDS}, none of them 0-2")
+    if isinstance(target, Code):
+        argv = ["-c", *(os.fspath(a) for a in args)]
+    elif isinstance(target, Module):
+        argv = ["-m", target.name, *(os.fspath(a) for a in args)]
+    else:
+        argv = [os.fspath(target), *(os.fspath(a) for a in args)]
+    return {
+        "script": argv[0] if isinstance(target, str | os.PathLike) else None,
+        "code": target.source if isinstance(target, Code) else None,
+        "module": target.name if isinstance(target, Module) else None,
+        "argv": argv,
+        "env": dict(env),
+        "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+        "new_session": new_session,
+        "timeout": timeout,
+        "preload": list(preload),
+        "pass_fds": list(pass_fds),
+    }
 
 
 def run(
@@ -392,7 +467,8 @@ class _Child:
 
     request: dict[str, Any]
     status: socket.socket
-    stdio: list[int]
+    #: The child's stdin, stdout and stderr, then what it gets at the numbers of ``pass_fds``.
+    fds: list[int]
 
 
 def _pythonpath(env: Mapping[str, str]) -> list[str]:
@@ -423,32 +499,63 @@ def _server_main(fd: int) -> _Child | None:
     problem = _preload(PRELOAD)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
-    _send(control, {"ready": os.getpid(), "error": problem})
-    return None if problem else _serve(control)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    address = f"ckpt-forked-{os.getpid()}-{os.urandom(4).hex()}"
+    listener.bind("\0" + address)  # Linux's abstract names: no file to clean up
+    listener.listen(64)
+    _send(control, {"ready": os.getpid(), "error": problem, "address": address})
+    return None if problem else _serve(control, listener)
 
 
-def _serve(control: socket.socket) -> _Child | None:
-    """One forked waiter per request, which forks the child and reports its exit status."""
+def _serve(control: socket.socket, listener: socket.socket) -> _Child | None:
+    """One forked waiter per request, which forks the child and reports its exit status. Requests
+    come from the test process (``control``: a status socket, then the descriptors) and from
+    processes it did not start (a connection to ``listener``: the connection is the status socket)."""
     while True:
         _reap()
-        try:
-            data, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 4)
-        except ConnectionResetError:
-            data = b""
-        if not data:
-            _reap()
-            return None
-        request, status, stdio = json.loads(data), socket.socket(fileno=fds[0]), fds[1:]
-        problem = _preload(request["preload"])
-        if problem is not None:
-            _send(status, {"error": problem})
-        else:
-            gc.freeze()  # no collection in a child walks (and so copies) the server's objects
-            if os.fork() == 0:
-                return _waiter(control, _Child(request, status, stdio))
-        status.close()
-        for fd in stdio:
-            os.close(fd)
+        readable = select.select([control, listener], [], [])[0]
+        if listener in readable:
+            connection = listener.accept()[0]
+            connection.settimeout(60.0)  # a rank's stand-in sends its request as it connects
+            try:
+                data, fds, _, _ = socket.recv_fds(connection, MAX_MESSAGE, 3 + MAX_PASS_FDS)
+            except OSError:
+                data, fds = b"", []
+            connection.settimeout(None)
+            child = _start(control, listener, data, connection, fds) if data else None
+            if child is not None:
+                return child
+        if control in readable:
+            try:
+                data, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 4 + MAX_PASS_FDS)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                _reap()
+                return None
+            child = _start(control, listener, data, socket.socket(fileno=fds[0]), fds[1:])
+            if child is not None:
+                return child
+
+
+def _start(
+    control: socket.socket, listener: socket.socket, data: bytes, status: socket.socket, passed: list[int]
+) -> _Child | None:
+    """Fork the waiter of one request; returns in the child only."""
+    request = json.loads(data)
+    problem = _preload(request["preload"])
+    if problem is not None:
+        _send(status, {"error": problem})
+    else:
+        gc.freeze()  # no collection in a child walks (and so copies) the server's objects
+        if os.fork() == 0:
+            control.close()
+            listener.close()
+            return _waiter(_Child(request, status, passed))
+    status.close()
+    for fd in passed:
+        os.close(fd)
+    return None
 
 
 def _reap() -> None:
@@ -459,9 +566,8 @@ def _reap() -> None:
             pass
 
 
-def _waiter(control: socket.socket, child: _Child) -> _Child:
+def _waiter(child: _Child) -> _Child:
     """In the waiter: fork the child and return in it; here, report its exit status and exit."""
-    control.close()
     try:
         pid = os.fork()
     except OSError as err:
@@ -469,29 +575,30 @@ def _waiter(control: socket.socket, child: _Child) -> _Child:
         os._exit(1)
     if pid == 0:
         return child
-    for fd in child.stdio:
+    for fd in child.fds:
         os.close(fd)
     os._exit(_report(child.status, pid, child.request["timeout"]))
 
 
+def _kill(pid: int) -> None:
+    """SIGKILL the child, and the process group it leads (its own children too) if it leads one."""
+    with contextlib.suppress(ProcessLookupError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+
+
 def _report(status: socket.socket, pid: int, timeout: float | None) -> int:
-    """Wait for the child (killing it at ``timeout``: the hang guard) and send its exit status."""
-    timed_out = False
-
-    def on_alarm(signum: int, frame: object) -> None:
-        nonlocal timed_out
-        timed_out = True
-        with contextlib.suppress(ProcessLookupError):
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, signal.SIGKILL)  # the group it leads: its own children too
-            else:
-                os.kill(pid, signal.SIGKILL)
-
-    if timeout is not None:
-        signal.signal(signal.SIGALRM, on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout)
+    """Wait for the child and send its exit status. The child is killed at ``timeout`` (the hang
+    guard), and as soon as whoever asked for it is gone (its status socket closed: a test process
+    that died, or a torchrun rank's stand-in that torchrun killed), as a direct child would be."""
+    exited = os.pidfd_open(pid)
+    ready = select.select([exited, status.fileno()], [], [], timeout)[0]  # retried after a signal (PEP 475)
+    timed_out = not ready
+    if exited not in ready:
+        _kill(pid)
     _, code, usage = os.wait4(pid, 0)
-    signal.setitimer(signal.ITIMER_REAL, 0)
     cpu_s = usage.ru_utime + usage.ru_stime
     message = {"pid": pid, "returncode": os.waitstatus_to_exitcode(code), "timed_out": timed_out, "cpu_s": cpu_s}
     with contextlib.suppress(OSError):
@@ -505,15 +612,16 @@ def _enter(child: _Child) -> None:
     request = child.request
     if request["new_session"]:
         os.setsid()
-    for target, fd in enumerate(child.stdio):
-        os.dup2(fd, target)
-        os.close(fd)
+    _place_fds(child)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = request["argv"]
     script = request["script"]
-    first = "" if script is None else os.path.dirname(os.path.realpath(script))
+    if request["module"] is not None:
+        first = os.getcwd()
+    else:
+        first = "" if script is None else os.path.dirname(os.path.realpath(script))
     sys.path[:] = [first, *_pythonpath(request["env"]), *_BASE_PATH]
     encoding = sys.__stdout__.encoding if sys.__stdout__ is not None else "utf-8"
     sys.stdin = open(0, encoding=encoding, closefd=False)  # noqa: SIM115
@@ -533,6 +641,23 @@ def _enter(child: _Child) -> None:
     child.status.close()
 
 
+def _place_fds(child: _Child) -> None:
+    """Put the child's stdio on 0-2 and each passed descriptor on its number in the test process.
+    Everything received moves above the numbers first, so no move closes a descriptor still needed."""
+    high = 3 + max([*child.request["pass_fds"], *child.fds, child.status.fileno()])
+    status = fcntl.fcntl(child.status.fileno(), fcntl.F_DUPFD_CLOEXEC, high)
+    child.status.close()
+    child.status = socket.socket(fileno=status)
+    moved = []
+    for fd in child.fds:
+        moved.append(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, high))
+        os.close(fd)
+    for target, fd in zip([0, 1, 2, *child.request["pass_fds"]], moved, strict=True):
+        os.dup2(fd, target)  # inheritable, as Popen leaves them
+        os.close(fd)
+    child.fds = []
+
+
 def _run_as_main(request: dict[str, Any]) -> None:
     """Execute the script (or ``-c`` code) in a fresh ``__main__`` module, as ``python`` does: an
     uncaught exception prints its traceback (from the script's frame) and exits with 1."""
@@ -543,8 +668,12 @@ def _run_as_main(request: dict[str, Any]) -> None:
         main.__file__ = os.path.abspath(script)
         main.__loader__ = importlib.machinery.SourceFileLoader("__main__", main.__file__)
         main.__cached__ = None  # type: ignore[attr-defined]
-    sys.modules["__main__"] = main
     try:
+        if request["module"] is not None:
+            sys.argv = sys.argv[1:]  # runpy puts the module's file in place of its name
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            return
+        sys.modules["__main__"] = main
         if script is not None:
             with open(script, "rb") as f:
                 source: str | bytes = f.read()

@@ -1,5 +1,12 @@
 """Launch a script under ``torchrun --standalone`` with gloo ranks, with a hard time limit.
 
+torchrun's agent and every rank are forked from the test process's fork server (tests/_forked.py):
+the agent runs ``python -m torch.distributed.run`` as it would, and starts each rank as
+``tests/_forked_rank.py SCRIPT``, a stand-in that has the server fork the real rank and passes
+torchrun's environment, signals and the rank's exit status through. A launch of two ranks then costs
+about 1.5 CPU-s instead of 12-14. ``CKPT_ENGINE_TEST_RANKS=fresh`` starts the agent and the ranks
+as new interpreters instead, as users' jobs do.
+
 Scripts in ``tests/dist_scripts/`` record results with ``_common.report()`` (one JSON line per
 call, in a per-rank file) that tests parse with ``TorchrunResult.results()``. They end with
 ``ckpt_test_exit()`` (flush, destroy the process group, ``os._exit``) to avoid gloo's occasional
@@ -19,7 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _forked
+
 SCRIPTS = Path(__file__).parent / "dist_scripts"
+#: Run by torchrun as each rank: it has the fork server start the real script.
+STAND_IN = Path(__file__).parent / "_forked_rank.py"
 #: Cleared by the conftest while a test without the ``dist`` marker runs.
 launch_allowed = True
 
@@ -62,28 +73,44 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 120.0
     env = launch_env()
     results_dir = tempfile.mkdtemp(prefix="ckpt-torchrun-results-")
     env["CKPT_TEST_RESULTS_DIR"] = results_dir
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "--max-restarts=0",
-        str(SCRIPTS / script),
-        *args,
-    ]
+    options = ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
     try:
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired as err:
-            raise AssertionError(
-                f"torchrun {script} did not finish within {timeout}s (a hang)\n"
-                f"stdout: {(err.stdout or b'')[-3000:]!r}\nstderr: {(err.stderr or b'')[-3000:]!r}"
-            ) from err
+        if forked_ranks():
+            env[_forked.ADDRESS_VAR] = _forked.server_address()
+            proc = _run_forked_agent([*options, str(STAND_IN), str(SCRIPTS / script), *args], env, timeout, script)
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", *options, str(SCRIPTS / script), *args]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+            except subprocess.TimeoutExpired as err:
+                raise AssertionError(
+                    f"torchrun {script} did not finish within {timeout}s (a hang)\n"
+                    f"stdout: {(err.stdout or b'')[-3000:]!r}\nstderr: {(err.stderr or b'')[-3000:]!r}"
+                ) from err
         lines = "".join(Path(results_dir, name).read_text(encoding="utf-8") for name in sorted(os.listdir(results_dir)))
     finally:
         shutil.rmtree(results_dir, ignore_errors=True)
     return TorchrunResult(proc.returncode, proc.stdout, proc.stderr, lines)
+
+
+def forked_ranks() -> bool:
+    """Whether launches fork their agent and ranks (the default) or start new interpreters."""
+    return os.environ.get("CKPT_ENGINE_TEST_RANKS", "forked") == "forked"
+
+
+def _run_forked_agent(argv: list[str], env: dict[str, str], timeout: float, script: str) -> Any:
+    """``python -m torch.distributed.run ARGV`` forked, in a session of its own so that the hang
+    guard kills it with its stand-ins (and, through them, the ranks)."""
+    agent = _forked.Module("torch.distributed.run")
+    preload = ("torch.distributed.run",)
+    with _forked.popen(
+        agent, *argv, env=env, inherit_env=False, start_new_session=True, timeout=timeout, preload=preload
+    ) as proc:
+        try:
+            out, err = proc.communicate()
+        except _forked.ForkedTimeout as hang:
+            raise AssertionError(f"torchrun {script} did not finish within {timeout}s (a hang)\n{hang}") from None
+        return subprocess.CompletedProcess(proc.args, proc.wait(), out, err)
 
 
 def run_ranks(script: str, *args: str, nproc: int = 2, timeout: float = 120.0) -> TorchrunResult:
@@ -103,16 +130,18 @@ def run_ranks(script: str, *args: str, nproc: int = 2, timeout: float = 120.0) -
     base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)})
     base["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), base.get("PYTHONPATH", "")])
     base["CKPT_TEST_RESULTS_DIR"] = results_dir
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPTS / script), *args],
-            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(nproc)
-    ]
+    procs: list[Any] = []
+    for r in range(nproc):
+        env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
+        proc: Any
+        if forked_ranks():
+            proc = _forked.popen(
+                SCRIPTS / script, *args, env=env, inherit_env=False, stderr=_forked.STDOUT, timeout=None
+            )
+        else:
+            cmd = [sys.executable, str(SCRIPTS / script), *args]
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(proc)
     try:
         outputs = []
         for proc in procs:
@@ -129,5 +158,7 @@ def run_ranks(script: str, *args: str, nproc: int = 2, timeout: float = 120.0) -
                     proc.send_signal(signal.SIGCONT)
                     proc.kill()
                 proc.wait()
+            if isinstance(proc, _forked.ForkedProcess):
+                proc.close()
         shutil.rmtree(results_dir, ignore_errors=True)
     return TorchrunResult(procs[0].returncode, "\n".join(outputs), "", lines)

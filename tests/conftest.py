@@ -4,9 +4,11 @@ import os
 import warnings
 from typing import Any
 
+import _forked
 import pytest
 import torch
 from _cli import Run, in_process
+from ckpt_engine_plugins.pinned_staging import process as writer_process
 from hypothesis import HealthCheck, settings
 
 # Hypothesis profiles: fast by default, exhaustive with CKPT_ENGINE_HYPOTHESIS=thorough.
@@ -18,6 +20,34 @@ settings.load_profile(os.environ.get("CKPT_ENGINE_HYPOTHESIS", "ci"))
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def forked_writer(args: list[str], pass_fds: tuple[int, int], env: dict[str, str]) -> _forked.ForkedProcess:
+    """``pinned_staging``'s writer, forked from a process that has imported torch (tests/_forked.py):
+    the same module, pipes, environment and exit statuses as the new interpreter a user's job starts,
+    at a tenth of the CPU. The tests start writers by the hundred."""
+    return _forked.popen(
+        _forked.Module(writer_process.WRITER_MODULE),
+        *args,
+        env=env,
+        inherit_env=False,
+        pass_fds=pass_fds,
+        stdout=1,
+        stderr=2,
+        timeout=None,  # the writer exits when this process's pipe end closes
+        preload=("ckpt_engine_plugins.pinned_staging.ipc",),
+    )
+
+
+# CKPT_ENGINE_TEST_WRITERS=fresh runs every test on writers in new interpreters, as users' jobs do.
+if os.environ.get("CKPT_ENGINE_TEST_WRITERS", "forked") == "forked":
+    writer_process.start_writer = forked_writer
+
+
+@pytest.fixture
+def fresh_writers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test's ``pinned_staging`` writers start as users' do, in a new interpreter."""
+    monkeypatch.setattr(writer_process, "start_writer", writer_process.popen_writer)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _forked import PIPE, Code, ForkedTimeout, popen, run
+from _forked import PIPE, Code, ForkedTimeout, Module, popen, run
 
 pytestmark = pytest.mark.full  # over 2 s on 2 cores: the fork server's start (as for its users)
 
@@ -59,6 +59,45 @@ def test_a_script_runs_as_main_with_the_calls_argv_env_folder_and_streams(tmp_pa
     assert len(seeds) == 2  # each child's generator seeded afresh, as each fresh interpreter's is
     as_c = run(Code("import sys; print(sys.argv, repr(sys.path[0]), sys.executable)"), "a b")
     assert as_c.stdout == f"['-c', 'a b'] '' {sys.executable}\n"  # as ``python -c CODE 'a b'``
+
+
+def test_a_module_runs_as_python_m_with_passed_descriptors_at_their_numbers(tmp_path: Path) -> None:
+    """What ``pinned_staging``'s writer is started with in the tests: ``-m``, two pipe ends at the
+    caller's numbers, an environment given whole, and the caller's own stdout and stderr."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "echo.py").write_text(
+        "import os, sys\n"
+        "fd_in, fd_out = int(sys.argv[1]), int(sys.argv[2])\n"
+        "os.write(fd_out, os.read(fd_in, 100).upper())\n"
+        "print(__name__, sys.argv[0] == __file__, sys.path[0], sorted(os.environ), flush=True)\n"
+        "os.write(2, b'to fd 2\\n')\n"
+    )
+    out = tmp_path / "out.txt"
+    child_in, to_child = os.pipe()
+    from_child, child_out = os.pipe()
+    with open(out, "w") as sink:
+        proc = popen(
+            Module("pkg.echo"),
+            str(child_in),
+            str(child_out),
+            env={"PYTHONPATH": str(tmp_path), "ONLY": "this"},
+            inherit_env=False,
+            cwd=tmp_path,
+            pass_fds=(child_in, child_out),
+            stdout=sink.fileno(),
+            stderr=sink.fileno(),
+        )
+        os.close(child_in), os.close(child_out)
+        os.write(to_child, b"ping")
+        assert os.read(from_child, 100) == b"PING"
+        assert proc.wait() == 0
+    assert out.read_text() == f"__main__ True {tmp_path} ['ONLY', 'PYTHONPATH']\nto fd 2\n"
+    failed = run(Module("pkg.missing"), env={"PYTHONPATH": str(tmp_path)})
+    assert failed.returncode == 1 and "No module named pkg.missing" in failed.stderr
+    with pytest.raises(ValueError, match="none of them 0-2"):
+        popen(Module("pkg.echo"), pass_fds=(1,))
 
 
 def test_a_signalled_child_reports_the_signal_as_subprocess_does() -> None:

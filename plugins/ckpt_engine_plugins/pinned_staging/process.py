@@ -1,11 +1,12 @@
 """The training process's handle on one ``pinned_staging`` writer process (private).
 
-The writer is a plain subprocess (``python -m ckpt_engine_plugins.pinned_staging.writer``) with two
-pipes. A sender thread writes requests, so a busy or stopped writer never blocks the training
-loop on a full pipe; a reader thread resolves the futures the ``write`` hook returned. The end
-of the pipe is the death signal: when the writer exits or is killed, every pending future fails
-with a :class:`PinnedWriterError` that names the pid, the exit status and the writes that were
-in flight. Nothing here waits on the child without a timeout.
+The writer is a plain subprocess (``python -m ckpt_engine_plugins.pinned_staging.writer``,
+started by :data:`start_writer`) with two pipes. A sender thread writes requests, so a busy or
+stopped writer never blocks the training loop on a full pipe; a reader thread resolves the
+futures the ``write`` hook returned. The end of the pipe is the death signal: when the writer
+exits or is killed, every pending future fails with a :class:`PinnedWriterError` that names the
+pid, the exit status and the writes that were in flight. Nothing here waits on the child
+without a timeout.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ckpt_engine import CheckpointSaveError, CkptEngineError, WriteResult
 
@@ -83,6 +84,46 @@ def _status(returncode: int | None, killed_by_us: bool) -> str:
             why = " (by another process, or by the kernel's out-of-memory killer)"
         return f"was killed by {name}{why}, exit code {returncode}"
     return f"exited with code {returncode}"
+
+
+class WriterHandle(Protocol):
+    """A started writer process, as :class:`subprocess.Popen` gives one (``returncode`` is ``-N``
+    after signal N)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status; :class:`subprocess.TimeoutExpired` past ``timeout``."""
+        ...
+
+    def kill(self) -> None: ...
+
+
+class StartWriter(Protocol):
+    """Starts ``python -m`` :data:`WRITER_MODULE` ``*args`` with ``pass_fds`` (its two pipe ends) at
+    their numbers, ``env`` as its whole environment, stdin on ``/dev/null`` and this process's
+    stdout and stderr. Called once per writer (a lost writer's replacement is a new call), under
+    the supervisor's lock; it returns once the process exists, never waiting for it to start."""
+
+    def __call__(self, args: list[str], pass_fds: tuple[int, int], env: dict[str, str]) -> WriterHandle: ...
+
+
+def popen_writer(args: list[str], pass_fds: tuple[int, int], env: dict[str, str]) -> WriterHandle:
+    """The writer in a new interpreter (what :data:`start_writer` is unless replaced)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", WRITER_MODULE, *args], pass_fds=pass_fds, stdin=subprocess.DEVNULL, env=env
+    )
+
+
+#: How every writer process is started: a new interpreter. The project's tests, which start
+#: writers by the hundred, fork them from a process that has already imported torch instead.
+start_writer: StartWriter = popen_writer
 
 
 def _child_env() -> dict[str, str]:
@@ -145,12 +186,7 @@ class WriterProcess:
         child_in, parent_out = os.pipe()
         parent_in, child_out = os.pipe()
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", WRITER_MODULE, str(child_in), str(child_out)],
-                pass_fds=(child_in, child_out),
-                stdin=subprocess.DEVNULL,
-                env=_child_env(),
-            )
+            self.proc = start_writer([str(child_in), str(child_out)], (child_in, child_out), _child_env())
         except BaseException:
             for fd in (parent_out, parent_in):
                 os.close(fd)
