@@ -252,12 +252,21 @@ def test_values_the_writer_cannot_import_fail_clearly(shared: Shared, monkeypatc
 
 
 @pytest.mark.full  # over 2 s on 2 cores: starts writer processes
-def test_writer_killed_mid_save_fails_clearly_and_a_new_writer_takes_over(save_dir: str, tmp_path: Path) -> None:
+def test_writer_killed_mid_save_fails_clearly_and_a_new_writer_takes_over(
+    save_dir: str, tmp_path: Path, fresh_writers: None
+) -> None:
+    """On the writers users' jobs start (the other tests fork theirs, tests/conftest.py)."""
     engine, plugin, recorder = make(save_dir)
     state = TinyTrainingState.create(seed=7, steps=1)
     engine.save(1, **state.objects()).result(timeout=TIMEOUT)
     pid = plugin.writer_pid
     assert pid is not None
+    # A new interpreter, a child of this process, that sees no GPU and runs one intra-op thread.
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+    assert [c.decode() for c in cmdline[:3]] == [sys.executable, "-m", "ckpt_engine_plugins.pinned_staging.writer"]
+    assert int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    environ = dict(e.decode().split("=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e)
+    assert (environ["CUDA_VISIBLE_DEVICES"], environ["OMP_NUM_THREADS"]) == ("", "1")
     os.kill(pid, signal.SIGSTOP)  # hold the next save in flight
     handle = engine.save(2, **state.objects())
     assert not handle.done()
