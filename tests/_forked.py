@@ -154,6 +154,8 @@ _server: _Server | None = None
 _server_lock = threading.Lock()
 #: The environment variable that gives tests/_forked_rank.py the server's address.
 ADDRESS_VAR = "CKPT_TEST_FORK_SERVER"
+#: ... and the modules (comma-separated) the server imports before forking the rank.
+PRELOAD_VAR = "CKPT_TEST_FORK_PRELOAD"
 
 
 def _the_server() -> _Server:
@@ -431,11 +433,13 @@ def run(
     input: str | None = None,
     timeout: float | None = DEFAULT_TIMEOUT_S,
     preload: Sequence[str] = (),
+    inherit_env: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run([python, target, *args], capture_output=True, text=True)`` in a forked
     child; ``ForkedTimeout`` when it runs past ``timeout``."""
     stdin = PIPE if input is not None else None
-    with popen(target, *args, env=env, cwd=cwd, stdin=stdin, timeout=timeout, preload=preload) as proc:
+    options: dict[str, Any] = {"env": env, "cwd": cwd, "stdin": stdin, "timeout": timeout, "preload": preload}
+    with popen(target, *args, inherit_env=inherit_env, **options) as proc:
         out, err = proc.communicate(input)
         return subprocess.CompletedProcess(proc.args, proc.wait(), out, err)
 

@@ -21,7 +21,7 @@ import socket
 import sys
 from typing import Any
 
-from _forked import ADDRESS_VAR, MAX_MESSAGE, make_request
+from _forked import ADDRESS_VAR, MAX_MESSAGE, PRELOAD_VAR, make_request
 
 #: What torchrun's agent sends a rank it stops; each is passed on to the real rank.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -29,7 +29,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 def main(argv: list[str]) -> None:
     script, *args = argv[1:]
-    request = make_request(script, args, os.environ, timeout=None)
+    preload = [name for name in os.environ.get(PRELOAD_VAR, "").split(",") if name]
+    request = make_request(script, args, os.environ, timeout=None, preload=preload)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     connection.connect("\0" + os.environ[ADDRESS_VAR])
     socket.send_fds(connection, [json.dumps(request).encode()], [0, 1, 2])

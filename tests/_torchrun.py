@@ -66,8 +66,11 @@ def launch_env() -> dict[str, str]:
     return env
 
 
-def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 120.0) -> TorchrunResult:
-    """Run ``tests/dist_scripts/<script>`` on ``nproc`` CPU ranks; fail the test on timeout."""
+def run_torchrun(
+    script: str, *args: str, nproc: int = 2, timeout: float = 120.0, preload: tuple[str, ...] = ()
+) -> TorchrunResult:
+    """Run ``tests/dist_scripts/<script>`` on ``nproc`` CPU ranks; fail the test on timeout.
+    ``preload``: modules the fork server imports once before forking the ranks (``lightning``)."""
     if not launch_allowed:
         raise AssertionError(f"{script}: a torchrun launch from a test without @pytest.mark.dist (tests/conftest.py)")
     env = launch_env()
@@ -77,6 +80,7 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 120.0
     try:
         if forked_ranks():
             env[_forked.ADDRESS_VAR] = _forked.server_address()
+            env[_forked.PRELOAD_VAR] = ",".join(preload)
             proc = _run_forked_agent([*options, str(STAND_IN), str(SCRIPTS / script), *args], env, timeout, script)
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", *options, str(SCRIPTS / script), *args]
@@ -91,6 +95,33 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 120.0
     finally:
         shutil.rmtree(results_dir, ignore_errors=True)
     return TorchrunResult(proc.returncode, proc.stdout, proc.stderr, lines)
+
+
+def start_torchrun(script: str, *args: str, nproc: int = 2, hang_guard: float = 600.0) -> Any:
+    """A launch of ``tests/dist_scripts/<script>`` left running for the test to watch and kill: a
+    ``subprocess.Popen``-like object (text ``stdout``, stderr merged into it) whose agent leads a
+    session of its own. Use it in a ``with`` block; the ranks are killed by the pids they report."""
+    env = launch_env()
+    options = ["--standalone", f"--nproc-per-node={nproc}"]
+    if forked_ranks():
+        env[_forked.ADDRESS_VAR] = _forked.server_address()
+        argv = [*options, str(STAND_IN), str(SCRIPTS / script), *args]
+        agent = _forked.Module("torch.distributed.run")
+        return _forked.popen(
+            agent,
+            *argv,
+            env=env,
+            inherit_env=False,
+            stdout=_forked.PIPE,
+            stderr=_forked.STDOUT,
+            start_new_session=True,
+            timeout=hang_guard,
+            preload=("torch.distributed.run",),
+        )
+    cmd = [sys.executable, "-m", "torch.distributed.run", *options, str(SCRIPTS / script), *args]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def forked_ranks() -> bool:

@@ -21,15 +21,12 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _paths import DIST_SCRIPTS
-from _torchrun import TorchrunResult, launch_env, run_torchrun
+from _torchrun import TorchrunResult, run_torchrun, start_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -92,40 +89,24 @@ def _train_all(root: Path) -> dict[str, list[dict[str, Any]]]:
 def _kill_while_replicating(base: Path) -> None:
     """The whole job SIGKILLed while step 4 replicates (slowly: throttled)."""
     base.mkdir(parents=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={RANKS}",
-        str(DIST_SCRIPTS / "tiers.py"),
-        "train",
-        str(base),
-        "fsdp",
-        "3",
-        "hold=1",
-        "peer_bandwidth_mb_s=0.02",
-        "chunk_bytes=2048",
-        # Steps 1 to 3 must all reach the peers: on this slow link the default (skip) would leave
-        # step 3 unreplicated, and a node loss would then find no copy of step 3 to resume.
-        "replication_when_behind=wait",
-    ]
-    job = subprocess.Popen(
-        cmd, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        in_flight: list[Path] = []
-        while not in_flight:  # progress-bounded: the job reports each stage through the files it makes
-            assert job.poll() is None, job.stdout.read().decode()[-4000:] if job.stdout else ""
-            assert time.monotonic() < deadline, "step 4 never started to replicate"
-            in_flight = [p for p in base.glob("node1/rank_0000[01]/.iter_000000004.partial") if p.is_dir()]
-            time.sleep(0.05)
-    finally:
-        _kill_job(job, base)
+    args = ["train", str(base), "fsdp", "3", "hold=1", "peer_bandwidth_mb_s=0.02", "chunk_bytes=2048"]
+    # Steps 1 to 3 must all reach the peers: on this slow link the default (skip) would leave
+    # step 3 unreplicated, and a node loss would then find no copy of step 3 to resume.
+    args.append("replication_when_behind=wait")
+    with start_torchrun("tiers.py", *args, nproc=RANKS) as job:
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            in_flight: list[Path] = []
+            while not in_flight:  # progress-bounded: the job reports each stage through the files it makes
+                assert job.poll() is None, job.stdout.read()[-4000:] if job.stdout else ""
+                assert time.monotonic() < deadline, "step 4 never started to replicate"
+                in_flight = [p for p in base.glob("node1/rank_0000[01]/.iter_000000004.partial") if p.is_dir()]
+                time.sleep(0.05)
+        finally:
+            _kill_job(job, base)
 
 
-def _kill_job(job: subprocess.Popen[bytes], base: Path) -> None:
+def _kill_job(job: Any, base: Path) -> None:
     """SIGKILL the ranks and torchrun at once. torchrun starts each rank in a session of its own,
     so killing its process group leaves the ranks running (replicating into ``base`` while the
     test copies it, then holding for minutes); each rank wrote its pid for this."""

@@ -20,16 +20,13 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _paths import DIST_SCRIPTS
-from _torchrun import launch_env, run_torchrun
+from _torchrun import run_torchrun, start_torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.full]
 
@@ -58,12 +55,10 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _wait_for(done: Callable[[], bool], job: subprocess.Popen[bytes], what: str) -> None:
+def _wait_for(done: Callable[[], bool], job: Any, what: str) -> None:
     """Bounded by progress: the job is alive and still on its way (it exits on any failure)."""
     while not done():
-        assert job.poll() is None, f"the job ended before {what}: " + (
-            job.stdout.read().decode()[-4000:] if job.stdout else ""
-        )
+        assert job.poll() is None, f"the job ended before {what}: " + (job.stdout.read()[-4000:] if job.stdout else "")
         time.sleep(0.05)
 
 
@@ -71,21 +66,17 @@ def _train_two_then_stall(two: Path, killed: str) -> None:
     """The 2-rank training, then in the same launch a resume of ``killed`` that stops inside its
     exchange of parts; then the whole job is SIGKILLed."""
     two.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(DIST_SCRIPTS / "reshard.py"), "train", str(two), "1", "7", "then", "stall", f"{killed}:1"]
-    job = subprocess.Popen(
-        cmd, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        _wait_for(lambda: os.path.exists(os.path.join(killed, "stalled")), job, "the resharding resume stopped")
-    finally:
-        ranks = [int(p.read_text()) for p in Path(killed).glob("pid_*")]
-        for pid in ranks:
+    with start_torchrun("reshard.py", "train", str(two), "1", "7", "then", "stall", f"{killed}:1") as job:
+        try:
+            _wait_for(lambda: os.path.exists(os.path.join(killed, "stalled")), job, "the resharding resume stopped")
+        finally:
+            ranks = [int(p.read_text()) for p in Path(killed).glob("pid_*")]
+            for pid in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+                os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
 
 
 @pytest.fixture(scope="module")

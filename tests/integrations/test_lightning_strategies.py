@@ -24,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import _forked
 import pytest
 import torch
 from _paths import LIGHTNING_SCRIPTS
@@ -46,6 +47,8 @@ from ckpt_engine.integrations._state_tree import flatten, skeleton
 from ckpt_engine.integrations.lightning import LAST_ALIAS, EngineCheckpointIO, UnsupportedStrategyError, read_pointer
 
 SCRIPT = LIGHTNING_SCRIPTS / "fit_dist.py"
+#: What the fork server imports before forking rank 0 of a job.
+LIGHTNING = ("lightning", "ckpt_engine.integrations.lightning")
 STEPS, KILL_AT = 12, 8  # checkpoints at 4, 8 and 12; the job is killed in the save of 8
 
 
@@ -213,10 +216,18 @@ def _env(*, cuda: bool = False, background: bool = False, ranks: int = 2) -> dic
 def _kill_mid_save(root: Path, strategy: str, ranks: int, env: dict[str, str]) -> str:
     """Start the job, and SIGKILL all of it once every rank is inside the save of ``KILL_AT``.
     Bounded by progress: the ranks report ``MIDSAVE`` or the job ends."""
-    cmd = [sys.executable, str(SCRIPT), str(root), strategy, str(STEPS), "kill", str(KILL_AT)]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
+    args = [str(root), strategy, str(STEPS), "kill", str(KILL_AT)]
+    proc: Any
+    if env.get("CKPT_TEST_LIGHTNING_CUDA") == "1":  # a GPU job starts as users' do
+        cmd = [sys.executable, str(SCRIPT), *args]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
+    else:  # rank 0 forked from a process that imported Lightning; Lightning starts rank 1 itself
+        pipes: dict[str, Any] = {"stdout": _forked.PIPE, "stderr": _forked.PIPE}
+        proc = _forked.popen(
+            SCRIPT, *args, env=env, inherit_env=False, start_new_session=True, preload=LIGHTNING, **pipes
+        )
     assert proc.stdout is not None
     err: list[str] = []
     drain = threading.Thread(target=lambda: err.extend(proc.stderr or []), daemon=True)
@@ -236,6 +247,8 @@ def _kill_mid_save(root: Path, strategy: str, ranks: int, env: dict[str, str]) -
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        if isinstance(proc, _forked.ForkedProcess):
+            proc.close()
     assert proc.returncode == -signal.SIGKILL
     return out
 
@@ -276,8 +289,13 @@ def _killed_then_resumed(root: Path, strategy: str, ranks: int, env: dict[str, s
         assert not (root / "killed" / "ckpts" / "epoch=1-step=8.ckpt").exists()  # its pointer waits for the commit
     resumed_from = int(latest.removeprefix("iter_"))
 
-    cmd = [sys.executable, str(SCRIPT), str(root), strategy, str(STEPS), "resume"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    args = [str(root), strategy, str(STEPS), "resume"]
+    if env.get("CKPT_TEST_LIGHTNING_CUDA") == "1":
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300
+        )
+    else:
+        done = _forked.run(SCRIPT, *args, env=env, inherit_env=False, timeout=300, preload=LIGHTNING)
     assert done.returncode == 0 and done.stdout.count("RESUMED") == ranks, done.stdout[-3000:] + done.stderr[-6000:]
     assert _saves(done.stdout, "reference") == {4: ranks, 8: ranks, 12: ranks}
     assert _saves(done.stdout, "killed") == {step: ranks for step in (8, 12) if step > resumed_from}

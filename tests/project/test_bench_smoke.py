@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+import _forked
 import pytest
 from _paths import ROOT
 
@@ -22,9 +22,7 @@ BENCH = REPO / "benchmarks" / "bench.py"
 def _bench(script: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """``python SCRIPT ARGS`` from the repository root; fails the test (with the output's tail)
     unless it exits 0."""
-    proc = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
-    )
+    proc = _forked.run(script, *args, timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -207,7 +207,8 @@ def test_doc_torchrun_blocks_run(
     script = tmp_path / f"{path.stem}_block{index}.py"
     script.write_text(block)
     for _ in range(2):
-        result = run_torchrun(str(script), nproc=2, timeout=180)
+        preload = ("lightning",) if "import lightning" in block else ()
+        result = run_torchrun(str(script), nproc=2, timeout=180, preload=preload)
         assert result.returncode == 0, result.describe()
     assert any(p.name == "latest_checkpoint.txt" for p in tmp_path.rglob("*")), "the script saved nothing"
 

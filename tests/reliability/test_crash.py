@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import os
 import queue
-import subprocess
-import sys
 import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+import _forked
 import pytest
 from _paths import CRASH_SCRIPTS
 
@@ -43,12 +42,13 @@ SILENCE_S = 300.0
 def _run(
     save_dir: Path, trials: int, *extra: str, seed: int = 1234
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--dir", str(save_dir), "--trials", str(trials), "--seed", str(seed), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"},
+    proc = _forked.popen(
+        SCRIPT,
+        *["--dir", str(save_dir), "--trials", str(trials), "--seed", str(seed), *extra],
+        stdout=_forked.PIPE,
+        stderr=_forked.PIPE,
+        env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"},
+        timeout=None,  # bounded by its output instead: SILENCE_S
     )
     assert proc.stdout is not None and proc.stderr is not None
     lines: queue.Queue[str | None] = queue.Queue()
