@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import _forked
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -63,10 +64,8 @@ def _args(*jobs: Sequence[str | Path]) -> list[str]:
 
 
 def _run(*jobs: Sequence[str | Path]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *_args(*jobs)], capture_output=True, text=True, env=env, timeout=300
-    )
+    env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = _forked.run(SCRIPT, *_args(*jobs), env=env, timeout=300)
     assert proc.returncode == 0 and "FINISHED" in proc.stdout, proc.stderr[-4000:]
 
 
@@ -108,12 +107,12 @@ def test_stopped_at_a_checkpoint_then_resumed_in_a_new_process_is_bit_identical(
 def _run_until_killed(root: Path, mode: str, kill_at: int, before: Sequence[Sequence[str | Path]] = ()) -> None:
     """Run a job (after the jobs ``before``, in the same process) and SIGKILL its process group
     during the save of ``kill_at``. Bounded by progress: the child reports ``MIDSAVE`` or exits."""
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *_args(*before, (root, "gpt2", mode, kill_at))],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+    proc = _forked.popen(
+        SCRIPT,
+        *_args(*before, (root, "gpt2", mode, kill_at)),
+        stdout=_forked.PIPE,
+        stderr=_forked.PIPE,
+        env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
     )
     assert proc.stdout is not None and proc.stderr is not None
     err: list[str] = []
@@ -132,7 +131,7 @@ def _run_until_killed(root: Path, mode: str, kill_at: int, before: Sequence[Sequ
     finally:
         with contextlib.suppress(ProcessLookupError):  # the group may already be gone
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.close()
     assert proc.returncode == -signal.SIGKILL
 
 
