@@ -150,7 +150,7 @@ class _Server:
             self.proc.wait()
 
 
-_server: _Server | None = None
+_server: _Server | _Remote | None = None
 _server_lock = threading.Lock()
 #: The environment variable that gives tests/_forked_rank.py the server's address.
 ADDRESS_VAR = "CKPT_TEST_FORK_SERVER"
@@ -158,13 +158,62 @@ ADDRESS_VAR = "CKPT_TEST_FORK_SERVER"
 PRELOAD_VAR = "CKPT_TEST_FORK_PRELOAD"
 
 
-def _the_server() -> _Server:
+class _Remote:
+    """The server as a process it forked reaches it: a connection to its listening socket per
+    request, which is then that request's status socket."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def alive(self) -> bool:
+        return True
+
+    def request(self, request: dict[str, Any], stdio: list[int]) -> socket.socket:
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            connection.connect("\0" + self.address)
+            socket.send_fds(connection, [json.dumps(request).encode()], stdio)
+        except BaseException:
+            connection.close()
+            raise
+        return connection
+
+
+def _the_server() -> _Server | _Remote:
     global _server
     with _server_lock:
         if _server is None or not _server.alive():
             _server = _Server()
             atexit.register(_server.close)
         return _server
+
+
+#: Set to "fresh" to start ``pinned_staging``'s writers in new interpreters, as users' jobs do.
+WRITERS_VAR = "CKPT_ENGINE_TEST_WRITERS"
+
+
+def forked_writer(args: list[str], pass_fds: tuple[int, int], env: dict[str, str]) -> ForkedProcess:
+    """``pinned_staging``'s writer (the plugin's ``start_writer``), forked from the server: the same
+    module, pipes, environment and exit statuses as the new interpreter a user's job starts, at a
+    tenth of the CPU. The tests start writers by the hundred."""
+    from ckpt_engine_plugins.pinned_staging.process import WRITER_MODULE
+
+    return popen(
+        Module(WRITER_MODULE),
+        *args,
+        env=env,
+        inherit_env=False,
+        pass_fds=pass_fds,
+        stdout=1,
+        stderr=2,
+        timeout=None,  # the writer exits when its training process's pipe end closes
+        preload=("ckpt_engine_plugins.pinned_staging.ipc",),
+    )
+
+
+def forks_writers(env: Mapping[str, str]) -> bool:
+    """Whether a process with ``env`` forks its writers (the default) or starts new interpreters."""
+    return env.get(WRITERS_VAR, "forked") == "forked"
 
 
 def server_address() -> str:
@@ -422,6 +471,7 @@ def make_request(
         "timeout": timeout,
         "preload": list(preload),
         "pass_fds": list(pass_fds),
+        "fork_writers": forks_writers(env),
     }
 
 
@@ -461,6 +511,8 @@ def _recv(sock: socket.socket) -> dict[str, Any] | None:
 
 #: ``sys.path`` past its first entry and the server's ``PYTHONPATH``: the interpreter's own folders.
 _BASE_PATH: list[str] = []
+#: The server's own address, in the server and every process it forks.
+_ADDRESS: list[str] = []
 #: Set when an import left a thread running in the server: no fork from it is safe any more.
 _broken: str | None = None
 
@@ -506,6 +558,7 @@ def _server_main(fd: int) -> _Child | None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     address = f"ckpt-forked-{os.getpid()}-{os.urandom(4).hex()}"
     listener.bind("\0" + address)  # Linux's abstract names: no file to clean up
+    _ADDRESS.append(address)
     listener.listen(64)
     _send(control, {"ready": os.getpid(), "error": problem, "address": address})
     return None if problem else _serve(control, listener)
@@ -641,8 +694,21 @@ def _enter(child: _Child) -> None:
         threads = request["env"].get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 1:
             torch.set_num_threads(int(threads))
+    global _server
+    _server = _Remote(_ADDRESS[0])  # what this process forks, it asks the same server for
+    if request["fork_writers"]:
+        _fork_writers()
     _send(child.status, {"pid": os.getpid()})
     child.status.close()
+
+
+def _fork_writers() -> None:
+    """In a child that will start ``pinned_staging`` writers: fork them from the server too."""
+    try:
+        from ckpt_engine_plugins.pinned_staging import process
+    except ImportError:
+        return
+    process.start_writer = forked_writer
 
 
 def _place_fds(child: _Child) -> None:

@@ -144,11 +144,14 @@ def _run_forked_agent(argv: list[str], env: dict[str, str], timeout: float, scri
         return subprocess.CompletedProcess(proc.args, proc.wait(), out, err)
 
 
-def run_ranks(script: str, *args: str, nproc: int = 2, timeout: float = 120.0) -> TorchrunResult:
+def run_ranks(
+    script: str, *args: str, nproc: int = 2, timeout: float = 120.0, fresh_writers: bool = False
+) -> TorchrunResult:
     """Run ``tests/dist_scripts/<script>`` as ``nproc`` plain processes (``env://`` rendezvous on a
     free loopback port), without torchrun's agent: a rank that dies or stops is not followed by
     the agent killing the others, so a test can see what the survivors do. Ranks still running
-    at ``timeout`` are killed (SIGKILL, after SIGCONT) and the test fails."""
+    at ``timeout`` are killed (SIGKILL, after SIGCONT) and the test fails. ``fresh_writers``: the
+    ranks start ``pinned_staging`` writers as users' jobs do, in new interpreters, not forked."""
     import signal
     import socket
 
@@ -161,6 +164,8 @@ def run_ranks(script: str, *args: str, nproc: int = 2, timeout: float = 120.0) -
     base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)})
     base["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), base.get("PYTHONPATH", "")])
     base["CKPT_TEST_RESULTS_DIR"] = results_dir
+    if fresh_writers:
+        base[_forked.WRITERS_VAR] = "fresh"
     procs: list[Any] = []
     for r in range(nproc):
         env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}

@@ -22,26 +22,9 @@ torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-def forked_writer(args: list[str], pass_fds: tuple[int, int], env: dict[str, str]) -> _forked.ForkedProcess:
-    """``pinned_staging``'s writer, forked from a process that has imported torch (tests/_forked.py):
-    the same module, pipes, environment and exit statuses as the new interpreter a user's job starts,
-    at a tenth of the CPU. The tests start writers by the hundred."""
-    return _forked.popen(
-        _forked.Module(writer_process.WRITER_MODULE),
-        *args,
-        env=env,
-        inherit_env=False,
-        pass_fds=pass_fds,
-        stdout=1,
-        stderr=2,
-        timeout=None,  # the writer exits when this process's pipe end closes
-        preload=("ckpt_engine_plugins.pinned_staging.ipc",),
-    )
-
-
 # CKPT_ENGINE_TEST_WRITERS=fresh runs every test on writers in new interpreters, as users' jobs do.
-if os.environ.get("CKPT_ENGINE_TEST_WRITERS", "forked") == "forked":
-    writer_process.start_writer = forked_writer
+if _forked.forks_writers(os.environ):
+    writer_process.start_writer = _forked.forked_writer
 
 
 @pytest.fixture

@@ -172,7 +172,10 @@ def _preempt_pinned(tmp_path: Path, mode: str) -> tuple[dict[str, Any], list[int
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     save_dir = tmp_path / "ck"
-    proc = _forked.popen(script, str(save_dir), mode, stdout=_forked.PIPE, env=ENV)
+    # The writer starts as users' does, in a new interpreter: "stopped" must catch it before it is
+    # ready, which a writer forked in a tenth of a second may already be.
+    env = {**ENV, _forked.WRITERS_VAR: "fresh"}
+    proc = _forked.popen(script, str(save_dir), mode, stdout=_forked.PIPE, env=env)
     assert proc.stdout is not None
     pids: list[int] = []
     try:
@@ -326,7 +329,9 @@ def test_two_ranks_agree_to_save_in_process_when_one_writer_is_not_ready(tmp_pat
     script = tmp_path / "ranks.py"
     script.write_text(RANKS)
     save_dir = tmp_path / "ck"
-    run = run_ranks(str(script), str(save_dir), timeout=180)
+    # Rank 1 must stop its replacement writer before it is ready: one started as users' are, in a
+    # new interpreter, not one forked in a tenth of a second.
+    run = run_ranks(str(script), str(save_dir), timeout=180, fresh_writers=True)
     assert run.returncode == 0, run.describe()
     results = run.results()
     assert sorted(results) == [0, 1], run.describe()
