@@ -134,6 +134,19 @@ def test_a_child_that_hangs_is_killed_at_its_timeout_and_named() -> None:
         time.sleep(0.01)
 
 
+def test_a_child_whose_requester_is_gone_is_killed() -> None:
+    """What keeps a rank from outliving the torchrun stand-in that asked for it (tests/_forked_rank.py):
+    once the status socket's other end closes (the requester died), the server kills the child."""
+    proc = popen(Code("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)"), stdout=PIPE)
+    assert proc.stdout is not None
+    pid = int(proc.stdout.readline())
+    assert not _gone(pid)
+    proc._status.close()  # as the requester's death closes it
+    while not _gone(pid):  # bounded by the kill's progress
+        time.sleep(0.01)
+    proc.stdout.close()
+
+
 def _gone(pid: int) -> bool:
     """The process is dead (a zombie waiting for its parent counts as dead)."""
     try:
