@@ -16,7 +16,16 @@ own pid); ``ForkedProcess`` is used like ``subprocess.Popen`` (``pid``, ``poll``
 
 Every child has a hang guard (``timeout``, 300 s unless given): past it the server kills the child
 (its process group when it leads one), its pipes close, and ``wait``/``run`` raise
-``ForkedTimeout`` naming the script. It bounds a hang, never a duration a test checks.
+``ForkedTimeout`` naming the script. It bounds a hang, never a duration a test checks. The child
+is also killed as soon as whoever asked for it is gone (its status socket closed), as a direct
+child dies with a job that is killed.
+
+Besides a script, a call runs ``Code`` (``python -c``) or a ``Module`` (``python -m``), can pass
+file descriptors at their numbers (``pass_fds``) and share the caller's stdout and stderr. The
+server also listens on an abstract unix socket (``server_address()``, ``ADDRESS_VAR``), so that
+processes the test did not start ask it too: torchrun's ranks (through ``tests/_forked_rank.py``)
+and every child it forked, which starts its ``pinned_staging`` writers with ``forked_writer``
+unless ``CKPT_ENGINE_TEST_WRITERS=fresh`` is in its environment.
 
 Cost: the server's start, once per test process (about 3.5 CPU-s: what a fresh child paid each
 time); then 0.3-0.4 CPU-s a child, mostly its exit tearing down the interpreter it inherited
