@@ -159,7 +159,7 @@ class _Server:
             self.proc.wait()
 
 
-_server: _Server | _Remote | None = None
+_server: _Server | Remote | None = None
 _server_lock = threading.Lock()
 #: The environment variable that gives tests/_forked_rank.py the server's address.
 ADDRESS_VAR = "CKPT_TEST_FORK_SERVER"
@@ -167,9 +167,10 @@ ADDRESS_VAR = "CKPT_TEST_FORK_SERVER"
 PRELOAD_VAR = "CKPT_TEST_FORK_PRELOAD"
 
 
-class _Remote:
-    """The server as a process it forked reaches it: a connection to its listening socket per
-    request, which is then that request's status socket."""
+class Remote:
+    """The server as a process it did not start reaches it (a process it forked, torchrun's rank
+    stand-in): a connection to its listening socket per request, which is then that request's
+    status socket."""
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -188,7 +189,7 @@ class _Remote:
         return connection
 
 
-def _the_server() -> _Server | _Remote:
+def _the_server() -> _Server | Remote:
     global _server
     with _server_lock:
         if _server is None or not _server.alive():
@@ -704,7 +705,7 @@ def _enter(child: _Child) -> None:
         if threads.isdigit() and int(threads) > 1:
             torch.set_num_threads(int(threads))
     global _server
-    _server = _Remote(_ADDRESS[0])  # what this process forks, it asks the same server for
+    _server = Remote(_ADDRESS[0])  # what this process forks, it asks the same server for
     if request["fork_writers"]:
         _fork_writers()
     _send(child.status, {"pid": os.getpid()})

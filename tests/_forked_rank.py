@@ -14,14 +14,13 @@ closed), so no rank outlives its launch.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import sys
 from typing import Any
 
-from _forked import ADDRESS_VAR, MAX_MESSAGE, PRELOAD_VAR, make_request
+from _forked import ADDRESS_VAR, PRELOAD_VAR, Remote, _recv, make_request
 
 #: What torchrun's agent sends a rank it stops; each is passed on to the real rank.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -31,9 +30,7 @@ def main(argv: list[str]) -> None:
     script, *args = argv[1:]
     preload = [name for name in os.environ.get(PRELOAD_VAR, "").split(",") if name]
     request = make_request(script, args, os.environ, timeout=None, preload=preload)
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    connection.connect("\0" + os.environ[ADDRESS_VAR])
-    socket.send_fds(connection, [json.dumps(request).encode()], [0, 1, 2])
+    connection = Remote(os.environ[ADDRESS_VAR]).request(request, [0, 1, 2])
     started = _receive(connection)
     if "pid" not in started or "returncode" in started:
         sys.exit(f"_forked_rank.py: the fork server could not start {script}: {started}")
@@ -49,10 +46,9 @@ def main(argv: list[str]) -> None:
 
 
 def _receive(connection: socket.socket) -> dict[str, Any]:
-    data = connection.recv(MAX_MESSAGE)
-    if not data:
+    message = _recv(connection)
+    if message is None:
         sys.exit("_forked_rank.py: the fork server closed the connection (it exited)")
-    message: dict[str, Any] = json.loads(data)
     return message
 
 

@@ -79,9 +79,8 @@ def run_torchrun(
     options = ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
     try:
         if forked_ranks():
-            env[_forked.ADDRESS_VAR] = _forked.server_address()
             env[_forked.PRELOAD_VAR] = ",".join(preload)
-            proc = _run_forked_agent([*options, str(STAND_IN), str(SCRIPTS / script), *args], env, timeout, script)
+            proc = _run_forked_agent(script, args, options, env, timeout)
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", *options, str(SCRIPTS / script), *args]
             try:
@@ -104,20 +103,7 @@ def start_torchrun(script: str, *args: str, nproc: int = 2, hang_guard: float = 
     env = launch_env()
     options = ["--standalone", f"--nproc-per-node={nproc}"]
     if forked_ranks():
-        env[_forked.ADDRESS_VAR] = _forked.server_address()
-        argv = [*options, str(STAND_IN), str(SCRIPTS / script), *args]
-        agent = _forked.Module("torch.distributed.run")
-        return _forked.popen(
-            agent,
-            *argv,
-            env=env,
-            inherit_env=False,
-            stdout=_forked.PIPE,
-            stderr=_forked.STDOUT,
-            start_new_session=True,
-            timeout=hang_guard,
-            preload=("torch.distributed.run",),
-        )
+        return _forked_agent(script, args, options, env, hang_guard, stdout=_forked.PIPE, stderr=_forked.STDOUT)
     cmd = [sys.executable, "-m", "torch.distributed.run", *options, str(SCRIPTS / script), *args]
     return subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -129,14 +115,40 @@ def forked_ranks() -> bool:
     return os.environ.get("CKPT_ENGINE_TEST_RANKS", "forked") == "forked"
 
 
-def _run_forked_agent(argv: list[str], env: dict[str, str], timeout: float, script: str) -> Any:
-    """``python -m torch.distributed.run ARGV`` forked, in a session of its own so that the hang
-    guard kills it with its stand-ins (and, through them, the ranks)."""
-    agent = _forked.Module("torch.distributed.run")
-    preload = ("torch.distributed.run",)
-    with _forked.popen(
-        agent, *argv, env=env, inherit_env=False, start_new_session=True, timeout=timeout, preload=preload
-    ) as proc:
+def _forked_agent(
+    script: str,
+    args: tuple[str, ...],
+    options: list[str],
+    env: dict[str, str],
+    timeout: float,
+    stdout: int | None = None,
+    stderr: int | None = None,
+) -> _forked.ForkedProcess:
+    """``python -m torch.distributed.run OPTIONS`` forked, each rank started as the stand-in of
+    ``script``, in a session of its own so that the hang guard (``timeout``) kills it with its
+    stand-ins (and, through them, the ranks)."""
+    env[_forked.ADDRESS_VAR] = _forked.server_address()
+    return _forked.popen(
+        _forked.Module("torch.distributed.run"),
+        *options,
+        str(STAND_IN),
+        str(SCRIPTS / script),
+        *args,
+        env=env,
+        inherit_env=False,
+        start_new_session=True,
+        timeout=timeout,
+        preload=("torch.distributed.run",),
+        stdout=stdout,
+        stderr=stderr,
+    )
+
+
+def _run_forked_agent(
+    script: str, args: tuple[str, ...], options: list[str], env: dict[str, str], timeout: float
+) -> Any:
+    """A forked launch run to its end, as ``subprocess.run(capture_output=True)``."""
+    with _forked_agent(script, args, options, env, timeout) as proc:
         try:
             out, err = proc.communicate()
         except _forked.ForkedTimeout as hang:
