@@ -23,9 +23,11 @@ child dies with a job that is killed.
 Besides a script, a call runs ``Code`` (``python -c``) or a ``Module`` (``python -m``), can pass
 file descriptors at their numbers (``pass_fds``) and share the caller's stdout and stderr. The
 server also listens on an abstract unix socket (``server_address()``, ``ADDRESS_VAR``), so that
-processes the test did not start ask it too: torchrun's ranks (through ``tests/_forked_rank.py``)
-and every child it forked, which starts its ``pinned_staging`` writers with ``forked_writer``
-unless ``CKPT_ENGINE_TEST_WRITERS=fresh`` is in its environment.
+processes the test did not start ask it too: every child it forked, which starts its
+``pinned_staging`` writers with ``forked_writer`` unless ``CKPT_ENGINE_TEST_WRITERS=fresh`` is in
+its environment, and the ``python`` stand-in (``python_stand_in()``, tests/_forked_python.py): a
+child given it as ``sys.executable`` (``python=``) has what it starts as Python forked as well
+(torchrun's ranks, a benchmark's workers).
 
 Cost: the server's start, once per test process (about 3.5 CPU-s: what a fresh child paid each
 time); then 0.3-0.4 CPU-s a child, mostly its exit tearing down the interpreter it inherited
@@ -65,6 +67,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,6 +92,8 @@ DEFAULT_TIMEOUT_S = 300.0
 MAX_MESSAGE = 1 << 20
 #: The most file descriptors a call passes on besides stdin, stdout and stderr (``pass_fds``).
 MAX_PASS_FDS = 8
+#: The interpreter running this module (a forked child's ``sys.executable`` may be the stand-in).
+REAL_PYTHON = sys.executable
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,7 @@ class _Server:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # read at import: before the server starts
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), str(theirs.fileno())],
+            [REAL_PYTHON, str(Path(__file__).resolve()), str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
@@ -135,7 +140,7 @@ class _Server:
         if ready is None or ready.get("error"):
             problem = "it exited" if ready is None else ready["error"]
             raise RuntimeError(f"the fork server (tests/_forked.py) did not start: {problem}")
-        #: Where processes this one did not start (torchrun's ranks: tests/_forked_rank.py) reach
+        #: Where processes this one did not start (tests/_forked_python.py) reach
         #: it: an abstract unix socket name, without its leading NUL.
         self.address: str = ready["address"]
 
@@ -161,9 +166,9 @@ class _Server:
 
 _server: _Server | Remote | None = None
 _server_lock = threading.Lock()
-#: The environment variable that gives tests/_forked_rank.py the server's address.
+#: The environment variable that gives tests/_forked_python.py the server's address.
 ADDRESS_VAR = "CKPT_TEST_FORK_SERVER"
-#: ... and the modules (comma-separated) the server imports before forking the rank.
+#: ... and the modules (comma-separated) the server imports before forking its run.
 PRELOAD_VAR = "CKPT_TEST_FORK_PRELOAD"
 
 
@@ -224,6 +229,32 @@ def forked_writer(args: list[str], pass_fds: tuple[int, int], env: dict[str, str
 def forks_writers(env: Mapping[str, str]) -> bool:
     """Whether a process with ``env`` forks its writers (the default) or starts new interpreters."""
     return env.get(WRITERS_VAR, "forked") == "forked"
+
+
+_stand_in: list[str] = []
+#: Set to "fresh" for a ``python_stand_in()`` that is the real interpreter: new interpreters, as users' jobs start.
+PYTHON_VAR = "CKPT_ENGINE_TEST_PYTHON"
+
+
+def python_stand_in() -> str:
+    """An executable that runs ``python ARGS`` as a child forked from this test process's server
+    (tests/_forked_python.py), and ``exec``s the real interpreter where it cannot: a child given it
+    as ``sys.executable`` (``popen(..., python=python_stand_in())``) forks what it starts too.
+    ``CKPT_ENGINE_TEST_PYTHON=fresh``: the real interpreter instead."""
+    if os.environ.get(PYTHON_VAR) == "fresh":
+        return REAL_PYTHON
+    with _server_lock:
+        if not _stand_in:
+            folder = tempfile.mkdtemp(prefix="ckpt-forked-python-")
+            atexit.register(shutil.rmtree, folder, True)
+            path = os.path.join(folder, "python")
+            tests = os.path.dirname(os.path.abspath(__file__))
+            with open(path, "w") as f:  # -S: no site; the stand-in needs only the standard library
+                f.write(f"#!{REAL_PYTHON} -S\nimport sys\nsys.path.insert(0, {tests!r})\n")
+                f.write("import _forked_python\n_forked_python.main(sys.argv)\n")
+            os.chmod(path, 0o755)
+            _stand_in.append(path)
+        return _stand_in[0]
 
 
 def server_address() -> str:
@@ -423,6 +454,7 @@ def popen(
     preload: Sequence[str] = (),
     pass_fds: Sequence[int] = (),
     inherit_env: bool = True,
+    python: str | None = None,
 ) -> ForkedProcess:
     """Start ``python target *args`` (``Code``: ``python -c``, ``Module``: ``python -m``) as a
     forked child.
@@ -433,9 +465,12 @@ def popen(
     ``pass_fds`` are file descriptors the child gets at the same numbers (``Popen``'s
     ``pass_fds``); ``stderr=STDOUT`` sends both to one place; ``preload`` names modules the server
     imports before forking (once per server: ``lightning``, ``s3fs``); ``timeout`` is the hang guard
-    (``None``: none)."""
+    (``None``: none); ``python`` is the child's ``sys.executable`` (``python_stand_in()``: what it
+    starts with it is forked too)."""
     full_env = {**(os.environ if inherit_env else {}), **(env or {})}
-    request = make_request(target, args, full_env, cwd, start_new_session, timeout, preload, pass_fds)
+    if python is not None:
+        full_env[ADDRESS_VAR] = server_address()
+    request = make_request(target, args, full_env, cwd, start_new_session, timeout, preload, pass_fds, python)
     argv = request["argv"]
     out = _Stream(stdout, reading=True)
     streams = (_Stream(stdin, reading=False), out, out.same() if stderr == STDOUT else _Stream(stderr, reading=True))
@@ -460,6 +495,7 @@ def make_request(
     timeout: float | None = DEFAULT_TIMEOUT_S,
     preload: Sequence[str] = (),
     pass_fds: Sequence[int] = (),
+    python: str | None = None,
 ) -> dict[str, Any]:
     """What the server is sent to start ``python target *args`` with exactly ``env``."""
     if len(pass_fds) > MAX_PASS_FDS or any(fd <= 2 for fd in pass_fds):
@@ -482,6 +518,7 @@ def make_request(
         "preload": list(preload),
         "pass_fds": list(pass_fds),
         "fork_writers": forks_writers(env),
+        "python": python,
     }
 
 
@@ -494,11 +531,13 @@ def run(
     timeout: float | None = DEFAULT_TIMEOUT_S,
     preload: Sequence[str] = (),
     inherit_env: bool = True,
+    python: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run([python, target, *args], capture_output=True, text=True)`` in a forked
     child; ``ForkedTimeout`` when it runs past ``timeout``."""
     stdin = PIPE if input is not None else None
     options: dict[str, Any] = {"env": env, "cwd": cwd, "stdin": stdin, "timeout": timeout, "preload": preload}
+    options["python"] = python
     with popen(target, *args, inherit_env=inherit_env, **options) as proc:
         out, err = proc.communicate(input)
         return subprocess.CompletedProcess(proc.args, proc.wait(), out, err)
@@ -704,6 +743,8 @@ def _enter(child: _Child) -> None:
         threads = request["env"].get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 1:
             torch.set_num_threads(int(threads))
+    if request["python"] is not None:
+        sys.executable = request["python"]
     global _server
     _server = Remote(_ADDRESS[0])  # what this process forks, it asks the same server for
     if request["fork_writers"]:

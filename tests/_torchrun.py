@@ -1,9 +1,10 @@
 """Launch a script under ``torchrun --standalone`` with gloo ranks, with a hard time limit.
 
 torchrun's agent and every rank are forked from the test process's fork server (tests/_forked.py):
-the agent runs ``python -m torch.distributed.run`` as it would, and starts each rank as
-``tests/_forked_rank.py SCRIPT``, a stand-in that has the server fork the real rank and passes
-torchrun's environment, signals and the rank's exit status through. A launch of two ranks then costs
+the agent runs ``python -m torch.distributed.run`` as it would, with the ``python`` stand-in
+(tests/_forked_python.py) as its ``sys.executable``, so each ``python -u SCRIPT`` it starts has the
+server fork the real rank, and passes torchrun's environment, signals and the rank's exit status
+through. A launch of two ranks then costs
 about 1.5 CPU-s instead of 12-14. ``CKPT_ENGINE_TEST_RANKS=fresh`` starts the agent and the ranks
 as new interpreters instead, as users' jobs do.
 
@@ -29,8 +30,6 @@ from typing import Any
 import _forked
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
-#: Run by torchrun as each rank: it has the fork server start the real script.
-STAND_IN = Path(__file__).parent / "_forked_rank.py"
 #: Cleared by the conftest while a test without the ``dist`` marker runs.
 launch_allowed = True
 
@@ -124,14 +123,12 @@ def _forked_agent(
     stdout: int | None = None,
     stderr: int | None = None,
 ) -> _forked.ForkedProcess:
-    """``python -m torch.distributed.run OPTIONS`` forked, each rank started as the stand-in of
-    ``script``, in a session of its own so that the hang guard (``timeout``) kills it with its
+    """``python -m torch.distributed.run OPTIONS`` forked, each rank started through the ``python``
+    stand-in, in a session of its own so that the hang guard (``timeout``) kills it with its
     stand-ins (and, through them, the ranks)."""
-    env[_forked.ADDRESS_VAR] = _forked.server_address()
     return _forked.popen(
         _forked.Module("torch.distributed.run"),
         *options,
-        str(STAND_IN),
         str(SCRIPTS / script),
         *args,
         env=env,
@@ -141,6 +138,7 @@ def _forked_agent(
         preload=("torch.distributed.run",),
         stdout=stdout,
         stderr=stderr,
+        python=_forked.python_stand_in(),
     )
 
 

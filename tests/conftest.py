@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -31,6 +32,17 @@ if _forked.forks_writers(os.environ):
 def fresh_writers(monkeypatch: pytest.MonkeyPatch) -> None:
     """This test's ``pinned_staging`` writers start as users' do, in a new interpreter."""
     monkeypatch.setattr(writer_process, "start_writer", writer_process.popen_writer)
+
+
+@pytest.fixture
+def forked_python(monkeypatch: pytest.MonkeyPatch) -> str:
+    """``sys.executable`` is the ``python`` stand-in (tests/_forked_python.py) for the test: the
+    Python processes the code under test starts (``check_exact_resume``'s runs) fork from the fork
+    server instead of importing torch anew. ``CKPT_ENGINE_TEST_PYTHON=fresh`` keeps new interpreters."""
+    stand_in = _forked.python_stand_in()
+    monkeypatch.setenv(_forked.ADDRESS_VAR, _forked.server_address())
+    monkeypatch.setattr(sys, "executable", stand_in)
+    return stand_in
 
 
 @pytest.fixture

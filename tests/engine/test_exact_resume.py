@@ -91,7 +91,8 @@ def _check(tmp_path: Path, build_ref: Any = build, step_ref: Any = step, **confi
     return check_exact_resume(build_ref, step_ref, steps=STEPS, save_at=SAVE_AT, config=config, workdir=tmp_path)
 
 
-@pytest.mark.full  # three new processes a check
+@pytest.mark.full  # three new interpreters: the check as users run it (a fork would share the
+# hash seed and the imported modules, which could hide a difference between processes)
 def test_an_exact_script_is_reported_exact(tmp_path: Path) -> None:
     report = _check(tmp_path)
     assert report.exact and report.first_difference is None, str(report)
@@ -102,6 +103,7 @@ def test_an_exact_script_is_reported_exact(tmp_path: Path) -> None:
 
 
 @pytest.mark.full
+@pytest.mark.usefixtures("forked_python")  # its three runs forked (tests/_forked_python.py)
 def test_a_scheduler_the_engine_never_saw_shows_in_the_learning_rate_of_the_next_step(tmp_path: Path) -> None:
     report = _check(tmp_path, build_keeping_the_scheduler_to_itself, step_with_the_hidden_scheduler)
     first = report.first_difference
@@ -117,6 +119,7 @@ def test_a_scheduler_the_engine_never_saw_shows_in_the_learning_rate_of_the_next
 
 
 @pytest.mark.full
+@pytest.mark.usefixtures("forked_python")  # its three runs forked (tests/_forked_python.py)
 def test_random_state_not_saved_shows_right_after_the_resume(tmp_path: Path) -> None:
     report = _check(tmp_path, rng=False)
     first = report.first_difference
@@ -126,6 +129,7 @@ def test_random_state_not_saved_shows_right_after_the_resume(tmp_path: Path) -> 
 
 
 @pytest.mark.full
+@pytest.mark.usefixtures("forked_python")  # its three runs forked (tests/_forked_python.py)
 def test_a_data_position_not_restored_shows_right_after_the_resume(tmp_path: Path) -> None:
     report = _check(tmp_path, build_with_a_forgetful_sampler)
     first = report.first_difference
@@ -154,6 +158,7 @@ def _boom(objs: Mapping[str, Any], i: int) -> None:
 
 
 @pytest.mark.full
+@pytest.mark.usefixtures("forked_python")  # its three runs forked (tests/_forked_python.py)
 def test_a_failing_step_is_an_error_with_the_runs_output(tmp_path: Path) -> None:
     with pytest.raises(ExactResumeRunError, match=r"(?s)exited with status 1.*RuntimeError: step 1 failed"):
         check_exact_resume(build, _boom, steps=3, save_at=1, workdir=tmp_path)

@@ -743,17 +743,14 @@ def test_lora_adapters_interleaved_with_a_frozen_base_write_only_the_adapters(sa
 def test_the_benchmark_runs_in_its_smoke_mode(tmp_path: Path) -> None:
     """benchmarks/incremental_bench.py end to end on tiny sizes (untimed), so it cannot rot."""
     import json
-    import subprocess
-    import sys
+
+    import _forked
 
     bench = ROOT / "benchmarks" / "incremental_bench.py"
     out = tmp_path / "results.json"
-    proc = subprocess.run(
-        [sys.executable, str(bench), "--smoke", "--workdir", str(tmp_path / "work"), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = ["--smoke", "--workdir", str(tmp_path / "work"), "--out", str(out)]
+    # forked, with what it starts (tests/_forked_python.py): the smoke run checks paths, not costs
+    proc = _forked.run(bench, *args, timeout=600, python=_forked.python_stand_in())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     ft = result["finetune"]

@@ -21,8 +21,10 @@ BENCH = REPO / "benchmarks" / "bench.py"
 
 def _bench(script: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """``python SCRIPT ARGS`` from the repository root; fails the test (with the output's tail)
-    unless it exits 0."""
-    proc = _forked.run(script, *args, timeout=timeout, cwd=REPO)
+    unless it exits 0. The benchmark and the Python processes it starts (torchrun's agent and
+    ranks, its workers, its cold-load processes) are forked from a process that imported torch
+    (tests/_forked_python.py): a smoke run checks that every path runs, not what it costs."""
+    proc = _forked.run(script, *args, timeout=timeout, cwd=REPO, python=_forked.python_stand_in())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -5,9 +5,7 @@ carry ``dist`` fails, so the fast tier never starts ranks (tests/conftest.py).""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
+import _forked
 import pytest
 from _paths import ROOT
 from _torchrun import run_torchrun
@@ -21,13 +19,8 @@ def test_a_torchrun_launch_without_the_dist_marker_fails() -> None:
 @pytest.mark.full  # collects the whole suite in a subprocess: the full tier (CI)
 def test_the_fast_tier_leaves_out_dist_and_full_tests_and_keeps_the_rest() -> None:
     def collected(*args: str) -> set[str]:
-        out = subprocess.run(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        # a forked ``python -m pytest`` (tests/_forked.py): torch is imported once, not per collection
+        out = _forked.run(_forked.Module("pytest"), "--collect-only", "-q", "-p", "no:cacheprovider", *args, cwd=ROOT)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return {line.split("::", 1)[1] for line in out.stdout.splitlines() if "::" in line}
 

@@ -79,6 +79,7 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 
 @pytest.mark.full  # over 2 s on 2 cores: runs a page's code in new processes
+@pytest.mark.usefixtures("forked_python")  # those processes forked (tests/_forked_python.py)
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: p.name)
 def test_doc_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loads: list[Any]) -> None:
     """Every ```python block runs, in order, in one namespace per file, in a scratch folder; then

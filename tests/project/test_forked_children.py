@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _forked import PIPE, Code, ForkedTimeout, Module, popen, run
+from _forked import PIPE, Code, ForkedTimeout, Module, popen, python_stand_in, run
 
 pytestmark = pytest.mark.full  # over 2 s on 2 cores: the fork server's start (as for its users)
 
@@ -135,7 +135,7 @@ def test_a_child_that_hangs_is_killed_at_its_timeout_and_named() -> None:
 
 
 def test_a_child_whose_requester_is_gone_is_killed() -> None:
-    """What keeps a rank from outliving the torchrun stand-in that asked for it (tests/_forked_rank.py):
+    """What keeps a run from outliving the ``python`` stand-in that asked for it (tests/_forked_python.py):
     once the status socket's other end closes (the requester died), the server kills the child."""
     proc = popen(Code("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)"), stdout=PIPE)
     assert proc.stdout is not None
@@ -154,3 +154,34 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+_STAND_IN_CHECK = """
+import subprocess, sys
+code = "import sys; print('torch' in sys.modules, sys.argv[1:], flush=True); sys.exit(int(sys.argv[1]))"
+for argv in (["-c", code, "3"], ["-u", "-c", code, "0"], ["-E", "-c", code, "5"]):
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True)
+    print(done.returncode, done.stdout.strip(), flush=True)
+"""
+
+
+def test_a_child_given_the_python_stand_in_forks_what_it_starts() -> None:
+    """``python=python_stand_in()``: the child's ``sys.executable`` runs ``-c``/``-m``/scripts as
+    forked children (torch already imported), with their exit codes and arguments; an option the
+    stand-in does not know (``-E``) runs the real interpreter (torch not imported)."""
+    done = run(Code(_STAND_IN_CHECK), python=python_stand_in())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["3 True ['3']", "0 True ['0']", "5 False ['5']"]
+
+
+def test_the_python_stand_in_ends_as_its_run_did() -> None:
+    """A signal sent to the stand-in reaches the run, and the stand-in ends killed by it (as
+    torchrun's agent sees a rank it stopped)."""
+    code = "import os, sys, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)"
+    script = "import subprocess, sys\n"
+    script += f"proc = subprocess.Popen([sys.executable, '-c', {code!r}], stdout=subprocess.PIPE)\n"
+    script += "pid = int(proc.stdout.readline())\nproc.terminate()\nprint(proc.wait(), pid, flush=True)\n"
+    done = run(Code(script), python=python_stand_in())
+    returncode, pid = done.stdout.split()
+    assert done.returncode == 0 and int(returncode) == -signal.SIGTERM, done.stderr
+    assert _gone(int(pid))
