@@ -123,7 +123,9 @@ class _Server:
 
     def __init__(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # read at import: before the server starts
+        # Read at import, so set before the server starts: one intra-op thread, and no background
+        # thread from the jemalloc in pyarrow (transformers imports it), which would make forking unsafe.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
         self.proc = subprocess.Popen(
             [REAL_PYTHON, str(Path(__file__).resolve()), str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
@@ -464,7 +466,7 @@ def popen(
     captured to files unless ``PIPE``, ``DEVNULL`` or a file descriptor of this process to share;
     ``pass_fds`` are file descriptors the child gets at the same numbers (``Popen``'s
     ``pass_fds``); ``stderr=STDOUT`` sends both to one place; ``preload`` names modules the server
-    imports before forking (once per server: ``lightning``, ``s3fs``); ``timeout`` is the hang guard
+    imports before forking (once per server: ``lightning``, ``s3fs``, transformers); ``timeout`` is the hang guard
     (``None``: none); ``python`` is the child's ``sys.executable`` (``python_stand_in()``: what it
     starts with it is forked too)."""
     full_env = {**(os.environ if inherit_env else {}), **(env or {})}

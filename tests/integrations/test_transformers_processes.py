@@ -55,6 +55,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     return out
 
 
+#: What the fork server imports once for the script's processes: transformers and its Trainer
+#: (7 CPU-s a process on the 2-core machine, against 0.2 for the script's own imports after it).
+HF = ("ckpt_engine.integrations.transformers",)
+
+
 def _args(*jobs: Sequence[str | Path]) -> list[str]:
     """The script's arguments for ``jobs`` (each ``ROOT MODEL MODE [STEP]``), run one after the other."""
     out: list[str] = []
@@ -65,7 +70,7 @@ def _args(*jobs: Sequence[str | Path]) -> list[str]:
 
 def _run(*jobs: Sequence[str | Path]) -> None:
     env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = _forked.run(SCRIPT, *_args(*jobs), env=env, timeout=300)
+    proc = _forked.run(SCRIPT, *_args(*jobs), env=env, timeout=300, preload=HF)
     assert proc.returncode == 0 and "FINISHED" in proc.stdout, proc.stderr[-4000:]
 
 
@@ -113,6 +118,7 @@ def _run_until_killed(root: Path, mode: str, kill_at: int, before: Sequence[Sequ
         stdout=_forked.PIPE,
         stderr=_forked.PIPE,
         env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+        preload=HF,
     )
     assert proc.stdout is not None and proc.stderr is not None
     err: list[str] = []
@@ -179,10 +185,10 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         *[job for m in models for job in ((folders[m, "full"], m, "full"), (folders[m, "stopped"], m, "stop", 6))]
     )
     second = _args(*[(folders[m, "stopped"], m, "resume") for m in models])
-    result = run_torchrun(str(SCRIPT), *first, nproc=2, timeout=480)
+    result = run_torchrun(str(SCRIPT), *first, nproc=2, timeout=480, preload=HF)
     assert result.returncode == 0, result.describe()
     at_stop = {rank: _result(folders["gpt2-fsdp2", "stopped"], rank) for rank in (0, 1)}
-    result = run_torchrun(str(SCRIPT), *second, nproc=2, timeout=300)
+    result = run_torchrun(str(SCRIPT), *second, nproc=2, timeout=300, preload=HF)
     assert result.returncode == 0, result.describe()
     return {"folders": folders, "fsdp2_at_stop": at_stop}
 
