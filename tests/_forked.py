@@ -67,6 +67,7 @@ import json
 import os
 import runpy
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -251,9 +252,10 @@ def python_stand_in() -> str:
             atexit.register(shutil.rmtree, folder, True)
             path = os.path.join(folder, "python")
             tests = os.path.dirname(os.path.abspath(__file__))
-            with open(path, "w") as f:  # -S: no site; the stand-in needs only the standard library
-                f.write(f"#!{REAL_PYTHON} -S\nimport sys\nsys.path.insert(0, {tests!r})\n")
-                f.write("import _forked_python\n_forked_python.main(sys.argv)\n")
+            code = f"import sys; sys.path.insert(0, {tests!r}); import _forked_python as m; m.main(sys.argv[1:])"
+            with open(path, "w") as f:  # a shell script: no limit on the interpreter's path, spaces allowed
+                # -S: no site; the stand-in needs only the standard library
+                f.write(f'#!/bin/sh\nexec {shlex.quote(REAL_PYTHON)} -S -c {shlex.quote(code)} "$0" "$@"\n')
             os.chmod(path, 0o755)
             _stand_in.append(path)
         return _stand_in[0]
