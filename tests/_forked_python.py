@@ -51,6 +51,8 @@ def parse(argv: list[str]) -> tuple[Target, list[str], dict[str, str]] | None:
 
 
 def main(argv: list[str]) -> None:
+    """``argv``: the stand-in's path, then ``python``'s arguments (the stand-in's shell script runs
+    ``python -S -c 'main(sys.argv[1:])' "$0" "$@"``)."""
     parsed = parse(argv[1:])
     address = os.environ.get(ADDRESS_VAR)
     if parsed is None or not address:
@@ -60,13 +62,13 @@ def main(argv: list[str]) -> None:
     python = os.path.abspath(argv[0])
     request = make_request(target, args, env, timeout=None, preload=preload, python=python)
     connection = Remote(address).request(request, [0, 1, 2])
-    started = _receive(connection)
+    started = _receive(connection, python)
     if "pid" not in started or "returncode" in started:
         sys.exit(f"{python}: the fork server could not start {request['argv']}: {started}")
     pid = started["pid"]
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
-    returncode = int(_receive(connection)["returncode"])
+    returncode = int(_receive(connection, python)["returncode"])
     if returncode < 0:  # end as the run did: killed by the same signal
         if -returncode not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-returncode, signal.SIG_DFL)
@@ -74,12 +76,8 @@ def main(argv: list[str]) -> None:
     os._exit(returncode)
 
 
-def _receive(connection: socket.socket) -> dict[str, Any]:
+def _receive(connection: socket.socket, python: str) -> dict[str, Any]:
     message = _recv(connection)
-    if message is None:
-        sys.exit(f"{sys.argv[0]}: the fork server closed the connection (it exited)")
+    if message is None:  # named as the stand-in: under ``-c``, ``sys.argv[0]`` is "-c"
+        sys.exit(f"{python}: the fork server closed the connection (it exited)")
     return message
-
-
-if __name__ == "__main__":
-    main(sys.argv)
