@@ -36,142 +36,19 @@ from torch.futures import Future
 from .._format.metadata import SafeFileSystemReader, _read_error
 from .._format.verify import FileBlocks, check_read, keys_in
 from ..errors import CheckpointLoadError, CkptEngineError
-from .torch_save_archive import SavedTensorLayout, parse_torch_save_tensor_at
+from .torch_save_archive import PREFETCH, ArchiveItem, LayoutCache, SavedTensorLayout
 
-__all__ = ["FastFileSystemReader", "LayoutCache", "contiguous_region"]
+__all__ = ["FastFileSystemReader", "contiguous_region"]
 
-#: Bytes read ahead from each end of an item: the archive's local headers and ``data.pkl`` sit
-#: at its start, the central directory at its end. Items up to twice this size are read whole.
-_PREFETCH = 4096
 #: Large reads are split over threads only when there are at least this many bytes.
 _PARALLEL_MIN_BYTES = 64 << 20
 #: Small items (read whole) that follow each other in a file are read with one ``pread`` of at
 #: most this many bytes: 50,000 tiny tensors cost 50,000 system calls otherwise.
 _RUN_MAX = 8 << 20
-
-
-class _Item:
-    """An archive of ``length`` bytes whose first and last :data:`_PREFETCH` bytes were read up
-    front (``head``, ``tail``): parsing its headers costs no further read. Other ranges go to
-    ``read(offset, n)`` (offsets from the item's start). A small item is read whole (``head``)."""
-
-    __slots__ = ("head", "length", "read", "tail", "tail_start")
-
-    def __init__(self, head: bytes, tail: bytes, length: int, read: Callable[[int, int], bytes]) -> None:
-        self.head, self.tail, self.length, self.read = head, tail, length, read
-        self.tail_start = length - len(tail)
-
-    @classmethod
-    def from_fd(cls, fd: int, base: int, length: int, whole: bytes | None = None) -> _Item:
-        """The item at ``base`` of ``fd``: two ``pread`` calls, one for a small item, none for a
-        small item whose bytes were read already (``whole``, see :func:`_read_small_items`)."""
-
-        def read(offset: int, n: int) -> bytes:
-            return os.pread(fd, n, base + offset)
-
-        if length <= 2 * _PREFETCH:
-            head = tail = whole if whole is not None and len(whole) == length else read(0, length)
-        else:
-            head, tail = read(0, _PREFETCH), read(length - _PREFETCH, _PREFETCH)
-        return cls(head, tail, length, read)
-
-    @property
-    def whole(self) -> bool:
-        return len(self.head) == self.length
-
-    @property
-    def prefetched(self) -> int:
-        """Bytes read up front (``head`` and ``tail``)."""
-        return len(self.head) if self.whole else len(self.head) + len(self.tail)
-
-    def pread(self, offset: int, n: int) -> bytes:
-        end = min(self.length, offset + n)
-        if end <= len(self.head):
-            return self.head[offset:end]
-        if offset >= self.tail_start:
-            return self.tail[offset - self.tail_start : end - self.tail_start]
-        return self.read(offset, max(0, end - offset))
-
-
-class LayoutCache:
-    """Archive layouts by the bytes their parse read.
-
-    The parse (:func:`parse_torch_save_tensor_at`) is a function of the archive's length and of
-    the bytes it reads, and which bytes it reads next depends only on those it has read. So an
-    archive of the same length whose bytes at the ranges one parse read equal that parse's
-    bytes takes the same path and has the same layout. The parse reads the zip records and
-    headers, not the tensor data nor the per-archive serialisation id, so every tensor of one
-    dtype and shape the engine's writer wrote matches one template: a file of many small
-    tensors parses once per shape instead of once per tensor. The cache holds bytes, not
-    assumptions about files: every archive is compared byte for byte, so nothing is stale when
-    a file changes or another checkpoint is read, and an archive that differs anywhere the
-    parse looked (another shape, a CRC ``torch.save`` wrote, a crafted header) is parsed in full.
-    """
-
-    #: Templates kept per archive length (the newest first).
-    PER_LENGTH = 4
-
-    def __init__(self) -> None:
-        self._by_length: dict[int, list[_Template]] = {}
-        #: How many archives were parsed in full and how many matched a template (for tests).
-        self.parsed = 0
-        self.reused = 0
-
-    def layout(self, item: _Item) -> SavedTensorLayout | None:
-        templates = self._by_length.setdefault(item.length, [])
-        for t in templates:
-            if t.matches(item):
-                self.reused += 1
-                return t.layout
-        read: list[tuple[int, int]] = []
-
-        def pread(offset: int, n: int) -> bytes:
-            data = item.pread(offset, n)
-            read.append((offset, offset + len(data)))
-            return data
-
-        self.parsed += 1
-        unused: list[int] = []
-        layout = parse_torch_save_tensor_at(pread, item.length, unused=unused)
-        template = _Template(tuple(read), unused, layout)
-        template.set_bytes(item)
-        templates.insert(0, template)
-        del templates[self.PER_LENGTH :]
-        return layout
-
-
-class _Template:
-    """One parse of :class:`LayoutCache`: the ranges it read, less the CRC fields the answer
-    does not depend on, with their bytes, and the answer."""
-
-    __slots__ = ("layout", "parts", "spans")
-
-    def __init__(
-        self, ranges: tuple[tuple[int, int], ...], unused: list[int], layout: SavedTensorLayout | None
-    ) -> None:
-        self.layout = layout
-        #: ``ranges`` less the unused CRC fields, as ``(start, end)`` in the archive.
-        spans: list[tuple[int, int]] = []
-        for a, b in ranges:
-            for at in sorted(at for at in unused if a <= at and at + 4 <= b):
-                spans.append((a, at))
-                a = at + 4
-            spans.append((a, b))
-        self.spans = [(a, b) for a, b in spans if b > a]
-        #: Each span with its bytes, once :meth:`set_bytes` ran.
-        self.parts: list[tuple[int, int, bytes]] = []
-
-    def set_bytes(self, item: _Item) -> None:
-        """Take ``item``'s bytes where the parse looked as the template's."""
-        self.parts = [(a, b, item.pread(a, b - a)) for a, b in self.spans]
-
-    def matches(self, item: _Item) -> bool:
-        """Whether ``item`` holds the template's bytes wherever its parse looked (part by part:
-        from the item's head for an archive held whole, else through its prefetched ends)."""
-        if item.whole:
-            head = item.head
-            return all(head[a:b] == want for a, b, want in self.parts)
-        return all(item.pread(a, b - a) == want for a, b, want in self.parts)
+#: A file's tensor items are read, checked and handed on in windows of about this many bytes
+#: held in memory (:func:`_windows`): the archives of 50,000 small tensors are 20x their data,
+#: and holding all of them until the file is done was a third of such a load's peak memory.
+_WINDOW = 8 << 20
 
 
 def contiguous_region(size: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
@@ -213,7 +90,7 @@ def _read_small_items(fd: int, spans: list[tuple[int, int]]) -> dict[int, bytes]
     while i < len(spans):
         start = end = spans[i][0]
         j = i
-        while j < len(spans) and spans[j][1] <= 2 * _PREFETCH and spans[j][0] == end and end - start < _RUN_MAX:
+        while j < len(spans) and spans[j][1] <= 2 * PREFETCH and spans[j][0] == end and end - start < _RUN_MAX:
             end += spans[j][1]
             j += 1
         if j == i:  # a large item, or one that does not follow the previous: read on its own
@@ -228,6 +105,25 @@ def _read_small_items(fd: int, spans: list[tuple[int, int]]) -> dict[int, bytes]
                 out[offset] = run[offset - start : offset - start + length]
         i = j
     return out
+
+
+def _windows(entries: list[tuple[Any, ReadItem]], blocks: FileBlocks | None) -> Iterator[list[tuple[Any, ReadItem]]]:
+    """``entries`` (in offset order) in consecutive windows holding about :data:`_WINDOW` bytes
+    of items read whole (a larger item counts its prefetched ends: its data goes straight to its
+    destination). A window ends where a block starts (so no block is read for two windows) or
+    at twice the size, and never between two entries of one stored item."""
+    starts = frozenset(blocks.starts) if blocks is not None else frozenset()
+    first, held = 0, 0
+    for k, (info, _) in enumerate(entries):
+        if (
+            held >= _WINDOW
+            and info.offset != entries[k - 1][0].offset
+            and (blocks is None or info.offset in starts or held >= 2 * _WINDOW)
+        ):
+            yield entries[first:k]
+            first, held = k, 0
+        held += min(info.length, 2 * PREFETCH)
+    yield entries[first:]
 
 
 def _copy_small(target: torch.Tensor, data: bytes) -> None:
@@ -269,7 +165,7 @@ class _Read:
     target: torch.Tensor
     offset: int
     nbytes: int
-    item: _Item | None = None
+    item: ArchiveItem | None = None
     base: int = 0
 
     def pieces(self, view: memoryview) -> list[tuple[int, Any]]:
@@ -444,26 +340,41 @@ class FastFileSystemReader(SafeFileSystemReader):
             end = max(info.offset + info.length for info, _ in entries)
             os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        layouts: dict[int, tuple[_Item, SavedTensorLayout | None]] = {}
-        ready: list[tuple[ReadItem, torch.Tensor]] = []
-        reads: list[_Read] = []
-        small = _read_small_items(fd, sorted({(info.offset, info.length) for info, _ in entries}))
-        for info, req in entries:
-            if not self._plan_direct(fd, info, req, planner, layouts, ready, reads, small):
-                slow.append(req)
         blocks = self.blocks.get(rel)
+        # With per-block digests the small items are read, checked and handed on window by
+        # window; a file with a whole-file digest only is checked once all of it was read.
+        windowed = blocks is None or not blocks.whole_only
+        checked: set[int] = set()  # blocks checked so far
+        reads: list[_Read] = []
+        for window in _windows(entries, blocks) if windowed else [entries]:
+            layouts: dict[int, tuple[ArchiveItem, SavedTensorLayout | None]] = {}
+            ready: list[tuple[ReadItem, torch.Tensor]] = []
+            small = _read_small_items(fd, sorted({(info.offset, info.length) for info, _ in window}))
+            for info, req in window:
+                if not self._plan_direct(fd, info, req, planner, layouts, ready, reads, small):
+                    slow.append(req)
+            self.stats.bytes_read += sum(it.prefetched for it, _ in layouts.values())
+            if not windowed:
+                break
+            if blocks is not None:
+                self._check_direct(fd, rel, blocks, small, layouts, [req for req, _ in ready], [], checked)
+            self._commit(planner, ready)
+            ready.clear()
         failed = _run_reads(fd, reads, self.threads, blocks, keys_in(self.storage_data, rel))
         slow += [r.req for r in failed]
         done_reads = [r for r in reads if r not in failed]
-        if blocks is not None:
-            self._check_direct(fd, rel, blocks, small, layouts, [req for req, _ in ready], done_reads)
-        self.stats.bytes_read += sum(it.prefetched for it, _ in layouts.values())
+        if not windowed and blocks is not None:
+            self._check_direct(fd, rel, blocks, small, layouts, [req for req, _ in ready], done_reads, checked)
         self.stats.bytes_read += sum(r.nbytes for r in done_reads)
-        for req, target in ready + [(r.req, r.target) for r in done_reads]:
+        self._commit(planner, ready + [(r.req, r.target) for r in done_reads])
+        return slow
+
+    def _commit(self, planner: LoadPlanner, done: list[tuple[ReadItem, torch.Tensor]]) -> None:
+        """Hand the tensors read (and checked) on to the planner."""
+        for req, target in done:
             planner.commit_tensor(req, target)
             self.stats.direct += 1
             self.stats.direct_bytes += target.numel() * target.element_size()
-        return slow
 
     def _check_direct(
         self,
@@ -471,19 +382,21 @@ class FastFileSystemReader(SafeFileSystemReader):
         rel: str,
         blocks: FileBlocks,
         small: dict[int, bytes],
-        layouts: dict[int, tuple[_Item, SavedTensorLayout | None]],
+        layouts: dict[int, tuple[ArchiveItem, SavedTensorLayout | None]],
         whole: list[ReadItem],
         reads: list[_Read],
+        checked: set[int],
     ) -> None:
         """Check what the direct path read of ``rel`` that :func:`_run_reads` did not check as it
-        read: the items copied whole (``whole``), and with a whole-file digest only, everything."""
+        read: the items copied whole (``whole``), and with a whole-file digest only, everything;
+        ``checked``: the blocks checked already (updated)."""
         spans = [(i.offset, i.offset + i.length) for i in map(self._info, whole)]
         pieces: list[tuple[int, Any]] = list(small.items())
         pieces += [(offset, it.head) for offset, (it, _) in layouts.items()]
         if blocks.whole_only:
             spans += [(r.base, r.base + r.item.length) for r in reads if r.item is not None]
             pieces += [p for r in reads for p in r.pieces(_byte_view(r.target))]
-        check_read(blocks, spans, pieces, _pread(fd), keys_in(self.storage_data, rel))
+        check_read(blocks, spans, pieces, _pread(fd), keys_in(self.storage_data, rel), checked)
 
     def _check_spans(self, fd: int, rel: str, spans: list[tuple[int, int]]) -> None:
         """Check the blocks of ``rel`` holding ``spans`` by reading them (where it has blocks)."""
@@ -578,7 +491,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         info: Any,
         req: ReadItem,
         planner: LoadPlanner,
-        layouts: dict[int, tuple[_Item, SavedTensorLayout | None]],
+        layouts: dict[int, tuple[ArchiveItem, SavedTensorLayout | None]],
         ready: list[tuple[ReadItem, torch.Tensor]],
         reads: list[_Read],
         small: dict[int, bytes],
@@ -597,7 +510,7 @@ class FastFileSystemReader(SafeFileSystemReader):
             return False
         cached = layouts.get(info.offset)
         if cached is None:
-            item = _Item.from_fd(fd, info.offset, info.length, small.get(info.offset))
+            item = ArchiveItem.from_fd(fd, info.offset, info.length, small.get(info.offset))
             cached = layouts[info.offset] = (item, self.layouts.layout(item))
         item, layout = cached
         if layout is None or layout.dtype != target.dtype:

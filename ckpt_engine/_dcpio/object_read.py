@@ -35,8 +35,8 @@ from .._format.names import METADATA_FILE
 from .._format.verify import FileBlocks, check_read, keys_in
 from .._storage.store import FsspecStore, Store
 from ..errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
-from .fast_read import _PREFETCH, _byte_view, _Item, contiguous_region, gc_paused
-from .torch_save_archive import SavedTensorLayout, parse_torch_save_tensor_at
+from .fast_read import _byte_view, contiguous_region, gc_paused
+from .torch_save_archive import PREFETCH, ArchiveItem, SavedTensorLayout, parse_torch_save_tensor_at
 
 __all__ = ["ObjectStoreReader", "fill_item", "mostly_unneeded", "reader_for"]
 
@@ -240,8 +240,8 @@ class ObjectStoreReader(StorageReader):
             def keep(i: int, k: tuple[str, int, int] = key) -> Callable[[bytes], None]:
                 return lambda data: heads[k].__setitem__(i, data)
 
-            pieces.append(_Piece(url, base, base + _PREFETCH, keep(0)))
-            pieces.append(_Piece(url, base + length - _PREFETCH, base + length, keep(1)))
+            pieces.append(_Piece(url, base, base + PREFETCH, keep(0)))
+            pieces.append(_Piece(url, base + length - PREFETCH, base + length, keep(1)))
         self._fetch(pieces)
 
         fallback: dict[tuple[str, int, int], list[ReadItem]] = {}
@@ -256,7 +256,7 @@ class ObjectStoreReader(StorageReader):
             def read(offset: int, n: int, url: str = url, base: int = base) -> bytes:
                 return self.store.read_range(url, base + offset, base + offset + n)
 
-            layout = parse_torch_save_tensor_at(_Item(head, tail, length, read).pread, length)
+            layout = parse_torch_save_tensor_at(ArchiveItem(head, tail, length, read).pread, length)
             for req in reqs:
                 target = planner.resolve_tensor(req).detach()
                 region = _direct_region(layout, req, target)
@@ -276,8 +276,8 @@ class ObjectStoreReader(StorageReader):
 
                     reads.append(_Piece(url, start + off, start + off + n, put))
                 commits.append((req, target))
-                tail_at = base + length - _PREFETCH
-                spans = [(base, base + _PREFETCH), (start, start + count * esize), (tail_at, base + length)]
+                tail_at = base + length - PREFETCH
+                spans = [(base, base + PREFETCH), (start, start + count * esize), (tail_at, base + length)]
                 checks.append((rel, spans, [(start, view), (base, head), (tail_at, tail)]))
         self._fetch(reads)
         for rel, spans, held in checks:

@@ -2,11 +2,13 @@
 
 DCP's ``FileSystemWriter`` writes every tensor item of a ``.distcp`` file as one ``torch.save``
 archive. The engine's fast load path (``fast_read``, ``object_read``) reads tensor bytes straight
-into the destination with :func:`parse_torch_save_tensor_at` instead of ``torch.load`` and a copy;
-the plain values are read with the same zip parser (``plain_values``). The writer of the same
-archives is :mod:`.archive_write`. This is a file format, not an API: the one private torch name
-it needs (the rebuild functions the archive refers to) comes from :mod:`.torch_private`, and
-``tests/dcpio/test_torch_private.py`` pins the format against ``torch.save``/``torch.load``.
+into the destination with :func:`parse_torch_save_tensor_at` instead of ``torch.load`` and a copy
+(an archive in a data file is read by its two ends, :class:`ArchiveItem`, and its layout is
+parsed once per tensor shape, :class:`LayoutCache`); the plain values are read with the same zip
+parser (``plain_values``). The writer of the same archives is :mod:`.archive_write`. This is a
+file format, not an API: the one private torch name it needs (the rebuild functions the archive
+refers to) comes from :mod:`.torch_private`, and ``tests/dcpio/test_torch_private.py`` pins the
+format against ``torch.save``/``torch.load``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 import functools
 import io
 import math
+import os
 import pickle
 import struct
 import sys
@@ -358,7 +361,7 @@ def parse_torch_save_tensor_at(
     ``unused``, if given, receives the offsets of the 4-byte CRC fields the answer does not
     depend on (those of records other than ``byteorder`` and ``data.pkl``, whose CRC is never
     checked here): the per-archive serialisation id and the tensor data differ from archive to
-    archive, and their CRCs with them (see ``fast_read.LayoutCache``).
+    archive, and their CRCs with them (see :class:`LayoutCache`).
     """
     try:
         crc_at: dict[bytes, int] | None = None if unused is None else {}
@@ -395,3 +398,134 @@ def parse_torch_save_tensor_at(
         return SavedTensorLayout(dtype=tensor.dtype, size=tensor.size, data_offset=start, nbytes=nbytes)
     except (zipfile.BadZipFile, struct.error, EOFError, ValueError, OSError, UnicodeError, KeyError):
         return None
+
+
+# -- an archive in a data file, and its layout parsed once per shape ----------------------------
+
+#: Bytes read ahead from each end of an item: the archive's local headers and ``data.pkl`` sit
+#: at its start, the central directory at its end. Items up to twice this size are read whole.
+PREFETCH = 4096
+
+
+class ArchiveItem:
+    """An archive of ``length`` bytes whose first and last :data:`PREFETCH` bytes were read up
+    front (``head``, ``tail``): parsing its headers costs no further read. Other ranges go to
+    ``read(offset, n)`` (offsets from the item's start). A small item is read whole (``head``)."""
+
+    __slots__ = ("head", "length", "read", "tail", "tail_start")
+
+    def __init__(self, head: bytes, tail: bytes, length: int, read: Callable[[int, int], bytes]) -> None:
+        self.head, self.tail, self.length, self.read = head, tail, length, read
+        self.tail_start = length - len(tail)
+
+    @classmethod
+    def from_fd(cls, fd: int, base: int, length: int, whole: bytes | None = None) -> ArchiveItem:
+        """The item at ``base`` of ``fd``: two ``pread`` calls, one for a small item, none for a
+        small item whose bytes were read already (``whole``, see :func:`_read_small_items`)."""
+
+        def read(offset: int, n: int) -> bytes:
+            return os.pread(fd, n, base + offset)
+
+        if length <= 2 * PREFETCH:
+            head = tail = whole if whole is not None and len(whole) == length else read(0, length)
+        else:
+            head, tail = read(0, PREFETCH), read(length - PREFETCH, PREFETCH)
+        return cls(head, tail, length, read)
+
+    @property
+    def whole(self) -> bool:
+        return len(self.head) == self.length
+
+    @property
+    def prefetched(self) -> int:
+        """Bytes read up front (``head`` and ``tail``)."""
+        return len(self.head) if self.whole else len(self.head) + len(self.tail)
+
+    def pread(self, offset: int, n: int) -> bytes:
+        end = min(self.length, offset + n)
+        if end <= len(self.head):
+            return self.head[offset:end]
+        if offset >= self.tail_start:
+            return self.tail[offset - self.tail_start : end - self.tail_start]
+        return self.read(offset, max(0, end - offset))
+
+
+class LayoutCache:
+    """Archive layouts by the bytes their parse read.
+
+    The parse (:func:`parse_torch_save_tensor_at`) is a function of the archive's length and of
+    the bytes it reads, and which bytes it reads next depends only on those it has read. So an
+    archive of the same length whose bytes at the ranges one parse read equal that parse's
+    bytes takes the same path and has the same layout. The parse reads the zip records and
+    headers, not the tensor data nor the per-archive serialisation id, so every tensor of one
+    dtype and shape the engine's writer wrote matches one template: a file of many small
+    tensors parses once per shape instead of once per tensor. The cache holds bytes, not
+    assumptions about files: every archive is compared byte for byte, so nothing is stale when
+    a file changes or another checkpoint is read, and an archive that differs anywhere the
+    parse looked (another shape, a CRC ``torch.save`` wrote, a crafted header) is parsed in full.
+    """
+
+    #: Templates kept per archive length (the newest first).
+    PER_LENGTH = 4
+
+    def __init__(self) -> None:
+        self._by_length: dict[int, list[_Template]] = {}
+        #: How many archives were parsed in full and how many matched a template (for tests).
+        self.parsed = 0
+        self.reused = 0
+
+    def layout(self, item: ArchiveItem) -> SavedTensorLayout | None:
+        templates = self._by_length.setdefault(item.length, [])
+        for t in templates:
+            if t.matches(item):
+                self.reused += 1
+                return t.layout
+        read: list[tuple[int, int]] = []
+
+        def pread(offset: int, n: int) -> bytes:
+            data = item.pread(offset, n)
+            read.append((offset, offset + len(data)))
+            return data
+
+        self.parsed += 1
+        unused: list[int] = []
+        layout = parse_torch_save_tensor_at(pread, item.length, unused=unused)
+        template = _Template(tuple(read), unused, layout)
+        template.set_bytes(item)
+        templates.insert(0, template)
+        del templates[self.PER_LENGTH :]
+        return layout
+
+
+class _Template:
+    """One parse of :class:`LayoutCache`: the ranges it read, less the CRC fields the answer
+    does not depend on, with their bytes, and the answer."""
+
+    __slots__ = ("layout", "parts", "spans")
+
+    def __init__(
+        self, ranges: tuple[tuple[int, int], ...], unused: list[int], layout: SavedTensorLayout | None
+    ) -> None:
+        self.layout = layout
+        #: ``ranges`` less the unused CRC fields, as ``(start, end)`` in the archive.
+        spans: list[tuple[int, int]] = []
+        for a, b in ranges:
+            for at in sorted(at for at in unused if a <= at and at + 4 <= b):
+                spans.append((a, at))
+                a = at + 4
+            spans.append((a, b))
+        self.spans = [(a, b) for a, b in spans if b > a]
+        #: Each span with its bytes, once :meth:`set_bytes` ran.
+        self.parts: list[tuple[int, int, bytes]] = []
+
+    def set_bytes(self, item: ArchiveItem) -> None:
+        """Take ``item``'s bytes where the parse looked as the template's."""
+        self.parts = [(a, b, item.pread(a, b - a)) for a, b in self.spans]
+
+    def matches(self, item: ArchiveItem) -> bool:
+        """Whether ``item`` holds the template's bytes wherever its parse looked (part by part:
+        from the item's head for an archive held whole, else through its prefetched ends)."""
+        if item.whole:
+            head = item.head
+            return all(head[a:b] == want for a, b, want in self.parts)
+        return all(item.pread(a, b - a) == want for a, b, want in self.parts)

@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckpt_engine import CheckpointEngine
-from ckpt_engine._dcpio.fast_read import FastFileSystemReader, LayoutCache, _Item
+from ckpt_engine._dcpio.fast_read import FastFileSystemReader
 from ckpt_engine._dcpio.planner import _whole_tensor_read
-from ckpt_engine._dcpio.torch_save_archive import parse_torch_save_tensor_at
+from ckpt_engine._dcpio.torch_save_archive import ArchiveItem, LayoutCache, parse_torch_save_tensor_at
 
 
 def _archive(t: torch.Tensor) -> bytes:
@@ -35,8 +35,8 @@ def _archive(t: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def _item(data: bytes) -> _Item:
-    return _Item(data, data, len(data), lambda off, n: data[off : off + n])
+def _item(data: bytes) -> ArchiveItem:
+    return ArchiveItem(data, data, len(data), lambda off, n: data[off : off + n])
 
 
 def _replace(data: bytes, old: bytes, new: bytes) -> bytes:
