@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,8 +41,34 @@ class LoadedPlugins:
 
 
 def installed_plugins() -> dict[str, EntryPoint]:
-    """Entry points of the ``ckpt_engine`` group, by name."""
-    return {ep.name: ep for ep in entry_points(group=PROJECT_NAME)}
+    """Entry points of the ``ckpt_engine`` group, by name.
+
+    Finding them reads the metadata of every installed distribution: milliseconds a call with a
+    hundred distributions, paid by every engine (a resume builds one). The answer is kept while
+    the import path and the modification times of its folders stay the same: installing or
+    removing a distribution creates or deletes its ``.dist-info`` folder in one of them, which
+    changes that folder's time, and a folder added to ``sys.path`` changes the path.
+    """
+    global _installed
+    state = _path_state()
+    if _installed is None or _installed[0] != state:
+        _installed = (state, {ep.name: ep for ep in entry_points(group=PROJECT_NAME)})
+    return dict(_installed[1])
+
+
+#: What :func:`installed_plugins` found, and the state of the import path it found it in.
+_installed: tuple[tuple[tuple[str, int], ...], dict[str, EntryPoint]] | None = None
+
+
+def _path_state() -> tuple[tuple[str, int], ...]:
+    """Each ``sys.path`` entry with its modification time in nanoseconds (-1: cannot be read)."""
+    out = []
+    for entry in sys.path:
+        try:
+            out.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            out.append((entry, -1))
+    return tuple(out)
 
 
 def describe_entry_point(ep: EntryPoint) -> str:
