@@ -33,8 +33,9 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from .._format.hashing import new_hasher
 from .._format.metadata import SafeFileSystemReader, _read_error
-from .._format.verify import FileBlocks, check_read, keys_in
+from .._format.verify import FileBlocks, check_digest, check_read, keys_in
 from ..errors import CheckpointLoadError, CkptEngineError
 from .torch_save_archive import PREFETCH, ArchiveItem, LayoutCache, SavedTensorLayout
 
@@ -49,6 +50,10 @@ _RUN_MAX = 8 << 20
 #: held in memory (:func:`_windows`): the archives of 50,000 small tensors are 20x their data,
 #: and holding all of them until the file is done was a third of such a load's peak memory.
 _WINDOW = 8 << 20
+#: A large read is hashed in pieces of this size, each right after it is read, while it is in the
+#: core's cache: hashing a 4 MiB block after reading all of it costs 2.4x as much CPU here (xxh3 of
+#: 256 MiB: 22 ms against 9, each piece read with ``preadv`` from the page cache).
+_HASH_PIECE = 256 << 10
 
 
 def contiguous_region(size: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
@@ -181,19 +186,42 @@ class _Read:
 
 
 def _read_checked(fd: int, r: _Read, blocks: FileBlocks, keys: Callable[[int, int], list[str]]) -> bool:
-    """:func:`_readinto` of ``r`` block by block, each block checked against its digest right
-    after it is read (while its bytes are in the CPU's cache); ``False`` on a short read."""
+    """:func:`_readinto` of ``r`` block by block, each block hashed as it is read (in pieces of
+    :data:`_HASH_PIECE`, each while it is in the core's cache) and checked against its digest
+    once it is whole; ``False`` on a short read."""
     view = _byte_view(r.target)
     end = r.offset + r.nbytes
-    pieces = r.pieces(view)
     at = r.offset
     for b in blocks.touched([(r.offset, end)]):
-        stop = min(blocks.starts[b + 1], end)
-        if not _readinto(fd, view[at - r.offset : stop - r.offset], at):
-            return False
-        check_read(blocks, [(blocks.starts[b], blocks.starts[b + 1])], pieces, _pread(fd), keys)
-        at = stop
+        lo, hi = blocks.starts[b], blocks.starts[b + 1]
+        hasher = new_hasher(blocks.algorithm)
+        assert hasher is not None  # component_blocks gives no blocks for an algorithm not here
+        if lo < at:  # the archive's header, before the data
+            hasher.update(_stored(fd, r, lo, at))
+        stop = min(hi, end)
+        while at < stop:
+            piece = view[at - r.offset : min(stop, at + _HASH_PIECE) - r.offset]
+            if not _readinto(fd, piece, at):
+                return False
+            hasher.update(piece)
+            at += len(piece)
+        if hi > stop:  # the archive's tail, after the data
+            hasher.update(_stored(fd, r, stop, hi))
+        check_digest(blocks, b, hasher, keys)
     return at >= end or _readinto(fd, view[at - r.offset :], at)  # past the recorded blocks: sizes say
+
+
+def _stored(fd: int, r: _Read, start: int, end: int) -> bytes | memoryview:
+    """Bytes ``start`` to ``end`` of the file around ``r``'s data: from the archive's head or
+    tail read up front where they hold them, else read (a short read leaves the digest wrong)."""
+    item = r.item
+    if item is not None:
+        if r.base <= start and end <= r.base + len(item.head):
+            return memoryview(item.head)[start - r.base : end - r.base]
+        tail_at = r.base + item.tail_start
+        if tail_at <= start and end <= r.base + item.length:
+            return memoryview(item.tail)[start - tail_at : end - tail_at]
+    return os.pread(fd, end - start, start)
 
 
 def _pread(fd: int) -> Callable[[int, int], bytes]:

@@ -43,6 +43,7 @@ __all__ = [
     "FileBlocks",
     "VerifyLevel",
     "VerifyReport",
+    "check_digest",
     "check_read",
     "component_blocks",
     "has_blocks",
@@ -508,11 +509,17 @@ def check_read(
                     raise _mismatch(blocks, lo, hi, keys, f"the file ends inside it (at byte {at + len(data)})")
                 hasher.update(data)
             at += n
-        if hasher.hexdigest() != blocks.digests[b]:
-            why = f"its {blocks.algorithm} digest differs from the one recorded at save"
-            raise _mismatch(blocks, lo, hi, keys, why)
+        check_digest(blocks, b, hasher, keys)
         if done is not None:
             done.add(b)
+
+
+def check_digest(blocks: FileBlocks, b: int, hasher: Any, keys: Callable[[int, int], list[str]]) -> None:
+    """Raise :class:`CorruptCheckpointError` unless ``hasher``, fed every byte of block ``b``,
+    has the digest recorded for it (for a reader that hashes a block as it reads it)."""
+    if hasher.hexdigest() != blocks.digests[b]:
+        why = f"its {blocks.algorithm} digest differs from the one recorded at save"
+        raise _mismatch(blocks, blocks.starts[b], blocks.starts[b + 1], keys, why)
 
 
 def _mismatch(

@@ -309,3 +309,32 @@ def test_a_flipped_byte_in_a_later_window_is_refused(tmp_path: Path, monkeypatch
         assert str(data) in message, message
         lo, hi = map(int, re.search(r"bytes (\d+)-(\d+)", message).groups())  # type: ignore[union-attr]
         assert lo <= at < hi and hi - lo <= 2 << 20, message  # one block, not the file
+
+
+def test_a_large_tensor_is_checked_piece_by_piece_as_it_is_read(tmp_path: Path) -> None:
+    """A tensor of 5 MiB (two blocks, each hashed in pieces as it is read): a flipped byte in its
+    archive's header, inside a piece, at a piece's edge, in the second block or in its archive's
+    tail is refused, naming a range in one block; undamaged, it loads bit-exact."""
+    gen = torch.Generator().manual_seed(0)
+    saved = nn.Linear(1280, 1024, bias=False)  # 5 MiB of fp32
+    with torch.no_grad():
+        saved.weight.copy_(torch.randn(1024, 1280, generator=gen))
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.save(1, model=saved).result()
+    data = _largest(tmp_path / "iter_000000001" / "model")
+    size = data.stat().st_size
+    original = data.read_bytes()
+    for at in (10, 300_000, (256 << 10) * 3, (4 << 20) + 12_345, size - 2_000, size - 10):
+        _flip(data, at)
+        live = nn.Linear(1280, 1024, bias=False)
+        with pytest.raises(CorruptCheckpointError) as err, CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+            engine.load(model=live)
+        data.write_bytes(original)
+        message = str(err.value)
+        lo, hi = map(int, re.search(r"bytes (\d+)-(\d+)", message).groups())  # type: ignore[union-attr]
+        assert lo <= at < hi and hi - lo <= (4 << 20) + 8192, (at, message)
+        assert "holding 'weight'" in message, message
+    live = nn.Linear(1280, 1024, bias=False)
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.load(model=live)
+    assert torch.equal(live.weight, saved.weight)
