@@ -53,11 +53,14 @@ def installed_plugins() -> dict[str, EntryPoint]:
     state = _path_state()
     if _installed is None or _installed[0] != state:
         _installed = (state, {ep.name: ep for ep in entry_points(group=PROJECT_NAME)})
+        _descriptions.clear()
     return dict(_installed[1])
 
 
 #: What :func:`installed_plugins` found, and the state of the import path it found it in.
 _installed: tuple[tuple[tuple[str, int], ...], dict[str, EntryPoint]] | None = None
+#: :func:`describe_entry_point`'s answers since :func:`installed_plugins` last looked.
+_descriptions: dict[tuple[str, str, str], str] = {}
 
 
 def _path_state() -> tuple[tuple[str, int], ...]:
@@ -72,8 +75,13 @@ def _path_state() -> tuple[tuple[str, int], ...]:
 
 
 def describe_entry_point(ep: EntryPoint) -> str:
-    dist = f", from {ep.dist.name} {ep.dist.version}" if ep.dist is not None else ""
-    return f"plugin {ep.name!r} ({ep.value}{dist})"
+    """``plugin 'name' (module:attr, from dist 1.0)``; the distribution's name and version are
+    read from its metadata once per state of the import path (see :func:`installed_plugins`)."""
+    key = (ep.group, ep.name, ep.value)
+    if key not in _descriptions:
+        dist = f", from {ep.dist.name} {ep.dist.version}" if ep.dist is not None else ""
+        _descriptions[key] = f"plugin {ep.name!r} ({ep.value}{dist})"
+    return _descriptions[key]
 
 
 def _import_path(path: str, who: str) -> Any:

@@ -60,3 +60,21 @@ def test_a_folder_added_to_the_path_is_searched(tmp_path: Path, monkeypatch: pyt
     assert "path_plugin" not in installed_plugins()
     monkeypatch.syspath_prepend(str(site))
     assert "path_plugin" in installed_plugins()
+
+
+def test_a_plugin_upgraded_in_place_is_described_by_its_new_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_engine.plugin_manager import describe_entry_point
+
+    site = tmp_path / "site"
+    site.mkdir()
+    _install(site, "upgraded")
+    monkeypatch.syspath_prepend(str(site))
+    assert describe_entry_point(installed_plugins()["upgraded"]).endswith("from upgraded-dist 0.1)")
+    old = os.stat(site).st_mtime_ns
+    (site / "upgraded_dist-0.1.dist-info").rename(site / "upgraded_dist-0.2.dist-info")  # as an installer replaces it
+    meta = site / "upgraded_dist-0.2.dist-info" / "METADATA"
+    meta.write_text(meta.read_text().replace("Version: 0.1", "Version: 0.2"))
+    os.utime(site, ns=(old + 1_000_000_000, old + 1_000_000_000))
+    assert describe_entry_point(installed_plugins()["upgraded"]).endswith("from upgraded-dist 0.2)")
