@@ -197,18 +197,24 @@ def plot(states: list[dict[str, Any]], summaries: list[dict[str, Any]], path: st
 def paired_table(states: list[dict[str, Any]]) -> str:
     """One row per state of ``_peers_paired.paired_loads``' figures."""
     lines = [
-        "| state | rounds | engine verified | engine unverified | safetensors | verified / safetensors "
-        "| unverified / safetensors | verified / unverified |",
-        "|---|---|---|---|---|---|---|---|",
+        "| state | rounds | engine verified | engine unverified | safetensors | read floor | verified / safetensors "
+        "| unverified / safetensors | verified / unverified | read floor / safetensors | verified / read floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    keys = (
+        "verified_x_safetensors",
+        "unverified_x_safetensors",
+        "verified_x_unverified",
+        "floor_x_safetensors",
+        "verified_x_floor",
+    )
     for state in states:
         p = state["paired_loads"]
         med = p["median_wall_s"]
-        cells = [f"{med[n] * 1000:.0f} ms" for n in ("ours_verified", "ours_unverified", "safetensors")]
-        for key in ("verified_x_safetensors", "verified_x_unverified", "unverified_x_safetensors"):
+        cells = [f"{med[n] * 1000:.0f} ms" for n in ("ours_verified", "ours_unverified", "safetensors", "read_floor")]
+        for key in keys:
             w, c = p["ratios"][f"{key}_wall"], p["ratios"][f"{key}_cpu"]
             cells.append(f"**{w['median']:.2f}x** ({w['min']:.2f}-{w['max']:.2f}) / {c['median']:.2f}x")
-        cells[3:] = [cells[3], cells[5], cells[4]]
         lines.append(f"| {state['label']} | {p['rounds']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

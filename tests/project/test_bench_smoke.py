@@ -172,8 +172,10 @@ def test_peers_benchmark_smoke(tmp_path: Path) -> None:
         assert best["blocking_s"]["engine"].startswith("ours_") and best["blocking_s"]["ratio"] > 0
         assert not best["durable_s"]["best_peer"].startswith("ours_")
         paired = state["paired_loads"]  # the engine verified and not, safetensors: each load checked
-        assert all(len(paired["wall_s"][n]) == 2 for n in ("ours_verified", "ours_unverified", "safetensors"))
+        methods = ("ours_verified", "ours_unverified", "safetensors", "read_floor")
+        assert all(len(paired["wall_s"][n]) == 2 for n in methods)
         assert paired["ratios"]["verified_x_unverified_wall"]["median"] > 0
+        assert paired["ratios"]["verified_x_floor_wall"]["median"] > 0
     assert "Hot loads, paired round by round" in proc.stdout
     assert not work.exists() or not os.listdir(work)  # every checkpoint removed
 
