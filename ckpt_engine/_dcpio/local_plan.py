@@ -37,6 +37,9 @@ and the coordinator builds the ``Metadata`` DCP's ``create_global_plan`` would h
 (:func:`build_metadata`), and validates it as DCP does (bounds, overlaps, coverage) before it
 writes ``.metadata``. A save that fails validation fails on every rank, uncommitted, as a save
 whose write failed; DCP would refuse it before writing.
+
+The local plan's items themselves, for a state dict of plain tensors and values, are built
+directly (:func:`plain_write_items`), equal to DCP's ``create_default_local_save_plan`` item for item.
 """
 
 from __future__ import annotations
@@ -62,13 +65,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._format.names import RANK_MARK, split_per_rank
 
-__all__ = ["PlanColumns", "build_metadata", "finish_alone", "own_key", "replicated_digest"]
+__all__ = ["PlanColumns", "build_metadata", "finish_alone", "own_key", "plain_write_items", "replicated_digest"]
 
 _BYTES, _TENSOR, _SHARD = 0, 1, 2
 _KIND = {WriteItemType.BYTE_IO: _BYTES, WriteItemType.TENSOR: _TENSOR, WriteItemType.SHARD: _SHARD}
@@ -387,3 +390,46 @@ def _overlaps(key: str, value: TensorStorageMetadata, dims: int) -> list[str]:
 
 def _clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def plain_write_items(state_dict: Mapping[str, Any]) -> list[WriteItem] | None:
+    """DCP's local save plan items (``create_default_local_save_plan``) for a state dict of
+    plain tensors and values, equal item for item; ``None`` for anything else (a DTensor, a
+    ``ShardedTensor``, a tensor subclass, an object with its own write items).
+
+    DCP builds a ``TensorProperties`` per tensor (``is_pinned`` and five attributes), a zero
+    offset and a chunk each: a tensor's items cost about 7 microseconds on the first save of a
+    structure, and a new engine's first save of 50,000 small tensors spends a tenth of its time
+    there. Here tensors of one dtype, ``requires_grad`` and pinning share one properties object,
+    and tensors of one rank one zero offset (as ``compact_metadata`` later shares them anyway).
+    Each tensor's index already carries the chunk number 0 that DCP's global plan (or
+    ``local_plan.finish_alone``) gives a plain tensor: the number is not part of an index's
+    equality or hash, and the final plan can keep the item as it is."""
+    items: list[WriteItem] = []
+    props: dict[tuple[Any, ...], TensorProperties] = {}
+    zeros: dict[int, torch.Size] = {}
+    for fqn, value in state_dict.items():
+        if type(value) is torch.Tensor:
+            if value.layout != torch.strided:
+                return None
+            key = (value.dtype, value.requires_grad, value.is_pinned())
+            p = props.get(key)
+            if p is None:
+                p = props[key] = TensorProperties(
+                    dtype=key[0],
+                    layout=torch.strided,
+                    requires_grad=key[1],
+                    memory_format=torch.contiguous_format,
+                    pin_memory=key[2],
+                )
+            size = value.size()
+            zero = zeros.get(len(size))
+            if zero is None:
+                zero = zeros[len(size)] = torch.Size([0] * len(size))
+            data = TensorWriteData(chunk=ChunkStorageMetadata(offsets=zero, sizes=size), properties=p, size=size)
+            items.append(WriteItem(index=MetadataIndex(fqn, zero, 0), type=WriteItemType.TENSOR, tensor_data=data))
+        elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+            return None
+        else:
+            items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+    return items

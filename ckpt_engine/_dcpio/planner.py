@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import io
 import pickle
 from collections.abc import Collection, Mapping
@@ -26,11 +27,9 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
@@ -38,7 +37,6 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     ReadItem,
     SavePlan,
-    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
@@ -53,6 +51,7 @@ from ..report import ComponentReport, OverlapRecord, SkipRecord
 from ..staging import TensorKey, local_tensor, memory_key
 from ..types import Decision, LoadContext, PlanEntry, RemapContext, ValueSpec
 from .archive_write import archive_settings, value_archive
+from .local_plan import plain_write_items
 from .plain_values import plain_value
 from .torch_private import local_chunks
 from .unsafe import unsafe_value_error, weights_only_reason
@@ -60,9 +59,16 @@ from .unsafe import unsafe_value_error, weights_only_reason
 __all__ = ["EngineLoadPlanner", "EngineSavePlanner", "already_flat", "flat_keys", "target_spec"]
 
 
+@functools.lru_cache(maxsize=4096)
+def _tensor_spec(shape: tuple[int, ...], dtype: torch.dtype) -> ValueSpec:
+    """One spec object per shape and dtype (immutable): 50,000 parameters of one shape hold one,
+    not 100,000 for their targets and stored tensors (about 12 MB of such a load's peak)."""
+    return ValueSpec(is_tensor=True, shape=shape, dtype=dtype)
+
+
 def target_spec(value: Any) -> ValueSpec:
     if isinstance(value, torch.Tensor):  # DTensor included: .shape is the global shape
-        return ValueSpec(is_tensor=True, shape=tuple(value.shape), dtype=value.dtype)
+        return _tensor_spec(tuple(value.shape), value.dtype)
     return _VALUE_SPECS.get(type(value)) or ValueSpec(is_tensor=False, type_name=type(value).__name__)
 
 
@@ -70,7 +76,7 @@ def stored_spec(md: TensorStorageMetadata | BytesStorageMetadata | None) -> Valu
     if md is None:
         return None
     if isinstance(md, TensorStorageMetadata):
-        return ValueSpec(is_tensor=True, shape=tuple(md.size), dtype=md.properties.dtype)
+        return _tensor_spec(tuple(md.size), md.properties.dtype)
     return _VALUE_SPECS[bytes]  # the spec of every stored value
 
 
@@ -526,49 +532,6 @@ class EngineSavePlanner(DefaultSavePlanner):
             if data is not None:
                 return io.BytesIO(data)
         return super().transform_object(write_item, object)
-
-
-def plain_write_items(state_dict: Mapping[str, Any]) -> list[WriteItem] | None:
-    """DCP's local save plan items (``create_default_local_save_plan``) for a state dict of
-    plain tensors and values, equal item for item; ``None`` for anything else (a DTensor, a
-    ``ShardedTensor``, a tensor subclass, an object with its own write items).
-
-    DCP builds a ``TensorProperties`` per tensor (``is_pinned`` and five attributes), a zero
-    offset and a chunk each: a tensor's items cost about 7 microseconds on the first save of a
-    structure, and a new engine's first save of 50,000 small tensors spends a tenth of its time
-    there. Here tensors of one dtype, ``requires_grad`` and pinning share one properties object,
-    and tensors of one rank one zero offset (as ``compact_metadata`` later shares them anyway).
-    Each tensor's index already carries the chunk number 0 that DCP's global plan (or
-    ``local_plan.finish_alone``) gives a plain tensor: the number is not part of an index's
-    equality or hash, and the final plan can keep the item as it is."""
-    items: list[WriteItem] = []
-    props: dict[tuple[Any, ...], TensorProperties] = {}
-    zeros: dict[int, torch.Size] = {}
-    for fqn, value in state_dict.items():
-        if type(value) is torch.Tensor:
-            if value.layout != torch.strided:
-                return None
-            key = (value.dtype, value.requires_grad, value.is_pinned())
-            p = props.get(key)
-            if p is None:
-                p = props[key] = TensorProperties(
-                    dtype=key[0],
-                    layout=torch.strided,
-                    requires_grad=key[1],
-                    memory_format=torch.contiguous_format,
-                    pin_memory=key[2],
-                )
-            size = value.size()
-            zero = zeros.get(len(size))
-            if zero is None:
-                zero = zeros[len(size)] = torch.Size([0] * len(size))
-            data = TensorWriteData(chunk=ChunkStorageMetadata(offsets=zero, sizes=size), properties=p, size=size)
-            items.append(WriteItem(index=MetadataIndex(fqn, zero, 0), type=WriteItemType.TENSOR, tensor_data=data))
-        elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
-            return None
-        else:
-            items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
-    return items
 
 
 def _require_cover(

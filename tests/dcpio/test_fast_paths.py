@@ -593,7 +593,8 @@ def test_plain_write_items_are_dcps_local_plan_item_for_item(one_rank_mesh: Any)
     from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
     from torch.distributed.tensor import DTensor, Replicate
 
-    from ckpt_engine._dcpio.planner import EngineSavePlanner, plain_write_items
+    from ckpt_engine._dcpio.local_plan import plain_write_items
+    from ckpt_engine._dcpio.planner import EngineSavePlanner
 
     state = {**_varied_state(), "grad": torch.randn(3, requires_grad=True).detach().requires_grad_()}
     state = {k: v for k, v in state.items() if not isinstance(v, dict)}

@@ -4,6 +4,7 @@
   depended on is equal, so a changed archive (another checkpoint, a rewritten or crafted file)
   is parsed in full.
 * ``planner._whole_tensor_read``: the read item of a plain tensor stored whole is DCP's own.
+* ``planner.target_spec`` / ``stored_spec``: one spec object per shape and dtype, bounded.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckpt_engine import CheckpointEngine
+from ckpt_engine._dcpio import planner
 from ckpt_engine._dcpio.fast_read import FastFileSystemReader
-from ckpt_engine._dcpio.planner import _whole_tensor_read
+from ckpt_engine._dcpio.planner import _whole_tensor_read, stored_spec, target_spec
 from ckpt_engine._dcpio.torch_save_archive import ArchiveItem, LayoutCache, parse_torch_save_tensor_at
 
 
@@ -151,3 +153,24 @@ def test_value_read_item_is_dcps(value: object, one_rank_mesh: object) -> None:
     renamed = _whole_tensor_read("k", "dest", value, md)
     assert renamed is not None and renamed.dest_index.fqn == "dest" and renamed.storage_index.fqn == "k"
     assert _whole_tensor_read("k", "k", DTensor.from_local(torch.zeros(2), one_rank_mesh, [Replicate()]), md) is None
+
+
+def test_tensor_specs_are_one_object_per_shape_and_dtype_and_bounded() -> None:
+    """A load of 50,000 parameters of one shape holds one spec for them, not 100,000 (about 12 MB
+    of its peak memory); a load of ever new shapes does not grow the cache past its bound."""
+    stored = TensorStorageMetadata(
+        properties=TensorProperties(dtype=torch.float32),
+        size=torch.Size([16]),
+        chunks=[ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([16]))],
+    )
+    specs = {id(target_spec(torch.zeros(16))) for _ in range(1000)} | {id(stored_spec(stored)) for _ in range(1000)}
+    assert len(specs) == 1
+    one = target_spec(torch.zeros(16))
+    assert (one.shape, one.dtype, one.is_tensor) == ((16,), torch.float32, True)
+    assert target_spec(torch.zeros(16, dtype=torch.bfloat16)) is not one  # another dtype, another spec
+    assert target_spec(torch.zeros(4, 4)).shape == (4, 4)
+    bound = planner._tensor_spec.cache_parameters()["maxsize"]
+    assert bound is not None
+    for n in range(1, bound + 100):
+        target_spec(torch.empty(n))
+    assert planner._tensor_spec.cache_info().currsize <= bound
