@@ -14,6 +14,10 @@ both copy the stored bytes into a destination of the stored dtype. Non-tensor va
 to the planner as DCP's path hands them (each item's archive bytes), but read with one ``pread``
 per run of small items: DCP seeks and reads each one (an optimizer's hyper-parameters are about
 eleven values per parameter).
+
+With ``verify: read`` every byte read is checked against its block's digest: a file's small
+items window by window before they are handed on (:func:`_windows`, which also bounds the
+memory they hold), a large read piece by piece as it is read (:func:`_read_checked`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The per-tensor shortcuts of the load path give what the general path gives.
 
-* ``fast_read.LayoutCache``: an archive's layout is reused only when every byte its parse
+* ``torch_save_archive.LayoutCache``: an archive's layout is reused only when every byte its parse
   depended on is equal, so a changed archive (another checkpoint, a rewritten or crafted file)
   is parsed in full.
 * ``planner._whole_tensor_read``: the read item of a plain tensor stored whole is DCP's own.
