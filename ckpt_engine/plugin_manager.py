@@ -78,10 +78,11 @@ def describe_entry_point(ep: EntryPoint) -> str:
     """``plugin 'name' (module:attr, from dist 1.0)``; the distribution's name and version are
     read from its metadata once per state of the import path (see :func:`installed_plugins`)."""
     key = (ep.group, ep.name, ep.value)
-    if key not in _descriptions:
+    described = _descriptions.get(key)
+    if described is None:  # another thread may empty the dict meanwhile: keep this answer
         dist = f", from {ep.dist.name} {ep.dist.version}" if ep.dist is not None else ""
-        _descriptions[key] = f"plugin {ep.name!r} ({ep.value}{dist})"
-    return _descriptions[key]
+        described = _descriptions[key] = f"plugin {ep.name!r} ({ep.value}{dist})"
+    return described
 
 
 def _import_path(path: str, who: str) -> Any:
