@@ -217,16 +217,13 @@ def _read_checked(fd: int, r: _Read, blocks: FileBlocks, keys: Callable[[int, in
     return at >= end or _readinto(fd, view[at - r.offset :], at)  # past the recorded blocks: sizes say
 
 
-def _stored(fd: int, r: _Read, start: int, end: int) -> bytes | memoryview:
-    """Bytes ``start`` to ``end`` of the file around ``r``'s data: from the archive's head or
-    tail read up front where they hold them, else read (a short read leaves the digest wrong)."""
+def _stored(fd: int, r: _Read, start: int, end: int) -> bytes:
+    """Bytes ``start`` to ``end`` of the file around ``r``'s data: inside its archive through
+    :meth:`ArchiveItem.pread` (the head or tail read up front where they hold them), else read
+    (a short read leaves the digest wrong)."""
     item = r.item
-    if item is not None:
-        if r.base <= start and end <= r.base + len(item.head):
-            return memoryview(item.head)[start - r.base : end - r.base]
-        tail_at = r.base + item.tail_start
-        if tail_at <= start and end <= r.base + item.length:
-            return memoryview(item.tail)[start - tail_at : end - tail_at]
+    if item is not None and r.base <= start and end <= r.base + item.length:
+        return item.pread(start - r.base, end - start)
     return os.pread(fd, end - start, start)
 
 
