@@ -372,12 +372,14 @@ class FastFileSystemReader(SafeFileSystemReader):
             os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         blocks = self.blocks.get(rel)
-        # With per-block digests the small items are read, checked and handed on window by
-        # window; a file with a whole-file digest only is checked once all of it was read.
-        windowed = blocks is None or not blocks.whole_only
+        # With per-block digests (or none) the small items are read, checked and handed on
+        # window by window; with a whole-file digest only, all of the file is one window, held
+        # until the large reads are done too, and checked once.
+        whole_file = blocks is not None and blocks.whole_only
         checked: set[int] = set()  # blocks checked so far
         reads: list[_Read] = []
-        for window in _windows(entries, blocks) if windowed else [entries]:
+        held: tuple[dict[int, bytes], dict[int, tuple[ArchiveItem, SavedTensorLayout | None]], list[Any]] | None = None
+        for window in [entries] if whole_file else _windows(entries, blocks):
             layouts: dict[int, tuple[ArchiveItem, SavedTensorLayout | None]] = {}
             ready: list[tuple[ReadItem, torch.Tensor]] = []
             small = _read_small_items(fd, sorted({(info.offset, info.length) for info, _ in window}))
@@ -385,19 +387,21 @@ class FastFileSystemReader(SafeFileSystemReader):
                 if not self._plan_direct(fd, info, req, planner, layouts, ready, reads, small):
                     slow.append(req)
             self.stats.bytes_read += sum(it.prefetched for it, _ in layouts.values())
-            if not windowed:
-                break
+            if whole_file:
+                held = small, layouts, ready
+                continue
             if blocks is not None:
                 self._check_direct(fd, rel, blocks, small, layouts, [req for req, _ in ready], [], checked)
             self._commit(planner, ready)
-            ready.clear()
         failed = _run_reads(fd, reads, self.threads, blocks, keys_in(self.storage_data, rel))
         slow += [r.req for r in failed]
         done_reads = [r for r in reads if r not in failed]
-        if not windowed and blocks is not None:
+        if held is not None and blocks is not None:
+            small, layouts, ready = held
             self._check_direct(fd, rel, blocks, small, layouts, [req for req, _ in ready], done_reads, checked)
+            self._commit(planner, ready)
         self.stats.bytes_read += sum(r.nbytes for r in done_reads)
-        self._commit(planner, ready + [(r.req, r.target) for r in done_reads])
+        self._commit(planner, [(r.req, r.target) for r in done_reads])
         return slow
 
     def _commit(self, planner: LoadPlanner, done: list[tuple[ReadItem, torch.Tensor]]) -> None:
