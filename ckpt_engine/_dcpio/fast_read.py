@@ -22,6 +22,7 @@ memory they hold), a large read piece by piece as it is read (:func:`_read_check
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -251,30 +252,42 @@ def _run_reads(
     fd: int, reads: list[_Read], threads: int, blocks: FileBlocks | None = None, keys: Any = None
 ) -> list[_Read]:
     """Do the reads (offset order), on up to ``threads`` threads when there is enough to share;
-    returns the reads that came back short (a truncated file). With ``blocks`` (recorded per
-    block), each block is checked as it is read."""
+    returns the reads that came back short (a truncated file), in offset order. With ``blocks``
+    (recorded per block), each block is checked as it is read."""
 
     def one(r: _Read) -> bool:
         if blocks is not None and not blocks.whole_only:
             return _read_checked(fd, r, blocks, keys)
         return _readinto(fd, r.view, r.offset)
 
-    def run(batch: list[_Read]) -> list[_Read]:
-        return [r for r in batch if not one(r)]
-
     total = sum(r.nbytes for r in reads)
     if threads <= 1 or total < _PARALLEL_MIN_BYTES or len(reads) < 2:
-        return run(reads)
-    # contiguous runs of about equal bytes: each thread reads one part of the file sequentially
-    batches: list[list[_Read]] = [[]]
-    acc = 0
-    for r in reads:
-        if acc >= total * len(batches) / threads and len(batches) < threads:
-            batches.append([])
-        batches[-1].append(r)
-        acc += r.nbytes
-    with ThreadPoolExecutor(len(batches), thread_name_prefix="ckpt-read") as pool:
-        return [r for failed in pool.map(run, batches) for r in failed]
+        return [r for r in reads if not one(r)]
+    # The threads take the reads one at a time, in file order. A thread that starts late or runs
+    # slower takes fewer: on a virtual machine the second vCPU, idle until the reads start, was
+    # often woken milliseconds late, and with each thread given half of the file the load waited
+    # for it (a 90 MB file read in 25 ms on two threads, 15 ms once both were running).
+    left = collections.deque(reads)
+    failed: list[_Read] = []
+
+    def run() -> None:
+        while True:
+            try:
+                r = left.popleft()  # a deque's pops are atomic: no lock
+            except IndexError:
+                return
+            try:
+                ok = one(r)
+            except BaseException:
+                left.clear()  # a damaged block: the other threads stop after their current read
+                raise
+            if not ok:
+                failed.append(r)
+
+    with ThreadPoolExecutor(min(threads, len(reads)), thread_name_prefix="ckpt-read") as pool:
+        for done in [pool.submit(run) for _ in range(min(threads, len(reads)))]:
+            done.result()
+    return sorted(failed, key=lambda r: r.offset)
 
 
 @contextlib.contextmanager

@@ -446,6 +446,50 @@ def test_large_reads_split_over_threads_stay_bit_exact(
         assert _bits(out[k]) == _bits(v), k
 
 
+def test_a_stalled_read_thread_leaves_the_other_reads_to_the_rest(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read threads take the large reads one at a time, so one that stalls on its first read
+    (on a virtual machine: a vCPU the host wakes late) holds up no other read. When the file was
+    cut into one part per thread, the stalled thread's other reads waited for it, and here that
+    waits forever: the stalled read goes on only once every other read is done (pytest-timeout
+    then fails the test)."""
+    import threading
+
+    import ckpt_engine._dcpio.fast_read as fr
+
+    monkeypatch.setattr(fr, "_PARALLEL_MIN_BYTES", 1)
+    g = torch.Generator().manual_seed(11)
+    state = {f"w{i}": torch.randn(3000 + i, generator=g) for i in range(8)}
+    path = str(tmp_path / "ckpt")
+    dcp.save(state, storage_writer=FileSystemWriter(path))
+    progress = threading.Condition()
+    started: list[int] = []
+    finished: list[int] = []  # the thread of each read done, in order
+    real = fr._readinto
+
+    def readinto(fd: int, buf: memoryview, offset: int) -> bool:
+        with progress:
+            stalls = not started
+            started.append(offset)
+            if stalls:
+                progress.wait_for(lambda: len(finished) == len(state) - 1)
+        ok = real(fd, buf, offset)
+        with progress:
+            finished.append(threading.get_ident())
+            progress.notify_all()
+        return ok
+
+    monkeypatch.setattr(fr, "_readinto", readinto)
+    reader = FastFileSystemReader(path)
+    reader.threads = 2
+    out = _load(path, {k: torch.zeros_like(v) for k, v in state.items()}, reader)
+    assert reader.stats.direct == len(state)
+    for k, v in state.items():
+        assert _bits(out[k]) == _bits(v), k
+    assert len(set(finished[:-1])) == 1 and finished[-1] != finished[0]  # the other thread read the rest
+
+
 def test_io_error_on_the_direct_path_falls_back_to_the_mapped_reader(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
