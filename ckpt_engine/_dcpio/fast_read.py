@@ -22,8 +22,10 @@ memory they hold), a large read piece by piece as it is read (:func:`_read_check
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import gc
@@ -57,6 +59,9 @@ _RUN_MAX = 8 << 20
 #: was done was a third of such a load's peak memory. 2 MiB: 1.39x safetensors' peak for that
 #: load, 1.49x with 8 MiB, at the same speed (two windows of the blocks' 1 MiB each, or so).
 _WINDOW = 2 << 20
+#: A read of a tensor larger than about twice this is cut into parts of this size (where a block
+#: starts) for the threads to share: a 1 GiB embedding or moment was read by one thread.
+_PART = 32 << 20
 #: A large read is hashed in pieces of this size, each right after it is read, while it is in the
 #: core's cache: hashing a 4 MiB block after reading all of it costs 2.4x as much CPU here (xxh3 of
 #: 256 MiB: 22 ms against 9, each piece read with ``preadv`` from the page cache).
@@ -188,6 +193,31 @@ class _Read:
     def __post_init__(self) -> None:
         self.view = _byte_view(self.target)
 
+    def parts(self, size: int, starts: Sequence[int] | None) -> list[_Read]:
+        """This read cut into consecutive reads of about ``size`` bytes or more (or itself), for
+        the threads to share one large tensor; with ``starts`` (the file's block starts) each cut
+        is at one, so that every block is hashed whole by one thread."""
+        end = self.offset + self.nbytes
+        cuts: list[int] = []
+        at = self.offset + size
+        while at < end - size // 2:
+            if starts is not None:
+                k = bisect.bisect_left(starts, at)
+                if k == len(starts) or starts[k] >= end - size // 2:
+                    break
+                at = starts[k]
+            cuts.append(at)
+            at += size
+        out: list[_Read] = []
+        lo = self.offset
+        for hi in [*cuts, end]:
+            part = copy.copy(self)  # the same request, target and archive: not __init__, which takes a new view
+            part.offset, part.nbytes = lo, hi - lo
+            part.view = self.view[lo - self.offset : hi - self.offset]
+            out.append(part)
+            lo = hi
+        return out
+
     def pieces(self) -> list[tuple[int, Any]]:
         """What of the archive is in memory, by file offset: its head up to the data, the data
         (the target's bytes) and its tail after it."""
@@ -251,9 +281,10 @@ def _pread(fd: int) -> Callable[[int, int], bytes]:
 def _run_reads(
     fd: int, reads: list[_Read], threads: int, blocks: FileBlocks | None = None, keys: Any = None
 ) -> list[_Read]:
-    """Do the reads (offset order), on up to ``threads`` threads when there is enough to share;
-    returns the reads that came back short (a truncated file), in offset order. With ``blocks``
-    (recorded per block), each block is checked as it is read."""
+    """Do the reads (offset order), on up to ``threads`` threads when there is enough to share
+    (a large tensor's read cut into parts, :meth:`_Read.parts`); returns the reads that came back
+    short (a truncated file), in offset order. With ``blocks`` (recorded per block), each block is
+    checked as it is read."""
 
     def one(r: _Read) -> bool:
         if blocks is not None and not blocks.whole_only:
@@ -261,33 +292,36 @@ def _run_reads(
         return _readinto(fd, r.view, r.offset)
 
     total = sum(r.nbytes for r in reads)
-    if threads <= 1 or total < _PARALLEL_MIN_BYTES or len(reads) < 2:
+    starts = None if blocks is None or blocks.whole_only else blocks.starts
+    units = [(r, part) for r in reads for part in r.parts(_PART, starts)] if threads > 1 else []
+    if threads <= 1 or total < _PARALLEL_MIN_BYTES or len(units) < 2:
         return [r for r in reads if not one(r)]
-    # The threads take the reads one at a time, in file order. A thread that starts late or runs
-    # slower takes fewer: on a virtual machine the second vCPU, idle until the reads start, was
-    # often woken milliseconds late, and with each thread given half of the file the load waited
-    # for it (a 90 MB file read in 25 ms on two threads, 15 ms once both were running).
-    left = collections.deque(reads)
-    failed: list[_Read] = []
+    # The threads take the reads (a large tensor's in parts) one at a time, in file order. A
+    # thread that starts late or runs slower takes fewer: on a virtual machine the second vCPU,
+    # idle until the reads start, was often woken milliseconds late, and with each thread given
+    # half of the file the load waited for it (a 90 MB file read in 25 ms on two threads, 15 ms
+    # once both were running).
+    left = collections.deque(units)
+    failed: dict[int, _Read] = {}
 
     def run() -> None:
         while True:
             try:
-                r = left.popleft()  # a deque's pops are atomic: no lock
+                r, part = left.popleft()  # a deque's pops are atomic: no lock
             except IndexError:
                 return
             try:
-                ok = one(r)
+                ok = one(part)
             except BaseException:
                 left.clear()  # a damaged block: the other threads stop after their current read
                 raise
             if not ok:
-                failed.append(r)
+                failed[id(r)] = r
 
-    with ThreadPoolExecutor(min(threads, len(reads)), thread_name_prefix="ckpt-read") as pool:
-        for done in [pool.submit(run) for _ in range(min(threads, len(reads)))]:
+    with ThreadPoolExecutor(min(threads, len(units)), thread_name_prefix="ckpt-read") as pool:
+        for done in [pool.submit(run) for _ in range(min(threads, len(units)))]:
             done.result()
-    return sorted(failed, key=lambda r: r.offset)
+    return sorted(failed.values(), key=lambda r: r.offset)
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import os
 import warnings
 import zipfile
@@ -444,6 +445,33 @@ def test_large_reads_split_over_threads_stay_bit_exact(
     assert reader.stats.direct == len(state)
     for k, v in state.items():
         assert _bits(out[k]) == _bits(v), k
+
+
+def test_one_large_tensor_is_read_in_parts_by_the_threads(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unverified (no blocks), a tensor larger than two parts is cut into parts of about
+    ``_PART`` bytes that tile its data, so the threads share it; the load is bit-exact."""
+    import ckpt_engine._dcpio.fast_read as fr
+
+    monkeypatch.setattr(fr, "_PART", 64 << 10, raising=False)
+    monkeypatch.setattr(fr, "_PARALLEL_MIN_BYTES", 1)
+    state = {"big": torch.randn(300_000, generator=torch.Generator().manual_seed(2)), "small": torch.randn(9)}
+    path = str(tmp_path / "ckpt")
+    dcp.save(state, storage_writer=FileSystemWriter(path))
+    calls: list[tuple[int, int]] = []
+    real = fr._readinto
+
+    def readinto(fd: int, buf: memoryview, offset: int) -> bool:
+        calls.append((offset, offset + len(buf)))
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(fr, "_readinto", readinto)
+    reader = FastFileSystemReader(path)
+    reader.threads = 2
+    out = _load(path, {k: torch.zeros_like(v) for k, v in state.items()}, reader)
+    assert all(_bits(out[k]) == _bits(v) for k, v in state.items())
+    calls.sort()
+    assert len(calls) >= 8 and all(a[1] == b[0] for a, b in itertools.pairwise(calls)), calls
+    assert calls[-1][1] - calls[0][0] == 300_000 * 4 and all(hi - lo >= 32 << 10 for lo, hi in calls)
 
 
 def test_a_stalled_read_thread_leaves_the_other_reads_to_the_rest(

@@ -8,6 +8,7 @@ or a copy damages them: one byte flipped, the size unchanged.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -309,6 +310,55 @@ def test_a_flipped_byte_in_a_later_window_is_refused(tmp_path: Path, monkeypatch
         assert str(data) in message, message
         lo, hi = map(int, re.search(r"bytes (\d+)-(\d+)", message).groups())  # type: ignore[union-attr]
         assert lo <= at < hi and hi - lo <= 2 << 20, message  # one block, not the file
+
+
+def test_a_tensor_larger_than_a_part_is_read_in_parts_cut_where_blocks_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One large tensor is cut into parts that the read threads share (it was read by one
+    thread: a 1 GiB moment at half the speed). The parts tile the tensor's data, every cut is
+    where a block starts (each block is hashed whole by one thread), the load is bit-exact, and
+    a flipped byte in a part after the first is refused, naming its block."""
+    import ckpt_engine._dcpio.fast_read as fr
+
+    monkeypatch.setattr(fr, "_PART", 1 << 20, raising=False)
+    monkeypatch.setattr(fr, "_PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setenv("CKPT_ENGINE_READ_THREADS", "2")
+    gen = torch.Generator().manual_seed(3)
+    saved = nn.Linear(2560, 2048, bias=False)  # 20 MiB of fp32: five blocks
+    with torch.no_grad():
+        saved.weight.copy_(torch.randn(2048, 2560, generator=gen))
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.save(1, model=saved).result()
+    parts: list[tuple[int, int]] = []
+    real = fr._read_checked
+
+    def read_checked(fd: int, r: Any, blocks: Any, keys: Any) -> bool:
+        parts.append((r.offset, r.offset + r.nbytes))
+        return real(fd, r, blocks, keys)
+
+    monkeypatch.setattr(fr, "_read_checked", read_checked)
+    live = nn.Linear(2560, 2048, bias=False)
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.load(model=live)
+    assert torch.equal(live.weight, saved.weight)
+    parts.sort()
+    assert len(parts) >= 4, parts
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(parts)), parts  # they tile the data
+    assert parts[-1][1] - parts[0][0] == 2048 * 2560 * 4
+    manifest = json.loads((tmp_path / "iter_000000001" / MANIFEST_FILE).read_text())
+    data = _largest(tmp_path / "iter_000000001" / "model")
+    lengths = [int(b.split(":")[0]) for b in manifest["files"][f"model/{data.name}"]["blocks"].split(",")]
+    block_starts = {sum(lengths[:k]) for k in range(len(lengths))}
+    assert all(lo in block_starts for lo, _ in parts[1:]), (parts, sorted(block_starts))
+    original = data.read_bytes()
+    at = parts[2][0] + 12_345
+    _flip(data, at)
+    with pytest.raises(CorruptCheckpointError) as err, CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.load(model=nn.Linear(2560, 2048, bias=False))
+    data.write_bytes(original)
+    lo, hi = map(int, re.search(r"bytes (\d+)-(\d+)", str(err.value)).groups())  # type: ignore[union-attr]
+    assert lo <= at < hi and lo in block_starts, str(err.value)
 
 
 def test_a_large_tensor_is_checked_piece_by_piece_as_it_is_read(tmp_path: Path) -> None:
