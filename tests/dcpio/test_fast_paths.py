@@ -477,11 +477,11 @@ def test_one_large_tensor_is_read_in_parts_by_the_threads(tmp_path: Any, monkeyp
 def test_a_stalled_read_thread_leaves_the_other_reads_to_the_rest(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The read threads take the large reads one at a time, so one that stalls on its first read
-    (on a virtual machine: a vCPU the host wakes late) holds up no other read. When the file was
-    cut into one part per thread, the stalled thread's other reads waited for it, and here that
-    waits forever: the stalled read goes on only once every other read is done (pytest-timeout
-    then fails the test)."""
+    """A thread done with its part of the file takes the reads left of another's, so one that
+    stalls on its first read (on a virtual machine: a vCPU the host wakes late) holds up no other
+    read. When each thread had a fixed part, the stalled thread's other reads waited for it, and
+    here that waits forever: the stalled read goes on only once every other read is done
+    (pytest-timeout then fails the test)."""
     import threading
 
     import ckpt_engine._dcpio.fast_read as fr
