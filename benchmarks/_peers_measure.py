@@ -85,6 +85,25 @@ class SmallLM(nn.Module):
         return h
 
 
+class WideEmbedding(nn.Module):
+    """A model whose state is mostly one tensor: an embedding table (a large vocabulary, 1024
+    wide) and one 1024-wide layer, sized so that parameters and AdamW's two moments add up to
+    about ``mib`` MiB. Its three largest tensors (the table and its moments) are each about a
+    third of the state: the shape of a large vocabulary's embedding and output tables."""
+
+    D = 1024
+
+    def __init__(self, mib: int) -> None:
+        super().__init__()
+        self.vocab = max(1024, (mib * MIB // 4 // 3 - self.D * self.D) // self.D)
+        self.embed = nn.Embedding(self.vocab, self.D)
+        self.proj = nn.Linear(self.D, self.D)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.proj(self.embed(tokens))
+        return out
+
+
 def world_size() -> int:
     import torch.distributed as dist
 
@@ -93,7 +112,8 @@ def world_size() -> int:
 
 def build(kind: str, size: int, batch: int) -> tuple[Work, Callable[[], torch.Tensor], str]:
     """``kind`` "big": an MLP of 1024-wide layers whose parameters and AdamW moments add up to
-    about ``size`` MiB; "lm": :class:`SmallLM` of about ``size`` MiB with AdamW; "small":
+    about ``size`` MiB; "lm": :class:`SmallLM` of about ``size`` MiB with AdamW; "emb":
+    :class:`WideEmbedding` of about ``size`` MiB with AdamW; "small":
     ``size`` tiny parameters, a stateless SGD, saved model only.
     With more than one rank, FSDP2 (``fully_shard``) shards every layer (and the small model)
     over them before the optimizer is built, as a training script does."""
@@ -109,6 +129,10 @@ def build(kind: str, size: int, batch: int) -> tuple[Work, Callable[[], torch.Te
         model = SmallLM(size)
         x = torch.randint(0, SmallLM.VOCAB, (batch, 16))
         label = f"{size} MiB small-LM model+AdamW (201 parameters)"
+    elif kind == "emb":
+        wide = WideEmbedding(size)
+        model, x = wide, torch.randint(0, wide.vocab, (batch, 16))
+        label = f"{size} MiB embedding-table model+AdamW ({wide.vocab:,} x {wide.D})"
     else:
         model = _overlap_model(size)
         x = torch.randn(batch, 1024)

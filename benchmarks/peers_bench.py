@@ -8,7 +8,8 @@
     python benchmarks/peers_bench.py --ranks 2 --states 256,small10000   # FSDP2 over 2 gloo ranks
     python benchmarks/peers_bench.py --states 256,lm256 --methods ours_sync,safetensors --paired 11
         # the engine's hot load verified and unverified against safetensors, paired round by
-        # round (benchmarks/_peers_paired.py); lm256: a small LM (201 parameters) with AdamW
+        # round (benchmarks/_peers_paired.py); lm256: a small LM (201 parameters) with AdamW;
+        # emb1024: 1 GiB whose three largest tensors (an embedding table and its moments) are each a third
     python benchmarks/peers_bench.py --full --out benchmarks/results/performance-peers-results.json \
         --plot benchmarks/results/performance-peers.png
         # the whole table: one rank (256 MiB, 1 GiB, 50,000 tensors), then two ranks (256 MiB,
@@ -313,18 +314,19 @@ def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     rounds += [rounds[-1]] * (len(states) - len(rounds))
     specs = []
     for state, n in zip(states, rounds, strict=False):
-        small, lm = state.startswith("small"), state.startswith("lm")
+        kind = next((k for k in ("small", "lm", "emb") if state.startswith(k)), "big")
+        size = state[len(kind) :] if kind != "big" else state
         specs.append(
             {
-                "kind": "small" if small else "lm" if lm else "big",
-                "size": int(state[5:] or args.small_count) if small else int(state[2:] if lm else state),
+                "kind": kind,
+                "size": int(size or args.small_count) if kind == "small" else int(size),
                 "paired": args.paired,
                 "rounds": n,
                 "methods": methods,
                 "steps": args.steps,
                 "batch": args.batch,
                 "threads": args.threads,
-                "cold": not small or args.small_cold,
+                "cold": kind != "small" or args.small_cold,
                 "max_loop_s": args.max_loop_s,
                 "ranks": args.ranks,
                 "workdir": os.path.abspath(args.workdir),
@@ -364,7 +366,9 @@ def _run_child(specs: list[dict[str, Any]], timeout: float) -> list[dict[str, An
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--states", help="MiB of model+AdamW state, 'lmN' (a small LM of N MiB), or 'small[N]' (default 256,1024,small)"
+        "--states",
+        help="MiB of model+AdamW state, 'lmN' (a small LM of N MiB), 'embN' (N MiB, mostly one embedding "
+        "table), or 'small[N]' (default 256,1024,small)",
     )
     parser.add_argument("--rounds", default="3,2,1", help="rounds per state (one number: all states)")
     parser.add_argument(
