@@ -59,8 +59,8 @@ _RUN_MAX = 8 << 20
 #: was done was a third of such a load's peak memory. 2 MiB: 1.39x safetensors' peak for that
 #: load, 1.49x with 8 MiB, at the same speed (two windows of the blocks' 1 MiB each, or so).
 _WINDOW = 2 << 20
-#: A read of a tensor larger than about twice this is cut into parts of this size (where a block
-#: starts) for the threads to share: a 1 GiB embedding or moment was read by one thread.
+#: A tensor's read of more than 1.5 times this is cut into parts of about this size (each cut where
+#: a block starts) for the threads to share: a 1 GiB embedding or moment was read by one thread.
 _PART = 32 << 20
 #: A large read is hashed in pieces of this size, each right after it is read, while it is in the
 #: core's cache: hashing a 4 MiB block after reading all of it costs 2.4x as much CPU here (xxh3 of
