@@ -30,7 +30,6 @@ import ctypes
 import dataclasses
 import gc
 import io
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,15 +43,19 @@ from .._format.hashing import new_hasher
 from .._format.metadata import SafeFileSystemReader, _read_error
 from .._format.verify import FileBlocks, check_digest, check_read, keys_in
 from ..errors import CheckpointLoadError, CkptEngineError
-from .torch_save_archive import PREFETCH, ArchiveItem, LayoutCache, SavedTensorLayout
+from .torch_save_archive import (
+    PREFETCH,
+    ArchiveItem,
+    LayoutCache,
+    SavedTensorLayout,
+    contiguous_region,
+    read_small_items,
+)
 
-__all__ = ["FastFileSystemReader", "contiguous_region"]
+__all__ = ["FastFileSystemReader"]
 
 #: Large reads are split over threads only when there are at least this many bytes.
 _PARALLEL_MIN_BYTES = 64 << 20
-#: Small items (read whole) that follow each other in a file are read with one ``pread`` of at
-#: most this many bytes: 50,000 tiny tensors cost 50,000 system calls otherwise.
-_RUN_MAX = 8 << 20
 #: A file's tensor items are read, checked and handed on in windows of about this many bytes
 #: held in memory (:func:`_windows`; twice that while a window's run is cut into its items): the
 #: archives of 50,000 small tensors are 20x their data, and holding all of them until the file
@@ -66,62 +69,6 @@ _PART = 32 << 20
 #: core's cache: hashing a 4 MiB block after reading all of it costs 2.4x as much CPU here (xxh3 of
 #: 256 MiB: 22 ms against 9, each piece read with ``preadv`` from the page cache).
 _HASH_PIECE = 256 << 10
-
-
-def contiguous_region(size: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
-    """``(first element, element count)`` of a box inside a C-contiguous array, if contiguous.
-
-    The box ``offsets``/``lengths`` of an array of shape ``size`` is one contiguous run of
-    elements when, from the outermost dimension in, it spans single indices, then one partial
-    dimension, then only full dimensions. ``None`` otherwise (or if the box is out of range).
-    """
-    if not (len(size) == len(offsets) == len(lengths)):
-        return None
-    if tuple(lengths) == tuple(size) and not any(offsets) and min(size, default=0) >= 0:  # the whole array
-        return 0, math.prod(size)
-    for n, o, ln in zip(size, offsets, lengths, strict=True):
-        if o < 0 or ln < 0 or o + ln > n:
-            return None
-    count = math.prod(lengths)
-    if count == 0:
-        return 0, 0
-    # innermost dimension that is not taken whole
-    k = len(size) - 1
-    while k >= 0 and offsets[k] == 0 and lengths[k] == size[k]:
-        k -= 1
-    if any(lengths[i] != 1 for i in range(k)):
-        return None
-    first, stride = 0, 1
-    for i in range(len(size) - 1, -1, -1):
-        first += offsets[i] * stride
-        stride *= size[i]
-    return first, count
-
-
-def _read_small_items(fd: int, spans: list[tuple[int, int]]) -> dict[int, bytes]:
-    """The bytes of every small item in ``spans`` (``(offset, length)``, in offset order) by its
-    offset, read with one ``pread`` per run of items that follow each other in the file. An item
-    a short read (a truncated file) cut is left out: it is read on its own, and fails there."""
-    out: dict[int, bytes] = {}
-    i = 0
-    while i < len(spans):
-        start = end = spans[i][0]
-        j = i
-        while j < len(spans) and spans[j][1] <= 2 * PREFETCH and spans[j][0] == end and end - start < _RUN_MAX:
-            end += spans[j][1]
-            j += 1
-        if j == i:  # a large item, or one that does not follow the previous: read on its own
-            i += 1
-            continue
-        try:
-            run = os.pread(fd, end - start, start)
-        except OSError:
-            run = b""
-        for offset, length in spans[i:j]:
-            if offset + length - start <= len(run):
-                out[offset] = run[offset - start : offset - start + length]
-        i = j
-    return out
 
 
 def _windows(entries: list[tuple[Any, ReadItem]], blocks: FileBlocks | None) -> Iterator[list[tuple[Any, ReadItem]]]:
@@ -278,13 +225,50 @@ def _pread(fd: int) -> Callable[[int, int], bytes]:
     return lambda offset, n: os.pread(fd, n, offset)
 
 
+class _Shares:
+    """One file's reads (each ``(read, part)``) shared by ``count`` threads: each thread starts on
+    its own contiguous share of the file, of about equal bytes, and takes its reads one at a time;
+    a thread done with its share takes the last read left of another's (:meth:`take`).
+
+    So a thread that starts late or runs slower reads less: on a virtual machine the second vCPU,
+    idle until the reads start, is often woken milliseconds late (a 90 MB file read in 25 ms on
+    two threads, 15 ms once both were running), and with fixed shares the load waited for it. The
+    shares stay contiguous for a cold cache: two sequential streams far apart (reads taken in turn
+    from one front were 8 % slower on disk)."""
+
+    def __init__(self, units: list[tuple[_Read, _Read]], count: int) -> None:
+        self.count = count
+        self._shares: list[collections.deque[tuple[_Read, _Read]]] = [collections.deque() for _ in range(count)]
+        total, acc = sum(part.nbytes for _, part in units), 0
+        for unit in units:
+            self._shares[min(count - 1, acc * count // total)].append(unit)
+            acc += unit[1].nbytes
+
+    def take(self, k: int) -> tuple[_Read, _Read] | None:
+        """Thread ``k``'s next read, or ``None`` when none is left (a deque's pops are atomic)."""
+        try:
+            return self._shares[k].popleft()
+        except IndexError:
+            pass
+        for other in self._shares[k + 1 :] + self._shares[:k]:
+            try:
+                return other.pop()
+            except IndexError:
+                continue
+        return None
+
+    def clear(self) -> None:
+        for share in self._shares:
+            share.clear()
+
+
 def _run_reads(
     fd: int, reads: list[_Read], threads: int, blocks: FileBlocks | None = None, keys: Any = None
 ) -> list[_Read]:
     """Do the reads (offset order), on up to ``threads`` threads when there is enough to share
-    (a large tensor's read cut into parts, :meth:`_Read.parts`); returns the reads that came back
-    short (a truncated file), in offset order. With ``blocks`` (recorded per block), each block is
-    checked as it is read."""
+    (:class:`_Shares`; a large tensor's read cut into parts, :meth:`_Read.parts`); returns the
+    reads that came back short (a truncated file), in offset order. With ``blocks`` (recorded
+    per block), each block is checked as it is read."""
 
     def one(r: _Read) -> bool:
         if blocks is not None and not blocks.whole_only:
@@ -296,47 +280,22 @@ def _run_reads(
     units = [(r, part) for r in reads for part in r.parts(_PART, starts)] if threads > 1 else []
     if threads <= 1 or total < _PARALLEL_MIN_BYTES or len(units) < 2:
         return [r for r in reads if not one(r)]
-    # Each thread starts on one contiguous part of the file, of about equal bytes (on a cold
-    # cache, two sequential streams far apart: reads taken in turn from one front were 8 %
-    # slower on disk), and takes its reads one at a time; a thread done with its part takes the
-    # last read left of another's. So a thread that starts late or runs slower reads less: on a
-    # virtual machine the second vCPU, idle until the reads start, was often woken milliseconds
-    # late, and with fixed parts the load waited for it (a 90 MB file read in 25 ms on two
-    # threads, 15 ms once both were running).
-    count = min(threads, len(units))
-    shares: list[collections.deque[tuple[_Read, _Read]]] = [collections.deque() for _ in range(count)]
-    acc = 0
-    for r, part in units:
-        shares[min(count - 1, acc * count // total)].append((r, part))
-        acc += part.nbytes
+    shares = _Shares(units, min(threads, len(units)))
     failed: dict[int, _Read] = {}
 
-    def take(k: int) -> tuple[_Read, _Read] | None:
-        try:
-            return shares[k].popleft()  # a deque's pops are atomic: no lock
-        except IndexError:
-            pass
-        for other in shares[k + 1 :] + shares[:k]:
-            try:
-                return other.pop()
-            except IndexError:
-                continue
-        return None
-
     def run(k: int) -> None:
-        while (got := take(k)) is not None:
+        while (got := shares.take(k)) is not None:
             r, part = got
             try:
                 ok = one(part)
             except BaseException:
-                for share in shares:  # a damaged block: the others stop after their current read
-                    share.clear()
+                shares.clear()  # a damaged block: the other threads stop after their current read
                 raise
             if not ok:
                 failed[id(r)] = r
 
-    with ThreadPoolExecutor(count, thread_name_prefix="ckpt-read") as pool:
-        for done in [pool.submit(run, k) for k in range(count)]:
+    with ThreadPoolExecutor(shares.count, thread_name_prefix="ckpt-read") as pool:
+        for done in [pool.submit(run, k) for k in range(shares.count)]:
             done.result()
     return sorted(failed.values(), key=lambda r: r.offset)
 
@@ -462,7 +421,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         for window in [entries] if whole_file else _windows(entries, blocks):
             layouts: dict[int, tuple[ArchiveItem, SavedTensorLayout | None]] = {}
             ready: list[tuple[ReadItem, torch.Tensor]] = []
-            small = _read_small_items(fd, sorted({(info.offset, info.length) for info, _ in window}))
+            small = read_small_items(fd, sorted({(info.offset, info.length) for info, _ in window}))
             for info, req in window:
                 if not self._plan_direct(fd, info, req, planner, layouts, ready, reads, small):
                     slow.append(req)
@@ -541,7 +500,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         except OSError:
             return [req for _, req in entries]
         try:
-            small = _read_small_items(fd, sorted({(info.offset, info.length) for info, _ in entries}))
+            small = read_small_items(fd, sorted({(info.offset, info.length) for info, _ in entries}))
             spans = [(o, o + len(d)) for o, d in small.items()]
             blocks = self.blocks.get(rel)
             if blocks is not None:  # before anything is unpickled

@@ -35,8 +35,8 @@ from .._format.names import METADATA_FILE
 from .._format.verify import FileBlocks, check_read, keys_in
 from .._storage.store import FsspecStore, Store
 from ..errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
-from .fast_read import _byte_view, contiguous_region, gc_paused
-from .torch_save_archive import PREFETCH, ArchiveItem, SavedTensorLayout, parse_torch_save_tensor_at
+from .fast_read import _byte_view, gc_paused
+from .torch_save_archive import PREFETCH, ArchiveItem, SavedTensorLayout, contiguous_region, parse_torch_save_tensor_at
 
 __all__ = ["ObjectStoreReader", "fill_item", "mostly_unneeded", "reader_for"]
 

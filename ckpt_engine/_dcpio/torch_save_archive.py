@@ -3,8 +3,10 @@
 DCP's ``FileSystemWriter`` writes every tensor item of a ``.distcp`` file as one ``torch.save``
 archive. The engine's fast load path (``fast_read``, ``object_read``) reads tensor bytes straight
 into the destination with :func:`parse_torch_save_tensor_at` instead of ``torch.load`` and a copy
-(an archive in a data file is read by its two ends, :class:`ArchiveItem`, and its layout is
-parsed once per tensor shape, :class:`LayoutCache`); the plain values are read with the same zip
+(an archive in a data file is read by its two ends, :class:`ArchiveItem`, small ones whole and in
+runs, :func:`read_small_items`, and its layout is parsed once per tensor shape,
+:class:`LayoutCache`; :func:`contiguous_region` says which stored elements a read item needs,
+where they are one run); the plain values are read with the same zip
 parser (``plain_values``). The writer of the same archives is :mod:`.archive_write`. This is a
 file format, not an API: the one private torch name it needs (the rebuild functions the archive
 refers to) comes from :mod:`.torch_private`, and ``tests/dcpio/test_torch_private.py`` pins the
@@ -25,7 +27,7 @@ import sys
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 import torch
@@ -400,11 +402,44 @@ def parse_torch_save_tensor_at(
         return None
 
 
+def contiguous_region(size: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
+    """``(first element, element count)`` of a box inside a C-contiguous array, if contiguous.
+
+    The box ``offsets``/``lengths`` of an array of shape ``size`` is one contiguous run of
+    elements when, from the outermost dimension in, it spans single indices, then one partial
+    dimension, then only full dimensions. ``None`` otherwise (or if the box is out of range).
+    """
+    if not (len(size) == len(offsets) == len(lengths)):
+        return None
+    if tuple(lengths) == tuple(size) and not any(offsets) and min(size, default=0) >= 0:  # the whole array
+        return 0, math.prod(size)
+    for n, o, ln in zip(size, offsets, lengths, strict=True):
+        if o < 0 or ln < 0 or o + ln > n:
+            return None
+    count = math.prod(lengths)
+    if count == 0:
+        return 0, 0
+    # innermost dimension that is not taken whole
+    k = len(size) - 1
+    while k >= 0 and offsets[k] == 0 and lengths[k] == size[k]:
+        k -= 1
+    if any(lengths[i] != 1 for i in range(k)):
+        return None
+    first, stride = 0, 1
+    for i in range(len(size) - 1, -1, -1):
+        first += offsets[i] * stride
+        stride *= size[i]
+    return first, count
+
+
 # -- an archive in a data file, and its layout parsed once per shape ----------------------------
 
 #: Bytes read ahead from each end of an item: the archive's local headers and ``data.pkl`` sit
 #: at its start, the central directory at its end. Items up to twice this size are read whole.
 PREFETCH = 4096
+#: Small items (read whole) that follow each other in a file are read with one ``pread`` of at
+#: most this many bytes: 50,000 tiny tensors cost 50,000 system calls otherwise.
+_RUN_MAX = 8 << 20
 
 
 class ArchiveItem:
@@ -421,7 +456,7 @@ class ArchiveItem:
     @classmethod
     def from_fd(cls, fd: int, base: int, length: int, whole: bytes | None = None) -> ArchiveItem:
         """The item at ``base`` of ``fd``: two ``pread`` calls, one for a small item, none for a
-        small item whose bytes were read already (``whole``, see :func:`_read_small_items`)."""
+        small item whose bytes were read already (``whole``, see :func:`read_small_items`)."""
 
         def read(offset: int, n: int) -> bytes:
             return os.pread(fd, n, base + offset)
@@ -448,6 +483,32 @@ class ArchiveItem:
         if offset >= self.tail_start:
             return self.tail[offset - self.tail_start : end - self.tail_start]
         return self.read(offset, max(0, end - offset))
+
+
+def read_small_items(fd: int, spans: list[tuple[int, int]]) -> dict[int, bytes]:
+    """The bytes of every small item in ``spans`` (``(offset, length)``, in offset order) by its
+    offset, read with one ``pread`` per run of items that follow each other in the file. An item
+    a short read (a truncated file) cut is left out: it is read on its own, and fails there."""
+    out: dict[int, bytes] = {}
+    i = 0
+    while i < len(spans):
+        start = end = spans[i][0]
+        j = i
+        while j < len(spans) and spans[j][1] <= 2 * PREFETCH and spans[j][0] == end and end - start < _RUN_MAX:
+            end += spans[j][1]
+            j += 1
+        if j == i:  # a large item, or one that does not follow the previous: read on its own
+            i += 1
+            continue
+        try:
+            run = os.pread(fd, end - start, start)
+        except OSError:
+            run = b""
+        for offset, length in spans[i:j]:
+            if offset + length - start <= len(run):
+                out[offset] = run[offset - start : offset - start + length]
+        i = j
+    return out
 
 
 class LayoutCache:

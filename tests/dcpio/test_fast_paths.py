@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ckpt_engine._dcpio.fast_read import FastFileSystemReader, contiguous_region
+from ckpt_engine._dcpio.fast_read import FastFileSystemReader
+from ckpt_engine._dcpio.torch_save_archive import contiguous_region
 from ckpt_engine.testing import TinyTrainingState, make_engine
 
 warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
