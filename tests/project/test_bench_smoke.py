@@ -110,6 +110,23 @@ def test_cold_benchmark_smoke_run(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["cold.json"]
 
 
+def test_reader_ab_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/reader_ab_bench.py end to end (one round, untimed) with the current reader on
+    both sides, on the embedding-table state: every load timed, the ratios reported, the
+    checkpoints removed."""
+    out, work = tmp_path / "ab.json", tmp_path / "work"
+    reader = REPO / "ckpt_engine" / "_dcpio" / "fast_read.py"
+    args = ["--a", str(reader), "--state", "emb8", "--rounds", "1", "--workdir", str(work), "--out", str(out)]
+    _bench(REPO / "benchmarks" / "reader_ab_bench.py", *args, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["state"].startswith("8 MiB embedding-table") and result["rounds"] == 1
+    assert {k: len(v) for k, v in result["wall_s"].items()} == {"a": 1, "b": 1, "safetensors": 1}
+    assert set(result["ratios"]) == {"b/a", "a/safetensors", "b/safetensors"} and all(
+        v > 0 for v in result["ratios"].values()
+    )
+    assert not work.exists()
+
+
 def test_scale_bench_smoke() -> None:
     """benchmarks/scale_bench.py runs (tiny, untimed). Its hang guard is ``_bench``'s, like the
     other runs': 120 s was a wall-clock guess that a loaded 2-core machine exceeded."""
