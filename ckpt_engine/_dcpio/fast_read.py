@@ -230,11 +230,11 @@ class _Shares:
     its own contiguous share of the file, of about equal bytes, and takes its reads one at a time;
     a thread done with its share takes the last read left of another's (:meth:`take`).
 
-    So a thread that starts late or runs slower reads less: on a virtual machine the second vCPU,
-    idle until the reads start, is often woken milliseconds late (a 90 MB file read in 25 ms on
-    two threads, 15 ms once both were running), and with fixed shares the load waited for it. The
-    shares stay contiguous for a cold cache: two sequential streams far apart (reads taken in turn
-    from one front were 8 % slower on disk)."""
+    So a thread that stalls (a page slow to arrive from a network filesystem, a vCPU the host
+    deschedules) holds up no read but its current one; with fixed shares the load waited for the
+    stalled thread's whole share. The shares start contiguous for a cold cache: two sequential
+    streams far apart (reads taken in turn from one front were 3-8 % slower cold on disk). On this
+    machine, hot or cold, stealing moved no mean beyond the spread (``reader_ab_bench.py``)."""
 
     def __init__(self, units: list[tuple[_Read, _Read]], count: int) -> None:
         self.count = count

@@ -479,7 +479,7 @@ def test_a_stalled_read_thread_leaves_the_other_reads_to_the_rest(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A thread done with its part of the file takes the reads left of another's, so one that
-    stalls on its first read (on a virtual machine: a vCPU the host wakes late) holds up no other
+    stalls on its first read (a page slow to come, a vCPU the host deschedules) holds up no other
     read. When each thread had a fixed part, the stalled thread's other reads waited for it, and
     here that waits forever: the stalled read goes on only once every other read is done
     (pytest-timeout then fails the test)."""
