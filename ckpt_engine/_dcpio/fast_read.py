@@ -155,6 +155,8 @@ class _Read:
                 at = starts[k]
             cuts.append(at)
             at += size
+        if not cuts:
+            return [self]
         out: list[_Read] = []
         lo = self.offset
         for hi in [*cuts, end]:
@@ -275,10 +277,11 @@ def _run_reads(
             return _read_checked(fd, r, blocks, keys)
         return _readinto(fd, r.view, r.offset)
 
-    total = sum(r.nbytes for r in reads)
+    if threads <= 1 or sum(r.nbytes for r in reads) < _PARALLEL_MIN_BYTES:
+        return [r for r in reads if not one(r)]
     starts = None if blocks is None or blocks.whole_only else blocks.starts
-    units = [(r, part) for r in reads for part in r.parts(_PART, starts)] if threads > 1 else []
-    if threads <= 1 or total < _PARALLEL_MIN_BYTES or len(units) < 2:
+    units = [(r, part) for r in reads for part in r.parts(_PART, starts)]
+    if len(units) < 2:
         return [r for r in reads if not one(r)]
     shares = _Shares(units, min(threads, len(units)))
     failed: dict[int, _Read] = {}
