@@ -110,6 +110,14 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def parse_state(state: str, small_count: int = 50_000) -> tuple[str, int]:
+    """A state's name (``N``: the MLP, ``lmN``, ``embN``, ``small[N]``) as :func:`build`'s ``kind``
+    and ``size`` (``small`` alone: ``small_count`` tensors)."""
+    kind = next((k for k in ("small", "lm", "emb") if state.startswith(k)), "big")
+    size = state[len(kind) :] if kind != "big" else state
+    return kind, int(size or small_count) if kind == "small" else int(size)
+
+
 def build(kind: str, size: int, batch: int) -> tuple[Work, Callable[[], torch.Tensor], str]:
     """``kind`` "big": an MLP of 1024-wide layers whose parameters and AdamW moments add up to
     about ``size`` MiB; "lm": :class:`SmallLM` of about ``size`` MiB with AdamW; "emb":

@@ -303,6 +303,7 @@ def child_main(specs: list[dict[str, Any]]) -> None:
 
 
 def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from _peers_measure import parse_state
     from _peers_methods import PEERS
 
     methods = list(PEERS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -314,12 +315,11 @@ def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     rounds += [rounds[-1]] * (len(states) - len(rounds))
     specs = []
     for state, n in zip(states, rounds, strict=False):
-        kind = next((k for k in ("small", "lm", "emb") if state.startswith(k)), "big")
-        size = state[len(kind) :] if kind != "big" else state
+        kind, size = parse_state(state, args.small_count)
         specs.append(
             {
                 "kind": kind,
-                "size": int(size or args.small_count) if kind == "small" else int(size),
+                "size": size,
                 "paired": args.paired,
                 "rounds": n,
                 "methods": methods,

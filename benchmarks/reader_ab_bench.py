@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--a", required=True, help="a version of fast_read.py (the baseline)")
     parser.add_argument("--b", help="another version (default: the current one)")
-    parser.add_argument("--state", default="lm256", help="a peers_bench.py state: N, lmN or embN (MiB)")
+    parser.add_argument("--state", default="lm256", help="a peers_bench.py state: N, lmN or embN (MiB), or small[N]")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--cold", action="store_true", help="drop the files' pages before every load")
     parser.add_argument("--workdir", default="/dev/shm/reader_ab", help="where the checkpoints go")
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, HERE)
     import torch
-    from _peers_measure import build, drop_page_cache, fsync_all, trim
+    from _peers_measure import build, drop_page_cache, fsync_all, parse_state, trim
     from _peers_methods import Safetensors
 
     import ckpt_engine._dcpio.fast_read as current
@@ -64,8 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from ckpt_engine import CheckpointEngine
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    kind = next((k for k in ("lm", "emb") if args.state.startswith(k)), "big")
-    size = int(args.state[len(kind) :] if kind != "big" else args.state)
+    kind, size = parse_state(args.state)
     shutil.rmtree(args.workdir, ignore_errors=True)
     os.makedirs(args.workdir)
     w, loss, label = build(kind, size, 2)
