@@ -16,8 +16,8 @@ per run of small items: DCP seeks and reads each one (an optimizer's hyper-param
 eleven values per parameter).
 
 With ``verify: read`` every byte read is checked against its block's digest: a file's small
-items window by window before they are handed on (:func:`_windows`, which also bounds the
-memory they hold), a large read piece by piece as it is read (:func:`_read_checked`).
+items window by window before they are handed on (:func:`~.torch_save_archive.windows`, which
+also bounds the memory they hold), a large read piece by piece as it is read (:func:`_read_checked`).
 """
 
 from __future__ import annotations
@@ -44,24 +44,18 @@ from .._format.metadata import SafeFileSystemReader, _read_error
 from .._format.verify import FileBlocks, check_digest, check_read, keys_in
 from ..errors import CheckpointLoadError, CkptEngineError
 from .torch_save_archive import (
-    PREFETCH,
     ArchiveItem,
     LayoutCache,
     SavedTensorLayout,
     contiguous_region,
     read_small_items,
+    windows,
 )
 
 __all__ = ["FastFileSystemReader"]
 
 #: Large reads are split over threads only when there are at least this many bytes.
 _PARALLEL_MIN_BYTES = 64 << 20
-#: A file's tensor items are read, checked and handed on in windows of about this many bytes
-#: held in memory (:func:`_windows`; twice that while a window's run is cut into its items): the
-#: archives of 50,000 small tensors are 20x their data, and holding all of them until the file
-#: was done was a third of such a load's peak memory. 2 MiB: 1.39x safetensors' peak for that
-#: load, 1.49x with 8 MiB, at the same speed (two windows of the blocks' 1 MiB each, or so).
-_WINDOW = 2 << 20
 #: A tensor's read of more than 1.5 times this is cut into parts of about this size (each cut where
 #: a block starts) for the threads to share: a 1 GiB embedding or moment was read by one thread.
 _PART = 32 << 20
@@ -69,25 +63,6 @@ _PART = 32 << 20
 #: core's cache: hashing a 4 MiB block after reading all of it costs 2.4x as much CPU here (xxh3 of
 #: 256 MiB: 22 ms against 9, each piece read with ``preadv`` from the page cache).
 _HASH_PIECE = 256 << 10
-
-
-def _windows(entries: list[tuple[Any, ReadItem]], blocks: FileBlocks | None) -> Iterator[list[tuple[Any, ReadItem]]]:
-    """``entries`` (in offset order) in consecutive windows holding about :data:`_WINDOW` bytes
-    of items read whole (a larger item counts its prefetched ends: its data goes straight to its
-    destination). A window ends where a block starts (so no block is read for two windows) or
-    at twice the size, and never between two entries of one stored item."""
-    starts = frozenset(blocks.starts) if blocks is not None else frozenset()
-    first, held = 0, 0
-    for k, (info, _) in enumerate(entries):
-        if (
-            held >= _WINDOW
-            and info.offset != entries[k - 1][0].offset
-            and (blocks is None or info.offset in starts or held >= 2 * _WINDOW)
-        ):
-            yield entries[first:k]
-            first, held = k, 0
-        held += min(info.length, 2 * PREFETCH)
-    yield entries[first:]
 
 
 def _copy_small(target: torch.Tensor, data: bytes) -> None:
@@ -211,6 +186,24 @@ def _read_checked(fd: int, r: _Read, blocks: FileBlocks, keys: Callable[[int, in
     except OSError:
         return False
     return at >= end or _readinto(fd, view[at - base :], at)  # past the recorded blocks: sizes say
+
+
+def _unread_headers(r: _Read, blocks: FileBlocks) -> list[tuple[int, int]]:
+    """The bytes of ``r``'s archive its layout was parsed from (the head and tail read up front)
+    that lie in a block ``r``'s data does not touch: a read of some rows of a large tensor. They
+    decide where the data is read from, so their blocks are checked before it is read."""
+    item = r.item
+    if item is None:
+        return []
+    starts = blocks.starts
+    first = bisect.bisect_right(starts, r.offset) - 1
+    last = bisect.bisect_right(starts, r.offset + r.nbytes - 1) - 1
+    ends = ((r.base, r.base + len(item.head)), (r.base + item.tail_start, r.base + item.length))
+    return [
+        (lo, hi)
+        for lo, hi in ends
+        if bisect.bisect_right(starts, lo) - 1 < first or bisect.bisect_right(starts, hi - 1) - 1 > last
+    ]
 
 
 def _stored(fd: int, r: _Read, start: int, end: int) -> bytes:
@@ -421,9 +414,10 @@ class FastFileSystemReader(SafeFileSystemReader):
         checked: set[int] = set()  # blocks checked so far
         reads: list[_Read] = []
         held: tuple[dict[int, bytes], dict[int, tuple[ArchiveItem, SavedTensorLayout | None]], list[Any]] | None = None
-        for window in [entries] if whole_file else _windows(entries, blocks):
+        for window in [entries] if whole_file else windows(entries, None if blocks is None else blocks.starts):
             layouts: dict[int, tuple[ArchiveItem, SavedTensorLayout | None]] = {}
             ready: list[tuple[ReadItem, torch.Tensor]] = []
+            queued = len(reads)
             small = read_small_items(fd, sorted({(info.offset, info.length) for info, _ in window}))
             for info, req in window:
                 if not self._plan_direct(fd, info, req, planner, layouts, ready, reads, small):
@@ -433,7 +427,7 @@ class FastFileSystemReader(SafeFileSystemReader):
                 held = small, layouts, ready
                 continue
             if blocks is not None:
-                self._check_direct(fd, rel, blocks, small, layouts, [req for req, _ in ready], [], checked)
+                self._check_direct(fd, rel, blocks, small, layouts, [req for req, _ in ready], reads[queued:], checked)
             self._commit(planner, ready)
         failed = _run_reads(fd, reads, self.threads, blocks, keys_in(self.storage_data, rel))
         slow += [r.req for r in failed]
@@ -464,15 +458,20 @@ class FastFileSystemReader(SafeFileSystemReader):
         reads: list[_Read],
         checked: set[int],
     ) -> None:
-        """Check what the direct path read of ``rel`` that :func:`_run_reads` did not check as it
-        read: the items copied whole (``whole``), and with a whole-file digest only, everything;
-        ``checked``: the blocks checked already (updated)."""
+        """Check what the direct path read of ``rel`` that :func:`_run_reads` does not check as it
+        reads: the items copied whole (``whole``); the archive headers the layouts of ``reads``
+        were parsed from, where a read's data misses their blocks (:func:`_unread_headers`); and
+        with a whole-file digest only, everything (``reads`` done). ``checked``: the blocks
+        checked already (updated)."""
         spans = [(i.offset, i.offset + i.length) for i in map(self._info, whole)]
         pieces: list[tuple[int, Any]] = list(small.items())
         pieces += [(offset, it.head) for offset, (it, _) in layouts.items()]
         if blocks.whole_only:
             spans += [(r.base, r.base + r.item.length) for r in reads if r.item is not None]
             pieces += [p for r in reads for p in r.pieces()]
+        else:
+            spans += [span for r in reads for span in _unread_headers(r, blocks)]
+            pieces += [(offset + it.tail_start, it.tail) for offset, (it, _) in layouts.items() if not it.whole]
         check_read(blocks, spans, pieces, _pread(fd), keys_in(self.storage_data, rel), checked)
 
     def _check_spans(self, fd: int, rel: str, spans: list[tuple[int, int]]) -> None:

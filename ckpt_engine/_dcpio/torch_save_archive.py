@@ -2,11 +2,11 @@
 
 DCP's ``FileSystemWriter`` writes every tensor item of a ``.distcp`` file as one ``torch.save``
 archive. The engine's fast load path (``fast_read``, ``object_read``) reads tensor bytes straight
-into the destination with :func:`parse_torch_save_tensor_at` instead of ``torch.load`` and a copy
-(an archive in a data file is read by its two ends, :class:`ArchiveItem`, small ones whole and in
-runs, :func:`read_small_items`, and its layout is parsed once per tensor shape,
-:class:`LayoutCache`; :func:`contiguous_region` says which stored elements a read item needs,
-where they are one run); the plain values are read with the same zip
+into the destination with :func:`parse_torch_save_tensor_at` instead of ``torch.load`` and a copy.
+An archive in a data file is read by its two ends (:class:`ArchiveItem`), small ones whole, in
+runs (:func:`read_small_items`) and in windows of bounded memory (:func:`windows`); its layout is
+parsed once per tensor shape (:class:`LayoutCache`); :func:`contiguous_region` says which stored
+elements a read item needs, where they are one run. The plain values are read with the same zip
 parser (``plain_values``). The writer of the same archives is :mod:`.archive_write`. This is a
 file format, not an API: the one private torch name it needs (the rebuild functions the archive
 refers to) comes from :mod:`.torch_private`, and ``tests/dcpio/test_torch_private.py`` pins the
@@ -27,7 +27,7 @@ import sys
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO
 
 import torch
@@ -509,6 +509,34 @@ def read_small_items(fd: int, spans: list[tuple[int, int]]) -> dict[int, bytes]:
                 out[offset] = run[offset - start : offset - start + length]
         i = j
     return out
+
+
+#: A file's tensor items are read, checked and handed on in windows of about this many bytes
+#: held in memory (:func:`windows`; twice that while a window's run is cut into its items): the
+#: archives of 50,000 small tensors are 20x their data, and holding all of them until the file
+#: was done was a third of such a load's peak memory. 2 MiB: 1.39x safetensors' peak for that
+#: load, 1.49x with 8 MiB, at the same speed (two windows of the blocks' 1 MiB each, or so).
+_WINDOW = 2 << 20
+
+
+def windows(entries: list[tuple[Any, Any]], starts: Sequence[int] | None) -> Iterator[list[tuple[Any, Any]]]:
+    """A data file's read ``entries`` (``(storage info, read item)``, in offset order) in
+    consecutive windows holding about :data:`_WINDOW` bytes of items read whole (a larger item
+    counts its prefetched ends: its data goes straight to its destination). A window ends where
+    a block starts (``starts``, the file's; so no block is read for two windows) or at twice the
+    size, and never between two entries of one stored item."""
+    at_block = frozenset(starts or ())
+    first, held = 0, 0
+    for k, (info, _) in enumerate(entries):
+        if (
+            held >= _WINDOW
+            and info.offset != entries[k - 1][0].offset
+            and (starts is None or info.offset in at_block or held >= 2 * _WINDOW)
+        ):
+            yield entries[first:k]
+            first, held = k, 0
+        held += min(info.length, 2 * PREFETCH)
+    yield entries[first:]
 
 
 class LayoutCache:

@@ -10,7 +10,7 @@ checksum. :class:`DataFile` does both ends of that pass without reading anything
 * **the blocks**: the same bytes are hashed once more in *blocks* (:class:`BlockHasher`): each
   item larger than :data:`SMALL_ITEM` in pieces of at most :data:`BLOCK_MAX` of its own, runs of
   smaller items together up to :data:`BLOCK_RUN`. The manifest records each block's length and
-  digest, so a load checks exactly the blocks it reads (``_dcpio/verified_read.py``);
+  digest, so a load checks exactly the blocks it reads (``_dcpio/fast_read.py``);
 * **the disk** gets each finished 16 MiB of a file that will be fsynced while the next ones are
   produced (:class:`_Writeback`), so the ``fsync`` at the end waits for the last range only.
 """

@@ -11,16 +11,27 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ckpt_engine import CheckpointEngine, CorruptCheckpointError
+from ckpt_engine._dcpio.fast_read import FastFileSystemReader
+from ckpt_engine._format.manifest import lookup_manifest
 from ckpt_engine._format.names import MANIFEST_FILE
+from ckpt_engine._format.verify import component_blocks
+from ckpt_engine._storage.store import store_for
 from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
 
 HIDDEN = 512  # a 8 x 512 fp32 weight: 16 KiB, an item with blocks of its own
@@ -256,7 +267,7 @@ def _read_data_spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, int]]:
     allocated while it ran)``."""
     import tracemalloc
 
-    from ckpt_engine._dcpio import fast_read
+    from ckpt_engine._dcpio import fast_read, torch_save_archive
 
     seen: list[tuple[Any, int]] = []
     original = fast_read.FastFileSystemReader.read_data
@@ -270,7 +281,7 @@ def _read_data_spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, int]]:
             tracemalloc.stop()
 
     monkeypatch.setattr(fast_read.FastFileSystemReader, "read_data", read_data)
-    monkeypatch.setattr(fast_read, "_WINDOW", 64 << 10, raising=False)  # raising: the test runs on older code too
+    monkeypatch.setattr(torch_save_archive, "_WINDOW", 64 << 10)
     return seen
 
 
@@ -388,3 +399,65 @@ def test_a_large_tensor_is_checked_piece_by_piece_as_it_is_read(tmp_path: Path) 
     with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
         engine.load(model=live)
     assert torch.equal(live.weight, saved.weight)
+
+
+class _Rows(DefaultLoadPlanner):
+    """Reads rows ``first:`` of each stored tensor into a target of that many rows: the share of
+    one rank in a load resharded by rows."""
+
+    def __init__(self, first: int) -> None:
+        super().__init__()
+        self.first = first
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, target in self.state_dict.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            assert isinstance(md, TensorStorageMetadata)
+            box = ChunkStorageMetadata(offsets=torch.Size((self.first, 0)), sizes=target.size())
+            items += create_read_items_for_chunk_list(fqn, md, [box])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]  # the whole target: its rows start at the box's
+
+
+def _read_rows(checkpoint: Path, first: int, rows: int, width: int) -> torch.Tensor:
+    """Rows ``first:first + rows`` of the stored ``weight``, by the engine's reader with the
+    manifest's blocks (as a load at ``verify: read`` sets them)."""
+    folder = str(checkpoint / "model")
+    manifest = lookup_manifest(str(checkpoint), store_for(str(checkpoint))).manifest
+    assert manifest is not None
+    reader = FastFileSystemReader(folder)
+    reader.blocks = component_blocks(manifest, "model", folder, os.path.join)
+    out = {"weight": torch.zeros(rows, width)}
+    dcp.load(out, storage_reader=reader, planner=_Rows(first))
+    assert reader.stats.direct == 1, reader.stats
+    return out["weight"]
+
+
+def test_a_read_of_some_rows_checks_the_archive_header_its_layout_came_from(tmp_path: Path) -> None:
+    """A read of the last rows of a 12 MiB weight (three 4 MiB blocks) touches only the last
+    block, but the archive header that says where the tensor's data starts is in the first. A
+    damaged header (the data record's local-header extra length, +64) moved where the rows were
+    read from, and the load returned wrong rows in silence; the header's block is now checked."""
+    gen = torch.Generator().manual_seed(0)
+    saved = nn.Linear(1024, 3072, bias=False)
+    with torch.no_grad():
+        saved.weight.copy_(torch.randn(3072, 1024, generator=gen))
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.save(1, model=saved).result()
+    checkpoint = tmp_path / "iter_000000001"
+    assert torch.equal(_read_rows(checkpoint, 2048, 1024, 1024), saved.weight[2048:])
+    data = _largest(checkpoint / "model")
+    raw = bytearray(data.read_bytes())
+    header = raw.index(b"PK\x03\x04", raw.index(b"/data/0") - 64)  # the data record's local header
+    assert raw[header + 30 : header + 30 + 64].find(b"/data/0") > 0
+    extra = int.from_bytes(raw[header + 28 : header + 30], "little")
+    raw[header + 28 : header + 30] = (extra + 64).to_bytes(2, "little")
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException) as err:
+        _read_rows(checkpoint, 2048, 1024, 1024)
+    ((failure, _),) = err.value.failures.values()  # DCP's (exception, stack) per rank
+    assert isinstance(failure, CorruptCheckpointError), failure
+    assert re.search(rf"{re.escape(str(data))} is damaged: bytes 0-{4 << 20} \(holding 'weight'\)", str(failure))
