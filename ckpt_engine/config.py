@@ -146,9 +146,9 @@ class StorageOptions(BaseModel):
 
 #: The descriptions of two fields of :class:`EngineConfig`, kept here for the class's length.
 _CHECK_REPLICATED = (
-    "Several ranks: at every save the ranks compare digests of what DCP keeps one copy of (plain tensors, "
-    "non-tensor values, extras' state). A non-tensor value or an extra that differs is saved and restored per "
-    "rank; a plain tensor that differs fails the save with `ReplicatedStateMismatchError` (unless "
+    "Several ranks: at every save the ranks compare digests of what DCP keeps one copy of (plain tensors "
+    "and parameters, non-tensor values, extras' state). A non-tensor value or an extra that differs is saved "
+    "and restored per rank; a plain tensor that differs fails the save with `ReplicatedStateMismatchError` (unless "
     "`per_rank_keys` names it). Tensors above 256 KiB are hashed by 16 sampled pages (docs/reliability.md, "
     "Per-rank state). False: no check; DCP keeps the lowest rank's copy of each."
 )

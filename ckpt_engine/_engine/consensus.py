@@ -263,6 +263,13 @@ class LocalDigests:
         return out
 
 
+#: The tensor types DCP writes whole from one rank: its ``_create_write_items`` writes any tensor
+#: without a layout of its own (a DTensor's ``__create_write_items__``, a ShardedTensor's shards)
+#: as one item, and its planner keeps the lowest rank's copy. A parameter a ``Stateful`` extra
+#: hands over without ``detach()`` is one, as a plain tensor is.
+ONE_COPY_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 #: Which items :func:`digests` hashes: every one; all but the plain tensors of the standard
 #: components (their check may wait, :class:`LaterTensorCheck`); only those; none.
 Part = Literal["all", "values", "tensors", "none"]
@@ -276,8 +283,9 @@ def digests(
     part: Part = "all",
 ) -> LocalDigests:
     """Digest the items of ``state`` (``part`` of them) that DCP would keep one copy of (plain
-    tensors and non-tensor values; DTensors and other tensor subclasses are sharded by their
-    layout), but those ``patterns`` name (``per_rank_keys``), which are only listed."""
+    tensors and parameters, :data:`ONE_COPY_TENSORS`, and non-tensor values; DTensors and other
+    tensor subclasses are sharded by their layout), but those ``patterns`` name
+    (``per_rank_keys``), which are only listed."""
     out = LocalDigests({}, {}, {})
     for name, sd in state.items():
         key_map = key_maps.get(name, {})
@@ -290,7 +298,7 @@ def digests(
             if patterns and _per_rank(name, key, patterns):
                 configured.append(key)
                 continue
-            plain = type(value) is torch.Tensor
+            plain = type(value) in ONE_COPY_TENSORS
             if part == "none" or (not plain and isinstance(value, torch.Tensor)):
                 continue
             if part != "all" and (part == "tensors") != (plain and name in STANDARD_COMPONENTS):
@@ -298,7 +306,7 @@ def digests(
             keys.append(key)
             kinds.append(plain)
             key_hashes.append(xxhash.xxh3_64_intdigest(key_map.get(key, key).encode()))
-            value_hashes.append(tensor_digest(value, salt) if plain else value_digest(value))
+            value_hashes.append(tensor_digest(value.detach(), salt) if plain else value_digest(value))
         out.keys[name], out.configured[name] = keys, configured
         out.sent[name] = (
             np.array(key_hashes, dtype=np.uint64).tobytes(),
@@ -409,7 +417,7 @@ def shares_memory(components: Mapping[str, Mapping[str, Any]]) -> bool:
         (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
         for sd in components.values()
         for t in _flat(dict(sd)).values()
-        if type(t) is torch.Tensor and t.numel()
+        if type(t) in ONE_COPY_TENSORS and t.numel()
     )
     return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
@@ -472,7 +480,7 @@ def plain_keys(state: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, str]]
     itself): all a staged copy is checked by, since a stager may copy a DTensor's local shard
     into a plain host tensor."""
     return {
-        name: {k: k for k, v in _flat(sd).items() if type(v) is torch.Tensor}
+        name: {k: k for k, v in _flat(sd).items() if type(v) in ONE_COPY_TENSORS}
         for name, sd in state.items()
         if name in STANDARD_COMPONENTS
     }

@@ -4,8 +4,8 @@ by one rank each) and a data position passed in ``extra``.
 argv: root folder. Saves, each into its own folder under it:
 
 * ``mismatch``: the differing buffer, no configuration: the save must fail on both ranks;
-* ``per_rank``: the same with ``per_rank_keys: [model.expert]`` and the extras, then every value
-  scrambled and loaded back;
+* ``per_rank``: the same with ``per_rank_keys: [model.expert]`` and the extras (a data position,
+  a parameter held per rank), then every value scrambled and loaded back;
 * ``extras``: the same weights on both ranks and differing extras (a plain ``Stateful`` and one
   declaring ``repartitions_state``), for the test's own one-process load;
 * ``same`` and ``same_off``: identical state with the check on and off (the test compares them);
@@ -42,6 +42,21 @@ class Position:
         self.epoch, self.index = int(sd["epoch"]), int(sd["index"])
 
 
+class Temperature:
+    """A learned value held per rank as a parameter, handed over without ``detach()``: DCP keeps
+    one copy of an ``nn.Parameter`` as of a plain tensor."""
+
+    def __init__(self, value: float) -> None:
+        self.t = nn.Parameter(torch.full((2,), value))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self.t.copy_(sd["t"])
+
+
 class Shards(Position):
     """The same, declaring that it re-partitions the state one rank saved."""
 
@@ -69,13 +84,14 @@ def per_rank_round_trip(root: str, rank: int) -> dict[str, Any]:
     config = {"save_dir": os.path.join(root, "per_rank"), "per_rank_keys": ["model.expert"]}
     model = model_with_expert(float(rank))
     with CheckpointEngine(config) as engine:
-        engine.save(1, model=model, extra={"loader": Position(2, 100 + rank)})
-        scrambled = Position(0, 0)
+        engine.save(1, model=model, extra={"loader": Position(2, 100 + rank), "temperature": Temperature(rank + 1.0)})
+        scrambled, temperature = Position(0, 0), Temperature(-7.0)
         model.expert.fill_(-1.0)
-        result = engine.load(model=model, extra={"loader": scrambled})
+        result = engine.load(model=model, extra={"loader": scrambled, "temperature": temperature})
     return {
         "expert": model.expert.tolist(),
         "loader": [scrambled.epoch, scrambled.index],
+        "temperature": temperature.t.tolist(),
         "loader_renamed": result.report["loader"].renamed,
     }
 
