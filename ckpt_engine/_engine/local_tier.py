@@ -37,7 +37,7 @@ from .._format.pointer import read_latest
 from .._format.retention import apply_retention
 from .._storage.store import open_store
 from .._tier.folders import rank_folder
-from .._tier.lineage import durable_view, read_run, write_run
+from .._tier.lineage import durable_view, note_committed, read_run, write_run
 from .._tier.recovery import recover
 from .._tier.replication import Replicator
 from .._tier.reshard import reshard
@@ -206,10 +206,15 @@ class LocalTier:
 
     def durable_committed(self, paths: SavePaths) -> None:
         """A durable save of this engine is committed in ``save_dir``: the saves that follow
-        descend from it."""
+        descend from it, and this rank's folder records the commit (a ``save_dir`` later rolled
+        back past it is then told from a commit that did not finish: :mod:`.._tier.lineage`)."""
         lineage, iteration = paths.lineage, paths.iteration
         if lineage is not None and (self._parent is None or iteration >= self._parent[1]):
             self._parent = (lineage.save_id, iteration)
+            try:
+                note_committed(self.folder, lineage, iteration)
+            except OSError as err:  # the save is committed; only a later rollback goes unseen
+                logger.warning("local tier: cannot record the commit of step %d in %s: %s", iteration, self.folder, err)
 
     def lineage(self) -> Lineage | None:
         """The lineage of the save :meth:`begin` began last (its manifests record it)."""

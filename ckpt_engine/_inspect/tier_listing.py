@@ -7,6 +7,7 @@ takes, from which tier, by the resume's own rule (:mod:`.._tier.lineage`): what
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ from .._engine.resave import newest_unnamed
 from .._format.manifest import lookup_manifest
 from .._format.names import parse_rank_dirname
 from .._storage.store import open_store
-from .._tier.lineage import Announced, Durable, admissible, durable_view
+from .._tier.lineage import Announced, Committed, Durable, admissible, durable_view, node_committed
 from ..errors import CkptEngineError
 from .files import human_bytes, table
 from .listing import SaveDirListing, list_save_dir
@@ -69,7 +70,7 @@ def list_local_tier(local_dir: str, durable: SaveDirListing | None, *, verify: b
                 row["incomplete"].append({"rank": rank, "status": r["status"], "problems": r["problems"][:1]})
             else:
                 row.setdefault("in_flight", []).append(rank)
-    listing.resume, listing.set_aside = resume_plan(_durable(durable), copies, worlds)
+    listing.resume, listing.set_aside = resume_plan(_durable(durable), copies, worlds, node_committed(local_dir))
     for it in sorted(by_iteration):
         row = by_iteration[it]
         row["durable"] = it in safe
@@ -108,14 +109,17 @@ def _durable(listing: SaveDirListing | None) -> Durable | None:
 
 
 def resume_plan(
-    durable: Durable | None, copies: list[Announced], worlds: dict[tuple[int, int], int]
+    durable: Durable | None,
+    copies: list[Announced],
+    worlds: dict[tuple[int, int], int],
+    committed: Iterable[Committed] = (),
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The step a resume takes given ``save_dir``'s latest ``durable`` and this node's ``copies``,
     and the copies it sets aside, by :func:`~.._tier.lineage.admissible` (the resume's rule): the
     newest save of ``save_dir``'s run descending from its latest, from the local tier, if every
     rank's part of it is held (the ranks this node lacks must be on the others: the planner agrees
     across all ranks); with none, ``save_dir``'s latest, or a fresh start."""
-    kept, aside = admissible(durable, copies)
+    kept, aside = admissible(durable, copies, committed)
     set_aside = sorted(
         ({"iteration": c.iteration, "rank": c.owner, "reason": reason} for reason, cs in aside.items() for c in cs),
         key=lambda a: (a["iteration"], a["rank"]),

@@ -12,7 +12,11 @@ peer's replica) is taken only when
   save (a ``save_dir`` rolled back, or replaced by another run's checkpoints, is not descended
   from); with no durable step yet, any step of the run that descends from none;
 * no copy made by the same engine instance descends from a durable step newer than ``save_dir``'s
-  latest (that instance's later saves show ``save_dir`` was rolled back past them).
+  latest, and no rank recorded that instance committing one (:data:`COMMITTED_FILE`, written in
+  each rank's folder after a durable commit): either shows ``save_dir`` was rolled back past that
+  instance's saves. The record covers the instance's last durable step, which no later copy
+  descends from (a job whose last save was durable, then ``save_dir`` rolled back); without it a
+  step whose durable commit did not finish (a crash while it was written) is still resumed.
 
 Copies without a lineage (written before lineages were recorded) are judged by iteration alone,
 as before, when ``save_dir``'s latest has none either; otherwise they are set aside.
@@ -30,17 +34,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .._format.manifest import Lineage, lookup_manifest
-from .._format.names import parse_iteration
+from .._format.names import parse_iteration, parse_rank_dirname
 from .._storage.store import Store
 from ..errors import CkptEngineError
 
 __all__ = [
+    "COMMITTED_FILE",
     "RUN_FILE",
     "Announced",
+    "Committed",
     "Durable",
     "admissible",
     "describe_set_aside",
     "durable_view",
+    "node_committed",
+    "note_committed",
+    "read_committed",
     "read_run",
     "write_run",
 ]
@@ -49,6 +58,67 @@ __all__ = [
 #: a run that has saved only to the tier so far is still known by ``save_dir``).
 RUN_FILE = ".ckpt_engine_run.json"
 _RUN_ID = re.compile(r"^[0-9a-f]{1,64}$")
+
+
+#: In each rank's ``local_dir`` folder: the newest durable step each engine instance of a run
+#: committed, as that rank saw the commit (:func:`note_committed`).
+COMMITTED_FILE = ".ckpt_engine_committed.json"
+#: Instances a record keeps (the newest); each is about 120 bytes.
+_MAX_COMMITTED = 16
+_MAX_COMMITTED_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A durable step engine instance ``instance`` of run ``run_id`` committed."""
+
+    run_id: str
+    instance: str
+    iteration: int
+
+
+def note_committed(folder: str, lineage: Lineage, iteration: int) -> None:
+    """Record in ``folder`` (a rank's ``local_dir`` folder) that ``lineage``'s engine instance
+    committed durable step ``iteration``: the file is replaced whole (a crash leaves the old one)."""
+    kept = {c.instance: c for c in read_committed(folder) if c.instance != lineage.instance}
+    entries = [*kept.values(), Committed(lineage.run_id, lineage.instance, iteration)][-_MAX_COMMITTED:]
+    doc = {"committed": [{"run_id": c.run_id, "instance": c.instance, "iteration": c.iteration} for c in entries]}
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, COMMITTED_FILE)
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w") as f:
+        json.dump(doc, f)
+    os.replace(partial, path)
+
+
+def read_committed(folder: str) -> list[Committed]:
+    """The records :func:`note_committed` left in ``folder`` (none where it is missing, too
+    large or not such a record: an aid to the rule, never a reason to fail a resume)."""
+    try:
+        with open(os.path.join(folder, COMMITTED_FILE), "rb") as f:
+            raw = f.read(_MAX_COMMITTED_BYTES + 1)
+        doc = json.loads(raw) if len(raw) <= _MAX_COMMITTED_BYTES else None
+    except (OSError, ValueError):
+        return []
+    entries = doc.get("committed") if isinstance(doc, dict) else None
+    out = []
+    for e in entries[:_MAX_COMMITTED] if isinstance(entries, list) else []:
+        if not isinstance(e, dict):
+            continue
+        run, instance, iteration = e.get("run_id"), e.get("instance"), e.get("iteration")
+        if isinstance(run, str) and isinstance(instance, str) and type(iteration) is int:
+            out.append(Committed(run, instance, iteration))
+    return out
+
+
+def node_committed(local_dir: str) -> list[Committed]:
+    """The records in every rank folder of this node's ``local_dir`` (a replaced node's ranks
+    have none; the others', gathered, cover them)."""
+    try:
+        names = sorted(os.listdir(local_dir))
+    except OSError:
+        return []
+    return [c for n in names if parse_rank_dirname(n) is not None for c in read_committed(os.path.join(local_dir, n))]
 
 
 @dataclass(frozen=True)
@@ -114,14 +184,17 @@ class Announced:
         return None if self.lineage is None else self.lineage.save_id
 
 
-def admissible(durable: Durable | None, copies: list[Announced]) -> tuple[list[Announced], dict[str, list[Announced]]]:
-    """The copies a resume may take given ``save_dir``'s latest ``durable``, and the others, set
-    aside, by reason (copies older than ``durable`` are neither: they are simply not wanted)."""
+def admissible(
+    durable: Durable | None, copies: list[Announced], committed: Iterable[Committed] = ()
+) -> tuple[list[Announced], dict[str, list[Announced]]]:
+    """The copies a resume may take given ``save_dir``'s latest ``durable`` and the durable steps
+    the ranks recorded as ``committed``, and the others, set aside, by reason (copies older than
+    ``durable`` are neither: they are simply not wanted)."""
     if durable is None:
         return [], ({"save_dir holds no checkpoint and no run (a fresh start)": list(copies)} if copies else {})
     kept: list[Announced] = []
     aside: dict[str, list[Announced]] = {}
-    rolled_back = _rolled_back_instances(durable, copies)
+    rolled_back = _rolled_back_instances(durable, copies, committed)
     for copy in copies:
         if durable.iteration is not None and copy.iteration < durable.iteration:
             continue
@@ -133,19 +206,23 @@ def admissible(durable: Durable | None, copies: list[Announced]) -> tuple[list[A
     return kept, aside
 
 
-def _rolled_back_instances(durable: Durable, copies: list[Announced]) -> set[str]:
+def _rolled_back_instances(durable: Durable, copies: list[Announced], committed: Iterable[Committed]) -> set[str]:
     """Engine instances of ``durable``'s run that committed a durable step newer than it (any, where
-    ``save_dir`` holds none)."""
+    ``save_dir`` holds none): a copy descends from one, or a rank recorded its commit."""
     if durable.run_id is None:
         return set()
+
+    def newer(iteration: int) -> bool:
+        return durable.iteration is None or iteration > durable.iteration
+
     return {
         c.lineage.instance
         for c in copies
         if c.lineage is not None
         and c.lineage.run_id == durable.run_id
         and c.lineage.parent_iteration is not None
-        and (durable.iteration is None or c.lineage.parent_iteration > durable.iteration)
-    }
+        and newer(c.lineage.parent_iteration)
+    } | {c.instance for c in committed if c.run_id == durable.run_id and newer(c.iteration)}
 
 
 def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | None:

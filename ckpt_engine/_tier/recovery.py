@@ -56,7 +56,7 @@ from .folders import (
     start_copy,
     verify_held,
 )
-from .lineage import Announced, Durable, admissible, describe_set_aside
+from .lineage import Announced, Committed, Durable, admissible, describe_set_aside, node_committed
 from .replication import restore_replicas
 from .topology import Topology
 from .transfer import Incoming, Outgoing, exchange_bytes, exchange_files
@@ -108,11 +108,12 @@ def recover(
     mine_announced = [Announced(rank, o, it, h.manifest.lineage) for o, held in mine.items() for it, h in held.items()]
     # One payload of one kind on every rank, whatever it sees: a rank that disagrees about
     # save_dir finds out in the same collective as every other rank.
-    gathered: list[tuple[Durable | None, list[Announced]]] = _dist.all_gather_object(
-        (durable, mine_announced), step="local tier: holdings"
+    gathered: list[tuple[Durable | None, list[Announced], list[Committed]]] = _dist.all_gather_object(
+        (durable, mine_announced, node_committed(local_dir)), step="local tier: holdings"
     )
-    _require_one_view([view for view, _ in gathered])
-    kept, aside = admissible(durable, [c for _, copies in gathered for c in copies])
+    _require_one_view([view for view, _, _ in gathered])
+    copies = [c for _, held, _ in gathered for c in held]
+    kept, aside = admissible(durable, copies, [c for _, _, committed in gathered for c in committed])
     if aside and rank == 0:
         logger.warning("local tier: copies set aside, not resumed: %s", describe_set_aside(aside))
     refused: set[Copy] = set()

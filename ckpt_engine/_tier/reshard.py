@@ -50,7 +50,7 @@ from .._format.metadata_read import read_metadata, validate_metadata
 from .._format.names import METADATA_FILE, iter_dirname, parse_rank_dirname, rank_dirname
 from ..errors import CkptEngineError, CorruptCheckpointError, clip
 from .folders import Held, held_checkpoints
-from .lineage import Announced, Durable, admissible
+from .lineage import Announced, Durable, admissible, node_committed
 from .recovery import Recovered
 from .reshard_meta import item_digests, merge_metadata
 from .reshard_read import Exchange, PartFile
@@ -101,8 +101,9 @@ def reshard(local_dir: str, durable: Durable | None, *, sync: bool) -> Recovered
     announced = [
         _Copy(Announced(rank, h.owner, h.iteration, h.manifest.lineage), h.manifest.world_size) for h in mine.values()
     ]
-    copies = [c for part in _dist.all_gather_object(announced, step="local tier: reshard holdings") for c in part]
-    kept, _ = admissible(durable, [c.announced for c in copies])
+    gathered = _dist.all_gather_object((announced, node_committed(local_dir)), step="local tier: reshard holdings")
+    copies = [c for held, _ in gathered for c in held]
+    kept, _ = admissible(durable, [c.announced for c in copies], [c for _, committed in gathered for c in committed])
     worlds = {(c.announced.holder, c.announced.owner, c.announced.iteration): c.world for c in copies}
     plan = _choose(kept, worlds)
     if plan is None:

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckpt_engine import CheckpointEngine
 from ckpt_engine._format.manifest import Lineage, lookup_manifest, parse_manifest
-from ckpt_engine._tier.lineage import Announced, Durable, admissible
+from ckpt_engine._tier.lineage import COMMITTED_FILE, Announced, Committed, Durable, admissible
 from ckpt_engine._tier.recovery import _plan
 from ckpt_engine._tier.topology import Topology
 from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
@@ -77,6 +77,19 @@ def test_a_rolled_back_save_dir_sets_aside_every_save_of_the_engine_that_went_pa
     assert _kept(durable, old) == []
     later = [*old, _copy(4, _lin("e2-1", "e1-3", 3))]
     assert _kept(durable, later) == [4]
+
+
+def test_a_recorded_commit_past_save_dirs_latest_sets_aside_the_engines_saves() -> None:
+    """save_dir rolled back from 9 to 6, where 9 was the engine's last save and durable: its copy
+    and the local steps 7 and 8 descend from 6, so only the rank's record of 9's commit tells the
+    rollback from a crash while 9 was written (where the tier's 9 is the step to resume)."""
+    durable = Durable(6, _lin("e1-6", "e1-3", 3))
+    copies = [_copy(it, _lin(f"e1-{it}", "e1-6", 6)) for it in (7, 8, 9)]
+    assert _kept(durable, copies) == [7, 8, 9]  # no record: the commit of 9 may not have finished
+    kept, aside = admissible(durable, copies, [Committed(RUN, "e1", 9)])
+    assert kept == [] and aside == {"save_dir was rolled back past its saves": copies}
+    for record in (Committed(OTHER, "e1", 9), Committed(RUN, "e1", 6), Committed(RUN, "e2", 9)):
+        assert sorted(c.iteration for c in admissible(durable, copies, [record])[0]) == [7, 8, 9], record
 
 
 def test_before_its_first_durable_step_a_run_known_by_its_run_file_takes_its_own_steps() -> None:
@@ -198,6 +211,26 @@ def test_a_rolled_back_save_dir_resumes_its_latest(tmp_path: Path) -> None:
     result, got = _resume(config)
     assert (result.iteration, set(result.bytes_by_source)) == (3, {"durable"})
     assert_state_dicts_equal(got, saved[3])
+
+
+def test_a_save_dir_rolled_back_past_its_last_durable_step_resumes_its_latest(tmp_path: Path) -> None:
+    """Steps 7 and 8 local, 9 durable and the job's last; save_dir then rolled back to 6. Every
+    local step descends from 6, and the tier's 9 is the deleted durable save itself: it was
+    resumed. The rank's record of 9's commit sets them aside; without the record (a crash before
+    the commit finished, the same files otherwise) the tier's 9 is what a resume takes."""
+    config = _config(tmp_path / "durable", tmp_path / "local")
+    saved = _save(config, range(1, 10))
+    record = tmp_path / "local/rank_00000" / COMMITTED_FILE
+    assert json.loads(record.read_text())["committed"][-1]["iteration"] == 9
+    shutil.rmtree(tmp_path / "durable/iter_000000009")
+    (tmp_path / "durable/latest_checkpoint.txt").write_text("iter_000000006\n")
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (6, {"durable"})
+    assert_state_dicts_equal(got, saved[6])
+    record.unlink()
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (9, {"local"})
+    assert_state_dicts_equal(got, saved[9])
 
 
 def test_a_save_dir_replaced_by_another_runs_steps_resumes_them(tmp_path: Path) -> None:
