@@ -224,6 +224,12 @@ class ReplicationError(CkptEngineError):
     iteration, the ranks and the cause."""
 
 
+class SnapshotChangedError(CkptEngineError):
+    """A tensor of an ``overlap`` save (``pinned_staging``) was changed in place before its
+    snapshot copy was confirmed: that save fails (``SaveHandle.result()`` raises a
+    :class:`CheckpointSaveError` caused by this one, naming the key) and nothing is committed."""
+
+
 class IntegrityError(CorruptCheckpointError):
     """A checkpoint file does not match the manifest written when it was committed (size or checksum)."""
 

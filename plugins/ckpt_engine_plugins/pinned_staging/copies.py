@@ -49,7 +49,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from ckpt_engine import CkptEngineError
+from ckpt_engine import CkptEngineError, SnapshotChangedError
 
 # The one private torch behaviour this module relies on, behind the engine's public helper
 # (tests/dcpio/test_torch_private.py pins it).
@@ -138,13 +138,6 @@ def _bits(sample: Sample) -> bytes:
 def _same_bits(a: Sample, b: Sample) -> bool:
     """Bitwise equality of two samples of one dtype (NaNs included), numpy or torch alike."""
     return _bits(a) == _bits(b)
-
-
-class SnapshotChangedError(CkptEngineError):
-    """A tensor of an ``overlap`` save was changed in place before its snapshot copy was confirmed."""
-
-
-SnapshotChangedError.__module__ = "ckpt_engine_plugins.pinned_staging"
 
 
 def optimizer_owned(optimizers: Sequence[torch.optim.Optimizer]) -> dict[TensorKey, list[torch.Tensor]]:
