@@ -220,8 +220,14 @@ def paired_table(states: list[dict[str, Any]]) -> str:
 
 
 def report(
-    states: list[dict[str, Any]], machine: dict[str, Any], avail: dict[str, str | None], out: str, png: str | None
+    states: list[dict[str, Any]],
+    machine: dict[str, Any],
+    avail: dict[str, str | None],
+    out: str | None,
+    png: str | None,
 ) -> dict[str, Any]:
+    """Print the tables of a run (and plot them to ``png``); write its JSON to ``out`` (``None``:
+    tables again from a recorded run, which keep the versions it recorded and write nothing)."""
     ok = [s for s in states if "rounds" in s]
     summaries = [summarize(s) for s in ok]
     for state, summary in zip(ok, summaries, strict=True):
@@ -237,7 +243,7 @@ def report(
     failed = [s["error"] for s in states if "error" in s]
     for why in failed:
         print(f"\nstate failed: {why}")
-    machine["versions"] = versions()
+    machine.setdefault("versions", versions())
     note = plot(ok, summaries, png) if png and ok else None
     result = {
         "machine": machine,
@@ -246,7 +252,8 @@ def report(
         "failed_states": failed,
         "plot": note or png,
     }
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    if out is not None:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
     print(f"\nload average {machine['load_average_start']} at the start, {machine['load_average_end']} at the end")
     return result

@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.from_json:
         with open(args.from_json) as f:
             earlier = json.load(f)
-        return report(earlier["states"], earlier["machine"], earlier["availability"], args.from_json, args.plot)
+        return report(earlier["states"], earlier["machine"], earlier["availability"], None, args.plot)
     if args.list:
         for name, why in availability().items():
             print(f"{name:<24} {why or 'available'}")

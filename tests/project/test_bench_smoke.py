@@ -195,6 +195,14 @@ def test_peers_benchmark_smoke(tmp_path: Path) -> None:
         assert paired["ratios"]["verified_x_floor_wall"]["median"] > 0
     assert "Hot loads, paired round by round" in proc.stdout
     assert not work.exists() or not os.listdir(work)  # every checkpoint removed
+    # The tables again from the recorded run: printed, and the record left as it was (it was
+    # rewritten, with this environment's versions in place of the run's).
+    result["machine"]["versions"]["torch"] = "2.0.0 (another machine's run)"
+    out.write_text(json.dumps(result, indent=1))
+    recorded = out.read_bytes()
+    again = _bench(REPO / "benchmarks" / "peers_bench.py", "--from-json", str(out))
+    assert "| save() blocks |" in again.stdout
+    assert out.read_bytes() == recorded
 
 
 @pytest.mark.dist
