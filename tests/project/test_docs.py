@@ -161,7 +161,9 @@ def test_migration_templates_run_through_a_resume(
         model = nn.ModuleDict({"net": nn.Linear(4, 4), "net_ema": nn.Linear(4, 4)})  # the native one enables `ema`
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         config = types.SimpleNamespace(
-            checkpoint=types.SimpleNamespace(load_path="", strict_resume=False),
+            checkpoint=types.SimpleNamespace(
+                load_path="", strict_resume=False, load_ema_to_reg=True, dcp_allow_mismatched_size=True
+            ),
             job=types.SimpleNamespace(path_local=str(tmp_path / "job"), path="job"),
         )
         namespace: dict[str, Any] = {
