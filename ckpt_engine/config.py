@@ -39,7 +39,20 @@ def _toml_loads(text: str) -> Any:
 _COMPONENT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
-class PluginEntry(BaseModel):
+class _Frozen(BaseModel):
+    """A configuration model that cannot be changed once made: setting a field is a
+    :class:`~ckpt_engine.errors.ConfigError` (as every config error is), not pydantic's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise ConfigError(
+            f"{type(self).__name__} is frozen: {name!r} cannot be set on it; make a changed copy instead, "
+            f"e.g. config.model_copy(update={{{name!r}: ...}})"
+        )
+
+
+class PluginEntry(_Frozen):
     """One plugin in :attr:`EngineConfig.plugins`; the list order is the fold order."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -70,7 +83,7 @@ def _coerce_entry(item: Any) -> Any:
     return item
 
 
-class StorageOptions(BaseModel):
+class StorageOptions(_Frozen):
     """How to reach a `save_dir` / `load_dir` / `load_path` given as a URL (`s3://...`, any fsspec
     filesystem); ignored for local paths. Unset credentials fall back to the standard sources
     (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, `~/.aws`, instance roles).
@@ -159,7 +172,7 @@ _PER_RANK_KEYS = (
 )
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(_Frozen):
     """Everything the engine needs to know, from keyword arguments, a dict or a file.
 
     Unknown fields are errors that name the field.

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
 from ckpt_engine import CheckpointEngine, ConfigError, EngineConfig, PluginEntry
 
@@ -53,10 +52,15 @@ def test_bad_values_name_the_field(fields: dict[str, object], field_name: str) -
     assert field_name in str(info.value)
 
 
-def test_config_is_frozen() -> None:
-    cfg = EngineConfig(save_dir="ck")
-    with pytest.raises(ValidationError):
-        cfg.strict = False  # type: ignore[misc]
+def test_config_is_frozen_and_setting_a_field_is_a_config_error() -> None:
+    """Every config error is a ``ConfigError`` (a ``CkptEngineError``): setting a field raised
+    pydantic's ``ValidationError``, which a caller catching the engine's errors let through."""
+    cfg = EngineConfig(save_dir="ck", storage={"endpoint_url": "http://localhost:9000"}, plugins=["ema"])
+    for target, field in ((cfg, "strict"), (cfg.storage, "endpoint_url"), (cfg.plugins[-1], "name")):
+        with pytest.raises(ConfigError, match=rf"is frozen: '{field}' cannot be set .*model_copy"):
+            setattr(target, field, "x")
+    changed = cfg.model_copy(update={"strict": False})
+    assert (changed.strict, cfg.strict) == (False, True)
 
 
 YAML = """
