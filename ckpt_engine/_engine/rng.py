@@ -181,15 +181,18 @@ def prepare_rng_load(obj: Any, metadata: Metadata, path: str, world_size: int) -
         obj.source, obj.derive = min(ranks), True
     obj.ignored = tuple(f"rank{r}." for r in sorted(ranks) if r != obj.source)
     if (missing and obj.rank == missing[0]) or (obj.rank == 0 and max(ranks) >= world_size):
+        if missing:
+            fate = f"rank(s) {_ranges(missing)} are seeded from rank {min(ranks)}'s state and their own rank"
+        else:
+            fate = f"the state of rank(s) {_ranges([r for r in sorted(ranks) if r >= world_size])} is left unused"
         logger.warning(
             "%s holds the random state of rank(s) %s, but this job has %d rank(s): ranks with saved state take "
-            "it back, rank(s) %s are seeded from rank %d's state and their own rank. The resumed run is not "
-            "bit-exact with an uninterrupted one (set rng: false to not save random state at all)",
+            "it back, %s. The resumed run is not bit-exact with an uninterrupted one (set rng: false to not save "
+            "random state at all)",
             path,
             _ranges(sorted(ranks)),
             world_size,
-            _ranges(missing) or "none",
-            min(ranks),
+            fate,
         )
 
 

@@ -124,5 +124,6 @@ def apply_retention(
         # Logged, not raised: a failed deletion must never fail training; retried next commit.
         logger.warning("retention could not delete %s (%s); will retry after the next commit", path, why)
     if result.deleted:
-        logger.info("retention deleted %s", ", ".join(os.path.basename(p) for p in result.deleted))
+        # Named with its folder: a two-tier save's local copy and the object store's are both kept.
+        logger.info("retention deleted %s in %s", ", ".join(os.path.basename(p) for p in result.deleted), save_dir)
     return result

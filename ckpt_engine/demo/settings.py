@@ -29,16 +29,18 @@ FAST = Settings(steps=12, save_every=3, kill_at=9, hidden=64, layers=2, batch=32
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings()
     p.add_argument("--steps", type=int, help=f"training steps (default {d.steps}; --fast: {FAST.steps})")
-    p.add_argument("--save-every", type=int, help=f"checkpoint every N steps (default {d.save_every})")
+    p.add_argument(
+        "--save-every", type=int, help=f"checkpoint every N steps (default {d.save_every}; --fast: {FAST.save_every})"
+    )
+    p.add_argument("--hidden", type=int, help=f"model width (default {d.hidden}; --fast: {FAST.hidden})")
+    p.add_argument("--layers", type=int, help=f"residual blocks (default {d.layers}; --fast: {FAST.layers})")
+    p.add_argument("--batch", type=int, help=f"global batch size (default {d.batch}; --fast: {FAST.batch})")
     p.add_argument(
         "--kill-at",
         type=int,
         help="kill during the first save at or after this step (default: just past 70%% of --steps, "
         f"{default_kill_at(d)} for the defaults; --fast: {default_kill_at(FAST)})",
     )
-    p.add_argument("--hidden", type=int, help=f"model width (default {d.hidden})")
-    p.add_argument("--layers", type=int, help=f"residual blocks (default {d.layers})")
-    p.add_argument("--batch", type=int, help=f"global batch size (default {d.batch})")
     p.add_argument("--out", default=os.path.join("runs", "demo"), help="output folder (default runs/demo)")
     p.add_argument("--ranks", type=int, choices=(1, 2), default=1, help="1 process, or 2 gloo ranks under torchrun")
     p.add_argument("--fast", action="store_true", help="a tiny model and few steps (a few seconds; what CI runs)")

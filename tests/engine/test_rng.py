@@ -146,6 +146,7 @@ def test_one_process_resumes_a_two_rank_checkpoint_with_rank_0s_state_and_one_wa
     assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == saved[0]
     (warning,) = _warnings(caplog)
     assert "rank(s) 0, 1, but this job has 1 rank(s)" in warning and "rng: false" in warning
+    assert "the state of rank(s) 1 is left unused" in warning and "none" not in warning  # no rank is reseeded
 
 
 @pytest.mark.dist

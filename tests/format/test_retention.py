@@ -17,9 +17,13 @@ from ckpt_engine import CheckpointEngine
 from ckpt_engine.testing import assert_state_dicts_equal
 
 
-def test_keep_last_and_keep_every(tmp_path: Path) -> None:
+def test_keep_last_and_keep_every(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    saved = _save(a, *range(1, 7), keep_last=2)
+    with caplog.at_level(logging.INFO, logger="ckpt_engine"):
+        saved = _save(a, *range(1, 7), keep_last=2)
+    # each deletion names its folder (a two-tier save keeps a local copy's and the store's apart)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("retention deleted")]
+    assert said and all(m.endswith(f" in {a}") for m in said), said
     assert _iters(a) == [5, 6] and _latest(a) == "iter_000000006\n"
     _save(b, *range(1, 8), keep_last=1, keep_every=3)
     assert _iters(b) == [3, 6, 7]
