@@ -459,6 +459,12 @@ def manifest_for_reads(path: str, store: Store, level: str, say: bool) -> Manife
     return manifest
 
 
+#: The most :func:`check_read` reads at once of a block's bytes not in memory: one ``pread`` of a
+#: whole file of several GiB (a whole-file digest) allocated all of it, and Linux returns at most
+#: 2 GiB - 4 KiB from one call, which read as a file that ends early.
+_GAP_READ = 8 << 20
+
+
 def _disjoint(pieces: Sequence[tuple[int, Any]]) -> tuple[list[int], list[tuple[int, memoryview]]]:
     """``pieces`` (``(file offset, bytes)``) trimmed to not overlap, sorted: their starts, and them."""
     out: list[tuple[int, memoryview]] = []
@@ -502,8 +508,8 @@ def check_read(
                 off, view = parts[i]
                 n = min(hi, off + len(view)) - at
                 hasher.update(view[at - off : at - off + n])
-            else:
-                n = min(hi, starts[i + 1] if i + 1 < len(starts) else hi) - at
+            else:  # not in memory: read, at most _GAP_READ at a time (a whole-file digest's block is the file)
+                n = min(hi, starts[i + 1] if i + 1 < len(starts) else hi, at + _GAP_READ) - at
                 data = pread(at, n)
                 if len(data) != n:
                     raise _mismatch(blocks, lo, hi, keys, f"the file ends inside it (at byte {at + len(data)})")

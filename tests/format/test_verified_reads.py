@@ -461,3 +461,37 @@ def test_a_read_of_some_rows_checks_the_archive_header_its_layout_came_from(tmp_
     ((failure, _),) = err.value.failures.values()  # DCP's (exception, stack) per rank
     assert isinstance(failure, CorruptCheckpointError), failure
     assert re.search(rf"{re.escape(str(data))} is damaged: bytes 0-{4 << 20} \(holding 'weight'\)", str(failure))
+
+
+def test_a_whole_file_digest_is_checked_in_bounded_reads(tmp_path: Path) -> None:
+    """A block not in memory (with a whole-file digest, the block is the file) was read with one
+    ``pread``: all of a file of several GiB in one buffer, and over 2 GiB Linux returns less than
+    asked, which read as a damaged file. It is read in pieces of at most 8 MiB; a flipped byte is
+    still refused, naming the whole file."""
+    from ckpt_engine._format.hashing import hash_file
+    from ckpt_engine._format.verify import FileBlocks, check_read
+
+    size = 40 << 20
+    path = tmp_path / "__0_0.distcp"
+    with open(path, "wb") as f:  # sparse: zeros, and one byte at the end
+        f.truncate(size - 1)
+        f.seek(size - 1)
+        f.write(b"\x01")
+    checksum = hash_file(str(path), "xxh3_64").checksum
+    assert checksum is not None
+    blocks = FileBlocks(str(path), "xxh3_64", (0, size), (checksum,), whole_only=True)
+    asked: list[int] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def pread(offset: int, n: int) -> bytes:
+            asked.append(n)
+            return os.pread(fd, n, offset)
+
+        check_read(blocks, [(0, size)], [], pread, lambda lo, hi: ["w"])
+        assert sum(asked) == size and max(asked) <= 8 << 20, asked
+        _flip(path, size // 2)
+        with pytest.raises(CorruptCheckpointError, match=rf"bytes 0-{size} \(holding 'w'\)"):
+            check_read(blocks, [(0, size)], [], pread, lambda lo, hi: ["w"])
+    finally:
+        os.close(fd)
