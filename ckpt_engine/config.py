@@ -223,7 +223,7 @@ class EngineConfig(_Frozen):
         "the load reads against the digest recorded at save for its block, as it reads it (ranged and "
         "shared reads included; a damaged byte is a `CorruptCheckpointError` naming the file, the byte range "
         "and the keys there); a checkpoint saved before per-block digests is checked by whole-file digest "
-        "where a load reads a whole file, else by size (said once in the log). `checksums` also reads every "
+        "where a load reads at least half of a file, else by size (said once in the log). `checksums` also reads every "
         "file once more before the load and compares its checksum (split among ranks). `sizes`: the sizes "
         "only; `off` skips the manifest.",
     )

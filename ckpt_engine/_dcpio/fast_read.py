@@ -142,17 +142,6 @@ class _Read:
             lo = hi
         return out
 
-    def pieces(self) -> list[tuple[int, Any]]:
-        """What of the archive is in memory, by file offset: its head up to the data, the data
-        (the target's bytes) and its tail after it."""
-        out: list[tuple[int, Any]] = [(self.offset, self.view)]
-        item, end = self.item, self.offset + self.nbytes
-        if item is not None:
-            out.append((self.base, memoryview(item.head)[: max(0, self.offset - self.base)]))
-            tail_at = self.base + item.tail_start
-            out.append((max(end, tail_at), memoryview(item.tail)[max(0, end - tail_at) :]))
-        return out
-
 
 def _read_checked(fd: int, r: _Read, blocks: FileBlocks, keys: Callable[[int, int], list[str]]) -> bool:
     """:func:`_readinto` of ``r`` block by block, each block hashed as it is read (in pieces of
@@ -186,6 +175,15 @@ def _read_checked(fd: int, r: _Read, blocks: FileBlocks, keys: Callable[[int, in
     except OSError:
         return False
     return at >= end or _readinto(fd, view[at - base :], at)  # past the recorded blocks: sizes say
+
+
+def _covered(spans: list[tuple[int, int]]) -> int:
+    """How many bytes the ``spans`` (``(start, end)``) cover, overlaps counted once."""
+    total, at = 0, 0
+    for a, b in sorted(spans):
+        total += max(0, b - max(a, at))
+        at = max(at, b)
+    return total
 
 
 def _unread_headers(r: _Read, blocks: FileBlocks) -> list[tuple[int, int]]:
@@ -347,6 +345,7 @@ class FastFileSystemReader(SafeFileSystemReader):
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.stats = FastReadStats()
+        self._check_whole_files(plan.items)
         slow: list[ReadItem] = []
         per_file: dict[str, list[tuple[Any, ReadItem]]] = {}
         values: dict[str, list[tuple[Any, ReadItem]]] = {}
@@ -406,15 +405,10 @@ class FastFileSystemReader(SafeFileSystemReader):
             end = max(info.offset + info.length for info, _ in entries)
             os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        blocks = self.blocks.get(rel)
-        # With per-block digests (or none) the small items are read, checked and handed on
-        # window by window; with a whole-file digest only, all of the file is one window, held
-        # until the large reads are done too, and checked once.
-        whole_file = blocks is not None and blocks.whole_only
+        blocks = self._blocks(rel)  # the small items are read, checked and handed on window by window
         checked: set[int] = set()  # blocks checked so far
         reads: list[_Read] = []
-        held: tuple[dict[int, bytes], dict[int, tuple[ArchiveItem, SavedTensorLayout | None]], list[Any]] | None = None
-        for window in [entries] if whole_file else windows(entries, None if blocks is None else blocks.starts):
+        for window in windows(entries, None if blocks is None else blocks.starts):
             layouts: dict[int, tuple[ArchiveItem, SavedTensorLayout | None]] = {}
             ready: list[tuple[ReadItem, torch.Tensor]] = []
             queued = len(reads)
@@ -423,19 +417,12 @@ class FastFileSystemReader(SafeFileSystemReader):
                 if not self._plan_direct(fd, info, req, planner, layouts, ready, reads, small):
                     slow.append(req)
             self.stats.bytes_read += sum(it.prefetched for it, _ in layouts.values())
-            if whole_file:
-                held = small, layouts, ready
-                continue
             if blocks is not None:
                 self._check_direct(fd, rel, blocks, small, layouts, [req for req, _ in ready], reads[queued:], checked)
             self._commit(planner, ready)
         failed = _run_reads(fd, reads, self.threads, blocks, keys_in(self.storage_data, rel))
         slow += [r.req for r in failed]
         done_reads = [r for r in reads if r not in failed]
-        if held is not None and blocks is not None:
-            small, layouts, ready = held
-            self._check_direct(fd, rel, blocks, small, layouts, [req for req, _ in ready], done_reads, checked)
-            self._commit(planner, ready)
         self.stats.bytes_read += sum(r.nbytes for r in done_reads)
         self._commit(planner, [(r.req, r.target) for r in done_reads])
         return slow
@@ -459,24 +446,43 @@ class FastFileSystemReader(SafeFileSystemReader):
         checked: set[int],
     ) -> None:
         """Check what the direct path read of ``rel`` that :func:`_run_reads` does not check as it
-        reads: the items copied whole (``whole``); the archive headers the layouts of ``reads``
-        were parsed from, where a read's data misses their blocks (:func:`_unread_headers`); and
-        with a whole-file digest only, everything (``reads`` done). ``checked``: the blocks
-        checked already (updated)."""
+        reads: the items copied whole (``whole``) and the archive headers the layouts of ``reads``
+        were parsed from, where a read's data misses their blocks (:func:`_unread_headers`).
+        ``checked``: the blocks checked already (updated)."""
         spans = [(i.offset, i.offset + i.length) for i in map(self._info, whole)]
+        spans += [span for r in reads for span in _unread_headers(r, blocks)]
         pieces: list[tuple[int, Any]] = list(small.items())
         pieces += [(offset, it.head) for offset, (it, _) in layouts.items()]
-        if blocks.whole_only:
-            spans += [(r.base, r.base + r.item.length) for r in reads if r.item is not None]
-            pieces += [p for r in reads for p in r.pieces()]
-        else:
-            spans += [span for r in reads for span in _unread_headers(r, blocks)]
-            pieces += [(offset + it.tail_start, it.tail) for offset, (it, _) in layouts.items() if not it.whole]
+        pieces += [(offset + it.tail_start, it.tail) for offset, (it, _) in layouts.items() if not it.whole]
         check_read(blocks, spans, pieces, _pread(fd), keys_in(self.storage_data, rel), checked)
+
+    def _blocks(self, rel: str) -> FileBlocks | None:
+        """``rel``'s per-block digests, which the reads check as they go (``None`` for a
+        whole-file digest: :meth:`_check_whole_files` checks those before anything is read)."""
+        blocks = self.blocks.get(rel)
+        return None if blocks is None or blocks.whole_only else blocks
+
+    def _check_whole_files(self, items: list[ReadItem]) -> None:
+        """Check each data file with a whole-file digest only (a manifest from before per-block
+        digests) of which ``items`` read at least half, by reading all of it once before any item
+        is read (a file's items go three ways: values, direct reads, DCP's path; and an optimizer's
+        load skips most of its hyper-parameters). A file read less is checked by its size only,
+        as the loader said: a resharded load's slice of a large file is not worth reading it all."""
+        if not any(b.whole_only for b in self.blocks.values()):
+            return
+        per_file: dict[str, list[tuple[int, int]]] = {}
+        for info in map(self._info, items):
+            per_file.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+        whole = []
+        for rel, spans in per_file.items():
+            blocks = self.blocks.get(rel)
+            if blocks is not None and blocks.whole_only and 2 * _covered(spans) >= blocks.starts[-1]:
+                whole.append((rel, blocks, [(0, blocks.starts[-1])]))
+        self._check_files(whole)
 
     def _check_spans(self, fd: int, rel: str, spans: list[tuple[int, int]]) -> None:
         """Check the blocks of ``rel`` holding ``spans`` by reading them (where it has blocks)."""
-        blocks = self.blocks.get(rel)
+        blocks = self._blocks(rel)
         if blocks is not None:
             check_read(blocks, spans, [], _pread(fd), keys_in(self.storage_data, rel))
 
@@ -485,11 +491,15 @@ class FastFileSystemReader(SafeFileSystemReader):
         per_file: dict[str, list[tuple[int, int]]] = {}
         for info in map(self._info, items):
             per_file.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
-        for rel in set(per_file) & set(self.blocks):
+        self._check_files([(rel, b, spans) for rel, spans in per_file.items() if (b := self._blocks(rel)) is not None])
+
+    def _check_files(self, files: list[tuple[str, FileBlocks, list[tuple[int, int]]]]) -> None:
+        """Check the blocks holding each file's spans by reading them."""
+        for rel, blocks, spans in files:
             with contextlib.suppress(OSError):  # one that cannot be opened: DCP's path reports it
                 fd = os.open(os.path.join(os.fspath(self.path), rel), os.O_RDONLY)
                 try:
-                    self._check_spans(fd, rel, per_file[rel])
+                    check_read(blocks, spans, [], _pread(fd), keys_in(self.storage_data, rel))
                 finally:
                     os.close(fd)
 
@@ -504,7 +514,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         try:
             small = read_small_items(fd, sorted({(info.offset, info.length) for info, _ in entries}))
             spans = [(o, o + len(d)) for o, d in small.items()]
-            blocks = self.blocks.get(rel)
+            blocks = self._blocks(rel)
             if blocks is not None:  # before anything is unpickled
                 check_read(blocks, spans, list(small.items()), _pread(fd), keys_in(self.storage_data, rel))
         finally:

@@ -12,7 +12,8 @@ records each block's length and digest. A load (``verify: read``, the default) c
 block it reads a byte of, hashing the bytes where they already are (the destination tensor's
 memory, the archive headers read first) and reading only what it did not read itself (the rest
 of a block a ranged read cut). A manifest from before blocks were recorded gives each file one
-block, its whole-file digest, checked only when a load reads the whole file.
+block, its whole-file digest, checked (by reading all of the file once before the load reads
+it) only where a load reads at least half of the file.
 """
 
 from __future__ import annotations
@@ -389,7 +390,8 @@ class FileBlocks:
     algorithm: str
     starts: tuple[int, ...]
     digests: tuple[str, ...]
-    #: The one block is the whole file (a manifest without blocks): checked only when read whole.
+    #: The one block is the whole file (a manifest without blocks): checked only where a load
+    #: reads at least half of it (``FastFileSystemReader``), or a read covers all of it.
     whole_only: bool = False
 
     def touched(self, spans: Iterable[tuple[int, int]]) -> list[int]:
@@ -453,7 +455,7 @@ def manifest_for_reads(path: str, store: Store, level: str, say: bool) -> Manife
     if manifest is not None and say and not has_blocks(manifest):
         logger.info(
             "%s was saved before per-block digests were recorded: this load checks a file's digest where it reads "
-            "the whole file, else its size only",
+            "at least half of the file (reading all of it once more), else its size only",
             path,
         )
     return manifest

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
@@ -205,6 +205,17 @@ def test_a_manifest_without_blocks_loads_says_so_once_and_checks_whole_files(
     _flip(data, at)  # the load reads the whole file: its whole-file digest tells
     message = _refused(config, data, at)
     assert f"bytes 0-{data.stat().st_size}" in message
+    _flip(data, at)
+    # The optimizer's file: the load reads its moments by the direct path, its values apart, and
+    # skips most of its hyper-parameters (one parameter's per group). No path saw all of the
+    # file, so a flipped byte in a moment loaded in silence; the file is now read once and checked.
+    optim = _largest(ckpt / "optim")
+    stored = FileSystemReader(str(ckpt / "optim")).read_metadata().storage_data
+    moment = next(i for k, i in stored.items() if k.fqn.endswith(".exp_avg") and i.relative_path == optim.name)
+    at = moment.offset + moment.length // 2  # in the moment's data
+    _flip(optim, at)
+    message = _refused(config, optim, at)
+    assert f"bytes 0-{optim.stat().st_size}" in message
 
 
 # -- damage anywhere: a typed error or the same values, nothing else ------------------------------
