@@ -256,8 +256,8 @@ class EngineConfig(_Frozen):
     fallback_to_last_complete: bool = Field(
         default=False,
         description="When `latest_checkpoint.txt` is unreadable or names a missing, incomplete or corrupt "
-        "checkpoint, load the newest checkpoint that passes the checks instead of raising (logged, "
-        "and reported in `LoadResult.fell_back_from`).",
+        "checkpoint (a damaged byte found while it is read included), load the newest checkpoint that passes "
+        "the checks instead of raising (logged, and reported in `LoadResult.fell_back_from`).",
     )
     keep_last: int | None = Field(
         default=None,

@@ -270,13 +270,38 @@ class ResumePlanner:
         """Chooses this load's source and reads it. A nearer tier whose read finds a copy it cannot
         use (:class:`PassedOver`, alike on every rank) is passed over: the choice goes on down the
         restore order without the nearer tiers, and that source's read replaces every component
-        (nothing read from the passed-over tier stays in the training objects)."""
+        (nothing read from the passed-over tier stays in the training objects). So is, with
+        ``fallback_to_last_complete``, a checkpoint ``latest`` chose whose read finds a damaged
+        byte (:meth:`_read`)."""
         try:
-            return self.choose(objs).read(self.reader, objs)
+            return self._read(self.choose(objs), objs)
         except PassedOver as err:
             if _dist.rank() == 0:
                 logger.warning("%s; resuming from %s", err, self.save_dir)
-            return self.choose(objs, nearer=False).read(self.reader, objs)
+            return self._read(self.choose(objs, nearer=False), objs)
+
+    def _read(self, source: LoadSource, objs: TrainingObjects) -> LoadResult:
+        """``source`` read into ``objs``. With ``fallback_to_last_complete``, a checkpoint of
+        ``save_dir`` that ``latest`` chose and whose read finds a byte that does not match its
+        digest (a :class:`CorruptCheckpointError`, raised on every rank alike) is passed over as one
+        that fails the checks before the load is: the newest checkpoint that passes them is read,
+        and its read replaces every component the damaged one's had filled."""
+        refused: list[str] = []
+        while True:
+            try:
+                return source.read(self.reader, objs)
+            except CorruptCheckpointError as err:
+                if not (
+                    self.config.fallback_to_last_complete
+                    and isinstance(source, CheckpointSource)
+                    and source.rule == "latest"
+                    and source.tier == "durable"
+                ):
+                    raise
+                refused.append(source.path)
+                load_dir = self.config.resolved_load_dir
+                ask = ResumeAsk(objs, load_dir, open_store(load_dir, self.config.storage), source.wanted)
+                source = self._fallback(ask, source.path, err, refused)
 
     def choose(self, objs: TrainingObjects, *, nearer: bool = True) -> LoadSource:
         """The source of this load, by the restore order of the class docstring (``nearer``: the
@@ -416,8 +441,9 @@ class ResumePlanner:
             return self._fallback(ask, path, err)
         return CheckpointSource(path, ask.wanted, "latest", validated)
 
-    def _fallback(self, ask: ResumeAsk, bad: str, err: CkptEngineError) -> LoadSource:
-        """``fallback_to_last_complete``: the newest checkpoint that passes the checks."""
+    def _fallback(self, ask: ResumeAsk, bad: str, err: CkptEngineError, refused: Sequence[str] = ()) -> LoadSource:
+        """``fallback_to_last_complete``: the newest checkpoint that passes the checks (``refused``:
+        those whose read found damage, left out too)."""
         store = ask.store
 
         def same(a: str, b: str) -> bool:
@@ -426,7 +452,11 @@ class ResumePlanner:
             return a.rstrip("/") == b.rstrip("/")
 
         candidates: list[str] = _dist.broadcast_object(
-            [p for _, p in reversed(list_checkpoints(ask.load_dir, store)) if not same(p, bad)]
+            [
+                p
+                for _, p in reversed(list_checkpoints(ask.load_dir, store))
+                if not any(same(p, q) for q in (bad, *refused))
+            ]
         )
         tried = []
         for path in candidates:

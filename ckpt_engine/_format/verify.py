@@ -537,8 +537,9 @@ def _mismatch(
     what = ", ".join(repr(k) for k in held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
     return CorruptCheckpointError(
         f"{blocks.path} is damaged: bytes {lo}-{hi} (holding {what or 'no key'}) do not match {MANIFEST_FILE}: {why}. "
-        "The load stopped before handing these values on; load another checkpoint (fallback_to_last_complete) or "
-        "restore this file"
+        "The load stopped there, but values it read before may already be in the training objects: do not "
+        "train on them. Load another checkpoint (with fallback_to_last_complete a resume goes on to the newest "
+        "one that loads) or restore this file"
     )
 
 

@@ -9,6 +9,8 @@ argv: save_dir. Steps (every rank runs each; each reports what it got):
 * ``flip``: rank 0 flips one byte in the model file rank 1 wrote; a ``verify="checksums"`` load
   raises ``IntegrityError`` on both ranks, naming the file, with nothing loaded;
 * ``fallback``: the same load with ``fallback_to_last_complete`` restores iteration 2 on both;
+* ``read_flip`` and ``read_fallback``: the same with the default ``verify``, where only rank 1's
+  read finds the damage: both ranks raise; with the option, both restore iteration 2;
 * ``read_error``: rank 1 alone gets an I/O error reading a data file: both ranks raise;
 * ``check_error``: rank 1 alone gets a permission error in the pre-load checks: both raise;
 * ``lock``: while engine A (rank 0 holds the save_dir lock) is open, engine B's save fails on
@@ -108,6 +110,9 @@ def main() -> None:
     out["flip"] = attempt(load_into_untouched, keep_value=True)
     out["flip"]["untouched"] = params_full(untouched) == before
     out["fallback"] = attempt(lambda: load(verify="checksums", fallback_to_last_complete=True), keep_value=True)
+    # the same damage found only by the read (verify: read, the default): rank 1 reads that file
+    out["read_flip"] = attempt(load, keep_value=True)
+    out["read_fallback"] = attempt(lambda: load(fallback_to_last_complete=True), keep_value=True)
 
     # -- a read error on one rank only ---------------------------------------------------------
     empty, iter2 = save_dir + "-empty", os.path.join(save_dir, "iter_000000002")  # rule 2: load_path

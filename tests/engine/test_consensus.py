@@ -35,6 +35,11 @@ def test_two_ranks_commit_verify_fallback_lock_and_one_rank_failures(tmp_path: P
         fallback = got["fallback"]["value"]
         assert fallback["iteration"] == 2 and fallback["equal_to"] == [2] and fallback["verified"], what
         assert fallback["fell_back_from"].endswith("iter_000000003"), what
+        read_flip = got["read_flip"]  # found by rank 1's read alone: every rank raises it
+        assert read_flip["raised"] == "CorruptCheckpointError" and "model/__1_0.distcp" in read_flip["message"], what
+        read_fallback = got["read_fallback"]["value"]  # and every rank falls back alike
+        assert read_fallback["iteration"] == 2 and read_fallback["equal_to"] == [2], what
+        assert read_fallback["fell_back_from"].endswith("iter_000000003"), what
         # one rank fails: every rank raises a typed error naming the file
         read = got["read_error"]
         assert read["raised"] == "CheckpointLoadError" and "Input/output error" in read["message"], what

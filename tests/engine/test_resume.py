@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _small_checkpoints import MODEL_FILE, _ckpt, _flip, _load, _save
+import torch
+from _small_checkpoints import MODEL_FILE, _ckpt, _flip, _load, _save, _state
 
 from ckpt_engine import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_engine.errors import IntegrityError
@@ -78,3 +79,41 @@ def test_good_latest_never_falls_back(save_dir: str) -> None:
     _save(save_dir, 1, 2)
     result, _ = _load(save_dir, fallback_to_last_complete=True)
     assert result.iteration == 2 and result.fell_back_from is None
+
+
+def _flip_a_moment(save_dir: str, it: int) -> None:
+    """Flip a byte in the data of an optimizer moment of checkpoint ``it``: found only as the load
+    reads it (the sizes match), after the model component was read from the same checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = _ckpt(save_dir, it) / "optim"
+    stored = FileSystemReader(str(folder)).read_metadata().storage_data
+    moment = next(i for k, i in stored.items() if k.fqn.endswith(".exp_avg"))
+    _flip(folder / moment.relative_path, moment.offset + moment.length // 2)
+
+
+def test_a_damaged_byte_found_while_reading_falls_back_with_the_option(save_dir: str, caplog: Any) -> None:
+    """A flipped byte that only the read finds (``verify: read``, the default): an error by default,
+    which says that values read before it may be in the model. With ``fallback_to_last_complete``
+    the resume goes on to the newest checkpoint that loads, and its read replaces what the damaged
+    one's had filled (the model was read from iteration 3 before its optimizer's damage was found),
+    past a second damaged checkpoint too."""
+    saved = _save(save_dir, 1, 2, 3)
+    _flip_a_moment(save_dir, 3)
+    with pytest.raises(CorruptCheckpointError, match=r"iter_000000003/optim/.*do not train on them"):
+        _load(save_dir)
+    with caplog.at_level(logging.WARNING, logger="ckpt_engine"):
+        result, fresh = _load(save_dir, fallback_to_last_complete=True)
+    assert (result.iteration, result.fell_back_from) == (2, str(_ckpt(save_dir, 3)))
+    assert_state_dicts_equal(dict(fresh.model.state_dict()), saved[2])
+    want = _state(2).optimizer.state_dict()["state"]
+    got = fresh.optimizer.state_dict()["state"]
+    assert all(torch.equal(got[p][k], want[p][k]) for p in want for k in want[p]), "the optimizer is iteration 2's"
+    assert "fell back to" in caplog.text and "iter_000000003" in caplog.text
+    _flip_a_moment(save_dir, 2)
+    result, fresh = _load(save_dir, fallback_to_last_complete=True)
+    assert result.iteration == 1
+    assert_state_dicts_equal(dict(fresh.model.state_dict()), saved[1])
+    _flip_a_moment(save_dir, 1)
+    with pytest.raises(CorruptCheckpointError, match="found no other complete checkpoint"):
+        _load(save_dir, fallback_to_last_complete=True)
