@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .coordination import Comm
 from .dedup_read import SharedReads, dedup_wanted
+from .fast_read import FastFileSystemReader
 from .object_read import ObjectStoreReader
 from .watch import phase
 
@@ -115,6 +116,8 @@ def load_state_dict(
 
     def read_step() -> None:
         phase("read")
+        if isinstance(storage_reader, (FastFileSystemReader, ObjectStoreReader)):  # shared reads leave the plan
+            storage_reader.check_whole_files(final.items)
         # A broadcast that fails (a peer died or stopped) is held like any read error: the
         # closing agreement's bounded barrier then names the rank that is gone.
         rest = shared.read(final, planner)

@@ -41,7 +41,7 @@ from torch.futures import Future
 
 from .._format.hashing import new_hasher
 from .._format.metadata import SafeFileSystemReader, _read_error
-from .._format.verify import FileBlocks, check_digest, check_read, keys_in
+from .._format.verify import FileBlocks, check_digest, check_read, keys_in, whole_files_to_check
 from ..errors import CheckpointLoadError, CkptEngineError
 from .torch_save_archive import (
     ArchiveItem,
@@ -175,15 +175,6 @@ def _read_checked(fd: int, r: _Read, blocks: FileBlocks, keys: Callable[[int, in
     except OSError:
         return False
     return at >= end or _readinto(fd, view[at - base :], at)  # past the recorded blocks: sizes say
-
-
-def _covered(spans: list[tuple[int, int]]) -> int:
-    """How many bytes the ``spans`` (``(start, end)``) cover, overlaps counted once."""
-    total, at = 0, 0
-    for a, b in sorted(spans):
-        total += max(0, b - max(a, at))
-        at = max(at, b)
-    return total
 
 
 def _unread_headers(r: _Read, blocks: FileBlocks) -> list[tuple[int, int]]:
@@ -338,6 +329,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         #: The per-block digests of this component's data files, by file name (the loader sets
         #: them: ``verify: read``); every byte read from a file named here is checked.
         self.blocks: Mapping[str, FileBlocks] = {}
+        self._whole_checked: set[str] = set()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         with gc_paused():
@@ -345,7 +337,7 @@ class FastFileSystemReader(SafeFileSystemReader):
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.stats = FastReadStats()
-        self._check_whole_files(plan.items)
+        self.check_whole_files(plan.items)
         slow: list[ReadItem] = []
         per_file: dict[str, list[tuple[Any, ReadItem]]] = {}
         values: dict[str, list[tuple[Any, ReadItem]]] = {}
@@ -458,27 +450,19 @@ class FastFileSystemReader(SafeFileSystemReader):
 
     def _blocks(self, rel: str) -> FileBlocks | None:
         """``rel``'s per-block digests, which the reads check as they go (``None`` for a
-        whole-file digest: :meth:`_check_whole_files` checks those before anything is read)."""
+        whole-file digest: :meth:`check_whole_files` checks those before anything is read)."""
         blocks = self.blocks.get(rel)
         return None if blocks is None or blocks.whole_only else blocks
 
-    def _check_whole_files(self, items: list[ReadItem]) -> None:
-        """Check each data file with a whole-file digest only (a manifest from before per-block
-        digests) of which ``items`` read at least half, by reading all of it once before any item
-        is read (a file's items go three ways: values, direct reads, DCP's path; and an optimizer's
-        load skips most of its hyper-parameters). A file read less is checked by its size only,
-        as the loader said: a resharded load's slice of a large file is not worth reading it all."""
-        if not any(b.whole_only for b in self.blocks.values()):
-            return
-        per_file: dict[str, list[tuple[int, int]]] = {}
-        for info in map(self._info, items):
-            per_file.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
-        whole = []
-        for rel, spans in per_file.items():
-            blocks = self.blocks.get(rel)
-            if blocks is not None and blocks.whole_only and 2 * _covered(spans) >= blocks.starts[-1]:
-                whole.append((rel, blocks, [(0, blocks.starts[-1])]))
-        self._check_files(whole)
+    def check_whole_files(self, items: list[ReadItem]) -> None:
+        """Check, by reading each once, the files with a whole-file digest only that a load of
+        ``items`` reads at least half of (:func:`~.._format.verify.whole_files_to_check`), before
+        any item is read; a file checked once is not checked again by this reader."""
+        if any(b.whole_only for b in self.blocks.values()):
+            infos = [(i.relative_path, i.offset, i.length) for i in map(self._info, items)]
+            todo = [(rel, b) for rel, b in whole_files_to_check(self.blocks, infos) if rel not in self._whole_checked]
+            self._check_files([(rel, b, [(0, b.starts[-1])]) for rel, b in todo])
+            self._whole_checked.update(rel for rel, _ in todo)
 
     def _check_spans(self, fd: int, rel: str, spans: list[tuple[int, int]]) -> None:
         """Check the blocks of ``rel`` holding ``spans`` by reading them (where it has blocks)."""
@@ -560,7 +544,7 @@ class FastFileSystemReader(SafeFileSystemReader):
                     raise CheckpointLoadError(
                         f"cannot read bytes {offset}-{offset + length} of {path}: the file is truncated or unreadable"
                     )
-                blocks = self.blocks.get(rel)
+                blocks = self._blocks(rel)  # a whole-file digest: checked before (check_whole_files)
                 if blocks is not None:
                     pieces = [(offset, out[at : at + length])]
                     check_read(

@@ -32,7 +32,7 @@ from torch.futures import Future
 
 from .._format.metadata import _read_error, read_metadata
 from .._format.names import METADATA_FILE
-from .._format.verify import FileBlocks, check_read, keys_in
+from .._format.verify import FileBlocks, check_read, keys_in, whole_files_to_check
 from .._storage.store import FsspecStore, Store
 from ..errors import CheckpointLoadError, CkptEngineError, CorruptCheckpointError
 from .fast_read import _byte_view, gc_paused
@@ -92,6 +92,7 @@ class ObjectStoreReader(StorageReader):
         #: The per-block digests of the data files, by file name (``verify: read``; see
         #: :mod:`ckpt_engine._format.verify`): every byte fetched from them is checked.
         self.blocks: Mapping[str, FileBlocks] = {}
+        self._whole_checked: set[str] = set()
 
     # -- StorageReader protocol -------------------------------------------------------------
 
@@ -129,6 +130,7 @@ class ObjectStoreReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         with gc_paused():
             self.bytes_fetched = 0
+            self.check_whole_files(plan.items)
             by_item: dict[tuple[str, int, int], list[ReadItem]] = {}
             for req in plan.items:
                 info = self.storage_data[req.storage_index]
@@ -191,11 +193,29 @@ class ObjectStoreReader(StorageReader):
     def _url(self, rel: str) -> str:
         return self.store.join(self.path, rel)
 
-    def _check(self, rel: str, spans: list[tuple[int, int]], pieces: list[tuple[int, Any]]) -> None:
+    def check_whole_files(self, items: list[ReadItem]) -> None:
+        """Check, by fetching each once, the objects with a whole-file digest only that a load of
+        ``items`` reads at least half of (:func:`~.._format.verify.whole_files_to_check`), before
+        any item is read; an object checked once is not checked again by this reader."""
+        if any(b.whole_only for b in self.blocks.values()):
+            infos = [
+                (i.relative_path, int(i.offset), int(i.length))
+                for i in map(self.storage_data.get, (r.storage_index for r in items))
+                if i is not None
+            ]
+            for rel, b in whole_files_to_check(self.blocks, infos):
+                if rel not in self._whole_checked:
+                    self._check(rel, [(0, b.starts[-1])], [], whole=True)
+                    self._whole_checked.add(rel)
+
+    def _check(
+        self, rel: str, spans: list[tuple[int, int]], pieces: list[tuple[int, Any]], *, whole: bool = False
+    ) -> None:
         """Check the blocks of ``rel`` holding ``spans`` (fetched: ``pieces``; the rest of a block
-        is fetched now) against their digests, where the manifest records them."""
+        is fetched now) against their digests, where the manifest records them per block (a
+        whole-file digest only with ``whole``: :meth:`check_whole_files`)."""
         blocks = self.blocks.get(rel)
-        if blocks is None:
+        if blocks is None or blocks.whole_only != whole:
             return
         url = self._url(rel)
 
@@ -276,9 +296,9 @@ class ObjectStoreReader(StorageReader):
 
                     reads.append(_Piece(url, start + off, start + off + n, put))
                 commits.append((req, target))
-                tail_at = base + length - PREFETCH
-                spans = [(base, base + PREFETCH), (start, start + count * esize), (tail_at, base + length)]
-                checks.append((rel, spans, [(start, view), (base, head), (tail_at, tail)]))
+                tail_at, end = base + length - PREFETCH, start + count * esize
+                spans = [(base, base + PREFETCH), (start, end), (tail_at, base + length)]
+                checks.append((rel, spans, _held(view, start, end, (base, head), (tail_at, tail))))
         self._fetch(reads)
         for rel, spans, held in checks:
             self._check(rel, spans, held)
@@ -305,6 +325,21 @@ class ObjectStoreReader(StorageReader):
 
             pieces.append(_Piece(self._url(rel), start, end, sink))
         self._fetch(pieces)
+
+
+def _held(
+    view: memoryview, start: int, end: int, head: tuple[int, bytes], tail: tuple[int, bytes]
+) -> list[tuple[int, Any]]:
+    """What a ranged read holds of its archive, by offset: the data read into the tensor
+    (``view``, bytes ``start`` to ``end``), and the archive's head and tail up to it. A block is
+    hashed from the bytes that went into the tensor, never from another request's copy of them
+    (the head's first 4 KiB overlap the data of a read that starts there)."""
+    (base, h), (tail_at, t) = head, tail
+    return [
+        (start, view),
+        (base, memoryview(h)[: max(0, start - base)]),
+        (max(end, tail_at), memoryview(t)[max(0, end - tail_at) :]),
+    ]
 
 
 def _coalesce(keys: list[tuple[str, int, int]], limit: int) -> list[list[tuple[str, int, int]]]:

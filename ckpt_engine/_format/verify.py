@@ -51,6 +51,7 @@ __all__ = [
     "keys_in",
     "manifest_for_reads",
     "verify_checkpoint",
+    "whole_files_to_check",
 ]
 
 VerifyLevel = Literal["sizes", "checksums"]
@@ -405,6 +406,32 @@ class FileBlocks:
             last = min(len(self.digests), bisect.bisect_left(self.starts, b))
             out.update(range(first, last))
         return sorted(out)
+
+
+def whole_files_to_check(
+    blocks: Mapping[str, FileBlocks], items: Iterable[tuple[str, int, int]]
+) -> list[tuple[str, FileBlocks]]:
+    """The data files with a whole-file digest only (a manifest from before per-block digests)
+    that a load of ``items`` (``(file, offset, length)``) checks whole before it reads any of
+    them: those it reads at least half of. A file's items go several ways (values, direct reads,
+    DCP's path, reads shared between ranks) and an optimizer's load skips most of its
+    hyper-parameters, so no one read holds a whole file; a resharded load's small slice of a large
+    file is checked by its size only."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for rel, offset, length in items:
+        b = blocks.get(rel)
+        if b is not None and b.whole_only:
+            spans.setdefault(rel, []).append((offset, offset + length))
+    return [(rel, blocks[rel]) for rel, s in spans.items() if 2 * _covered(s) >= blocks[rel].starts[-1]]
+
+
+def _covered(spans: list[tuple[int, int]]) -> int:
+    """How many bytes the ``spans`` (``(start, end)``) cover, overlaps counted once."""
+    total, at = 0, 0
+    for a, b in sorted(spans):
+        total += max(0, b - max(a, at))
+        at = max(at, b)
+    return total
 
 
 def _covers(spans: list[tuple[int, int]], size: int) -> bool:

@@ -92,6 +92,33 @@ def test_four_ranks_read_a_one_process_checkpoint_once_between_them(tmp_path: Pa
 
 
 @pytest.mark.dist
+def test_shared_reads_of_a_checkpoint_with_whole_file_digests_only_are_checked(tmp_path: Path) -> None:
+    """A manifest from before per-block digests: each file is checked by its whole-file digest
+    where the load reads at least half of it. Reads shared between ranks left the plan the reader
+    was given, and each shared range was checked alone, which never covers a file: a flipped byte
+    loaded on every rank. Both ranks now refuse it, naming the file."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 512), torch.nn.Linear(512, 64))
+    with CheckpointEngine({"save_dir": str(tmp_path / "ck")}) as engine:
+        engine.save(1, model=model).result()
+    folder = tmp_path / "ck" / "iter_000000001"
+    manifest = folder / "ckpt_engine_manifest.json"
+    doc = json.loads(manifest.read_text())
+    for entry in doc["files"].values():
+        entry.pop("blocks", None)
+    manifest.write_text(json.dumps(doc))
+    data = folder / "model" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    run = run_torchrun("dedup_whole_file.py", str(folder), str(tmp_path / "other"), nproc=2, timeout=120)
+    assert run.returncode == 0, run.describe()
+    for rank, (got,) in sorted(run.results().items()):
+        assert got["raised"] == "CorruptCheckpointError", (rank, got)
+        assert f"model/__0_0.distcp is damaged: bytes 0-{len(raw)}" in got["message"], (rank, got)
+
+
+@pytest.mark.dist
 @pytest.mark.skipif(not SLOW, reason="4 ranks against the S3 server; CKPT_ENGINE_SLOW_TESTS=1")
 def test_s3_loads_read_each_byte_once(s3_bucket: Any, tmp_path: Path) -> None:
     model, optim = _saved_state(seed=6)

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from ckpt_engine import CheckpointEngine, CorruptCheckpointError
 from ckpt_engine._dcpio.fast_read import FastFileSystemReader
 from ckpt_engine._format.manifest import lookup_manifest
+from ckpt_engine._format.metadata_read import metadata_from_bytes
 from ckpt_engine._format.names import MANIFEST_FILE
 from ckpt_engine._format.verify import component_blocks
 from ckpt_engine._storage.store import store_for
@@ -176,6 +177,73 @@ def test_a_flipped_byte_in_an_object_store_range_is_refused(s3_bucket: Any, tmp_
         _load(config)
     message = str(err.value)
     assert key.rsplit("/", 1)[-1] in message and "bytes " in message, message
+
+
+def test_an_object_store_checkpoint_with_whole_file_digests_only_is_checked(s3_bucket: Any) -> None:
+    """The object-store reader checked a whole-file digest only where one request covered the
+    whole object: an optimizer's load (its moments ranged or whole, its values apart, most of its
+    hyper-parameters skipped) never did, and a flipped byte in a moment loaded in silence. Such an
+    object is fetched once and checked before anything is read from it, as on a local disk."""
+    config = {"save_dir": s3_bucket.url, "storage": {**s3_bucket.storage}}
+    _save(config)
+    fs = s3_bucket.fs()
+    manifest_key = f"{s3_bucket.name}/run/iter_000000001/{MANIFEST_FILE}"
+    doc = json.loads(fs.cat_file(manifest_key))
+    for entry in doc["files"].values():
+        entry.pop("blocks", None)
+    fs.pipe_file(manifest_key, json.dumps(doc).encode())
+    folder = f"{s3_bucket.name}/run/iter_000000001/optim"
+    stored = metadata_from_bytes(fs.cat_file(f"{folder}/.metadata"), f"{folder}/.metadata").storage_data
+    moment = next(i for k, i in stored.items() if k.fqn.endswith(".exp_avg"))
+    raw = bytearray(fs.cat_file(f"{folder}/{moment.relative_path}"))
+    raw[moment.offset + moment.length // 2] ^= 0x10
+    fs.pipe_file(f"{folder}/{moment.relative_path}", bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match=rf"optim/{moment.relative_path} is damaged: bytes 0-{len(raw)} "):
+        _load(config)
+
+
+def test_an_object_store_range_is_checked_from_the_bytes_that_reached_the_tensor(s3_bucket: Any) -> None:
+    """A ranged read of the first rows of a 12 MiB weight: the block's bytes between the data's
+    start and 4 KiB into the item came from two requests (the head, for the layout, and the rows),
+    and the check hashed the head's copy. A byte the rows' response alone got wrong (a flaky link
+    or cache) reached the tensor; the check now hashes what the tensor received."""
+    from ckpt_engine._dcpio.object_read import ObjectStoreReader
+    from ckpt_engine._storage.store import open_store
+    from ckpt_engine.config import StorageOptions
+
+    config = {"save_dir": s3_bucket.url, "storage": {**s3_bucket.storage}}
+    saved = nn.Linear(1024, 3072, bias=False)
+    with torch.no_grad():
+        saved.weight.copy_(torch.randn(3072, 1024, generator=torch.Generator().manual_seed(0)))
+    with CheckpointEngine(config) as engine:
+        engine.save(1, model=saved).result()
+    store = open_store(s3_bucket.url, StorageOptions(**s3_bucket.storage))
+    checkpoint = store.join(s3_bucket.url, "iter_000000001")
+    folder = store.join(checkpoint, "model")
+    manifest = lookup_manifest(checkpoint, store).manifest
+    assert manifest is not None
+    real, damaged = type(store).read_ranges, []
+
+    def read_ranges(self: Any, requests: list[tuple[str, int, int]]) -> list[bytes]:
+        out = list(real(self, requests))
+        for k, (_, start, end) in enumerate(requests):
+            if not damaged and 0 < start < 4096 and end - start > 4096:  # the rows, from inside the head
+                data = bytearray(out[k])
+                data[100] ^= 0x10
+                out[k] = bytes(data)
+                damaged.append(start)
+        return out
+
+    reader = ObjectStoreReader(folder, store)
+    reader.blocks = component_blocks(manifest, "model", folder, store.join)
+    out = {"weight": torch.zeros(1000, 1024)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(store), "read_ranges", read_ranges)
+        with pytest.raises(CheckpointException) as err:
+            dcp.load(out, storage_reader=reader, planner=_Rows(0))
+    assert damaged, "no request of the rows was seen"
+    ((failure, _),) = err.value.failures.values()
+    assert isinstance(failure, CorruptCheckpointError) and "bytes 0-4194304 (holding 'weight')" in str(failure)
 
 
 def _strip_blocks(checkpoint: Path) -> None:
