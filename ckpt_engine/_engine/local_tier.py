@@ -206,11 +206,15 @@ class LocalTier:
 
     def durable_committed(self, paths: SavePaths) -> None:
         """A durable save of this engine is committed in ``save_dir``: the saves that follow
-        descend from it, and this rank's folder records the commit (a ``save_dir`` later rolled
-        back past it is then told from a commit that did not finish: :mod:`.._tier.lineage`)."""
+        descend from it, and rank 0's folder records the commit (a ``save_dir`` later rolled back
+        past it is then told from a commit that did not finish: :mod:`.._tier.lineage`). Only rank
+        0 knows: it makes the commit, and in a commit in the background the other ranks get here
+        before it has (a record there, then a kill, set aside every step since the last durable)."""
         lineage, iteration = paths.lineage, paths.iteration
         if lineage is not None and (self._parent is None or iteration >= self._parent[1]):
             self._parent = (lineage.save_id, iteration)
+            if _dist.rank() != 0:
+                return
             try:
                 note_committed(self.folder, lineage, iteration)
             except OSError as err:  # the save is committed; only a later rollback goes unseen

@@ -178,7 +178,9 @@ def commit_copy(local_dir: str, manifest: Manifest, partial: str, keep_last: int
     final = os.path.join(folder, iter_dirname(manifest.iteration))
     commit_rename(partial, final)
     advance_latest(folder, iter_dirname(manifest.iteration))
-    apply_retention(folder, keep_last)
+    # The step received is the one a resume is about to read: never retention's, even where the
+    # folder holds newer ones (a save_dir rolled back, a recovery passing over newer saves).
+    apply_retention(folder, keep_last, in_use=frozenset({manifest.iteration}))
     return final
 
 

@@ -35,6 +35,7 @@ from _common import attempt, ckpt_test_exit, init, make_model, report, step
 import ckpt_engine.defaults
 from ckpt_engine import CheckpointEngine
 from ckpt_engine._dcpio.coordination import RANK_LOCAL
+from ckpt_engine._tier.lineage import COMMITTED_FILE
 
 #: Ranks whose rank-local writes fail with ENOSPC while set.
 FAIL_RANKS: set[int] = set()
@@ -117,6 +118,9 @@ def train(root: str, base: str, rank: int) -> None:
             keep(root, "a", rank, it, model, optim)
             engine.save(it, model=model, optimizer=optim).result()
         engine.wait_replicated()
+    # Only rank 0 records a durable commit: it made it (the others cannot know it finished).
+    record = os.path.join(base, f"node{rank // 2}", f"rank_{rank:05d}", COMMITTED_FILE)
+    report({"scenario": "records", "recorded": os.path.exists(record)})
 
 
 def resave(root: str, base: str, rank: int) -> None:

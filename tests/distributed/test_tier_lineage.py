@@ -50,6 +50,13 @@ def test_a_step_whose_resave_failed_resumes_as_one_save(reports: dict[str, list[
     assert [(r["raised"], r["iteration"], r["same"]) for r in got] == [(None, 7, {"a": True, "b": False})] * RANKS, got
 
 
+def test_only_rank_0_records_a_durable_commit(reports: dict[str, list[dict[str, Any]]]) -> None:
+    """The record that tells a rollback from an unfinished commit: the other ranks reached the
+    point before rank 0 had committed (a commit in the background), and a kill then set aside
+    every local step since the last durable one."""
+    assert [r["recorded"] for r in reports["records"]] == [True] + [False] * (RANKS - 1)
+
+
 def test_a_rolled_back_save_dir_and_an_empty_one_are_followed(reports: dict[str, list[dict[str, Any]]]) -> None:
     rollback = reports["rollback"]
     assert [(r["iteration"], set(r["by_source"]), r["same"]["a"]) for r in rollback] == [

@@ -6,6 +6,7 @@ resume the tier's step (the multi-rank cases are tests/distributed/test_tier_lin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import shutil
@@ -255,3 +256,24 @@ def test_another_jobs_folders_copied_into_local_dir_are_not_resumed(tmp_path: Pa
     result, got = _resume(config)
     assert (result.iteration, set(result.bytes_by_source)) == (5, {"local"})
     assert_state_dicts_equal(got, copy.deepcopy(saved[5]))
+
+
+def test_a_step_received_into_a_folder_of_newer_steps_is_kept(tmp_path: Path) -> None:
+    """A recovery that passes over newer steps takes an older one from a peer's replica into a
+    rank folder that still holds the newer ones: retention (keep the newest ``local_keep_last``)
+    deleted the step just received, and the resume failed on a folder that did not exist."""
+    from ckpt_engine._tier.folders import commit_copy, start_copy
+
+    config = _config(tmp_path / "durable", tmp_path / "local")
+    _save(config, range(1, 8))  # local_keep_last 3: the tier holds 5, 6 and 7
+    folder = tmp_path / "local/rank_00000"
+    aside = tmp_path / "aside"
+    shutil.copytree(tmp_path / "durable/iter_000000006", aside)  # a committed step 6 of rank 0, as a replica
+    shutil.rmtree(folder / "iter_000000006")
+    manifest = lookup_manifest(str(aside)).manifest
+    assert manifest is not None
+    partial = start_copy(str(tmp_path / "local"), 0, 6)
+    shutil.rmtree(partial)
+    shutil.copytree(aside, partial)
+    final = commit_copy(str(tmp_path / "local"), dataclasses.replace(manifest, rank=0), partial, keep_last=1)
+    assert final == str(folder / "iter_000000006") and (folder / "iter_000000006").is_dir()
