@@ -9,8 +9,9 @@ peer's replica) is taken only when
   run's first save): an empty ``save_dir`` is a fresh start, whatever the tier holds;
 * it belongs to the run of ``save_dir``'s latest (another job's folders, a reused ``local_dir``);
 * it is that latest step's own save (at the same iteration), or a newer step whose parent is that
-  save (a ``save_dir`` rolled back, or replaced by another run's checkpoints, is not descended
-  from); with no durable step yet, any step of the run that descends from none;
+  save or that is a later save of the engine instance that made it (a ``save_dir`` rolled back, or
+  replaced by another run's checkpoints, is not descended from); with no durable step yet, any
+  step of the run that descends from none;
 * no copy made by the same engine instance descends from a durable step newer than ``save_dir``'s
   latest, and no rank recorded that instance committing one (:data:`COMMITTED_FILE`, written in
   each rank's folder after a durable commit): either shows ``save_dir`` was rolled back past that
@@ -242,9 +243,20 @@ def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | N
         return None if theirs.save_id == ours.save_id else "another save of save_dir's latest step"
     if theirs.instance in rolled_back:
         return "save_dir was rolled back past its saves"
-    if theirs.parent_save_id != ours.save_id:
+    if theirs.parent_save_id != ours.save_id and not _later_save(ours, theirs):
         return "it does not descend from save_dir's latest"
     return None
+
+
+def _later_save(ours: Lineage, theirs: Lineage) -> bool:
+    """Whether ``theirs`` is a later save of the engine instance that made ``ours``: its saves
+    follow one another, so it descends from ``ours`` whatever parent it recorded. A save begun
+    while the durable commit of ``ours`` was still running (an asynchronous save with two staging
+    buffers) recorded the durable step before it."""
+    if theirs.instance != ours.instance:
+        return False
+    mine, later = ours.save_id.rsplit("-", 1)[-1], theirs.save_id.rsplit("-", 1)[-1]
+    return mine.isdigit() and later.isdigit() and int(later) > int(mine)
 
 
 def describe_set_aside(aside: dict[str, list[Announced]]) -> str:

@@ -64,6 +64,19 @@ def test_only_descendants_of_save_dirs_latest_in_its_run_are_taken() -> None:
     }
 
 
+def test_a_later_save_of_the_engine_that_made_save_dirs_latest_descends_from_it() -> None:
+    """An asynchronous save with two staging buffers begins step 4 while the durable commit of 3
+    still runs: step 4 records the durable step before 3 (none here) as its parent, and was set
+    aside once 3 was save_dir's latest, though the job closed cleanly. A later save of the same
+    engine descends from 3 whatever parent it recorded; another engine's does not."""
+    durable = Durable(3, _lin("e1-3"))
+    copies = [_copy(4, _lin("e1-4")), _copy(5, _lin("e1-5", "e1-3", 3)), _copy(6, _lin("e2-1"))]
+    kept, aside = admissible(durable, copies)
+    assert sorted(c.iteration for c in kept) == [4, 5]
+    assert aside == {"it does not descend from save_dir's latest": [copies[2]]}
+    assert _kept(Durable(3, _lin("e1-7")), [_copy(4, _lin("e1-4"))]) == []  # an earlier save: not after it
+
+
 def test_a_tie_takes_the_durable_steps_own_save_only() -> None:
     durable = Durable(6, _lin("e1-6", "e1-3", 3))
     assert _kept(durable, [_copy(6, _lin("e1-6", "e1-3", 3))]) == [6]
