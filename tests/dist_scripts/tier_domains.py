@@ -41,7 +41,6 @@ def config(base: str, rank: int, per_node: int, replicas: int | None, domains: t
         "local_dir": os.path.join(base, f"node{rank // per_node}"),
         "ranks_per_node": per_node,
         "persist_every": 3,
-        "collective_timeout_s": 60,
     }
     if replicas is not None:
         cfg["peer_replicas"] = replicas

@@ -58,7 +58,6 @@ def config(base: str, rank: int, save_dir: str | None = None, **extra: Any) -> d
         "ranks_per_node": 2,
         "persist_every": 3,
         "local_keep_last": 3,
-        "collective_timeout_s": 60,
         **extra,
     }
 
