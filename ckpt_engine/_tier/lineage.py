@@ -13,8 +13,8 @@ peer's replica) is taken only when
   replaced by another run's checkpoints, is not descended from); with no durable step yet, any
   step of the run that descends from none;
 * no copy made by the same engine instance descends from a durable step newer than ``save_dir``'s
-  latest, and no rank recorded that instance committing one (:data:`COMMITTED_FILE`, written in
-  each rank's folder after a durable commit): either shows ``save_dir`` was rolled back past that
+  latest, and rank 0 recorded no such commit of that instance (:data:`COMMITTED_FILE`, written in
+  its folder after a durable commit): either shows ``save_dir`` was rolled back past that
   instance's saves. The record covers the instance's last durable step, which no later copy
   descends from (a job whose last save was durable, then ``save_dir`` rolled back); without it a
   step whose durable commit did not finish (a crash while it was written) is still resumed.
@@ -61,8 +61,8 @@ RUN_FILE = ".ckpt_engine_run.json"
 _RUN_ID = re.compile(r"^[0-9a-f]{1,64}$")
 
 
-#: In each rank's ``local_dir`` folder: the newest durable step each engine instance of a run
-#: committed, as that rank saw the commit (:func:`note_committed`).
+#: In rank 0's ``local_dir`` folder (rank 0 makes every durable commit): the newest durable step
+#: each engine instance of a run committed, written after the commit (:func:`note_committed`).
 COMMITTED_FILE = ".ckpt_engine_committed.json"
 #: Instances a record keeps (the newest); each is about 120 bytes.
 _MAX_COMMITTED = 16
