@@ -55,7 +55,7 @@ from .recovery import Recovered
 from .reshard_meta import item_digests, merge_metadata
 from .reshard_read import Exchange, PartFile
 
-__all__ = ["RESHARD_DIR", "assign_servers", "clear_folder", "reshard"]
+__all__ = ["RESHARD_DIR", "assign_servers", "clear_folder", "newest_held", "reshard"]
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -93,9 +93,17 @@ class _Plan:
     holders: dict[int, list[int]]
 
 
-def reshard(local_dir: str, durable: Durable | None, *, sync: bool) -> Recovered | None:
-    """The step this rank resumes by resharding the local tier's copies, and its resharded
-    folder, or ``None`` (see the module)."""
+def newest_held(local_dir: str, durable: Durable | None) -> tuple[int, int] | None:
+    """The iteration and world size of the newest save the tier holds for every rank of the job
+    that made it, of any world size, as :func:`reshard` would choose it (collective: every rank
+    surveys its node). A resume on this job's shape asks it whether a newer step of another
+    shape is there (a job that ran on fewer ranks for a while, then came back)."""
+    plan = _plan_survey(local_dir, durable)[1]
+    return None if plan is None else (plan.iteration, plan.world)
+
+
+def _plan_survey(local_dir: str, durable: Durable | None) -> tuple[dict[tuple[int, int], Held], _Plan | None]:
+    """This node's copies from ``durable`` on, and the save a resharding resume takes (collective)."""
     rank = _dist.rank()
     mine = _survey(local_dir, durable)
     announced = [
@@ -105,7 +113,14 @@ def reshard(local_dir: str, durable: Durable | None, *, sync: bool) -> Recovered
     copies = [c for held, _ in gathered for c in held]
     kept, _ = admissible(durable, [c.announced for c in copies], [c for _, committed in gathered for c in committed])
     worlds = {(c.announced.holder, c.announced.owner, c.announced.iteration): c.world for c in copies}
-    plan = _choose(kept, worlds)
+    return mine, _choose(kept, worlds)
+
+
+def reshard(local_dir: str, durable: Durable | None, *, sync: bool) -> Recovered | None:
+    """The step this rank resumes by resharding the local tier's copies, and its resharded
+    folder, or ``None`` (see the module)."""
+    rank = _dist.rank()
+    mine, plan = _plan_survey(local_dir, durable)
     if plan is None:
         return None
     servers = assign_servers(plan.holders)

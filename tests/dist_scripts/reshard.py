@@ -15,6 +15,8 @@ equals ``full_<iteration>.pt`` bit for bit.
 the resharding exchange (``<base>/stalled`` says so; each rank's pid is in ``<base>/pid_<rank>``):
 the test kills the job there.
 
+``continue BASE:RPN [...]``: ``resume``, then one more step saved (to the local tier only).
+
 ``then``: modes chain in one launch (``train ... then stall ...``).
 """
 
@@ -68,11 +70,19 @@ def train(base: str, rpn: int, steps: int, rank: int) -> None:
     report({"base": base, "trained": steps})
 
 
-def resume(base: str, rpn: int, rank: int) -> None:
+def resume(base: str, rpn: int, rank: int, more: int = 0) -> None:
+    """Resume ``base``; then, with ``more``, save that many more steps (local only here)."""
     model, optim = build()
     with CheckpointEngine(config(base, rank, rpn)) as engine:
         result = engine.load(model=model, optimizer=optim)
-    got = full_state(model, optim)
+        got = full_state(model, optim)
+        for it in range(result.iteration + 1, result.iteration + 1 + more):
+            step(model, optim, seed=it)
+            state = full_state(model, optim)
+            if rank == 0:
+                torch.save(state, os.path.join(base, f"full_{it}.pt"))
+            engine.save(it, model=model, optimizer=optim).result()
+        engine.wait_replicated()
     expected = torch.load(os.path.join(base, f"full_{result.iteration}.pt"), weights_only=True)
     same = sorted(expected) == sorted(got) and all(torch.equal(expected[k], got[k]) for k in expected)
     report({"base": base, "iteration": result.iteration, "by_source": dict(result.bytes_by_source), "same": same})
@@ -109,7 +119,10 @@ def main() -> None:
         else:
             for target in here:
                 base, rpn = target.rsplit(":", 1)
-                (stall if mode == "stall" else resume)(base, int(rpn), rank)
+                if mode == "continue":
+                    resume(base, int(rpn), rank, more=1)
+                else:
+                    (stall if mode == "stall" else resume)(base, int(rpn), rank)
     ckpt_test_exit()
 
 

@@ -91,10 +91,19 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     grown, uneven = _copy(root / "two", root / "grown"), _copy(four, root / "uneven")
     damaged = _copy(four, root / "damaged", "node0")
     _flip(Path(damaged, "node1", "rank_00000", "iter_000000007", "model", "__0_0.distcp"))
+    back = _copy(four, root / "back")  # 4 ranks, then 2 that save step 8 to the tier, then 4 again
     out: dict[str, Any] = {"leftover": leftover}
-    resumes = ((2, [f"{lost1}:2", f"{killed}:1", f"{damaged}:1"]), (4, [f"{grown}:2"]), (3, [f"{uneven}:1"]))
+    resumes = (
+        (2, [f"{lost1}:2", f"{killed}:1", f"{damaged}:1"]),
+        (4, [f"{grown}:2", f"{back}:2"]),
+        (3, [f"{uneven}:1"]),
+    )
     for nproc, targets in resumes:
-        results = _launch(nproc, "resume", *targets)
+        chain = ["then", "continue", f"{back}:2"] if nproc == 2 else []
+        results = _launch(nproc, "resume", *targets, *chain)
+        out["back_on_two"] = out.get("back_on_two") or [
+            r for rank in results for r in results[rank] if r["base"] == back
+        ]
         for target in targets:
             base = target.rsplit(":", 1)[0]
             out[Path(base).name] = [next(r for r in results[rank] if r["base"] == base) for rank in range(nproc)]
@@ -133,6 +142,17 @@ def test_a_resharding_resume_killed_in_its_exchange_leaves_the_next_one_exact(re
     assert resumed["leftover"] == ["node0/.ckpt_engine_reshard/rank_00000", "node1/.ckpt_engine_reshard/rank_00001"]
     assert _checked(resumed["killed"])[0] == {"peer"}
     assert resumed["left_after"] == []  # a load removes its resharded folder once it has read it
+
+
+def test_a_job_back_on_more_ranks_takes_the_newer_step_of_the_fewer(resumed: dict[str, Any]) -> None:
+    """4 ranks save 7 steps; 2 ranks resume 7 (resharded) and save 8 to the tier; 4 ranks resume.
+    The tier holds 7 of the 4-rank shape and 8 of the 2-rank one: the resume tried its own shape
+    first and resharded only when it found none, so 7 was resumed and the committed 8 lost. It
+    takes the newest step of any shape, resharded, exactly."""
+    assert [(r["iteration"], r["same"]) for r in resumed["back_on_two"]] == [(7, True)] * 2
+    reports = resumed["back"]
+    assert [(r["iteration"], r["same"]) for r in reports] == [(8, True)] * 4, reports
+    assert all(r["by_source"].get("durable", 0) == 0 for r in reports), reports
 
 
 def test_a_damaged_part_is_refused_on_arrival_and_the_resume_reads_save_dir(resumed: dict[str, Any]) -> None:
