@@ -158,7 +158,10 @@ class LocalTierSource:
         except CorruptCheckpointError as err:  # raised on every rank: the load's checks agree
             if resharded is None:
                 raise
-            raise PassedOver(f"a copy the resharded step {recovered.path} takes failed its check ({err})") from err
+            # named by its iteration: the resharded folder is removed right after (the error names the file)
+            raise PassedOver(
+                f"a copy that the local tier's step {recovered.iteration}, resharded, takes failed its check ({err})"
+            ) from err
         finally:
             if resharded is not None:
                 resharded.discard()

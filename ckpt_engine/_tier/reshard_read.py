@@ -23,9 +23,10 @@ folder; before it reads, every rank takes part in one exchange per component (:m
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from .._dcpio.fast_read import FastFileSystemReader
 from .._dcpio.watch import active_watch, c10d_failure
 from .._format.hashing import new_hasher
 from .._format.layout import remove_tree
+from .._format.verify import FileBlocks
 from ..errors import CorruptCheckpointError
 from . import transfer
 from .transfer import exchange_bytes
@@ -269,9 +271,25 @@ class TierReader(FastFileSystemReader):
     in the component's exchange (:meth:`Exchange.fetch`)."""
 
     def __init__(self, path: str, metadata: Any, exchange: Exchange, component: str) -> None:
-        super().__init__(path, metadata)
-        self._exchange = exchange
+        self._exchange = exchange  # before the base class's __init__, which sets ``blocks``
         self._component = component
+        super().__init__(path, metadata)
+
+    @property
+    def blocks(self) -> Mapping[str, FileBlocks]:
+        return self._named_blocks
+
+    @blocks.setter
+    def blocks(self, blocks: Mapping[str, FileBlocks]) -> None:
+        """The loader's blocks of this component's stand-in files, each named by the old rank's
+        file it stands for (the stand-in folder is removed after the load: a damaged part's error
+        must name the file there is to restore)."""
+        named = {}
+        for name, b in blocks.items():
+            part = self._exchange.files.get(f"{self._component}/{name}")
+            where = None if part is None else f"{part.held_at or part.rel} (rank {part.owner}'s {part.rel})"
+            named[name] = b if where is None else dataclasses.replace(b, path=where)
+        self._named_blocks = named
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         infos = [self.storage_data[item.storage_index] for item in plan.items]

@@ -22,6 +22,7 @@ the test kills the job there.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -73,6 +74,10 @@ def train(base: str, rpn: int, steps: int, rank: int) -> None:
 def resume(base: str, rpn: int, rank: int, more: int = 0) -> None:
     """Resume ``base``; then, with ``more``, save that many more steps (local only here)."""
     model, optim = build()
+    damaged: list[str] = []  # the warnings of a tier's copy that failed its check
+    handler = logging.Handler()
+    handler.emit = lambda r: damaged.append(r.getMessage()) if "is damaged" in r.getMessage() else None  # type: ignore[method-assign]
+    logging.getLogger("ckpt_engine").addHandler(handler)
     with CheckpointEngine(config(base, rank, rpn)) as engine:
         result = engine.load(model=model, optimizer=optim)
         got = full_state(model, optim)
@@ -85,7 +90,16 @@ def resume(base: str, rpn: int, rank: int, more: int = 0) -> None:
         engine.wait_replicated()
     expected = torch.load(os.path.join(base, f"full_{result.iteration}.pt"), weights_only=True)
     same = sorted(expected) == sorted(got) and all(torch.equal(expected[k], got[k]) for k in expected)
-    report({"base": base, "iteration": result.iteration, "by_source": dict(result.bytes_by_source), "same": same})
+    logging.getLogger("ckpt_engine").removeHandler(handler)
+    report(
+        {
+            "base": base,
+            "iteration": result.iteration,
+            "by_source": dict(result.bytes_by_source),
+            "same": same,
+            "damaged": damaged,
+        }
+    )
 
 
 def stall(base: str, rpn: int, rank: int) -> None:

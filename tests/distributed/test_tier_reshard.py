@@ -92,9 +92,11 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     damaged = _copy(four, root / "damaged", "node0")
     _flip(Path(damaged, "node1", "rank_00000", "iter_000000007", "model", "__0_0.distcp"))
     back = _copy(four, root / "back")  # 4 ranks, then 2 that save step 8 to the tier, then 4 again
+    here = _copy(four, root / "damaged_here", "node1")  # node 0 holds every part; one of them damaged
+    _flip(Path(here, "node0", "rank_00000", "iter_000000007", "model", "__0_0.distcp"))
     out: dict[str, Any] = {"leftover": leftover}
     resumes = (
-        (2, [f"{lost1}:2", f"{killed}:1", f"{damaged}:1"]),
+        (2, [f"{lost1}:2", f"{killed}:1", f"{damaged}:1", f"{here}:2"]),
         (4, [f"{grown}:2", f"{back}:2"]),
         (3, [f"{uneven}:1"]),
     )
@@ -152,6 +154,17 @@ def test_a_job_back_on_more_ranks_takes_the_newer_step_of_the_fewer(resumed: dic
     reports = resumed["back"]
     assert [(r["iteration"], r["same"]) for r in reports] == [(8, True)] * 4, reports
     assert all(r["by_source"].get("durable", 0) == 0 for r in reports), reports
+
+
+def test_a_damaged_part_read_on_its_node_is_named_by_its_own_file(resumed: dict[str, Any]) -> None:
+    """A part the resuming node holds is read through a stand-in in the resharded folder, which
+    is removed after the load: its damage was reported under the stand-in's name. It names the
+    old rank's file, the one to restore; every rank resumes save_dir's step."""
+    reports = resumed["damaged_here"]
+    assert [(r["iteration"], r["same"], set(r["by_source"])) for r in reports] == [(5, True, {"durable"})] * 2
+    said = [m for r in reports for m in r["damaged"]]
+    assert said and all("node0/rank_00000/iter_000000007/model/__0_0.distcp" in m for m in said), said
+    assert not [m for m in said if ".ckpt_engine_reshard" in m], said
 
 
 def test_a_damaged_part_is_refused_on_arrival_and_the_resume_reads_save_dir(resumed: dict[str, Any]) -> None:
