@@ -37,10 +37,10 @@ from .._format.pointer import read_latest
 from .._format.retention import apply_retention
 from .._storage.store import open_store
 from .._tier.folders import rank_folder
-from .._tier.lineage import Durable, durable_view, note_committed, read_run, write_run
+from .._tier.lineage import durable_view, note_committed, read_run, write_run
 from .._tier.recovery import Recovered, recover
 from .._tier.replication import Replicator
-from .._tier.reshard import newest_held, reshard
+from .._tier.reshard import TierSurvey, reshard, survey
 from .._tier.topology import Topology
 from ..config import EngineConfig
 from ..errors import (
@@ -425,8 +425,10 @@ def _recovered_source(config: EngineConfig, reader: CheckpointReader, ask: Resum
     )
     # None of this job's shape, or a newer one of another shape (the job ran on fewer ranks for a
     # while): resharded (tensors saved per rank are told apart in save_dir's checkpoints only)
-    if not config.per_rank_keys and (recovered is None or _newer_elsewhere(config.local_dir, durable, recovered)):
-        recovered = reshard(config.local_dir, durable, sync=config.sync_files)
+    if not config.per_rank_keys:
+        found = survey(config.local_dir, durable)
+        if recovered is None or _newer_elsewhere(found, recovered):
+            recovered = reshard(config.local_dir, found, sync=config.sync_files)
     if recovered is None:
         if _dist.rank() == 0:
             logger.info("the local tier holds no step newer than save_dir's complete on every rank")
@@ -444,10 +446,10 @@ def _recovered_source(config: EngineConfig, reader: CheckpointReader, ask: Resum
     return LocalTierSource(recovered, ask.wanted, validated)
 
 
-def _newer_elsewhere(local_dir: str, durable: Durable | None, recovered: Recovered) -> bool:
+def _newer_elsewhere(found: TierSurvey, recovered: Recovered) -> bool:
     """Whether the tier holds a step newer than ``recovered`` complete for a job of another world
-    size (collective; the same answer on every rank)."""
-    newest = newest_held(local_dir, durable)
+    size (the same answer on every rank: the survey's plan is)."""
+    newest = found.newest
     return newest is not None and newest[0] > recovered.iteration and newest[1] != _dist.world_size()
 
 

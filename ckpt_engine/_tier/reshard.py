@@ -1,7 +1,8 @@
 """The resharding recovery: a resume on another world size, ``ranks_per_node`` or node count from
 the node-local tier's surviving copies, resharded into the new layout by DCP's load.
 
-Run by every rank inside a load when :func:`~.recovery.recover` finds no step of this job's shape:
+Run by every rank inside a load when :func:`~.recovery.recover` finds no step of this job's shape,
+or an older one than the newest of another shape (:func:`survey`, step 1, says which):
 
 1. each rank lists every rank folder on its node (its own copies and the replicas it keeps, of
    any world size) from ``durable`` on; one all-gather gives every rank every copy, and the
@@ -55,7 +56,7 @@ from .recovery import Recovered
 from .reshard_meta import item_digests, merge_metadata
 from .reshard_read import Exchange, PartFile
 
-__all__ = ["RESHARD_DIR", "assign_servers", "clear_folder", "newest_held", "reshard"]
+__all__ = ["RESHARD_DIR", "TierSurvey", "assign_servers", "clear_folder", "reshard", "survey"]
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -93,17 +94,24 @@ class _Plan:
     holders: dict[int, list[int]]
 
 
-def newest_held(local_dir: str, durable: Durable | None) -> tuple[int, int] | None:
-    """The iteration and world size of the newest save the tier holds for every rank of the job
-    that made it, of any world size, as :func:`reshard` would choose it (collective: every rank
-    surveys its node). A resume on this job's shape asks it whether a newer step of another
-    shape is there (a job that ran on fewer ranks for a while, then came back)."""
-    plan = _plan_survey(local_dir, durable)[1]
-    return None if plan is None else (plan.iteration, plan.world)
+@dataclass(frozen=True)
+class TierSurvey:
+    """What :func:`survey` found: this node's copies from ``save_dir``'s latest on, and the save
+    a resharding resume takes (``None``: none is held for every rank of the job that made it)."""
+
+    mine: dict[tuple[int, int], Held]
+    plan: _Plan | None
+
+    @property
+    def newest(self) -> tuple[int, int] | None:
+        """The iteration and world size of that save: a resume on this job's shape asks whether a
+        newer step of another shape is there (a job that ran on fewer ranks for a while)."""
+        return None if self.plan is None else (self.plan.iteration, self.plan.world)
 
 
-def _plan_survey(local_dir: str, durable: Durable | None) -> tuple[dict[tuple[int, int], Held], _Plan | None]:
-    """This node's copies from ``durable`` on, and the save a resharding resume takes (collective)."""
+def survey(local_dir: str, durable: Durable | None) -> TierSurvey:
+    """The tier's copies of any world size, as :func:`reshard` chooses among them (collective:
+    every rank surveys its node; the plan is the same on every rank)."""
     rank = _dist.rank()
     mine = _survey(local_dir, durable)
     announced = [
@@ -113,14 +121,14 @@ def _plan_survey(local_dir: str, durable: Durable | None) -> tuple[dict[tuple[in
     copies = [c for held, _ in gathered for c in held]
     kept, _ = admissible(durable, [c.announced for c in copies], [c for _, committed in gathered for c in committed])
     worlds = {(c.announced.holder, c.announced.owner, c.announced.iteration): c.world for c in copies}
-    return mine, _choose(kept, worlds)
+    return TierSurvey(mine, _choose(kept, worlds))
 
 
-def reshard(local_dir: str, durable: Durable | None, *, sync: bool) -> Recovered | None:
-    """The step this rank resumes by resharding the local tier's copies, and its resharded
-    folder, or ``None`` (see the module)."""
+def reshard(local_dir: str, found: TierSurvey, *, sync: bool) -> Recovered | None:
+    """The step this rank resumes by resharding the local tier's copies :func:`survey` ``found``,
+    and its resharded folder, or ``None`` (see the module)."""
     rank = _dist.rank()
-    mine, plan = _plan_survey(local_dir, durable)
+    mine, plan = found.mine, found.plan
     if plan is None:
         return None
     servers = assign_servers(plan.holders)
