@@ -58,36 +58,45 @@ def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str
     return out
 
 
+def save_steps(engine: Any, model: Any, optim: Any, base: str, rank: int, iterations: range) -> None:
+    """One training step and one save per iteration; rank 0 keeps each step's full state."""
+    for it in iterations:
+        step(model, optim, seed=it)
+        state = full_state(model, optim)
+        if rank == 0:
+            torch.save(state, os.path.join(base, f"full_{it}.pt"))
+        engine.save(it, model=model, optimizer=optim).result()
+    engine.wait_replicated()
+
+
+class Damaged(logging.Handler):
+    """The engine's warnings of a tier's copy that failed its check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "is damaged" in record.getMessage():
+            self.said.append(record.getMessage())
+
+
 def train(base: str, rpn: int, steps: int, rank: int) -> None:
     model, optim = build()
     with CheckpointEngine(config(base, rank, rpn)) as engine:
-        for it in range(1, steps + 1):
-            step(model, optim, seed=it)
-            state = full_state(model, optim)
-            if rank == 0:
-                torch.save(state, os.path.join(base, f"full_{it}.pt"))
-            engine.save(it, model=model, optimizer=optim).result()
-        engine.wait_replicated()
+        save_steps(engine, model, optim, base, rank, range(1, steps + 1))
     report({"base": base, "trained": steps})
 
 
 def resume(base: str, rpn: int, rank: int, more: int = 0) -> None:
     """Resume ``base``; then, with ``more``, save that many more steps (local only here)."""
     model, optim = build()
-    damaged: list[str] = []  # the warnings of a tier's copy that failed its check
-    handler = logging.Handler()
-    handler.emit = lambda r: damaged.append(r.getMessage()) if "is damaged" in r.getMessage() else None  # type: ignore[method-assign]
+    handler = Damaged()
     logging.getLogger("ckpt_engine").addHandler(handler)
     with CheckpointEngine(config(base, rank, rpn)) as engine:
         result = engine.load(model=model, optimizer=optim)
         got = full_state(model, optim)
-        for it in range(result.iteration + 1, result.iteration + 1 + more):
-            step(model, optim, seed=it)
-            state = full_state(model, optim)
-            if rank == 0:
-                torch.save(state, os.path.join(base, f"full_{it}.pt"))
-            engine.save(it, model=model, optimizer=optim).result()
-        engine.wait_replicated()
+        save_steps(engine, model, optim, base, rank, range(result.iteration + 1, result.iteration + 1 + more))
     expected = torch.load(os.path.join(base, f"full_{result.iteration}.pt"), weights_only=True)
     same = sorted(expected) == sorted(got) and all(torch.equal(expected[k], got[k]) for k in expected)
     logging.getLogger("ckpt_engine").removeHandler(handler)
@@ -97,7 +106,7 @@ def resume(base: str, rpn: int, rank: int, more: int = 0) -> None:
             "iteration": result.iteration,
             "by_source": dict(result.bytes_by_source),
             "same": same,
-            "damaged": damaged,
+            "damaged": handler.said,
         }
     )
 
