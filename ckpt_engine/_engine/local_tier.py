@@ -31,13 +31,13 @@ from .._dcpio.planner import EngineSavePlanner
 from .._format.digests import written_entries
 from .._format.hashing import DEFAULT_ALGORITHM
 from .._format.layout import SaveDirLock, cleanup_leftovers, remove_tree
-from .._format.manifest import FileEntry, Lineage, Manifest, list_files, lookup_manifest
+from .._format.manifest import FileEntry, Lineage, Manifest, Place, list_files, lookup_manifest
 from .._format.names import iter_dirname, partial_dirname
 from .._format.pointer import read_latest
 from .._format.retention import apply_retention
 from .._storage.store import open_store
 from .._tier.folders import rank_folder
-from .._tier.lineage import durable_view, note_committed, read_run, write_run
+from .._tier.lineage import durable_view, note_committed, place_of, read_run, write_run
 from .._tier.recovery import Recovered, recover
 from .._tier.replication import Replicator
 from .._tier.reshard import TierSurvey, reshard, survey
@@ -91,6 +91,7 @@ class LocalTier:
         self._instance = ""
         self._saves = 0
         self._parent: tuple[str, int] | None = None
+        self._place: Place | None = None
         #: The lineage of the save :meth:`begin` began last (recorded in its manifests).
         self.current: Lineage | None = None
         #: A rank-local write that raised on this rank, kept for this save's commit (which every
@@ -149,7 +150,10 @@ class LocalTier:
             for line in cleanup_leftovers(self.folder):
                 logger.warning("local tier: %s", line)
         if self._of_another_run(paths.final):
-            logger.warning("local tier: %s was saved by another run than save_dir's; replacing it", paths.final)
+            logger.warning(
+                "local tier: %s was saved by another run than save_dir's, or for another save_dir; replacing it",
+                paths.final,
+            )
         else:
             refuse_resave(paths.iteration, [(paths.final, open_store(paths.final))], self.config.allow_overwrite)
         if os.path.exists(paths.partial):
@@ -157,8 +161,9 @@ class LocalTier:
 
     def _of_another_run(self, path: str) -> bool:
         """Whether the committed checkpoint ``path`` in this rank's folder records another run
-        than this engine's (``save_dir``'s latest's, before the first save): a resume would set
-        it aside, so a save of its iteration replaces it instead of being refused as a re-save."""
+        than this engine's (``save_dir``'s latest's, before the first save), or was saved for
+        another ``save_dir`` location: a resume would set it aside, so a save of its iteration
+        replaces it instead of being refused as a re-save."""
         try:
             found = lookup_manifest(path).manifest if os.path.isdir(path) else None
         except CkptEngineError:
@@ -166,7 +171,9 @@ class LocalTier:
         if found is None or found.lineage is None:
             return False
         run = self._run if self._run is not None else _save_dir_run(self.config)[0]
-        return found.lineage.run_id != run
+        here = self._place if self._place is not None else place_of(self.config.save_dir, self.root)
+        at = found.lineage.place
+        return found.lineage.run_id != run or (at is not None and at != here)
 
     def begin(self, iteration: int) -> Future[Manifest | None] | None:
         """Every rank, once the save is prepared: at the first save, the node check and the
@@ -198,11 +205,11 @@ class LocalTier:
             first = _dist.broadcast_object(
                 _lineage_start(self.config) if _dist.rank() == 0 else None, step="local tier: lineage"
             )
-            self._run, self._instance, self._parent = first
+            self._run, self._instance, self._parent, self._place = first
         self._saves += 1
         assert self._run is not None
         parent_id, parent_it = self._parent if self._parent is not None else (None, None)
-        self.current = Lineage(self._run, f"{self._instance}-{self._saves}", parent_id, parent_it)
+        self.current = Lineage(self._run, f"{self._instance}-{self._saves}", parent_id, parent_it, self._place)
 
     def durable_committed(self, paths: SavePaths) -> None:
         """A durable save of this engine is committed in ``save_dir``: the saves that follow
@@ -408,7 +415,10 @@ def _recovered_source(config: EngineConfig, reader: CheckpointReader, ask: Resum
     it, complete across all ranks (received from peers' replicas where a rank lacks its part),
     that covers this job's sharding (checked with the rest, agreed); else ``None`` (logged)."""
     assert config.local_dir is not None
-    durable = durable_view(ask.load_dir, ask.store, (ask.latest, ask.unnamed()))
+    place = _dist.broadcast_object(
+        place_of(ask.load_dir, config.local_dir) if _dist.rank() == 0 else None, step="local tier: place"
+    )
+    durable = durable_view(ask.load_dir, ask.store, (ask.latest, ask.unnamed()), place)
     try:
         topology = Topology.gather(config, _dist.world_size())
     except ConfigError as err:  # another world size than the saves had: save_dir reshards
@@ -467,10 +477,10 @@ def _agree_local(phase: CommitPhase, what: str, step: str) -> None:
         phase.error = error
 
 
-def _lineage_start(config: EngineConfig) -> tuple[str, str, tuple[str, int] | None]:
+def _lineage_start(config: EngineConfig) -> tuple[str, str, tuple[str, int] | None, Place]:
     """Rank 0, at an engine's first save: the run (:func:`_save_dir_run`'s, or a new one, then
-    recorded in ``save_dir``), a new instance id, and the durable step the saves descend from
-    (``save_dir``'s latest, if it records a lineage)."""
+    recorded in ``save_dir``), a new instance id, the durable step the saves descend from
+    (``save_dir``'s latest, if it records a lineage) and where the saves are made."""
     store = open_store(config.save_dir, config.storage)
     run, parent = _save_dir_run(config)
     if run is None or read_run(config.save_dir, store) != run:
@@ -479,7 +489,8 @@ def _lineage_start(config: EngineConfig) -> tuple[str, str, tuple[str, int] | No
             write_run(config.save_dir, store, run)
         except (OSError, CkptEngineError) as err:  # its steps still record it; a resume needs one
             logger.warning("local tier: the run's id cannot be recorded in save_dir (%s)", err)
-    return run, secrets.token_hex(8), parent
+    assert config.local_dir is not None
+    return run, secrets.token_hex(8), parent, place_of(config.save_dir, config.local_dir)
 
 
 def _save_dir_run(config: EngineConfig) -> tuple[str | None, tuple[str, int] | None]:

@@ -33,6 +33,7 @@ __all__ = [
     "FileEntry",
     "Lineage",
     "Manifest",
+    "Place",
     "parse_manifest",
 ]
 
@@ -70,6 +71,18 @@ class FileEntry:
 
 
 _LINEAGE_ID = re.compile(r"^[0-9a-f]{1,64}(-[0-9]{1,12})?$")
+#: The longest folder a lineage's place records (a path or URL; PATH_MAX is 4096).
+MAX_PLACE = 4096
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a save was made: ``save_dir`` and ``local_dir`` as rank 0 named them (real paths, or
+    URLs). Two jobs that share a ``local_dir`` tell their steps apart by ``save_dir``, even where
+    one job's ``save_dir`` is a copy of the other's (it carries the run's id)."""
+
+    save_dir: str
+    local_dir: str
 
 
 @dataclass(frozen=True)
@@ -86,14 +99,19 @@ class Lineage:
     #: (``None``: none in this run).
     parent_save_id: str | None = None
     parent_iteration: int | None = None
+    #: Where the save was made (``None``: not recorded, a save before places were).
+    place: Place | None = None
 
     def to_doc(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "run_id": self.run_id,
             "save_id": self.save_id,
             "parent_save_id": self.parent_save_id,
             "parent_iteration": self.parent_iteration,
         }
+        if self.place is not None:
+            doc["place"] = {"save_dir": self.place.save_dir, "local_dir": self.place.local_dir}
+        return doc
 
     @property
     def instance(self) -> str:
@@ -380,7 +398,18 @@ def _lineage(doc: Any) -> Lineage | None:
         save,
         None if parent is None else _lineage_id(doc, "parent_save_id"),
         None if parent_it is None else _count("parent_iteration", parent_it),
+        _place(doc.get("place")),
     )
+
+
+def _place(doc: Any) -> Place | None:
+    if doc is None:
+        return None
+    folders = [doc.get(k) for k in ("save_dir", "local_dir")] if isinstance(doc, dict) else []
+    good = [f for f in folders if isinstance(f, str) and 0 < len(f) <= MAX_PLACE]
+    if len(good) != 2:
+        raise ValueError(f"lineage place {clip(repr(doc), 80)} is not a save_dir and a local_dir")
+    return Place(good[0], good[1])
 
 
 def _lineage_id(doc: dict[str, Any], key: str) -> str | None:

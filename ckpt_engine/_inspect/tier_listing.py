@@ -15,7 +15,7 @@ from .._engine.resave import newest_unnamed
 from .._format.manifest import lookup_manifest
 from .._format.names import parse_rank_dirname
 from .._storage.store import open_store
-from .._tier.lineage import Announced, Committed, Durable, admissible, durable_view, node_committed
+from .._tier.lineage import Announced, Committed, Durable, admissible, durable_view, node_committed, place_of
 from ..errors import CkptEngineError
 from .files import human_bytes, table
 from .listing import SaveDirListing, list_save_dir
@@ -46,7 +46,7 @@ def list_local_tier(local_dir: str, durable: SaveDirListing | None, *, verify: b
     listing = LocalTierListing(local_dir)
     if not os.path.isdir(local_dir):
         listing.warnings.append(f"warning: {local_dir} does not exist")
-        listing.resume, listing.set_aside = resume_plan(_durable(durable), [], {})
+        listing.resume, listing.set_aside = resume_plan(_durable(durable, local_dir), [], {})
         return listing
     safe = {r["iteration"] for r in durable.rows if r["status"] in ("verified", "complete")} if durable else set()
     by_iteration: dict[int, dict[str, Any]] = {}
@@ -70,7 +70,9 @@ def list_local_tier(local_dir: str, durable: SaveDirListing | None, *, verify: b
                 row["incomplete"].append({"rank": rank, "status": r["status"], "problems": r["problems"][:1]})
             else:
                 row.setdefault("in_flight", []).append(rank)
-    listing.resume, listing.set_aside = resume_plan(_durable(durable), copies, worlds, node_committed(local_dir))
+    listing.resume, listing.set_aside = resume_plan(
+        _durable(durable, local_dir), copies, worlds, node_committed(local_dir)
+    )
     for it in sorted(by_iteration):
         row = by_iteration[it]
         row["durable"] = it in safe
@@ -96,8 +98,8 @@ def _announced(rank: int, iteration: int, path: str, worlds: dict[tuple[int, int
     return [Announced(rank, rank, iteration, manifest.lineage)]
 
 
-def _durable(listing: SaveDirListing | None) -> Durable | None:
-    """``save_dir``'s latest step as a resume sees it (the loader's own rule)."""
+def _durable(listing: SaveDirListing | None, local_dir: str) -> Durable | None:
+    """``save_dir``'s latest step as a resume with this ``local_dir`` sees it (the loader's rule)."""
     if listing is None:
         return None
     store = open_store(listing.save_dir)
@@ -105,7 +107,7 @@ def _durable(listing: SaveDirListing | None) -> Durable | None:
         unnamed = newest_unnamed(listing.save_dir, store, listing.latest)
     except (OSError, CkptEngineError):
         unnamed = None
-    return durable_view(listing.save_dir, store, (listing.latest, unnamed))
+    return durable_view(listing.save_dir, store, (listing.latest, unnamed), place_of(listing.save_dir, local_dir))
 
 
 def resume_plan(

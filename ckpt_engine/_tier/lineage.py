@@ -8,6 +8,11 @@ peer's replica) is taken only when
 * ``save_dir`` has a latest step, or at least the run's id (:data:`RUN_FILE`, written by the
   run's first save): an empty ``save_dir`` is a fresh start, whatever the tier holds;
 * it belongs to the run of ``save_dir``'s latest (another job's folders, a reused ``local_dir``);
+* it was not saved into this ``local_dir`` for another ``save_dir`` (:func:`place_of`, as rank 0
+  names the two folders): a job started from a copy of another job's ``save_dir`` carries that
+  job's run, and does not take the steps the other job saved past the copy into the ``local_dir``
+  they share (a ``save_dir`` moved alone is another place too: its tier steps are set aside, never
+  mixed in; one moved or copied with its ``local_dir`` is judged by its run, as before);
 * it is that latest step's own save (at the same iteration), or a newer step whose parent is that
   save or that is a later save of the engine instance that made it (a ``save_dir`` rolled back, or
   replaced by another run's checkpoints, is not descended from); with no durable step yet, any
@@ -34,10 +39,10 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .._format.manifest import Lineage, lookup_manifest
+from .._format.manifest import Lineage, Place, lookup_manifest
 from .._format.names import parse_iteration, parse_rank_dirname
 from .._storage.store import Store
-from ..errors import CkptEngineError
+from ..errors import CkptEngineError, clip
 
 __all__ = [
     "COMMITTED_FILE",
@@ -50,6 +55,7 @@ __all__ = [
     "durable_view",
     "node_committed",
     "note_committed",
+    "place_of",
     "read_committed",
     "read_run",
     "write_run",
@@ -122,14 +128,26 @@ def node_committed(local_dir: str) -> list[Committed]:
     return [c for n in names if parse_rank_dirname(n) is not None for c in read_committed(os.path.join(local_dir, n))]
 
 
+def place_of(save_dir: str, local_dir: str) -> Place:
+    """Where a save is made, as a lineage records it: each folder's URL without its trailing
+    ``/``, else its real path (symbolic links resolved)."""
+
+    def where(folder: str) -> str:
+        return folder.rstrip("/") if "://" in folder else os.path.realpath(os.path.abspath(folder))
+
+    return Place(where(save_dir), where(local_dir))
+
+
 @dataclass(frozen=True)
 class Durable:
     """``save_dir``'s latest step as one rank sees it: its iteration and lineage; or, where it
-    holds no checkpoint yet, only its run (``iteration`` ``None``, from :data:`RUN_FILE`)."""
+    holds no checkpoint yet, only its run (``iteration`` ``None``, from :data:`RUN_FILE`); and
+    where ``save_dir`` and ``local_dir`` are (:func:`place_of`, rank 0's; ``None``: not known)."""
 
     iteration: int | None
     lineage: Lineage | None
     run_only: str | None = None
+    place: Place | None = None
 
     @property
     def run_id(self) -> str | None:
@@ -153,22 +171,25 @@ def write_run(save_dir: str, store: Store, run_id: str) -> None:
     store.write_bytes(store.join(save_dir, RUN_FILE), json.dumps({"run_id": run_id}).encode())
 
 
-def durable_view(load_dir: str, store: Store, names: Iterable[str | None]) -> Durable | None:
+def durable_view(
+    load_dir: str, store: Store, names: Iterable[str | None], place: Place | None = None
+) -> Durable | None:
     """``save_dir``'s latest step among the checkpoint folders ``names`` (``latest``, a committed
     one it does not name yet), with the lineage its manifest records; without one, the run its
-    first save recorded (``None``: neither, a fresh start).
+    first save recorded (``None``: neither, a fresh start). ``place``: where ``save_dir`` and the
+    tier are, as rank 0 names them (every rank must judge by the same names).
     A manifest that cannot be read counts as one without a lineage: the load from ``save_dir``
     reports what is wrong with it."""
     found = [(it, n) for n in names if n is not None and (it := parse_iteration(n)) is not None]
     if not found:  # no step yet: the run, if one has saved to its tier
         run = read_run(load_dir, store)
-        return None if run is None else Durable(None, None, run)
+        return None if run is None else Durable(None, None, run, place)
     iteration, name = max(found)
     try:
         manifest = lookup_manifest(store.join(load_dir, name), store).manifest
     except (OSError, CkptEngineError):
         manifest = None
-    return Durable(iteration, None if manifest is None else manifest.lineage)
+    return Durable(iteration, None if manifest is None else manifest.lineage, place=place)
 
 
 @dataclass(frozen=True)
@@ -232,6 +253,8 @@ def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | N
     if durable.iteration is None:  # the run is known, none of its steps is durable yet
         if theirs is None or theirs.run_id != durable.run_id:
             return "another run"
+        if _elsewhere(durable, theirs):
+            return _elsewhere_reason(theirs)
         return "save_dir was rolled back past its saves" if theirs.instance in rolled_back else None
     if ours is None or theirs is None:
         if ours is None and theirs is None:
@@ -239,6 +262,8 @@ def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | N
         return "save_dir's latest records no run" if ours is None else "it records no run"
     if theirs.run_id != ours.run_id:
         return "another run"
+    if _elsewhere(durable, theirs):
+        return _elsewhere_reason(theirs)
     if copy.iteration == durable.iteration:
         return None if theirs.save_id == ours.save_id else "another save of save_dir's latest step"
     if theirs.instance in rolled_back:
@@ -246,6 +271,19 @@ def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | N
     if theirs.parent_save_id != ours.save_id and not _later_save(ours, theirs):
         return "it does not descend from save_dir's latest"
     return None
+
+
+def _elsewhere(durable: Durable, theirs: Lineage) -> bool:
+    """Whether a copy was saved into this ``local_dir`` for another ``save_dir``. A tier moved or
+    copied with its ``save_dir`` (its own ``local_dir`` elsewhere), and copies that record no
+    place (saved before places were recorded), are judged by their run alone."""
+    ours, at = durable.place, theirs.place
+    return ours is not None and at is not None and at.local_dir == ours.local_dir and at.save_dir != ours.save_dir
+
+
+def _elsewhere_reason(theirs: Lineage) -> str:
+    assert theirs.place is not None
+    return f"saved for another save_dir, {clip(theirs.place.save_dir, 200)} (a copy or a move of this one)"
 
 
 def _later_save(ours: Lineage, theirs: Lineage) -> bool:

@@ -5,6 +5,8 @@ from which tier (checked against a real resume), and the copies it sets aside.""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,25 @@ def test_ls_sets_aside_another_runs_copies_and_names_save_dir_as_the_resume(tmp_
     ]
     iteration, by_source = _resume(save_dir, local_dir)
     assert iteration == 2 and set(by_source) == {"durable"}
+
+
+def test_ls_of_a_copied_save_dir_sets_aside_the_originals_steps(tmp_path: Path, cli: Any) -> None:
+    """A copy of ``save_dir`` carries its run but not its place: the tier steps saved for the
+    original are set aside for the copy, by ls as by a resume."""
+    save_dir, local_dir = _saves(tmp_path, 3)
+    copied = str(tmp_path / "copied")
+    shutil.copytree(save_dir, copied)
+    _, out, _ = cli("ls", copied, "--local-dir", local_dir, "--json")
+    doc = json.loads(out)["local_tier"]
+    assert doc["resume"] == {"tier": "save_dir", "iteration": 2}, out
+    assert {(a["iteration"], a["reason"]) for a in doc["set_aside"]} == {
+        (it, f"saved for another save_dir, {os.path.realpath(save_dir)!r} (a copy or a move of this one)")
+        for it in (2, 3)
+    }
+    iteration, by_source = _resume(copied, local_dir)
+    assert iteration == 2 and set(by_source) == {"durable"}
+    iteration, by_source = _resume(save_dir, local_dir)  # the original resumes its own newer step
+    assert iteration == 3 and set(by_source) == {"local"}
 
 
 def test_ls_json_gives_the_local_tier_and_flags_a_damaged_copy(tmp_path: Path, cli: Any) -> None:

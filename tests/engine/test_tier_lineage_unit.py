@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from ckpt_engine import CheckpointEngine
-from ckpt_engine._format.manifest import Lineage, lookup_manifest, parse_manifest
+from ckpt_engine._format.manifest import Lineage, Place, lookup_manifest, parse_manifest
 from ckpt_engine._tier.lineage import COMMITTED_FILE, Announced, Committed, Durable, admissible
 from ckpt_engine._tier.recovery import _plan
 from ckpt_engine._tier.topology import Topology
@@ -145,6 +146,30 @@ def test_the_plan_never_mixes_two_saves_of_one_step() -> None:
 # -- the manifest -----------------------------------------------------------------------------------
 
 
+def test_copies_saved_for_another_save_dir_location_are_set_aside() -> None:
+    """A job started from a copy of another job's save_dir has its run: only the place tells the
+    other job's later steps from its own. Copies that record no place are judged by run alone."""
+    here, there = Place("/ckpt/b", "/nvme/tier"), Place("/ckpt/a", "/nvme/tier")
+    moved = Place("/ckpt/a", "/nvme/old_tier")  # a tier copied or moved along with its save_dir
+    durable = Durable(6, Lineage(RUN, "e1-6", "e1-3", 3, there), place=here)
+    copies = [
+        _copy(7, Lineage(RUN, "e1-7", "e1-6", 6, there)),  # the original job's step past the copy
+        _copy(8, Lineage(RUN, "f1-1", "e1-6", 6, here)),  # this job's own first save
+        _copy(9, Lineage(RUN, "f1-2", "e1-6", 6)),  # no place recorded
+        _copy(10, Lineage(RUN, "e1-8", "e1-6", 6, moved)),
+    ]
+    kept, aside = admissible(durable, copies)
+    assert sorted(c.iteration for c in kept) == [8, 9, 10]
+    assert {r: [c.iteration for c in cs] for r, cs in aside.items()} == {
+        "saved for another save_dir, '/ckpt/a' (a copy or a move of this one)": [7]
+    }
+    # Where save_dir's place is not known (a caller that passes none), the run decides alone.
+    assert _kept(dataclasses.replace(durable, place=None), copies) == [7, 8, 9, 10]
+    # Before the run's first durable step as well.
+    first = [_copy(1, Lineage(RUN, "e1-1", place=there)), _copy(2, Lineage(RUN, "f1-1", place=here))]
+    assert _kept(Durable(None, None, RUN, here), first) == [2]
+
+
 def test_a_lineage_round_trips_through_the_manifest_and_a_bad_one_is_refused(tmp_path: Path) -> None:
     config = {"save_dir": str(tmp_path / "durable"), "local_dir": str(tmp_path / "local"), "persist_every": 2}
     _save(config, range(1, 4))
@@ -154,10 +179,20 @@ def test_a_lineage_round_trips_through_the_manifest_and_a_bad_one_is_refused(tmp
     assert local.lineage.run_id == durable.lineage.run_id
     assert (local.lineage.parent_save_id, local.lineage.parent_iteration) == (durable.lineage.save_id, 2)
     assert parse_manifest(local.to_json().encode(), "test").lineage == local.lineage
+    assert (
+        local.lineage.place
+        == durable.lineage.place
+        == Place(os.path.realpath(tmp_path / "durable"), os.path.realpath(tmp_path / "local"))
+    )
     doc = json.loads(local.to_json())
     doc["lineage"]["run_id"] = "../x"
     with pytest.raises(Exception, match="run_id"):
         parse_manifest(json.dumps(doc).encode(), "test")
+    for bad in ("/x", {"save_dir": "/x"}, {"save_dir": "", "local_dir": "/y"}, {"save_dir": 7, "local_dir": "/y"}):
+        doc = json.loads(local.to_json())
+        doc["lineage"]["place"] = bad
+        with pytest.raises(Exception, match="place"):
+            parse_manifest(json.dumps(doc).encode(), "test")
     # Plain DCP still loads the engine's checkpoint (the lineage is the manifest's only).
     state = TinyTrainingState.create(seed=5)
     sd = state.model.state_dict()
@@ -269,6 +304,33 @@ def test_another_jobs_folders_copied_into_local_dir_are_not_resumed(tmp_path: Pa
     result, got = _resume(config)
     assert (result.iteration, set(result.bytes_by_source)) == (5, {"local"})
     assert_state_dicts_equal(got, copy.deepcopy(saved[5]))
+
+
+def test_a_copy_of_save_dir_resumes_its_own_steps_not_the_originals(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Job B starts from a copy of job A's save_dir (A's run id included) with the local_dir A
+    used: A's tier steps past the copy are A's training, not B's. B resumes the copy's latest,
+    its saves of the same iterations replace A's copies, and each job resumes its own steps."""
+    a_config, b_config = _config(tmp_path / "a", tmp_path / "local"), _config(tmp_path / "b", tmp_path / "local")
+    saved_a = _save(a_config, range(1, 4))  # durable 3
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    saved_a.update(_save(a_config, range(4, 6)))  # A goes on: 4 and 5 in the tier only
+    with caplog.at_level(logging.WARNING, logger="ckpt_engine"):
+        result, got = _resume(b_config)
+    assert (result.iteration, set(result.bytes_by_source)) == (3, {"durable"})
+    assert_state_dicts_equal(got, saved_a[3])
+    assert any(
+        "saved for another save_dir" in r.getMessage() and "iteration(s) 3, 4, 5" in r.getMessage()
+        for r in caplog.records
+    )
+    saved_b = _save(b_config, range(4, 6), seed=7)  # B's own 4 and 5 replace A's (not refused as re-saves)
+    result, got = _resume(b_config)
+    assert (result.iteration, set(result.bytes_by_source)) == (5, {"local"})
+    assert_state_dicts_equal(got, saved_b[5])
+    result, got = _resume(a_config)  # A's 4 and 5 are gone: A resumes its 3 (its own tier copy), never B's 5
+    assert (result.iteration, set(result.bytes_by_source)) == (3, {"local"})
+    assert_state_dicts_equal(got, saved_a[3])
 
 
 def test_a_step_received_into_a_folder_of_newer_steps_is_kept(tmp_path: Path) -> None:
