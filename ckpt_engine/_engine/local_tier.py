@@ -37,7 +37,7 @@ from .._format.pointer import read_latest
 from .._format.retention import apply_retention
 from .._storage.store import open_store
 from .._tier.folders import rank_folder
-from .._tier.lineage import durable_view, note_committed, place_of, read_run, write_run
+from .._tier.lineage import durable_view, note_committed, place_of, read_run, saved_elsewhere, write_run
 from .._tier.recovery import Recovered, recover
 from .._tier.replication import Replicator
 from .._tier.reshard import TierSurvey, reshard, survey
@@ -172,8 +172,7 @@ class LocalTier:
             return False
         run = self._run if self._run is not None else _save_dir_run(self.config)[0]
         here = self._place if self._place is not None else place_of(self.config.save_dir, self.root)
-        at = found.lineage.place
-        return found.lineage.run_id != run or (at is not None and at != here)
+        return found.lineage.run_id != run or saved_elsewhere(found.lineage.place, here)
 
     def begin(self, iteration: int) -> Future[Manifest | None] | None:
         """Every rank, once the save is prepared: at the first save, the node check and the

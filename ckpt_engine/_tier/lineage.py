@@ -58,6 +58,7 @@ __all__ = [
     "place_of",
     "read_committed",
     "read_run",
+    "saved_elsewhere",
     "write_run",
 ]
 
@@ -273,12 +274,21 @@ def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | N
     return None
 
 
+def saved_elsewhere(theirs: Place | None, ours: Place | None) -> bool:
+    """Whether a step saved at ``theirs`` was saved into the ``local_dir`` of ``ours`` for another
+    ``save_dir``. A tier moved or copied with its ``save_dir`` (its own ``local_dir`` elsewhere),
+    and steps that record no place (saved before places were recorded), are judged by their run
+    alone."""
+    return (
+        ours is not None
+        and theirs is not None
+        and theirs.local_dir == ours.local_dir
+        and theirs.save_dir != ours.save_dir
+    )
+
+
 def _elsewhere(durable: Durable, theirs: Lineage) -> bool:
-    """Whether a copy was saved into this ``local_dir`` for another ``save_dir``. A tier moved or
-    copied with its ``save_dir`` (its own ``local_dir`` elsewhere), and copies that record no
-    place (saved before places were recorded), are judged by their run alone."""
-    ours, at = durable.place, theirs.place
-    return ours is not None and at is not None and at.local_dir == ours.local_dir and at.save_dir != ours.save_dir
+    return saved_elsewhere(theirs.place, durable.place)
 
 
 def _elsewhere_reason(theirs: Lineage) -> str:
