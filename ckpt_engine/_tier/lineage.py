@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from .._format.manifest import Lineage, Place, lookup_manifest
 from .._format.names import parse_iteration, parse_rank_dirname
 from .._storage.store import Store
+from .._storage.urls import is_url, local_path
 from ..errors import CkptEngineError, clip
 
 __all__ = [
@@ -131,10 +132,10 @@ def node_committed(local_dir: str) -> list[Committed]:
 
 def place_of(save_dir: str, local_dir: str) -> Place:
     """Where a save is made, as a lineage records it: each folder's URL without its trailing
-    ``/``, else its real path (symbolic links resolved)."""
+    ``/``, else its real path (a ``file://`` URL's too; symbolic links resolved)."""
 
     def where(folder: str) -> str:
-        return folder.rstrip("/") if "://" in folder else os.path.realpath(os.path.abspath(folder))
+        return folder.rstrip("/") if is_url(folder) else os.path.realpath(os.path.abspath(local_path(folder)))
 
     return Place(where(save_dir), where(local_dir))
 

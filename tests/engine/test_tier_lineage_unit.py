@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckpt_engine import CheckpointEngine
 from ckpt_engine._format.manifest import Lineage, Place, lookup_manifest, parse_manifest
-from ckpt_engine._tier.lineage import COMMITTED_FILE, Announced, Committed, Durable, admissible
+from ckpt_engine._tier.lineage import COMMITTED_FILE, Announced, Committed, Durable, admissible, place_of
 from ckpt_engine._tier.recovery import _plan
 from ckpt_engine._tier.topology import Topology
 from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
@@ -168,6 +168,14 @@ def test_copies_saved_for_another_save_dir_location_are_set_aside() -> None:
     # Before the run's first durable step as well.
     first = [_copy(1, Lineage(RUN, "e1-1", place=there)), _copy(2, Lineage(RUN, "f1-1", place=here))]
     assert _kept(Durable(None, None, RUN, here), first) == [2]
+
+
+def test_a_place_names_each_folder_one_way(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    real = os.path.realpath(tmp_path / "real")
+    spellings = [str(tmp_path / "link"), f"file://{tmp_path}/real", f"{tmp_path}/./real/"]
+    assert {place_of(s, "s3://bucket/tier/") for s in spellings} == {Place(real, "s3://bucket/tier")}
 
 
 def test_a_lineage_round_trips_through_the_manifest_and_a_bad_one_is_refused(tmp_path: Path) -> None:
