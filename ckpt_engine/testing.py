@@ -62,6 +62,7 @@ def plan_load(
     plugins: Any = (),
     strict: bool = False,
     component: str = "model",
+    warm_start: bool = False,
 ) -> ComponentReport:
     """The :class:`ComponentReport` loading ``stored`` into ``target`` would produce; no files.
 
@@ -79,8 +80,12 @@ def plan_load(
       ``te_extra_state`` is on unless listed with ``enabled: false``.
     * ``strict=True`` raises what a strict load raises (``LoadStrictnessError`` listing every
       unresolved key; a plugin's error as ``load()`` reports it).
+    * ``warm_start=True`` plans a load by the ``load_path`` rule (``RemapContext.warm_start``):
+      the remaps meant for a warm start (``ema``, ``rename``) apply; by default, a resume's.
     """
-    return plan_component(target, stored, plugins=plugins, strict=strict, component=component).report
+    return plan_component(
+        target, stored, plugins=plugins, strict=strict, component=component, warm_start=warm_start
+    ).report
 
 
 def plan_reads(
@@ -90,6 +95,7 @@ def plan_reads(
     plugins: Any = (),
     strict: bool = False,
     component: str = "model",
+    warm_start: bool = False,
 ) -> list[Any]:
     """The DCP ``ReadItem`` s the same plan hands the storage reader (arguments as :func:`plan_load`).
 
@@ -97,7 +103,9 @@ def plan_reads(
     it lands in; a storage key that feeds several destinations is read once (the copies are made
     after the read and have no item of their own). An empty tensor has no read item.
     """
-    return plan_component(target, stored, plugins=plugins, strict=strict, component=component).items
+    return plan_component(
+        target, stored, plugins=plugins, strict=strict, component=component, warm_start=warm_start
+    ).items
 
 
 def bare_plugin_manager() -> pluggy.PluginManager:

@@ -147,6 +147,14 @@ class RemapContext:
     checkpoint_path: str
     rank: int
     world_size: int
+    #: ``True`` when the load starts this run from another checkpoint (``load_path``: a checkpoint
+    #: or save folder, safetensors weights); ``False`` when it resumes the run (the load folder's
+    #: ``latest``, a tier's copy), and on save. A remap meant for a warm start (EMA weights into
+    #: the regular ones, a pretrained model's keys renamed) applies only then: a resume restores
+    #: the state as it was saved.
+    #:
+    #: .. versionadded:: 0.6
+    warm_start: bool = False
     #: Lines for this component's load report (``ComponentReport.notes``); add them with :meth:`note`.
     notes: list[str] = field(default_factory=list, compare=False, repr=False)
 

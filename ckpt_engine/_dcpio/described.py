@@ -164,10 +164,13 @@ def plan_component(
     plugins: Any = (),
     strict: bool = False,
     component: str = "model",
+    warm_start: bool = False,
 ) -> PlannedLoad:
     """Plan loading ``stored`` into ``target`` (one component) without reading anything."""
     pipeline = _pipeline(plugins, strict)
-    planner = EngineLoadPlanner(component=component, checkpoint_dir=PLANNED_DIR, pipeline=pipeline, strict=strict)
+    planner = EngineLoadPlanner(
+        component=component, checkpoint_dir=PLANNED_DIR, pipeline=pipeline, strict=strict, warm_start=warm_start
+    )
     reader = _DescribedReader(described_metadata(stored))
     state = _planning_copy(target)
     try:

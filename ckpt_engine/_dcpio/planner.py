@@ -182,6 +182,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         world_size: int = 1,
         repartitions: bool = False,
         unread: Collection[str] = (),  # keys the object never uses (load_template): not read, never unexpected
+        warm_start: bool = False,  # RemapContext.warm_start
     ) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=False)
         self.component = component
@@ -195,6 +196,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         self.world_size = world_size
         self.repartitions = repartitions  # the object re-partitions state saved per rank
         self.unread = list(unread)
+        self.warm_start = warm_start
         self.report: ComponentReport | None = None
         #: Top-level keys of the original state dict whose value was not (fully) replaced.
         self.untouched_roots: set[Any] = set()
@@ -230,6 +232,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
             checkpoint_path=self.checkpoint_dir,
             rank=self.rank,
             world_size=self.world_size,
+            warm_start=self.warm_start,
         )
         mapped = self.pipeline.remap_keys(remap_ctx, dest_keys + self.unread)
         key_map, copies = resolve_per_rank(mapped, storage_keys, self)

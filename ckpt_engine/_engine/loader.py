@@ -229,7 +229,7 @@ class Loader:
                     folder,
                     sd,
                     checked.components[name],
-                    self._planner(name, folder, objs, unread),
+                    self._planner(name, folder, objs, unread, warm_start=source == "load_path"),
                     validated.store,
                     dedup_reads or self.config.dedup_reads,
                     {} if digests is None else component_blocks(digests, name, folder, validated.store.join),
@@ -316,10 +316,17 @@ class Loader:
         return planner
 
     def _planner(
-        self, name: str, component_dir: str, objs: TrainingObjects, unread: tuple[str, ...] = ()
+        self,
+        name: str,
+        component_dir: str,
+        objs: TrainingObjects,
+        unread: tuple[str, ...] = (),
+        *,
+        warm_start: bool = False,
     ) -> EngineLoadPlanner:
         """The load planner of component ``name`` of this load (its report, after the load);
-        ``unread``: the keys its :func:`~.state.load_template` leaves unread."""
+        ``unread``: the keys its :func:`~.state.load_template` leaves unread; ``warm_start``: the
+        load starts the run from ``load_path`` (:attr:`~ckpt_engine.types.RemapContext.warm_start`)."""
         return EngineLoadPlanner(
             component=name,
             checkpoint_dir=component_dir,
@@ -336,4 +343,5 @@ class Loader:
             world_size=_dist.world_size(),
             repartitions=repartitions_state(objs, name),
             unread=unread,
+            warm_start=warm_start,
         )

@@ -120,6 +120,7 @@ def load_safetensors(cfg: EngineConfig, pipeline: Pipeline, objs: TrainingObject
         strict_unexpected=cfg.strict_unexpected,
         rank=_dist.rank(),
         world_size=_dist.world_size(),
+        warm_start=True,
     )
     reader = SafetensorsReader(index)
     try:

@@ -57,8 +57,10 @@ def dry_run_component(
     *,
     strict: bool,
     strict_unexpected: bool,
+    warm_start: bool = False,
 ) -> tuple[ComponentReport, int]:
-    """Plan the load of one component; returns its report and the number of read items planned."""
+    """Plan the load of one component (``warm_start``: by the ``load_path`` rule); returns its
+    report and the number of read items planned."""
     sd, unread = load_template(objs, name)
     cfg = engine.config
     planner = EngineLoadPlanner(
@@ -70,6 +72,7 @@ def dry_run_component(
         trust_checkpoint=cfg.trust_checkpoint,
         ignore_unexpected_prefixes=("grad_scaler.",) if name == "trainer" and objs.grad_scaler is None else (),
         unread=unread,
+        warm_start=warm_start,
     )
     require_regular_file(os.path.join(component_dir, METADATA_FILE), "DCP metadata")
     metadata = read_metadata(component_dir)
@@ -151,7 +154,7 @@ def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
     run = _DryRun([f"plan: load {target.describe()}", f"into: {args.model}"])
     if rule == "load_path":
         run.lines.append(f"rule: load_path, {', '.join(by_rule)} only (load_training_state loads every component)")
-    _dry_run(config, target, objs, wanted, run)
+    _dry_run(config, target, objs, wanted, run, rule)
     ok = not run.failures
     if args.json:
         import json
@@ -183,8 +186,11 @@ def _wanted(args: argparse.Namespace, objs: TrainingObjects, wanted: list[str]) 
     return [n for n in wanted if n in args.component]
 
 
-def _dry_run(config: EngineConfig, target: Any, objs: TrainingObjects, wanted: list[str], run: _DryRun) -> None:
-    """The engine's own checks and per-component plans, with a reader that reads nothing."""
+def _dry_run(
+    config: EngineConfig, target: Any, objs: TrainingObjects, wanted: list[str], run: _DryRun, rule: str
+) -> None:
+    """The engine's own checks and per-component plans (by ``rule``), with a reader that reads nothing."""
+    warm = rule == "load_path"
     loaded = build_plugin_manager(config)
     pipeline = Pipeline(loaded)
     engine = Loader(config, pipeline)  # the engine's own resume logic
@@ -209,11 +215,19 @@ def _dry_run(config: EngineConfig, target: Any, objs: TrainingObjects, wanted: l
                 continue
             try:
                 report, n = dry_run_component(
-                    engine, objs, name, cdir, strict=config.strict, strict_unexpected=config.strict_unexpected
+                    engine,
+                    objs,
+                    name,
+                    cdir,
+                    strict=config.strict,
+                    strict_unexpected=config.strict_unexpected,
+                    warm_start=warm,
                 )
             except LoadStrictnessError as err:
                 run.failures.append(str(err))  # plan again, leniently, for the full report
-                report, n = dry_run_component(engine, objs, name, cdir, strict=False, strict_unexpected=False)
+                report, n = dry_run_component(
+                    engine, objs, name, cdir, strict=False, strict_unexpected=False, warm_start=warm
+                )
             run.reports[name] = report
             run.items += n
     finally:

@@ -15,6 +15,11 @@ EMA copy ``net_ema.X`` is read from the checkpoint's ``net.X`` (and ``net.X`` fr
 
 A checkpoint without a single key under the prefix it reads from is an error naming that prefix:
 silently loading the regular weights instead of the EMA ones would go unnoticed.
+
+It applies on a warm start only (``RemapContext.warm_start``: a load by the ``load_path`` rule),
+as the original's: a resume of the run from its own checkpoints restores the regular weights as
+they were saved (with their optimizer state), never the EMA copy over them. ``when: every_load``
+applies it to every load.
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ class EmaPlugin:
             "checkpoint's EMA weights. `reg_to_ema`: the EMA copy is read from the regular weights.",
         )
         components: tuple[str, ...] = Field(default=("model",), description="Components it applies to.")
+        when: Literal["warm_start", "every_load"] = Field(
+            default="warm_start",
+            description="`warm_start`: only a load by the `load_path` rule (a resume restores the weights as saved). "
+            "`every_load`: resumes too.",
+        )
 
         @model_validator(mode="after")
         def _distinct_prefixes(self) -> EmaPlugin.Options:
@@ -64,6 +74,9 @@ class EmaPlugin:
     @hookimpl
     def remap_keys(self, ctx: RemapContext, key_map: Mapping[str, str]) -> dict[str, str] | None:
         if ctx.direction != "load" or ctx.component not in self.options.components:
+            return None
+        if not ctx.warm_start and self.options.when == "warm_start":
+            ctx.note("not applied: this load resumes the run (applies on a load_path warm start; when: every_load)")
             return None
         storage_keys = ctx.storage_keys or frozenset()
         reg, ema = self.options.reg_prefix, self.options.ema_prefix

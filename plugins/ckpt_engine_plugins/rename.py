@@ -19,6 +19,11 @@ apply to what follows ``state.`` / ``param_groups.``; other components' keys are
   renames themselves are all in ``renamed`` (model key -> checkpoint key). A renamed key the
   checkpoint lacks is an ordinary missing key (``backbone.w (reads encoder.w)``).
 * Only loads are renamed; saves keep the model's own keys.
+* A resume (``RemapContext.warm_start`` false: the run's own checkpoints) reads a key the
+  checkpoint holds under the key's own name as saved, whatever the rules say: the run's saves
+  since the rename wrote the new names. So a run started from a checkpoint of the old names
+  (``load_path``), or renamed mid-run and resumed once from its own older checkpoint, never reads
+  the old names again once it has saved the new ones. A warm start applies every rule.
 """
 
 from __future__ import annotations
@@ -104,6 +109,10 @@ class RenamePlugin:
                 return head, key[len(head) :]
         return None
 
+    def _first(self, name: str) -> str | None:
+        """What the first rule that matches ``name`` renames it to (``None``: none matches)."""
+        return next((n for n in (rule.apply(name) for rule in self.options.rules) if n is not None), None)
+
     @hookimpl
     def remap_keys(self, ctx: RemapContext, key_map: Mapping[str, str]) -> dict[str, str] | None:
         if ctx.direction != "load" or ctx.component not in self.options.components:
@@ -114,12 +123,16 @@ class RenamePlugin:
         found = [0] * len(rules)  # ... that the checkpoint has
         example: list[tuple[str, str] | None] = [None] * len(rules)
         out: dict[str, str] = {}
+        as_saved = 0  # keys a resume reads under their own name
         for dest, storage in key_map.items():
             out[dest] = storage
             split = self._split(ctx.component, storage)
             if split is None:
                 continue
             head, name = split
+            if not ctx.warm_start and storage in stored and self._first(name) not in (None, name):
+                as_saved += 1  # a resume reads what the run saved under this name
+                continue
             for i, rule in enumerate(rules):
                 renamed = rule.apply(name)
                 if renamed is None:
@@ -129,8 +142,13 @@ class RenamePlugin:
                 found[i] += out[dest] in stored
                 example[i] = example[i] or (dest, out[dest])
                 break
+        if as_saved:
+            ctx.note(
+                f"{as_saved} key(s) of component {ctx.component!r} that the rules match were read under their own "
+                "names: this load resumes the run, and its checkpoint holds them as the run saved them"
+            )
         for i, rule in enumerate(rules):
-            if found[i]:
+            if found[i] or (as_saved and not matched[i]):
                 continue
             if not matched[i]:
                 ctx.note(f"rule {i + 1} ({rule.describe()}) matched no key of component {ctx.component!r}")

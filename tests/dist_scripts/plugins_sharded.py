@@ -178,6 +178,12 @@ def report_of(result: Any) -> dict[str, Any]:
     }
 
 
+def _warm_start(checkpoints: str) -> dict[str, Any]:
+    """A new run that starts from ``checkpoints``' latest with the ``ema`` plugin (it applies on a
+    warm start, a load by the ``load_path`` rule)."""
+    return {"save_dir": checkpoints + "_run", "load_path": checkpoints, "plugins": ["ema"]}
+
+
 def scenario_ema(work_dir: str, mesh: Any) -> dict[str, Any]:
     from ckpt_engine import CheckpointEngine
 
@@ -189,14 +195,14 @@ def scenario_ema(work_dir: str, mesh: Any) -> dict[str, Any]:
     with_ema = shard(fill(Diffusion(ema=True, te_size=5), 9.0), mesh)
     counter = ReadCounter()
     try:
-        result = CheckpointEngine({"save_dir": save_dir, "plugins": ["ema"]}).load(model=with_ema)
+        result = CheckpointEngine(_warm_start(save_dir)).load(model=with_ema)
     finally:
         reads = counter.close()
     extra = [with_ema.net.te.extra.tolist(), with_ema.net_ema.te.extra.tolist()]
     out_with = {"report": report_of(result), "reads": reads, "params": full_state(with_ema), "extra": extra}
 
     without_ema = shard(fill(Diffusion(ema=False, te_size=5), 9.0), mesh)
-    result = CheckpointEngine({"save_dir": save_dir, "plugins": ["ema"]}).load(model=without_ema)
+    result = CheckpointEngine(_warm_start(save_dir)).load(model=without_ema)
     out_without = {"report": report_of(result), "params": full_state(without_ema)}
     return {"with_ema": out_with, "without_ema": out_without}
 
@@ -219,7 +225,7 @@ def scenario_ema_error(work_dir: str, mesh: Any) -> dict[str, Any]:
     from ckpt_engine import CheckpointEngine
 
     target = shard(Diffusion(ema=False), mesh)
-    config = {"save_dir": os.path.join(work_dir, "overlap"), "plugins": ["ema"]}  # a Vision checkpoint
+    config = _warm_start(os.path.join(work_dir, "overlap"))  # a Vision checkpoint
     try:
         CheckpointEngine(config).load(model=target)
     except Exception as err:

@@ -35,6 +35,7 @@ from ckpt_engine import (
     UnsafeCheckpointError,
 )
 from ckpt_engine._dcpio.planner import EngineLoadPlanner
+from ckpt_engine.testing import assert_state_dicts_equal
 
 # -- helpers -----------------------------------------------------------------------------------
 
@@ -42,6 +43,13 @@ from ckpt_engine._dcpio.planner import EngineLoadPlanner
 def engine(save_dir: str, *plugins: Any, **config: Any) -> CheckpointEngine:
     """An engine with plugin entries (names, or dicts with options) in this order."""
     return CheckpointEngine({"save_dir": save_dir, "plugins": list(plugins), **config})
+
+
+def warm(save_dir: str, *plugins: Any, **config: Any) -> CheckpointEngine:
+    """An engine of a new run that starts from ``save_dir``'s latest (``load_path``: a warm
+    start, where the ``ema`` plugin applies), with plugin entries in this order."""
+    run = str(Path(save_dir).parent / (Path(save_dir).name + "_run"))
+    return CheckpointEngine({"save_dir": run, "load_path": save_dir, "plugins": list(plugins), **config})
 
 
 def save(save_dir: str, model: nn.Module, iteration: int = 1) -> None:
@@ -264,7 +272,7 @@ def assert_net_equal(a: nn.Module, b: nn.Module) -> None:
 def test_ema_into_model_without_ema_copy(save_dir: str, read_counter: Counter[str]) -> None:
     src = trained_checkpoint(save_dir)
     target = Diffusion(ema=False)
-    rep = engine(save_dir, "ema").load(model=target).report["model"]
+    rep = warm(save_dir, "ema").load(model=target).report["model"]
 
     assert_net_equal(target.net, src.net_ema)
     assert torch.equal(target.logvar, src.logvar)
@@ -280,7 +288,7 @@ def test_ema_into_model_with_ema_copy_reads_each_key_once(save_dir: str, read_co
     src = trained_checkpoint(save_dir)
     target = Diffusion(ema=True)
     fill(target, 9.0)
-    rep = engine(save_dir, "ema").load(model=target).report["model"]
+    rep = warm(save_dir, "ema").load(model=target).report["model"]
 
     assert_net_equal(target.net, src.net_ema)
     assert_net_equal(target.net_ema, src.net_ema)
@@ -297,7 +305,7 @@ def test_ema_mixed_dtypes_cast_from_the_stored_values(save_dir: str, read_counte
     src = trained_checkpoint(save_dir)
     target = Diffusion(ema=True, ema_dtype=torch.float64)
     target.net.to(torch.bfloat16)
-    engine(save_dir, "ema").load(model=target)
+    warm(save_dir, "ema").load(model=target)
     for key, stored in src.net_ema.state_dict().items():
         got_reg, got_ema = target.net.state_dict()[key], target.net_ema.state_dict()[key]
         assert torch.equal(got_reg, stored.to(got_reg.dtype)), key
@@ -308,7 +316,7 @@ def test_ema_mixed_dtypes_cast_from_the_stored_values(save_dir: str, read_counte
 def test_ema_missing_ema_keys_is_an_error_naming_the_prefix(save_dir: str) -> None:
     save(save_dir, fill(Diffusion(ema=False), 1.0))
     with pytest.raises(EmaKeysNotFoundError, match=r"no key under 'net_ema\.'") as info:
-        engine(save_dir, "ema").load(model=Diffusion(ema=False))
+        warm(save_dir, "ema").load(model=Diffusion(ema=False))
     assert "ema_prefix" in str(info.value) and "'net.'" in str(info.value)
     assert isinstance(info.value, CheckpointLoadError)
 
@@ -316,7 +324,7 @@ def test_ema_missing_ema_keys_is_an_error_naming_the_prefix(save_dir: str) -> No
 def test_ema_model_without_either_prefix_is_an_error(save_dir: str) -> None:
     trained_checkpoint(save_dir)
     with pytest.raises(EmaKeysNotFoundError, match=r"the model has no key under 'net\.' or 'net_ema\.'"):
-        engine(save_dir, "ema", strict=False).load(model=nn.Sequential(nn.Linear(2, 2)))
+        warm(save_dir, "ema", strict=False).load(model=nn.Sequential(nn.Linear(2, 2)))
 
 
 def test_ema_partial_ema_in_checkpoint_is_listed_as_missing(save_dir: str) -> None:
@@ -325,7 +333,7 @@ def test_ema_partial_ema_in_checkpoint_is_listed_as_missing(save_dir: str) -> No
     fill(src, 2.0)
     save(save_dir, src)
     with pytest.raises(LoadStrictnessError) as info:
-        engine(save_dir, "ema").load(model=Diffusion(ema=False))
+        warm(save_dir, "ema").load(model=Diffusion(ema=False))
     missing = set(info.value.missing)
     assert "net.norm.weight (reads net_ema.norm.weight)" in missing
     assert "net.norm.running_mean (reads net_ema.norm.running_mean)" in missing
@@ -336,7 +344,7 @@ def test_ema_reg_to_ema_starts_ema_from_pretrained(save_dir: str, read_counter: 
     pretrained = fill(Diffusion(ema=False), 4.5)
     save(save_dir, pretrained)
     target = fill(Diffusion(ema=True), -1.0)
-    rep = engine(save_dir, {"name": "ema", "options": {"direction": "reg_to_ema"}}).load(model=target).report["model"]
+    rep = warm(save_dir, {"name": "ema", "options": {"direction": "reg_to_ema"}}).load(model=target).report["model"]
     assert_net_equal(target.net, pretrained.net)
     assert_net_equal(target.net_ema, pretrained.net)
     assert rep.unexpected == () and rep.missing == ()
@@ -362,7 +370,7 @@ def test_ema_reg_to_ema_needs_regular_weights(tmp_path: Path) -> None:
 
 def test_ema_reg_to_ema_needs_a_model_with_an_ema_copy(save_dir: str) -> None:
     save(save_dir, fill(Diffusion(ema=True), 1.0))
-    eng = engine(save_dir, {"name": "ema", "options": {"direction": "reg_to_ema"}})
+    eng = warm(save_dir, {"name": "ema", "options": {"direction": "reg_to_ema"}})
     with pytest.raises(EmaKeysNotFoundError, match=r"the model has no key under 'net_ema\.'"):
         eng.load(model=Diffusion(ema=False))
 
@@ -379,7 +387,7 @@ def test_ema_custom_prefixes(save_dir: str) -> None:
     save(save_dir, src)
     target = Custom(ema=False)
     opts = {"reg_prefix": "student.", "ema_prefix": "teacher."}
-    engine(save_dir, {"name": "ema", "options": opts}).load(model=target)
+    warm(save_dir, {"name": "ema", "options": opts}).load(model=target)
     assert torch.equal(target.student.weight, src.teacher.weight)
     assert torch.equal(target.student.bias, src.teacher.bias)
 
@@ -397,9 +405,9 @@ def test_ema_does_not_touch_saves_or_other_components(save_dir: str) -> None:
     src = fill(Diffusion(ema=True), 0.0)
     save(save_dir, src, iteration=4)  # newer checkpoint with EMA weights, no optimizer
     target = Diffusion(ema=False)
-    result = engine(save_dir, "ema").load(model=target)
+    result = warm(save_dir, "ema").load(model=target)
     assert_net_equal(target.net, src.net_ema)
-    assert result.iteration == 4
+    assert result.checkpoint_path.endswith("iter_000000004")  # load_path: save_dir's latest
 
 
 @pytest.mark.parametrize(
@@ -412,7 +420,7 @@ def test_ema_does_not_touch_saves_or_other_components(save_dir: str) -> None:
 )
 def test_ema_invalid_options(save_dir: str, options: dict[str, Any], message: str) -> None:
     with pytest.raises(PluginConfigError, match=message) as info:
-        engine(save_dir, {"name": "ema", "options": options})
+        warm(save_dir, {"name": "ema", "options": options})
     assert "'ema'" in str(info.value)
 
 
@@ -420,7 +428,7 @@ def test_ema_summary_collapses_hundreds_of_keys(save_dir: str, caplog: pytest.Lo
     trained_checkpoint(save_dir, depth=60)  # 2 * 60 + 5 keys per network
     target = Diffusion(ema=True, depth=60)
     with caplog.at_level(logging.INFO, logger="ckpt_engine"):
-        rep = engine(save_dir, "ema").load(model=target).report["model"]
+        rep = warm(save_dir, "ema").load(model=target).report["model"]
     assert len(rep.unexpected) == 125
     lines = rep.summary_lines()
     assert "  unexpected: net.* (125 keys)" in lines
@@ -645,7 +653,7 @@ def test_ema_and_size_mismatch_compose(save_dir: str) -> None:
     target.net.blocks[0] = nn.Linear(6, 4)  # gained input features
     before = poison(target.net.blocks[0])
     opts = {"policy": "overlap", "patterns": ["net.blocks.0.weight"]}
-    rep = engine(save_dir, "ema", {"name": "size_mismatch", "options": opts}).load(model=target).report["model"]
+    rep = warm(save_dir, "ema", {"name": "size_mismatch", "options": opts}).load(model=target).report["model"]
     assert rep.renamed["net.blocks.0.weight"] == "net_ema.blocks.0.weight"
     assert rep.overlap["net.blocks.0.weight"].saved_shape == (4, 4)
     w = target.net.blocks[0].weight
@@ -766,3 +774,38 @@ def test_docs_describe_every_builtin_option(name: str, options: type[Any]) -> No
     section = text.split(f"\n## {name}\n", 1)[1].split("\n## ", 1)[0]
     for option in options.model_fields:
         assert f"| `{option}` |" in section, f"docs/plugins.md does not document {name}'s option {option!r}"
+
+
+def test_ema_warm_start_then_a_restart_resumes_the_weights_as_saved(save_dir: str) -> None:
+    """The documented fine-tune config (``save_dir``, ``load_path``, ``ema``): the first start
+    reads the pretrained EMA weights into ``net``; after the run saved, a restart resumes its own
+    ``latest`` and must restore the trained ``net`` with its optimizer state, not the EMA copy
+    again (the original applies ``load_ema_to_reg`` on a warm start only)."""
+    src = trained_checkpoint(save_dir)
+    run = str(Path(save_dir).parent / "finetune")
+    config = {"save_dir": run, "load_path": save_dir, "plugins": ["ema"], "strict": True}
+    model = Diffusion(ema=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with CheckpointEngine(config) as eng:
+        assert eng.load(model=model, optimizer=opt).iteration == 0
+        assert_net_equal(model.net, src.net_ema)
+        # a step that moves ``net`` only (every parameter gets a gradient: the optimizer has state for all)
+        (sum(p.sum() for p in model.net.parameters()) + 0 * sum(p.sum() for p in model.parameters())).backward()
+        opt.step()
+        eng.save(1, model=model, optimizer=opt)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not torch.equal(trained["net.blocks.0.weight"], trained["net_ema.blocks.0.weight"])
+
+    restarted = Diffusion(ema=True)
+    opt2 = torch.optim.AdamW(restarted.parameters(), lr=0.1)
+    with CheckpointEngine(config) as eng:
+        result = eng.load(model=restarted, optimizer=opt2)
+    assert result.iteration == 1 and not result.report["model"].renamed
+    assert any("not applied" in n for n in result.report["model"].notes)
+    assert_state_dicts_equal(restarted.state_dict(), trained)
+    # every_load keeps the old behaviour for those who ask for it
+    every = {**config, "plugins": [{"name": "ema", "options": {"when": "every_load"}}]}
+    again = Diffusion(ema=True)
+    with CheckpointEngine(every) as eng:
+        eng.load(model=again)
+    assert torch.equal(again.net.blocks[0].weight, trained["net_ema.blocks.0.weight"])

@@ -273,3 +273,38 @@ def test_one_rule_renames_optimizer_keys_like_model_keys(case: cst.KeyRenames) -
     for m, c in case.mapping.items():
         assert rep.renamed.get(f"state.{m}.exp_avg", f"state.{m}.exp_avg") == f"state.{c}.exp_avg"
         assert rep.renamed.get(f"param_groups.{m}.lr", f"param_groups.{m}.lr") == f"param_groups.{c}.lr"
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_warm_start_renames_and_a_restart_resumes_the_new_names_as_saved(tmp_path: Path, strict: bool) -> None:
+    """The documented rename config (``load_path`` of a checkpoint with ``encoder.*``, a model
+    with ``backbone.*``): after the run saved under its own names, a restart resumes them. With
+    the rules applied again the resume read ``encoder.*`` the checkpoint no longer has: a strict
+    error, or (``strict: false``) ``backbone`` silently left at its fresh values."""
+    model, opt = fresh("encoder", seed=0)
+    train(model, opt, 2, seed=1)
+    with CheckpointEngine({"save_dir": str(tmp_path / "pretrain")}) as engine:
+        engine.save(2, model=model, optimizer=opt)
+    config = {
+        "save_dir": str(tmp_path / "run"),
+        "load_path": str(tmp_path / "pretrain"),
+        "load_training_state": True,
+        "plugins": [rename({"checkpoint": "encoder.", "model": "backbone."})],
+        "strict": strict,
+    }
+    twin, twin_opt = fresh("backbone", seed=99)
+    with CheckpointEngine(config) as engine:
+        assert engine.load(model=twin, optimizer=twin_opt).report["model"].renamed
+        train(twin, twin_opt, 2, seed=2)
+        engine.save(4, model=twin, optimizer=twin_opt)
+    expected_next = train(twin, twin_opt, 2, seed=3)
+
+    again, again_opt = fresh("backbone", seed=7)
+    with CheckpointEngine(config) as engine:
+        result = engine.load(model=again, optimizer=again_opt)
+    assert result.iteration == 4
+    for comp in ("model", "optim"):
+        rep = result.report[comp]
+        assert not (rep.renamed or rep.missing), rep
+        assert any("read under their own names" in n for n in rep.notes), rep.notes
+    assert train(again, again_opt, 2, seed=3) == expected_next  # bit-exact continuation
