@@ -266,8 +266,24 @@ class LocalDigests:
 #: The tensor types DCP writes whole from one rank: its ``_create_write_items`` writes any tensor
 #: without a layout of its own (a DTensor's ``__create_write_items__``, a ShardedTensor's shards)
 #: as one item, and its planner keeps the lowest rank's copy. A parameter a ``Stateful`` extra
-#: hands over without ``detach()`` is one, as a plain tensor is.
+#: hands over without ``detach()`` is one, as a plain tensor is; so are their subclasses that
+#: keep the plain tensor's storage (:func:`one_copy`).
 ONE_COPY_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def one_copy(value: Any) -> bool:
+    """Whether DCP writes ``value`` whole from one rank (lowest rank's copy): a plain tensor or
+    parameter, or a subclass of one (a custom ``nn.Parameter``, a ``Buffer``-like tag class) that
+    neither lays itself out (``__create_write_items__``: DTensor) nor wraps other tensors (a
+    ``__torch_dispatch__`` of its own: quantised or sharded wrappers, whose bytes are not its own)."""
+    if type(value) in ONE_COPY_TENSORS:
+        return True
+    return (
+        isinstance(value, torch.Tensor)
+        and not hasattr(value, "__create_write_items__")
+        and getattr(type(value), "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__
+        and type(value).__name__ != "ShardedTensor"
+    )
 
 
 #: Which items :func:`digests` hashes: every one; all but the plain tensors of the standard
@@ -283,8 +299,8 @@ def digests(
     part: Part = "all",
 ) -> LocalDigests:
     """Digest the items of ``state`` (``part`` of them) that DCP would keep one copy of (plain
-    tensors and parameters, :data:`ONE_COPY_TENSORS`, and non-tensor values; DTensors and other
-    tensor subclasses are sharded by their layout), but those ``patterns`` name
+    tensors and parameters, :func:`one_copy`, and non-tensor values; DTensors and other tensor
+    subclasses are sharded by their layout), but those ``patterns`` name
     (``per_rank_keys``), which are only listed."""
     out = LocalDigests({}, {}, {})
     for name, sd in state.items():
@@ -298,7 +314,7 @@ def digests(
             if patterns and _per_rank(name, key, patterns):
                 configured.append(key)
                 continue
-            plain = type(value) in ONE_COPY_TENSORS
+            plain = one_copy(value)
             if part == "none" or (not plain and isinstance(value, torch.Tensor)):
                 continue
             if part != "all" and (part == "tensors") != (plain and name in STANDARD_COMPONENTS):
@@ -417,7 +433,7 @@ def shares_memory(components: Mapping[str, Mapping[str, Any]]) -> bool:
         (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
         for sd in components.values()
         for t in _flat(dict(sd)).values()
-        if type(t) in ONE_COPY_TENSORS and t.numel()
+        if one_copy(t) and t.numel()
     )
     return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
@@ -480,7 +496,7 @@ def plain_keys(state: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, str]]
     itself): all a staged copy is checked by, since a stager may copy a DTensor's local shard
     into a plain host tensor."""
     return {
-        name: {k: k for k, v in _flat(sd).items() if type(v) in ONE_COPY_TENSORS}
+        name: {k: k for k, v in _flat(sd).items() if one_copy(v)}
         for name, sd in state.items()
         if name in STANDARD_COMPONENTS
     }

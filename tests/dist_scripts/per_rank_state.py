@@ -42,12 +42,17 @@ class Position:
         self.epoch, self.index = int(sd["epoch"]), int(sd["index"])
 
 
+class TaggedParameter(nn.Parameter):
+    """A parameter subclass that only tags (as libraries mark special weights): DCP keeps one
+    copy of it as of a plain parameter."""
+
+
 class Temperature:
     """A learned value held per rank as a parameter, handed over without ``detach()``: DCP keeps
     one copy of an ``nn.Parameter`` as of a plain tensor."""
 
-    def __init__(self, value: float) -> None:
-        self.t = nn.Parameter(torch.full((2,), value))
+    def __init__(self, value: float, kind: type[nn.Parameter] = nn.Parameter) -> None:
+        self.t = kind(torch.full((2,), value))
 
     def state_dict(self) -> dict[str, Any]:
         return {"t": self.t}
@@ -84,14 +89,20 @@ def per_rank_round_trip(root: str, rank: int) -> dict[str, Any]:
     config = {"save_dir": os.path.join(root, "per_rank"), "per_rank_keys": ["model.expert"]}
     model = model_with_expert(float(rank))
     with CheckpointEngine(config) as engine:
-        engine.save(1, model=model, extra={"loader": Position(2, 100 + rank), "temperature": Temperature(rank + 1.0)})
-        scrambled, temperature = Position(0, 0), Temperature(-7.0)
+        extra = {
+            "loader": Position(2, 100 + rank),
+            "temperature": Temperature(rank + 1.0),
+            "tagged": Temperature(rank + 5.0, TaggedParameter),
+        }
+        engine.save(1, model=model, extra=extra)
+        scrambled, temperature, tagged = Position(0, 0), Temperature(-7.0), Temperature(-7.0, TaggedParameter)
         model.expert.fill_(-1.0)
-        result = engine.load(model=model, extra={"loader": scrambled, "temperature": temperature})
+        result = engine.load(model=model, extra={"loader": scrambled, "temperature": temperature, "tagged": tagged})
     return {
         "expert": model.expert.tolist(),
         "loader": [scrambled.epoch, scrambled.index],
         "temperature": temperature.t.tolist(),
+        "tagged": tagged.t.tolist(),
         "loader_renamed": result.report["loader"].renamed,
     }
 

@@ -70,10 +70,11 @@ def test_per_rank_keys_and_differing_extras_are_saved_and_restored_per_rank(laun
         assert got["expert"] == [float(rank)] * 3
         assert got["loader"] == [2, 100 + rank]
         assert got["temperature"] == [rank + 1.0] * 2  # an nn.Parameter: was rank 0's on both
+        assert got["tagged"] == [rank + 5.0] * 2  # a subclass of one: was rank 0's on both
     keys = stored(str(root / "per_rank"))
     assert keys["model"][0] == ["bias", "expert@rank0", "expert@rank1", "weight"]
     assert keys["loader"][0] == ["epoch@rank0", "epoch@rank1", "index@rank0", "index@rank1"]
-    assert keys["temperature"][0] == ["t@rank0", "t@rank1"]
+    assert keys["temperature"][0] == keys["tagged"][0] == ["t@rank0", "t@rank1"]
 
 
 def test_a_per_rank_extra_refuses_another_world_size_unless_it_repartitions(launched: Any) -> None:
