@@ -97,7 +97,7 @@ class Loader:
             metadata = validated.checked.components.get(name)
             if metadata is None or name == RNG_COMPONENT:  # absent: the read decides; RNG: this rank's own
                 continue
-            sd, unread = load_template(objs, name)
+            sd, unread = load_template(objs, name, metadata.state_dict_metadata)
             planner = self._planner(name, validated.store.join(validated.checked.path, name), objs, unread)
             try:
                 planner.set_up_planner(sd, metadata, False)
@@ -221,7 +221,7 @@ class Loader:
                     continue
                 if name == RNG_COMPONENT:
                     prepare_rng_load(objs.extra[name], checked.components[name], path, _dist.world_size())
-                sd, unread = load_template(objs, name)
+                sd, unread = load_template(objs, name, checked.components[name].state_dict_metadata)
                 template = tuple(sd.values())
                 folder = validated.store.join(path, name)
                 planner = self._load_component(

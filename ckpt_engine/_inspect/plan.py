@@ -61,7 +61,9 @@ def dry_run_component(
 ) -> tuple[ComponentReport, int]:
     """Plan the load of one component (``warm_start``: by the ``load_path`` rule); returns its
     report and the number of read items planned."""
-    sd, unread = load_template(objs, name)
+    require_regular_file(os.path.join(component_dir, METADATA_FILE), "DCP metadata")
+    metadata = read_metadata(component_dir)
+    sd, unread = load_template(objs, name, metadata.state_dict_metadata)
     cfg = engine.config
     planner = EngineLoadPlanner(
         component=name,
@@ -74,8 +76,6 @@ def dry_run_component(
         unread=unread,
         warm_start=warm_start,
     )
-    require_regular_file(os.path.join(component_dir, METADATA_FILE), "DCP metadata")
-    metadata = read_metadata(component_dir)
     check_component_files(component_dir, metadata, open_store(component_dir))  # the plan is what a load does
     reader = NoReadReader(component_dir, metadata)
     try:

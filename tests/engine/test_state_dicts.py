@@ -5,6 +5,8 @@ holding nothing DCP renames, or by comparing the two), and never after a change.
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,8 +14,11 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+from ckpt_engine import CheckpointEngine
 from ckpt_engine._engine import state as state_mod
 from ckpt_engine._engine.state import TrainingObjects, apply_component, model_state_dict, optim_state_dict
+from ckpt_engine._engine.state import optim as optim_mod
+from ckpt_engine.testing import assert_state_dicts_equal
 
 
 class _WithEverything(nn.Module):
@@ -248,7 +253,7 @@ def dcp_optim_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(1)
         return real(m, o, **kw)
 
-    monkeypatch.setattr(state_mod, "get_optimizer_state_dict", counted)
+    monkeypatch.setattr(optim_mod, "get_optimizer_state_dict", counted)
     return calls
 
 
@@ -275,7 +280,7 @@ def test_an_optimizer_of_a_plain_module_gives_what_dcp_gives_on_every_call(
     optimizer = make(module)
     _stepped(module, optimizer)
     first = optim_state_dict([module], [optimizer])
-    assert dcp_optim_calls == [1] and optimizer in state_mod._OWN_NAMES
+    assert dcp_optim_calls == [1] and optimizer in optim_mod._OWN_NAMES
     reference = get_optimizer_state_dict(module, optimizer, options=FLAT)
     assert _same_values(first, reference)
     _stepped(module, optimizer)
@@ -292,7 +297,7 @@ def test_a_wrapper_that_renames_parameters_keeps_dcps_names(dcp_optim_calls: lis
     sd = optim_state_dict([compiled], [optimizer])
     assert "state.0.weight.exp_avg" in sd and not any("_orig_mod" in k for k in sd)
     optim_state_dict([compiled], [optimizer])
-    assert dcp_optim_calls == [1, 1] and optimizer in state_mod._OPTIM_DCP_ONLY
+    assert dcp_optim_calls == [1, 1] and optimizer in optim_mod._OPTIM_DCP_ONLY
 
 
 def test_a_changed_optimizer_or_module_is_shown_again(dcp_optim_calls: list[int]) -> None:
@@ -319,12 +324,12 @@ def test_a_stateless_optimizer_is_flattened_without_dcp_once_shown_equal(dcp_opt
     gradient and bump no version counter."""
     module = _WithEverything()
     optimizer = torch.optim.SGD(_groups(module), lr=0.1)
-    first = optim_state_dict([module], [optimizer])  # DCP's state initialisation: proves it stateless
-    second = optim_state_dict([module], [optimizer])  # DCP without it: shown equal to our own
-    assert dcp_optim_calls == [1, 1] and optimizer in state_mod._OWN_NAMES
+    first = optim_state_dict([module], [optimizer])  # DCP without its state initialisation
+    second = optim_state_dict([module], [optimizer])  # shown equal to our own: DCP not asked
+    assert dcp_optim_calls == [1] and optimizer in optim_mod._OWN_NAMES
     versions = [p._version for p in module.parameters()]
     third = optim_state_dict([module], [optimizer])
-    assert dcp_optim_calls == [1, 1] and not optimizer.state
+    assert dcp_optim_calls == [1] and not optimizer.state
     assert [p._version for p in module.parameters()] == versions and all(p.grad is None for p in module.parameters())
     reference = get_optimizer_state_dict(module, optimizer, options=FLAT)
     for sd in (first, second, third):
@@ -333,7 +338,7 @@ def test_a_stateless_optimizer_is_flattened_without_dcp_once_shown_equal(dcp_opt
     assert optim_state_dict([module], [optimizer])["param_groups.block.1.weight.lr"] == 0.25
     renamed = nn.ModuleDict({"inner": module})  # new names: shown again
     sd = optim_state_dict([renamed], [optimizer])
-    assert dcp_optim_calls == [1, 1, 1] and "param_groups.inner.block.1.weight.lr" in sd
+    assert dcp_optim_calls == [1, 1] and "param_groups.inner.block.1.weight.lr" in sd
 
 
 class _Nested(torch.optim.Optimizer):
@@ -367,3 +372,59 @@ def test_nested_state_is_flattened_as_dcp_flattens_it_and_refused_values_raise_d
     _stepped(module, optimizer)
     with pytest.raises(NotImplementedError, match="only supports"):
         optim_state_dict([module], [optimizer])
+
+
+_BEFORE_ITS_FIRST_STEP = [
+    lambda ps: torch.optim.AdamW(ps, lr=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5),
+    lambda ps: torch.optim.RMSprop(ps, lr=0.01),
+]
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(5, 4, generator=gen)).square().mean().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("make", _BEFORE_ITS_FIRST_STEP, ids=["adamw", "sgd_momentum", "rmsprop"])
+@pytest.mark.parametrize("staging", ["sync", "pinned_staging"])
+def test_a_save_before_the_first_step_changes_nothing_and_resumes_exactly(
+    tmp_path: Path, make: Any, staging: str
+) -> None:
+    """A save before the optimizer's first step (a step-0 checkpoint) ran DCP's state
+    initialisation, a step with lr 0: AdamW came out of save() with step 1 and zero moments, so
+    every later update's bias correction moved (momentum SGD and RMSprop likewise), and the
+    checkpoint recorded a step never taken. The save must leave the optimizer as it was, and a
+    resume from it must train as the uninterrupted run does."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    twin = copy.deepcopy(model)
+    optimizer, twin_opt = make(model.parameters()), make(twin.parameters())
+    config: dict[str, Any] = {"save_dir": str(tmp_path / "ckpt")}
+    if staging == "pinned_staging":
+        config["plugins"] = ["pinned_staging"]
+    with CheckpointEngine(config) as engine:
+        engine.save(0, model=model, optimizer=optimizer).result()
+    assert not optimizer.state
+    _train(model, optimizer, 3)
+    _train(twin, twin_opt, 3)
+    assert_state_dicts_equal(model.state_dict(), twin.state_dict())
+    assert_state_dicts_equal(optimizer.state_dict(), twin_opt.state_dict())
+
+    resumed = nn.Linear(4, 3)
+    resumed_opt = make(resumed.parameters())
+    _train(resumed, resumed_opt, 1)  # a used optimizer: the load gives it the saved one's (none)
+    with CheckpointEngine(config) as engine:
+        result = engine.load(model=resumed, optimizer=resumed_opt)
+    assert result.iteration == 0 and not resumed_opt.state
+    assert not (result.report["optim"].missing or result.report["optim"].unexpected)
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 3)
+    reference_opt = make(reference.parameters())
+    _train(resumed, resumed_opt, 3)
+    _train(reference, reference_opt, 3)
+    assert_state_dicts_equal(resumed.state_dict(), reference.state_dict())
+    assert_state_dicts_equal(resumed_opt.state_dict(), reference_opt.state_dict())

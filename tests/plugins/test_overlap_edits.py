@@ -270,9 +270,9 @@ def test_a_stateless_optimizer_is_not_stepped_by_later_saves_and_overlap_defers_
         assert fresh.optim.state_dict()["param_groups"] == trainer.optim.state_dict()["param_groups"]
 
 
-def test_a_stateful_optimizer_that_never_stepped_still_saves_its_full_state(tmp_path: Path) -> None:
-    """The fake step is skipped only for optimizers it proved stateless: a fresh AdamW still gets
-    its exp_avg and exp_avg_sq in the checkpoint, as DCP writes them."""
+def test_a_stateful_optimizer_that_never_stepped_saves_its_groups_and_stays_unstepped(tmp_path: Path) -> None:
+    """DCP's fake step is never run by a save: a fresh AdamW is saved as it is (its groups, no
+    state: the step it would record was never taken) and comes out of save() without state."""
     model = nn.Linear(8, 8)
     optim = torch.optim.AdamW(model.parameters())
     with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
@@ -280,7 +280,8 @@ def test_a_stateful_optimizer_that_never_stepped_still_saves_its_full_state(tmp_
     from ckpt_engine._format.metadata import read_metadata
 
     keys = set(read_metadata(tmp_path / "iter_000000001" / "optim").state_dict_metadata)
-    assert "state.weight.exp_avg" in keys and "state.bias.exp_avg_sq" in keys
+    assert "param_groups.weight.lr" in keys and not any(k.startswith("state.") for k in keys)
+    assert not optim.state and all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy

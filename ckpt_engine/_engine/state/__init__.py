@@ -8,15 +8,14 @@
 * extras: ``obj.state_dict()`` of each ``Stateful``.
 
 Tensor subclasses in them are made plain for a save by :func:`plain_tensors` (see its section).
+The optimizers' part is :mod:`.optim`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import weakref
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,17 +24,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
-from .._dcpio.torch_private import dcp_state_dict_is_own, loads_by_copy
-from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, UnsupportedTensorError
-from ..types import STANDARD_COMPONENTS
-
-_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+from ..._dcpio.torch_private import dcp_state_dict_is_own, loads_by_copy
+from ...errors import ArgumentTypeError, ConfigError, InvalidArgumentError, UnsupportedTensorError
+from ...types import STANDARD_COMPONENTS
+from .optim import OPTIM_STATE, optimizer_state_dict, set_optimizer_state, unread_keys
 
 
 def _as_list(obj: Any) -> list[Any]:
@@ -235,173 +231,13 @@ def _set_model_state_dict(module: nn.Module, sd: dict[str, Any], *, in_place: bo
         module.load_state_dict(sd, strict=False)
 
 
-#: Optimizers shown to keep no state (plain SGD): DCP's state initialisation left them empty.
-_STATELESS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-
-
-def optim_state_dict(modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
-    pairs = zip(modules, optimizers, strict=True)
-    return _merge((_optimizer_state_dict(m, o) for m, o in pairs), "optimizer state dict")
-
-
-#: Optimizers whose flattened state dict was shown to be built from their own ``state_dict()``
-#: and their module's parameter names, each with the (module id, names) it was shown on.
-_OWN_NAMES: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[str, ...]]] = weakref.WeakKeyDictionary()
-#: Optimizers for which that was not so (a wrapper renames parameters): DCP's function from then on.
-_OPTIM_DCP_ONLY: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-
-
-def _optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``get_optimizer_state_dict(module, optimizer, flatten_optimizer_state_dict=True)``, built
-    from the optimizer's own ``state_dict()`` once shown equal.
-
-    For an optimizer with state, DCP's function calls ``optimizer.state_dict()``, renames each
-    parameter index to the parameter's fully qualified name and flattens the result; finding the
-    names (its ``_verify_options``) walks every parameter and module and costs about 50
-    microseconds a parameter on every save, inside ``save()``. Where DCP's names are the module's
-    own ``named_parameters()`` names (no wrapper renames them: plain modules and ``fully_shard``),
-    the first call shows the two results equal, key for key and value for value, and later calls
-    build it directly while the module and its parameter names stay the same. A different
-    module, renamed or new parameters, or a value DCP's flattening refuses ask DCP again; an
-    optimizer whose result differed keeps DCP's function.
-    """
-    if not optimizer.state:
-        return _initialised_optimizer_state_dict(module, optimizer)
-    return _own_once_shown(module, optimizer, lambda: _dcp_optimizer_state_dict(module, optimizer))
-
-
-def _own_once_shown(
-    module: nn.Module, optimizer: torch.optim.Optimizer, dcp: Callable[[], dict[str, Any]]
+def optim_state_dict(
+    modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], *, for_load: bool = False
 ) -> dict[str, Any]:
-    """The optimizer's flattened state dict built from its own ``state_dict()`` and its module's
-    parameter names where that was shown equal to ``dcp()`` (DCP's result) for this module and
-    these names; else ``dcp()``, compared once: equal, the next call builds its own; different,
-    DCP's function from then on."""
-    if optimizer in _OPTIM_DCP_ONLY:
-        return dcp()
-    names = _param_names(module, optimizer)
-    ours = _flat_optimizer_state(optimizer, names) if names is not None else None
-    if ours is not None and _OWN_NAMES.get(optimizer) == (id(module), names):
-        return ours
-    dcp_sd = dcp()
-    if names is not None and ours is not None and _same_flat(ours, dcp_sd):
-        _OWN_NAMES[optimizer] = (id(module), names)
-    else:
-        _OWN_NAMES.pop(optimizer, None)
-        _OPTIM_DCP_ONLY.add(optimizer)
-    return dcp_sd
-
-
-def _dcp_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    sd: dict[str, Any] = get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS)
-    return sd
-
-
-def _param_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, ...] | None:
-    """The module's name of each parameter the optimizer updates, in the optimizer's order
-    (the order of its ``state_dict()`` indices); ``None`` if one is not the module's."""
-    by_id = {id(p): name for name, p in module.named_parameters()}
-    names: list[str] = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name = by_id.get(id(p))
-            if name is None:
-                return None
-            names.append(name)
-    return tuple(names)
-
-
-def _flat_optimizer_state(optimizer: torch.optim.Optimizer, names: tuple[str, ...]) -> dict[str, Any] | None:
-    """DCP's flattened form of ``optimizer.state_dict()`` with each index named by ``names``
-    (``state.<fqn>.<key>`` and ``param_groups.<fqn>.<key>``); ``None`` where the state dict is
-    not the standard packed form or holds a value DCP's flattening refuses."""
-    osd = optimizer.state_dict()
-    flat: dict[str, Any] = {}
-    try:
-        for index, state in osd["state"].items():
-            if type(index) is not int or index < 0 or not isinstance(state, dict):
-                return None
-            if not _flatten_into(flat, state, f"state.{names[index]}"):
-                return None
-        for group in osd["param_groups"]:
-            group = dict(group)
-            params = group.pop("params")
-            for index in params:
-                if type(index) is not int or index < 0:
-                    return None
-                name = names[index]
-                for k, v in group.items():
-                    flat[f"param_groups.{name}.{k}"] = v
-    except (KeyError, IndexError, TypeError, AttributeError):
-        return None
-    return flat
-
-
-def _flatten_into(flat: dict[str, Any], nested: dict[Any, Any], prefix: str) -> bool:
-    for key, value in nested.items():
-        full = prefix + "." + str(key)  # DCP names nested keys by str()
-        if isinstance(value, dict):
-            if not _flatten_into(flat, value, full):
-                return False
-        elif isinstance(value, (torch.Tensor, int, float)):
-            flat[full] = value
-        else:
-            return False  # DCP raises NotImplementedError: let it, with its own message
-    return True
-
-
-def _same_flat(ours: Mapping[str, Any], dcp: Mapping[str, Any]) -> bool:
-    """The same keys in the same order, the very same tensors, equal other values of one type."""
-    if list(ours) != list(dcp):
-        return False
-    for k, a in ours.items():
-        b = dcp[k]
-        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            if a is not b:
-                return False
-            continue
-        try:
-            if type(a) is not type(b) or not bool(a == b):
-                return False
-        except Exception:  # an __eq__ that raises or gives no truth value: not shown equal
-            return False
-    return True
-
-
-def _initialised_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``get_optimizer_state_dict`` for an optimizer without state yet, without DCP's state
-    initialisation where it is known to do nothing.
-
-    For an optimizer with no state and no gradients, DCP allocates a zero gradient for every
-    parameter and runs ``optimizer.step()`` with ``lr=0`` to create the state (its
-    ``_init_optim_state``). For a stateless optimizer (plain SGD) that creates nothing, yet costs
-    about two copies of the parameters in every save, bumps every parameter's version counter and
-    runs the step hooks. The first call proves an optimizer stateless (its state is still empty
-    afterwards); the next gives one small parameter a zero gradient for the duration, which is
-    the condition under which DCP skips the initialisation, and takes it away again. Where that
-    result is the optimizer's own ``param_groups`` flattened under its module's parameter names
-    (as for an optimizer with state, :func:`_optimizer_state_dict`), later calls build it
-    directly, without DCP's walk over every parameter's names (the bulk of an ``overlap``
-    ``save()`` with plain SGD).
-    """
-    if optimizer not in _STATELESS:
-        sd = _dcp_optimizer_state_dict(module, optimizer)
-        if not optimizer.state:
-            _STATELESS.add(optimizer)
-        return sd
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if not params or any(p.grad is not None for p in params):
-        return _dcp_optimizer_state_dict(module, optimizer)
-
-    def dcp_without_initialising() -> dict[str, Any]:
-        smallest = min(params, key=lambda p: p.numel())
-        smallest.grad = torch.zeros_like(smallest)
-        try:
-            return _dcp_optimizer_state_dict(module, optimizer)
-        finally:
-            smallest.grad = None
-
-    return _own_once_shown(module, optimizer, dcp_without_initialising)
+    """The optimizers' flattened state dict: what a save writes, or (``for_load``) the template a
+    load fills, which holds the state an optimizer that took no step yet gets at its first."""
+    pairs = zip(modules, optimizers, strict=True)
+    return _merge((optimizer_state_dict(m, o, for_load) for m, o in pairs), "optimizer state dict")
 
 
 def trainer_state_dict(grad_scaler: Any, iteration: int) -> dict[str, Any]:
@@ -411,12 +247,14 @@ def trainer_state_dict(grad_scaler: Any, iteration: int) -> dict[str, Any]:
     return sd
 
 
-def component_state_dict(objs: TrainingObjects, component: str, iteration: int = 0) -> dict[str, Any]:
-    """The state dict of one component (the save content, or the load template)."""
+def component_state_dict(
+    objs: TrainingObjects, component: str, iteration: int = 0, *, for_load: bool = False
+) -> dict[str, Any]:
+    """The state dict of one component: the save content, or (``for_load``) the load template."""
     if component == "model":
         return model_state_dict(objs.modules)
     if component == "optim":
-        return optim_state_dict(objs.modules, objs.optimizers)
+        return optim_state_dict(objs.modules, objs.optimizers, for_load=for_load)
     if component == "scheduler":
         sd: dict[str, Any] = objs.scheduler.state_dict()
         return sd
@@ -426,34 +264,26 @@ def component_state_dict(objs: TrainingObjects, component: str, iteration: int =
     return extra_sd
 
 
-def load_template(objs: TrainingObjects, component: str) -> tuple[dict[str, Any], tuple[str, ...]]:
+def load_template(
+    objs: TrainingObjects, component: str, stored: Collection[str] | None = None
+) -> tuple[dict[str, Any], tuple[str, ...]]:
     """The state dict a load of ``component`` fills, and the keys of its saved form left unread: of
     ``optim``, each group's hyper-parameters under every parameter but the group's first. A save
     writes them under every parameter (``param_groups.<fqn>.<option>``: DCP's flattened form, as
     plain ``dcp.load`` expects), but ``set_optimizer_state_dict`` takes a group's values from its
     first parameter and never reads the others' (2,200 of the 3,025 items of a 201-parameter
     language model with AdamW). Kept where torch reads them: a tied parameter's (they tell torch
-    which of its names was saved), and all of an optimizer named otherwise (by a wrapper)."""
-    sd = component_state_dict(objs, component, 0)
+    which of its names was saved), and all of an optimizer named otherwise (by a wrapper).
+    ``stored``: the checkpoint's keys of ``component``; of an optimizer saved before its first
+    step (no ``state.`` key), the template holds the groups only (:func:`apply_component`)."""
+    sd = component_state_dict(objs, component, 0, for_load=True)
     if component != "optim":
         return sd, ()
-    unread = tuple(k for m, o in zip(objs.modules, objs.optimizers, strict=True) for k in _unread(m, o, sd))
+    if stored is not None and not any(k.startswith(OPTIM_STATE) for k in stored):
+        sd = {k: v for k, v in sd.items() if not k.startswith(OPTIM_STATE)}
+    unread = tuple(k for m, o in zip(objs.modules, objs.optimizers, strict=True) for k in unread_keys(m, o, sd))
     skip = set(unread)
     return {k: v for k, v in sd.items() if k not in skip}, unread
-
-
-def _unread(module: nn.Module, optimizer: torch.optim.Optimizer, sd: Mapping[str, Any]) -> list[str]:
-    """:func:`load_template`'s unread keys of one module's optimizer (``sd``: the merged template)."""
-    names, unread = _param_names(module, optimizer) or (), []
-    held = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))  # > 1: tied
-    flat = [(i, p, g) for g in optimizer.param_groups for i, p in enumerate(g["params"])]
-    for name, (i, param, group) in zip(names, flat, strict=False):
-        keys = [f"param_groups.{name}.{k}" for k in group if k != "params"]
-        if not all(k in sd for k in keys):
-            return []  # not the module's own names: torch's decide, so every key is read
-        if i and held[id(param)] == 1:
-            unread += keys
-    return unread
 
 
 def repartitions_state(objs: TrainingObjects, component: str) -> bool:
@@ -492,8 +322,7 @@ def apply_component(
             _set_model_state_dict(module, keep, in_place=in_place)
     elif component == "optim":
         for module, optim in zip(objs.modules, objs.optimizers, strict=True):
-            with _empty_groups_aside(optim):
-                set_optimizer_state_dict(module, optim, optim_state_dict=sd, options=_OPTIM_OPTIONS)
+            set_optimizer_state(module, optim, sd)
     elif component == "scheduler":
         objs.scheduler.load_state_dict(sd)
     elif component == "trainer":
@@ -502,49 +331,6 @@ def apply_component(
     else:
         objs.extra[component].load_state_dict(sd)
 
-
-@contextlib.contextmanager
-def _empty_groups_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """``optimizer`` without its parameter groups that hold no parameters while its state is set,
-    then with them back in their places.
-
-    The flattened optimizer state dict (``flatten_optimizer_state_dict=True``, the ``optim``
-    format) keys a group's hyper-parameters by the group's first parameter, so a group without
-    parameters has no keys, and ``set_optimizer_state_dict`` fails on it (an ``IndexError`` in
-    torch's ``_unflatten_optim_state_dict``). Such groups are common (the Hugging Face Trainer's
-    no-decay group when every bias and norm is frozen, as under LoRA); they hold no state, so
-    nothing of them is lost.
-    """
-    aside = [(i, g) for i, g in enumerate(optimizer.param_groups) if not g["params"]]
-    if not aside:
-        yield
-        return
-    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
-    try:
-        yield
-    finally:
-        groups = optimizer.param_groups  # a new list once load_state_dict ran
-        for index, group in aside:
-            groups.insert(index, group)
-
-
-# -- tensor subclasses in a state dict: a wrapper of one tensor saved as that tensor, any other refused --
-#
-# Training code holds tensor subclasses in its state: torchao's float8 training wraps each weight in
-# a subclass that casts on the fly (``WeightWithDynamicFloat8CastTensor``, also as the local tensor
-# of an FSDP2 ``DTensor``); QLoRA keeps a frozen base as ``NF4Tensor``, quantized data and scalers
-# in one object. DCP writes such a tensor by pickling it, which the engine's readers (which check
-# every stored size, and never unpickle) cannot read back, and an asynchronous copy of it may
-# stage garbage. So the rule is made once, here, before a state dict reaches a plugin:
-#
-# * a *wrapper* (a subclass whose ``__tensor_flatten__`` names exactly one inner tensor of its own
-#   shape, dtype and strides) is saved as that inner tensor: the same bytes, so a load copies them
-#   back bit for bit (DCP copies into the wrapper, which forwards the copy to its inner tensor);
-# * any other subclass with ``__tensor_flatten__`` is refused at save with
-#   :class:`~ckpt_engine.errors.UnsupportedTensorError` naming the component and key, before
-#   anything is written: never a silent cast, never NaN;
-# * plain tensors, parameters, ``DTensor`` (whose local tensor follows the same rule) and
-#   subclasses without ``__tensor_flatten__`` (which have storage of their own) pass as they are.
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter, DTensor)
 
