@@ -271,7 +271,7 @@ class LocalTier:
         this rank's previous checkpoint as in ``save_dir`` (``inputs.stable``: the model's frozen keys)."""
         pipeline, staged, checksum, stable = inputs.pipeline, inputs.staged, _ALGORITHM, inputs.stable
         plan_prefix, key_maps = inputs.plan_prefix, inputs.local_maps
-        paths, carry = self._carry(paths, checksum)
+        paths, carry = self._carry(dataclasses.replace(paths, per_rank=inputs.per_rank), checksum)
         outcomes: list[WriteResult | Future[WriteResult]] = []
         for name, state in staged.components.items():
             planner = EngineSavePlanner(key_maps[name], cache_key=f"{plan_prefix}local:{name}", checksum=checksum)

@@ -156,8 +156,9 @@ class Saver:
                 raise
             raise failure from err
         try:
+            per_rank = tuple(sorted(n for n, m in maps[0].items() if m != maps[1].get(n)))
             inputs = WriteInputs(
-                self.pipeline, staged, maps[0], maps[1], stable, checked, self.plan_prefix, self.checksum
+                self.pipeline, staged, maps[0], maps[1], per_rank, stable, checked, self.plan_prefix, self.checksum
             )
             self._write(writes, components, inputs, clock)
             clock.snapshot = staged.snapshot

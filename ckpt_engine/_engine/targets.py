@@ -89,6 +89,8 @@ class SavePaths:
     carry_from: str | None = None
     #: The run and save the manifest records (with a node-local tier; ``None``: none recorded).
     lineage: Lineage | None = None
+    #: The components the manifest records as saved per rank (a rank-local checkpoint's).
+    per_rank: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -475,6 +477,7 @@ def write_checked_manifest(
     carry_chain: int = 0,
     rank: int | None = None,
     lineage: Lineage | None = None,
+    per_rank: tuple[str, ...] = (),
 ) -> int:
     """Rank 0 (``rank``: the rank of a rank-local checkpoint, which writes its own): check the
     checkpoint under ``root`` is complete, then write its manifest; returns the bytes it covers.
@@ -501,7 +504,15 @@ def write_checked_manifest(
         entries.update(written_entries(root, expected - set(entries), algorithm))
         remove_parts(root)
     manifest = new_manifest(
-        iteration, world, components, algorithm, with_versions(entries, root, store), carry_chain, rank, lineage
+        iteration,
+        world,
+        components,
+        algorithm,
+        with_versions(entries, root, store),
+        carry_chain,
+        rank,
+        lineage,
+        per_rank,
     )
     write_manifest(root, manifest, store)
     return manifest.total_bytes
@@ -537,6 +548,7 @@ def commit_locally(
         paths.carry_chain,
         rank,
         paths.lineage,
+        paths.per_rank,
     )
     commit_rename(paths.partial, paths.local_final)
     advance_latest(os.path.dirname(paths.local_final), paths.name)

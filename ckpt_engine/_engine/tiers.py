@@ -225,6 +225,8 @@ class WriteInputs:
     #: (every item under its own key: each rank writes a checkpoint of its own).
     key_maps: dict[str, dict[str, str]]
     local_maps: dict[str, dict[str, str]]
+    #: The components whose state differed across the ranks (saved per rank).
+    per_rank: tuple[str, ...]
     #: The model's frozen keys (``incremental``).
     stable: frozenset[str]
     #: The background check of a staged copy's plain tensors: a durable write commits only once

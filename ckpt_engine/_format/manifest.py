@@ -142,6 +142,9 @@ class Manifest:
     #: The run and save that made it (``None``: a checkpoint written without a lineage, by an
     #: older engine or without ``local_dir``).
     lineage: Lineage | None = None
+    #: Components holding state that differed across the ranks, saved per rank (in a rank-local
+    #: checkpoint under the plain keys, each rank its own): no one rank's part stands for the job.
+    per_rank: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -173,6 +176,7 @@ class Manifest:
             "carry_chain": self.carry_chain,
             **({} if self.rank is None else {"rank": self.rank}),
             **({} if self.lineage is None else {"lineage": self.lineage.to_doc()}),
+            **({"per_rank": list(self.per_rank)} if self.per_rank else {}),
             "files": {rel: entry_doc(e) for rel, e in sorted(self.files.items())},
         }
         return json.dumps(doc, indent=1) + "\n"
@@ -217,6 +221,7 @@ def new_manifest(
     carry_chain: int = 0,
     rank: int | None = None,
     lineage: Lineage | None = None,
+    per_rank: Iterable[str] = (),
 ) -> Manifest:
     import torch  # here, not at the top: reading a manifest (ckpt-engine ls) imports no torch
 
@@ -232,6 +237,7 @@ def new_manifest(
         carry_chain=carry_chain,
         rank=rank,
         lineage=lineage,
+        per_rank=tuple(per_rank),
     )
 
 
@@ -381,7 +387,14 @@ def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
         carry_chain=_chain(doc.get("carry_chain", 0)),
         rank=None if doc.get("rank") is None else _count("rank", doc["rank"]),
         lineage=_lineage(doc.get("lineage")),
+        per_rank=_per_rank(doc.get("per_rank", []), set(components)),
     )
+
+
+def _per_rank(doc: Any, components: set[str]) -> tuple[str, ...]:
+    if not (isinstance(doc, list) and all(isinstance(c, str) and c in components for c in doc)):
+        raise ValueError(f"per_rank {clip(repr(doc), 80)} is not a list of the checkpoint's components")
+    return tuple(doc)
 
 
 def _lineage(doc: Any) -> Lineage | None:

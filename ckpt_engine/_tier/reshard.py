@@ -6,7 +6,10 @@ or an older one than the newest of another shape (:func:`survey`, step 1, says w
 
 1. each rank lists every rank folder on its node (its own copies and the replicas it keeps, of
    any world size) from ``durable`` on; one all-gather gives every rank every copy, and the
-   lineage rule (:mod:`.lineage`) sets aside what a resume may not take;
+   lineage rule (:mod:`.lineage`) sets aside what a resume may not take, and so is a save that
+   holds state saved per rank (``Manifest.per_rank``: a data position, expert weights that
+   differed across the ranks): merged, every new rank would get the lowest old rank's copy, so
+   that resume reads ``save_dir``, whose load refuses it or lets the object re-partition it;
 2. the newest save whose every old rank's part has a copy on some node (one save of the step on
    every part, one world size) is chosen, the same on every rank, and each part is served by one
    of the ranks that hold it (:func:`assign_servers`: spread over them);
@@ -68,10 +71,12 @@ _MAX_PART_BYTES = 1 << 31
 
 @dataclass(frozen=True)
 class _Copy:
-    """A copy one rank announces, with the world size of the job that saved it."""
+    """A copy one rank announces, with the world size of the job that saved it and the
+    components it holds per rank (``Manifest.per_rank``)."""
 
     announced: Announced
     world: int
+    per_rank: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,11 +120,21 @@ def survey(local_dir: str, durable: Durable | None) -> TierSurvey:
     rank = _dist.rank()
     mine = _survey(local_dir, durable)
     announced = [
-        _Copy(Announced(rank, h.owner, h.iteration, h.manifest.lineage), h.manifest.world_size) for h in mine.values()
+        _Copy(Announced(rank, h.owner, h.iteration, h.manifest.lineage), h.manifest.world_size, h.manifest.per_rank)
+        for h in mine.values()
     ]
     gathered = _dist.all_gather_object((announced, node_committed(local_dir)), step="local tier: reshard holdings")
     copies = [c for held, _ in gathered for c in held]
     kept, _ = admissible(durable, [c.announced for c in copies], [c for _, committed in gathered for c in committed])
+    per_rank = {(c.announced.iteration, c.announced.save_id): c for c in copies if c.per_rank}
+    if per_rank and rank == 0:
+        shown = ", ".join(f"{c.announced.iteration} ({', '.join(c.per_rank)})" for c in per_rank.values())
+        logger.warning(
+            "local tier: not resharding the steps that hold state saved per rank, step(s) %s: each rank's "
+            "part holds its own, which no other layout can split; the resume reads save_dir",
+            shown,
+        )
+    kept = [c for c in kept if (c.iteration, c.save_id) not in per_rank]
     worlds = {(c.announced.holder, c.announced.owner, c.announced.iteration): c.world for c in copies}
     return TierSurvey(mine, _choose(kept, worlds))
 

@@ -9,6 +9,8 @@ argv: root folder. Saves, each into its own folder under it:
 * ``extras``: the same weights on both ranks and differing extras (a plain ``Stateful`` and one
   declaring ``repartitions_state``), for the test's own one-process load;
 * ``same`` and ``same_off``: identical state with the check on and off (the test compares them);
+* ``tier``: the differing data position saved at steps 5 (durable) and 6 (the node-local tier
+  only), each rank its own simulated node, for the test's one-process resume;
 * ``async_mismatch`` and ``async_same``: ``pinned_staging`` saves, the buffer checked from the
   staged copy after ``save()`` returned: the first must fail before its commit, the second commit.
 
@@ -136,6 +138,16 @@ def main() -> None:
         with CheckpointEngine({"save_dir": os.path.join(root, name), "check_replicated": check}) as engine:
             engine.save(1, model=model_with_expert(0.5), extra={"loader": Position(2, 100)})
     out["async"] = async_saves(root, rank)
+    tier = {
+        "save_dir": os.path.join(root, "tier"),
+        "local_dir": os.path.join(root, "tier_nodes", f"node{rank}"),
+        "ranks_per_node": 1,
+        "persist_every": 5,
+    }
+    with CheckpointEngine(tier) as engine:
+        for it in (5, 6):
+            engine.save(it, model=model_with_expert(0.5), extra={"loader": Position(it, 100 + rank)})
+        engine.wait()
     report(out)
     ckpt_test_exit()
 

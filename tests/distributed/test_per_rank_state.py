@@ -6,6 +6,7 @@ case; this process checks what they reported and loads their checkpoints into on
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -112,3 +113,20 @@ def test_an_async_save_checks_its_staged_copy_before_the_commit(launched: Any) -
         assert "component 'model' key 'expert'" in got["async_mismatch"]["message"]
         assert got["async_mismatch"]["committed"] == []
         assert got["async_same"] == {"error": None, "committed": ["iter_000000001"]}
+
+
+def test_a_tier_step_holding_per_rank_state_is_not_resharded_into_another_world_size(
+    launched: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 6 is in the node-local tier only, each rank's data position its own; node 0 holds
+    both parts (its own and rank 1's replica). A resume on one rank resharded it and gave rank 0's
+    position as the job's, silently. It must read save_dir instead, whose load refuses it."""
+    root, _ = launched
+    config = {"save_dir": str(root / "tier"), "local_dir": str(root / "tier_nodes" / "node0"), "ranks_per_node": 1}
+    with (
+        caplog.at_level(logging.WARNING, logger="ckpt_engine"),
+        CheckpointEngine(config) as engine,
+        pytest.raises(PerRankStateError, match=r"iter_000000005/loader: component 'loader'.*this job has 1"),
+    ):
+        engine.load(model=model(), extra={"loader": Position()})
+    assert "not resharding the steps that hold state saved per rank, step(s) 6 (loader)" in caplog.text

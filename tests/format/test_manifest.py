@@ -8,6 +8,7 @@ import json
 import logging
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
@@ -76,3 +77,19 @@ def test_save_checksums_off_records_sizes_only(save_dir: str) -> None:
     assert not _load(save_dir, verify="checksums", allow_unverified=True)[0].verified  # cannot claim checksums
     report = verify_checkpoint(str(_ckpt(save_dir, 2)), "checksums")
     assert report.ok and not report.verified and "sizes only" in (report.unverified_reason or "")
+
+
+def test_the_components_saved_per_rank_round_trip_and_a_bad_list_is_refused() -> None:
+    from ckpt_engine._format.manifest import FileEntry, new_manifest, parse_manifest
+
+    manifest = new_manifest(6, 2, ("model", "loader"), None, {"model/a.distcp": FileEntry(4)}, rank=1)
+    assert parse_manifest(manifest.to_json().encode(), "m").per_rank == ()
+    per_rank = new_manifest(
+        6, 2, ("model", "loader"), None, {"model/a.distcp": FileEntry(4)}, rank=1, per_rank=["loader"]
+    )
+    assert parse_manifest(per_rank.to_json().encode(), "m").per_rank == ("loader",)
+    for bad in (["optim"], "loader", [1]):  # not one of its components, not a list
+        doc = json.loads(per_rank.to_json())
+        doc["per_rank"] = bad
+        with pytest.raises(Exception, match="per_rank"):
+            parse_manifest(json.dumps(doc).encode(), "m")
