@@ -15,16 +15,16 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._format.manifest import lookup_manifest
-from .._format.names import parse_rank_dirname
+from .._format.names import METADATA_FILE, parse_rank_dirname, rank_dirname
 from ..errors import CkptEngineError, PartialCheckpointError, clip
 from .keys import KeyInfo
 
-__all__ = ["Part", "missing_region", "part_of", "partial_read_error", "rank_of"]
+__all__ = ["Part", "missing_region", "other_parts", "part_of", "partial_read_error", "rank_of", "require_not_per_rank"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -92,6 +92,37 @@ class Part:
             "total": self.total,
             "partial_keys": list(self.partial),
         }
+
+
+def require_not_per_rank(part: Part) -> None:
+    """Raise :class:`~ckpt_engine.errors.PartialCheckpointError` where ``part``'s checkpoint
+    records its component as saved per rank (``Manifest.per_rank``: its value differed across the
+    ranks): one rank's copy is not the job's."""
+    component, checkpoint = os.path.basename(part.path.rstrip("/")), os.path.dirname(part.path.rstrip("/"))
+    try:
+        manifest = lookup_manifest(checkpoint).manifest
+    except (CkptEngineError, OSError):
+        return
+    if manifest is not None and component in manifest.per_rank:
+        raise PartialCheckpointError(
+            f"{part.path}: component {component!r} is {part.who}, and holds state that differed across the "
+            "ranks (saved per rank): this rank's copy is not the job's. Convert save_dir's checkpoint of this "
+            "step, which keeps every rank's copy"
+        )
+
+
+def other_parts(part: Part) -> Iterator[tuple[int, str]]:
+    """The other ranks' parts of ``part``'s component in the same tier folder (``rank_<r>/iter_X``
+    beside its own), where this node holds them: ``(rank, component folder)``."""
+    if part.rank is None or not part.world_size:
+        return
+    component = os.path.basename(part.path.rstrip("/"))
+    checkpoint = os.path.dirname(part.path.rstrip("/"))
+    tier, name = os.path.dirname(os.path.dirname(checkpoint)), os.path.basename(checkpoint)
+    for rank in range(part.world_size):
+        folder = os.path.join(tier, rank_dirname(rank), name, component)
+        if rank != part.rank and os.path.isfile(os.path.join(folder, METADATA_FILE)):
+            yield rank, folder
 
 
 def part_of(path: str, rank_local: bool, infos: Mapping[str, KeyInfo]) -> Part | None:

@@ -34,7 +34,14 @@ from .._format.metadata_read import is_rank_local
 from .._format.names import METADATA_FILE
 from .._storage.fscheck import require_regular_file
 from .._storage.store import open_store
-from ..errors import CkptEngineError, CorruptCheckpointError, UnsafeCheckpointError, first_failure
+from ..errors import (
+    CkptEngineError,
+    CorruptCheckpointError,
+    PartialCheckpointError,
+    UnsafeCheckpointError,
+    clip,
+    first_failure,
+)
 from .files import disk_usage as disk_usage  # re-exported: the helpers lived here
 from .files import exists as exists
 from .files import human_bytes as human_bytes
@@ -53,7 +60,7 @@ from .keys import match_keys as match_keys
 from .keys import prefix_of as prefix_of
 from .keys import refused_value as refused_value
 from .keys import summarize_value as summarize_value
-from .parts import Part, part_of, partial_read_error
+from .parts import Part, other_parts, part_of, partial_read_error, require_not_per_rank
 from .target import Target as Target
 from .target import is_save_dir as is_save_dir
 from .target import resolve as resolve
@@ -119,6 +126,34 @@ class ComponentReader:
             chunks = self.metadata.state_dict_metadata[partial[0]].chunks  # type: ignore[union-attr]
             boxes = ((tuple(c.offsets), tuple(c.sizes)) for c in chunks)
             raise partial_read_error(self.path, self.keys[partial[0]], boxes, self.part, len(partial))
+
+    def require_the_jobs(self) -> str | None:
+        """For one rank's part of a job of several ranks (the node-local tier's), raise
+        :class:`~ckpt_engine.errors.PartialCheckpointError` where it is not the job's whole
+        component: it holds state saved per rank, or another rank's part on this node holds other
+        keys (pipeline stages, experts held per rank). Returns a note where no other rank's part
+        is here to compare with (``None`` otherwise)."""
+        part = self.part
+        if part is None or part.rank is None or (part.world_size or 1) < 2:
+            return None
+        require_not_per_rank(part)
+        mine, compared = set(self.metadata.state_dict_metadata), 0
+        for rank, folder in other_parts(part):
+            theirs = set(read_metadata(folder).state_dict_metadata)
+            if theirs != mine:
+                differ = sorted(theirs ^ mine)
+                raise PartialCheckpointError(
+                    f"{self.path} is {part.who}, and rank {rank}'s part of the same step holds other keys (they "
+                    f"differ in {len(differ)}, e.g. {clip(differ[0])}): the ranks held different parts of the model "
+                    "(pipeline stages, experts). Convert save_dir's checkpoint of this step, which holds them all"
+                )
+            compared += 1
+        if compared:
+            return None
+        return (
+            "the other ranks' parts are not on this node, so it cannot be told whether they hold other keys "
+            "(a data-parallel job's part holds the whole model; a pipeline stage's does not)"
+        )
 
     def read(self, keys: Sequence[str]) -> dict[str, Any]:
         """Full values of ``keys`` (tensors assembled from all their shards), in one read; a tensor

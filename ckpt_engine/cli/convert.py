@@ -226,8 +226,9 @@ def _component_keys(args: argparse.Namespace) -> tuple[Any, Any, list[str]]:
     # One rank's part (a rank-local checkpoint) converts only where it holds every element asked
     # for; otherwise a typed error names the key and what it lacks, before anything is written.
     reader.require_whole(keys)
+    unsure = reader.require_the_jobs() if isinstance(reader, ComponentReader) else None
     if reader.part is not None:
-        print_lines(f"note: {target.checkpoint} is {reader.part.describe()}")
+        print_lines(f"note: {target.checkpoint} is {reader.part.describe()}" + (f"; {unsure}" if unsure else ""))
     return target, reader, keys
 
 

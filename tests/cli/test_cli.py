@@ -796,6 +796,31 @@ def test_a_rank_local_checkpoint_is_one_ranks_part_never_the_whole_model(
 
 
 @pytest.mark.dist
+def test_a_rank_local_part_converts_only_where_it_is_the_whole_model(
+    cli: Run, sharded: dict[str, Any], tmp_path: Path
+) -> None:
+    """A data-parallel job's part holds the whole model; a pipeline stage's holds its own layers
+    only, and a part with state saved per rank holds that rank's copy: both were converted as the
+    whole model (exit 0, a quarter of a model presented as all of it)."""
+    part = "rank_00000/iter_000000001"
+    replicated = tmp_path / "replicated.pt"
+    code, _, err = cli("convert", f"{sharded['local']}_replicated/{part}", str(replicated))
+    assert code == 0, err
+    assert set(torch.load(replicated, weights_only=True)) == {"weight", "bias"}
+    for case, message in (
+        ("pipeline", r"rank 1's part of the same step holds other keys \(they differ in 4, e\.g\. 'stage0\.bias'\)"),
+        (
+            "experts",
+            r"component 'model' is rank 0's part \(of 2 ranks\), and holds state that differed across the ranks",
+        ),
+    ):
+        out_file = tmp_path / f"{case}.pt"
+        code, _, err = cli("convert", f"{sharded['local']}_{case}/{part}", str(out_file))
+        assert code == 2 and "PartialCheckpointError" in err and not out_file.exists(), err
+        assert re.search(message, err), err
+
+
+@pytest.mark.dist
 def test_plan_of_a_sharded_checkpoint_into_one_process(
     cli: Run, sharded: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
