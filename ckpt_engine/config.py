@@ -279,7 +279,9 @@ class EngineConfig(_Frozen):
     allow_overwrite: bool = Field(
         default=False,
         description="Let `save()` replace an iteration that is already committed (the old checkpoint stays "
-        "loadable until the new one is committed). False: such a save is refused with CheckpointExistsError.",
+        "loadable until the new one is committed), and let a run resumed from an older step rewrite the history: "
+        "its first save older than `latest` moves the newer checkpoints into `.ckpt_engine_abandoned/` and `latest` "
+        "names it. False: such a re-save is refused with CheckpointExistsError.",
     )
     thread_count: int = Field(default=1, ge=1, le=64, description="Writer threads per rank (DCP).")
     collective_timeout_s: float = Field(

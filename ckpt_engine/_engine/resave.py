@@ -11,27 +11,36 @@
   next engine started on that ``save_dir`` finishes moving into place
   (:func:`recover_replacements`).
 * ``latest_checkpoint.txt`` only ever moves forward: a save of an iteration older than the one
-  it names is committed, but ``latest`` keeps naming the newer checkpoint.
+  it names is committed, but ``latest`` keeps naming the newer checkpoint. Except with
+  ``allow_overwrite``, where such a save made by an engine that did not save the newer ones is a
+  run that went back to an older step and rewrites the history from there
+  (:func:`rewind_latest`): the newer checkpoints, of the history it left, are moved aside into
+  :data:`ABANDONED_DIR` and ``latest`` names the new save.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
+from typing import cast
 
 from .._format.layout import check_complete
 from .._format.names import MANIFEST_FILE, RANK_PART_PREFIX, iter_dirname, parse_iteration, replaced_name
-from .._format.pointer import advance_latest, list_checkpoints, read_latest
-from .._storage.store import FsspecStore, Store
+from .._format.pointer import advance_latest, list_checkpoints, read_latest, write_latest
+from .._storage.store import FsspecStore, Store, store_for
 from ..errors import CheckpointExistsError, CkptEngineError
 
 __all__ = [
+    "ABANDONED_DIR",
     "advance_latest",
     "is_committed",
+    "move_latest",
     "newest_unnamed",
     "promote_replacement",
     "recover_replacements",
     "refuse_resave",
+    "rewind_latest",
 ]
 
 logger = logging.getLogger("ckpt_engine")
@@ -149,3 +158,78 @@ def recover_replacements(save_dir: str, store: FsspecStore) -> list[str]:
             logger.warning("removing %s: a re-save of %s killed before its commit (the old copy stays)", staging, final)
             store.remove_tree(staging)
     return moved
+
+
+def move_latest(folder: str, name: str, store: Store | None, committed: set[int], allow_overwrite: bool) -> None:
+    """Rank 0, after the commit of ``name`` into the save folder ``folder`` (``committed``: the
+    iterations this engine committed, ``name``'s added): move its ``latest`` forward
+    (:func:`advance_latest`); with ``allow_overwrite``, back to ``name`` where this save went back
+    to an older step (:func:`rewind_latest`)."""
+    iteration = parse_iteration(name)
+    if iteration is not None:
+        committed.add(iteration)
+    if advance_latest(folder, name, store, warn=not allow_overwrite) or not allow_overwrite:
+        return
+    if not rewind_latest(folder, name, store_for(folder, store), committed):
+        advance_latest(folder, name, store)  # the engine's own newer save stays named: said why
+
+
+#: Where :func:`rewind_latest` moves the checkpoints of a history a run left (``<save_dir>/
+#: .ckpt_engine_abandoned/<the save that left it>/iter_N``): kept, never resumed or retained.
+ABANDONED_DIR = ".ckpt_engine_abandoned"
+
+
+def rewind_latest(save_dir: str, name: str, store: Store, ours: Collection[int]) -> list[str]:
+    """``allow_overwrite``: the save ``name`` was committed while ``latest`` names a newer
+    iteration. Where this engine saved neither that one nor any checkpoint newer than ``name``
+    (``ours``: the iterations it committed), the run went back to an older step (a resume of an
+    older checkpoint) and rewrites the history from there: the newer checkpoints descend from the
+    history it left, and a resume (``latest``, or the newest committed one ``latest`` does not name)
+    must never take them. Each is moved into :data:`ABANDONED_DIR`, the one ``latest`` names last,
+    then ``latest`` names ``name``; returns what was moved.
+
+    A crash in between leaves either ``latest`` naming the old newest (as before this save) or,
+    after its move, a ``latest`` that names a missing checkpoint: an error at the next resume
+    (or, with ``fallback_to_last_complete``, the newest complete one, this save), never another
+    history resumed in silence."""
+    iteration = parse_iteration(name)
+    try:
+        named = read_latest(save_dir, store)
+    except CkptEngineError:
+        return []
+    current = parse_iteration(named) if named is not None else None
+    if iteration is None or current is None or current <= iteration:
+        return []
+    newer = [(it, path) for it, path in list_checkpoints(save_dir, store) if it > iteration]
+    if any(it in ours for it, _ in newer):
+        return []  # this engine's own newer saves: the ordinary rule (latest never moves back)
+    aside = store.join(save_dir, ABANDONED_DIR, name)
+    moved: list[str] = []
+    for _, path in sorted(newer, key=lambda p: p[0] == current):  # the one latest names last
+        _move_tree(store, path, store.join(aside, os.path.basename(path.rstrip("/"))))
+        moved.append(path)
+    write_latest(save_dir, name, store)
+    logger.warning(
+        "%s was saved after a resume of an older step (allow_overwrite=True): the checkpoints of the history it "
+        "left (%s) are moved to %s, and latest_checkpoint.txt names %s",
+        name,
+        ", ".join(os.path.basename(p.rstrip("/")) for p in moved),
+        aside,
+        name,
+    )
+    return moved
+
+
+def _move_tree(store: Store, source: str, target: str) -> None:
+    """Move the folder ``source`` to ``target`` (a rename locally; copies then removals elsewhere)."""
+    if store.capabilities.local_files:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(source, target)
+        return
+    remote = cast(FsspecStore, store)  # every store without local files is one
+    files = remote.list_files(source)
+    remote.copy_files([(store.join(source, rel), store.join(target, rel)) for rel in files])
+    marker = store.join(source, MANIFEST_FILE)
+    if MANIFEST_FILE in files:  # the commit marker first: no reader takes what is left for a checkpoint
+        store.remove_file(marker)
+    store.remove_tree(source)

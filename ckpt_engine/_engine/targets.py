@@ -54,7 +54,7 @@ from .._storage.paths import check_local_save_dir
 from .._storage.store import FsspecStore, Store, open_store, store_for
 from ..config import EngineConfig
 from ..errors import CheckpointSaveError, CkptEngineError, IncompleteCheckpointError, StorageError
-from .resave import advance_latest, promote_replacement, recover_replacements, refuse_resave
+from .resave import advance_latest, move_latest, promote_replacement, recover_replacements, refuse_resave
 
 __all__ = [
     "LocalTarget",
@@ -128,6 +128,8 @@ class SaveTarget(ABC):
         self.store = store
         #: The local folder that receives uncommitted saves (the same path on every rank).
         self.staging_root = staging_root
+        #: The iterations this target committed (:func:`~.resave.move_latest`).
+        self.committed: set[int] = set()
 
     @property
     def local_dir(self) -> str | None:
@@ -209,7 +211,11 @@ class _CommitsLocally(SaveTarget):
         entries: dict[str, FileEntry],
         world: int,
     ) -> int:
-        return commit_locally(paths, components, algorithm, entries, world)
+        covered = commit_locally(paths, components, algorithm, entries, world, advance=False)
+        move_latest(
+            os.path.dirname(paths.local_final or ""), paths.name, None, self.committed, self.config.allow_overwrite
+        )
+        return covered
 
 
 class LocalTarget(_CommitsLocally):
@@ -344,7 +350,7 @@ class ObjectStoreTarget(SaveTarget):
         )
         if paths.replacing is not None:  # committed beside the old copy: now move it over it
             promote_replacement(self.object_store, paths.replacing, paths.final)
-        advance_latest(self.save_dir, paths.name, self.store)
+        move_latest(self.save_dir, paths.name, self.store, self.committed, self.config.allow_overwrite)
         return covered
 
     def finish(self, paths: SavePaths, rank: int, world: int, *, cleanup: bool, succeeded: bool) -> None:
@@ -419,7 +425,7 @@ class TwoTierTarget(_CommitsLocally):
             files = with_versions(manifest.files, paths.final, store)
             remote = dataclasses.replace(manifest, files=files)
             store.write_bytes(store.join(paths.final, MANIFEST_FILE), remote.to_json().encode("utf-8"))
-            advance_latest(self.save_dir, paths.name, store)
+            move_latest(self.save_dir, paths.name, store, self.committed, self.config.allow_overwrite)
         except StorageError as err:
             wrapped = StorageError(f"{err}; the local copy {paths.local_final} is complete and is resumed from")
             wrapped.__cause__ = err
@@ -503,17 +509,8 @@ def write_checked_manifest(
         expected = set(list_files(root)) | referenced_files(checked)
         entries.update(written_entries(root, expected - set(entries), algorithm))
         remove_parts(root)
-    manifest = new_manifest(
-        iteration,
-        world,
-        components,
-        algorithm,
-        with_versions(entries, root, store),
-        carry_chain,
-        rank,
-        lineage,
-        per_rank,
-    )
+    files = with_versions(entries, root, store)
+    manifest = new_manifest(iteration, world, components, algorithm, files, carry_chain, rank, lineage, per_rank)
     write_manifest(root, manifest, store)
     return manifest.total_bytes
 
@@ -532,10 +529,12 @@ def commit_locally(
     entries: dict[str, FileEntry],
     world: int,
     rank: int | None = None,
+    *,
+    advance: bool = True,
 ) -> int:
     """Rank 0 (or, ``rank``, each rank its own rank-local checkpoint): the manifest into the
-    hidden folder, the rename into place, then ``latest`` in that folder's save directory;
-    returns the bytes the manifest covers."""
+    hidden folder, the rename into place, then (``advance``) ``latest`` in that folder's save
+    directory; returns the bytes the manifest covers."""
     assert paths.local_final is not None
     covered = write_checked_manifest(
         paths.partial,
@@ -551,7 +550,8 @@ def commit_locally(
         paths.per_rank,
     )
     commit_rename(paths.partial, paths.local_final)
-    advance_latest(os.path.dirname(paths.local_final), paths.name)
+    if advance:
+        advance_latest(os.path.dirname(paths.local_final), paths.name)
     return covered
 
 

@@ -76,9 +76,9 @@ def write_latest(save_dir: str | os.PathLike[str], name: str, store: Store | Non
     store.write_bytes(store.join(save_dir, LATEST_FILE), f"{name}\n".encode())
 
 
-def advance_latest(save_dir: str, name: str, store: Store | None = None) -> bool:
-    """Point ``latest_checkpoint.txt`` at ``name`` unless it names a newer iteration already;
-    returns whether it moved. An unreadable pointer is replaced."""
+def advance_latest(save_dir: str, name: str, store: Store | None = None, *, warn: bool = True) -> bool:
+    """Point ``latest_checkpoint.txt`` at ``name`` unless it names a newer iteration already
+    (logged, where ``warn``); returns whether it moved. An unreadable pointer is replaced."""
     new = parse_iteration(name)
     try:
         current = read_latest(save_dir, store)
@@ -86,6 +86,8 @@ def advance_latest(save_dir: str, name: str, store: Store | None = None) -> bool
         current = None
     old = parse_iteration(current) if current is not None else None
     if new is not None and old is not None and old > new:
+        if not warn:
+            return False
         logger.warning(
             "committed %s, but latest_checkpoint.txt in %s names the newer %s: it is left there (latest never "
             "moves to an older iteration)",

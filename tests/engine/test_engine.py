@@ -519,3 +519,50 @@ def test_an_optimizer_with_a_parameter_group_that_holds_no_parameters_round_trip
     assert opt2.param_groups[1]["weight_decay"] == 0.0
     for p, q in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])
+
+
+def _train_and_save(config: dict[str, Any], state: TinyTrainingState, steps: range) -> dict[int, dict[str, Any]]:
+    saved = {}
+    with CheckpointEngine(config) as engine:
+        for it in steps:
+            state.train(1, seed=it)
+            engine.save(it, **state.objects())
+            saved[it] = {k: v.clone() for k, v in state.model.state_dict().items()}
+    return saved
+
+
+def test_a_run_resumed_from_an_older_step_with_allow_overwrite_rewrites_the_history(save_dir: str) -> None:
+    """Run A saves 1-6. Run B resumes A's step 2 (allow_overwrite: it may save those steps
+    again), saves 3 and 4 with other data and stops. latest kept naming A's 6 (it never moved
+    back), so the next restart resumed A's history as B's, in silence. B's saves now move A's
+    newer checkpoints aside and latest names B's newest; an engine's own newer save still keeps
+    latest (it never goes back past the engine's own saves)."""
+    a = TinyTrainingState.create(seed=1)
+    _train_and_save({"save_dir": save_dir}, a, range(1, 7))
+    b = TinyTrainingState.create(seed=9)
+    branch = {
+        "save_dir": save_dir,
+        "load_path": os.path.join(save_dir, "iter_000000002"),
+        "load_training_state": True,
+        "allow_overwrite": True,
+    }
+    with CheckpointEngine(branch) as engine:
+        engine.load(**b.objects())
+    saved_b = _train_and_save(branch, b, range(3, 5))  # B's own data: not A's steps 3 and 4
+    restarted = TinyTrainingState.create(seed=5)
+    with CheckpointEngine({"save_dir": save_dir}) as engine:
+        result = engine.load(**restarted.objects())
+    assert result.iteration == 4
+    assert_state_dicts_equal(dict(restarted.model.state_dict()), saved_b[4])
+    abandoned = os.path.join(save_dir, ".ckpt_engine_abandoned", "iter_000000003")
+    assert sorted(os.listdir(abandoned)) == ["iter_000000004", "iter_000000005", "iter_000000006"]  # A's
+    assert sorted(n for n in os.listdir(save_dir) if n.startswith("iter_")) == [
+        f"iter_00000000{i}" for i in range(1, 5)
+    ]
+
+    # One engine that saves 7, then an older step again: its own newer save keeps latest.
+    with CheckpointEngine({"save_dir": save_dir, "allow_overwrite": True}) as engine:
+        engine.save(7, **restarted.objects())
+        engine.save(2, **restarted.objects())
+    with open(os.path.join(save_dir, "latest_checkpoint.txt")) as f:
+        assert f.read().strip() == "iter_000000007"

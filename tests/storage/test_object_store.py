@@ -160,6 +160,33 @@ def test_resaving_an_iteration_replaces_every_object(mem_url: str) -> None:
     _assert_same_state(small, fresh)
 
 
+def test_a_run_resumed_from_an_older_step_moves_the_history_it_left_aside_on_an_object_store(mem_url: str) -> None:
+    """With ``allow_overwrite``, a run resumed from step 2 that saves 3 moves steps 4 and 5 of the
+    history it left under ``.ckpt_engine_abandoned/`` (objects copied, the markers first removed)
+    and ``latest`` names 3: a restart resumes this run, not the other."""
+    first = TinyTrainingState.create(seed=1)
+    with CheckpointEngine({"save_dir": mem_url}) as engine:
+        for it in range(1, 6):
+            first.train(1, seed=it)
+            engine.save(it, **first.objects())
+    branch = TinyTrainingState.create(seed=7)
+    config = {"save_dir": mem_url, "load_path": f"{mem_url}/iter_000000002", "load_training_state": True}
+    with CheckpointEngine({**config, "allow_overwrite": True}) as engine:
+        engine.load(**branch.objects())
+        branch.train(1, seed=99)
+        engine.save(3, **branch.objects())
+    keys = _mem_keys(mem_url)
+    assert sorted({k.split("/")[0] for k in keys if not k.startswith(".")}) == [
+        *(f"iter_00000000{i}" for i in (1, 2, 3)),
+        LATEST_FILE,
+    ]
+    aside = {"/".join(k.split("/")[:3]) for k in keys if k.startswith(".ckpt_engine_abandoned/")}
+    assert aside == {f".ckpt_engine_abandoned/iter_000000003/iter_00000000{i}" for i in (4, 5)}
+    result, fresh = _resume({"save_dir": mem_url, "verify": "checksums"}, hidden=16)
+    assert result.iteration == 3
+    _assert_same_state(branch, fresh)
+
+
 def test_file_url_is_the_local_path(tmp_path: Path) -> None:
     state = TinyTrainingState.create(seed=1)
     engine = CheckpointEngine({"save_dir": f"file://{tmp_path}/ckpt"})
