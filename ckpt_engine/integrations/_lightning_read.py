@@ -100,6 +100,8 @@ class CheckpointReader:
         self.plugins = tuple(plugins)
         self.save_dir = save_dir
         self.allow_foreign_pointers = allow_foreign_pointers
+        #: The engine checkpoint folder the last :meth:`read` read, and the save id it records.
+        self.last_read: tuple[str, str | None] | None = None
 
     def read(self, where: str, like: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The checkpoint dict at ``where`` (a pointer file, an ``iter_*`` folder or a save
@@ -119,7 +121,9 @@ class CheckpointReader:
                 f"replaced (allow_overwrite) in {checkpoint_dir}; load the checkpoint folder itself to get the later "
                 "state, or the pointer that save wrote"
             )
-        return self._read_checkpoint(structure, checkpoint_dir, like or {})
+        checkpoint = self._read_checkpoint(structure, checkpoint_dir, like or {})
+        self.last_read = (checkpoint_dir, saved if isinstance(saved, str) else None)
+        return checkpoint
 
     def _resolve(self, path: str) -> tuple[str, str | None, Pointer | None]:
         """``(save_dir, checkpoint folder, the pointer that names it)``; the folder ``None`` means

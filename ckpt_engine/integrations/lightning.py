@@ -126,6 +126,7 @@ _RUNTIME_STATE = (
     "_folders",
     "_fingerprints",
     "_save_ids",
+    "_resumed",
 )
 
 
@@ -172,6 +173,7 @@ class EngineCheckpointIO(CheckpointIO):
         self._folders: PointerFolders
         self._fingerprints: dict[int, dict[str, str]]
         self._save_ids: dict[int, str]
+        self._resumed: tuple[int, str | None] | None
         self._reset_runtime()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -206,6 +208,8 @@ class EngineCheckpointIO(CheckpointIO):
         #: step -> digests of the state saved at that step, and the id of its save (in its pointers).
         self._fingerprints = {}
         self._save_ids = {}
+        #: The global step (and save id) of the checkpoint of this save folder the fit resumed.
+        self._resumed = None
 
     # -- the engine and the strategy --------------------------------------------------------
 
@@ -281,6 +285,8 @@ class EngineCheckpointIO(CheckpointIO):
         rank = _world()[0]
         target = os.fspath(path)
         fingerprint = fingerprint_checkpoint(checkpoint, self._bookkeeping_callbacks())
+        if self._resaves_the_resumed_step(step, target, rank, fingerprint):
+            return
         with self._lock:
             again = step in self._saved
             changed = differing_keys(self._fingerprints.get(step, {}), fingerprint) if again else []
@@ -318,6 +324,26 @@ class EngineCheckpointIO(CheckpointIO):
         except RuntimeError:  # a module on no trainer
             trainer = None
         return frozenset(cb.state_key for cb in trainer.checkpoint_callbacks) if trainer is not None else frozenset()
+
+    def _resaves_the_resumed_step(self, step: int, target: str, rank: int, fingerprint: dict[str, str]) -> bool:
+        """Whether this save is of the global step the fit resumed from this save folder, not saved
+        since: Lightning's ``ModelCheckpoint`` does not keep which step it saved last, so a fit
+        resumed mid-accumulation (``accumulate_grad_batches``) saves that step again after its first
+        micro-batch. The committed checkpoint is that step as the run saved it (a resume from it
+        trains as the uninterrupted run); ``target`` is pointed at it (every rank decides alike)."""
+        with self._lock:
+            resumed = self._resumed
+            if resumed is None or resumed[0] != step or step in self._saved:
+                return False
+            self._saved.add(step)
+            self._committed.add(step)
+            self._fingerprints[step] = fingerprint  # its other names, saved next, point at it too
+            if resumed[1] is not None:
+                self._save_ids[step] = resumed[1]
+        logger.info("%s: global step %d is the step this fit resumed from; it names that checkpoint", target, step)
+        if rank == 0:
+            self._write_pointers(step, [target])
+        return True
 
     def _replace_step(self, step: int, target: str, changed: list[str]) -> None:
         """A save of ``step``, already saved, with another state (``changed``: the keys that
@@ -451,7 +477,13 @@ class EngineCheckpointIO(CheckpointIO):
         reader = CheckpointReader(
             self.config, self._plugins, self.save_dir, allow_foreign_pointers=self.allow_foreign_pointers
         )
-        return reader.read(os.fspath(path), like)
+        checkpoint = reader.read(os.fspath(path), like)
+        step = checkpoint.get("global_step")
+        folder, save_id = reader.last_read or ("", None)
+        ours = os.path.dirname(folder.rstrip("/")) == self.save_dir.rstrip("/")
+        with self._lock:
+            self._resumed = (step, save_id) if ours and isinstance(step, int) else None
+        return checkpoint
 
     # -- remove -----------------------------------------------------------------------------
 

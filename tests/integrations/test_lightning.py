@@ -275,3 +275,44 @@ def test_a_lightning_module_trained_by_hand_resumes_exactly(tmp_path: Path) -> N
     report = check_exact_resume(build_regressor, step_regressor, steps=7, save_at=3, workdir=tmp_path)
     report.raise_if_not_exact()
     assert report.keys_compared > 10
+
+
+def test_a_fit_resumed_mid_accumulation_points_the_resaved_step_at_its_checkpoint(tmp_path: Path) -> None:
+    """With ``accumulate_grad_batches``, ``ModelCheckpoint`` saves the step a fit resumed from
+    again after its first micro-batch (it does not keep which step it saved last). In a new
+    process that was a save of a committed iteration: ``CheckpointExistsError``, and the resumed
+    fit crashed. The step's checkpoint stays as the run saved it and the new names point at it."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    class StopAt3(Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 3:
+                trainer.should_stop = True
+
+    def fit(stop: bool, ckpt_path: str | None) -> int:
+        torch.manual_seed(0)
+        trainer = L.Trainer(
+            max_steps=6,
+            accumulate_grad_batches=2,
+            plugins=[EngineCheckpointIO(script.config(str(tmp_path), "sync"))],
+            callbacks=[
+                ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1, save_last=True),
+                *([StopAt3()] if stop else []),
+            ],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(script.Regressor(), script.data(), ckpt_path=ckpt_path)
+        return int(trainer.global_step)
+
+    assert fit(True, None) == 3
+    manifest = (tmp_path / "engine" / "iter_000000003" / "ckpt_engine_manifest.json").read_text()
+    assert fit(False, "last") == 6
+    assert (tmp_path / "engine" / "iter_000000003" / "ckpt_engine_manifest.json").read_text() == manifest
+    for pointer in (tmp_path / "ckpts").glob("*step=3*.ckpt"):
+        got = read_pointer(pointer)
+        assert got is not None and got.checkpoint == "iter_000000003", pointer
