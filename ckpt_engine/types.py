@@ -148,8 +148,9 @@ class RemapContext:
     rank: int
     world_size: int
     #: ``True`` when the load starts this run from another checkpoint (``load_path``: a checkpoint
-    #: or save folder, safetensors weights); ``False`` when it resumes the run (the load folder's
-    #: ``latest``, a tier's copy), and on save. A remap meant for a warm start (EMA weights into
+    #: or save folder outside ``save_dir``, safetensors weights); ``False`` when it resumes the run
+    #: (the load folder's ``latest``, a tier's copy, a checkpoint of ``save_dir`` named exactly, as
+    #: the integrations' resume of a named checkpoint), and on save. A remap meant for a warm start (EMA weights into
     #: the regular ones, a pretrained model's keys renamed) applies only then: a resume restores
     #: the state as it was saved.
     #:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,22 @@ from .rank_views import folder_view, require_one_checkpoint
 from .rng import RNG_COMPONENT, absent_rng_is_allowed, ignored_rng_prefixes, prepare_rng_load
 from .state import TrainingObjects, apply_component, load_template, repartitions_state
 
-__all__ = ["Loader"]
+__all__ = ["Loader", "is_warm_start"]
+
+
+def is_warm_start(config: EngineConfig, checkpoint: str, rule: Any) -> bool:
+    """Whether a load by ``rule`` of the checkpoint folder ``checkpoint`` starts this run from
+    another run's checkpoint (:attr:`~ckpt_engine.types.RemapContext.warm_start`): the
+    ``load_path`` rule, of a checkpoint outside ``save_dir``. A checkpoint of ``save_dir`` named
+    exactly (the integrations' resume of a named checkpoint, a run resumed from an older step of
+    its own) is this run's, resumed."""
+    if rule != "load_path":
+        return False
+    parent, save_dir = checkpoint.rstrip("/").rsplit("/", 1)[0], config.save_dir.rstrip("/")
+    if "://" in parent or "://" in save_dir:
+        return parent != save_dir
+    return os.path.realpath(parent) != os.path.realpath(save_dir)
+
 
 logger = logging.getLogger("ckpt_engine")
 
@@ -229,7 +245,7 @@ class Loader:
                     folder,
                     sd,
                     checked.components[name],
-                    self._planner(name, folder, objs, unread, warm_start=source == "load_path"),
+                    self._planner(name, folder, objs, unread, warm_start=is_warm_start(self.config, path, source)),
                     validated.store,
                     dedup_reads or self.config.dedup_reads,
                     {} if digests is None else component_blocks(digests, name, folder, validated.store.join),

@@ -20,7 +20,7 @@ from torch.futures import Future
 
 from .._dcpio.dist import quiet_dcp
 from .._dcpio.planner import EngineLoadPlanner
-from .._engine.loader import Loader
+from .._engine.loader import Loader, is_warm_start
 from .._engine.resume import components_by_rule
 from .._engine.state import TrainingObjects, load_template
 from .._format.layout import check_component_files
@@ -154,7 +154,7 @@ def plan_load(args: argparse.Namespace, objs: TrainingObjects) -> int:
     run = _DryRun([f"plan: load {target.describe()}", f"into: {args.model}"])
     if rule == "load_path":
         run.lines.append(f"rule: load_path, {', '.join(by_rule)} only (load_training_state loads every component)")
-    _dry_run(config, target, objs, wanted, run, rule)
+    _dry_run(config, target, objs, wanted, run, is_warm_start(config, target.checkpoint, rule))
     ok = not run.failures
     if args.json:
         import json
@@ -187,10 +187,10 @@ def _wanted(args: argparse.Namespace, objs: TrainingObjects, wanted: list[str]) 
 
 
 def _dry_run(
-    config: EngineConfig, target: Any, objs: TrainingObjects, wanted: list[str], run: _DryRun, rule: str
+    config: EngineConfig, target: Any, objs: TrainingObjects, wanted: list[str], run: _DryRun, warm: bool
 ) -> None:
-    """The engine's own checks and per-component plans (by ``rule``), with a reader that reads nothing."""
-    warm = rule == "load_path"
+    """The engine's own checks and per-component plans (``warm``: a warm start's), with a reader
+    that reads nothing."""
     loaded = build_plugin_manager(config)
     pipeline = Pipeline(loaded)
     engine = Loader(config, pipeline)  # the engine's own resume logic

@@ -803,6 +803,11 @@ def test_ema_warm_start_then_a_restart_resumes_the_weights_as_saved(save_dir: st
     assert result.iteration == 1 and not result.report["model"].renamed
     assert any("not applied" in n for n in result.report["model"].notes)
     assert_state_dicts_equal(restarted.state_dict(), trained)
+    # the run's own checkpoint named exactly (as the integrations resume one) is resumed, not remapped
+    own = Diffusion(ema=True)
+    with CheckpointEngine({**config, "load_path": str(Path(run) / "iter_000000001")}) as eng:
+        assert not eng.load(model=own).report["model"].renamed
+    assert_state_dicts_equal(own.state_dict(), trained)
     # every_load keeps the old behaviour for those who ask for it
     every = {**config, "plugins": [{"name": "ema", "options": {"when": "every_load"}}]}
     again = Diffusion(ema=True)
