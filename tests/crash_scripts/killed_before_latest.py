@@ -1,7 +1,7 @@
 """A save SIGKILLed after its commit and before ``latest_checkpoint.txt`` moves (tests/engine/test_lost_work.py).
 
 ``python killed_before_latest.py CONFIG_JSON``: saves iteration 1, trains a step, then saves
-iteration 2 and kills itself with SIGKILL the moment the commit calls ``advance_latest`` for it:
+iteration 2 and kills itself with SIGKILL the moment the commit moves ``latest`` for it (``move_latest``):
 iteration 2 is committed (renamed into place locally, its manifest uploaded on an object store)
 and the pointer still names iteration 1. The kill is real; only its moment is chosen, so that it
 lands in that window every time instead of by chance (the window found by an outside
@@ -21,16 +21,16 @@ from ckpt_engine.testing import TinyTrainingState
 
 config = json.loads(sys.argv[1])
 state = TinyTrainingState.create(seed=1, hidden=64)
-real_advance = targets.advance_latest
+real_move = targets.move_latest
 
 
-def advance_or_die(save_dir: str, name: str, store: object = None) -> bool:
+def move_or_die(folder: str, name: str, *args: object) -> None:
     if name.endswith("000000002"):
         os.kill(os.getpid(), signal.SIGKILL)
-    return real_advance(save_dir, name, store)  # type: ignore[arg-type]
+    real_move(folder, name, *args)  # type: ignore[arg-type]
 
 
-targets.advance_latest = advance_or_die  # type: ignore[assignment]
+targets.move_latest = move_or_die  # type: ignore[assignment]
 with CheckpointEngine(config) as engine:
     engine.save(1, **state.objects()).result()
     state.train(1)
