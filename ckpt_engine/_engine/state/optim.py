@@ -227,7 +227,11 @@ def _set_groups_only(module: nn.Module, optimizer: torch.optim.Optimizer, sd: Ma
     """Load a state dict saved before the optimizer's first step (its groups, no state): the
     optimizer gets the saved hyper-parameters and no state, as the saved one had. DCP's function
     needs a state for every parameter, so it is given the state DCP initialises, then the state
-    is dropped."""
+    is dropped; an optimizer shown to keep none (plain SGD, :data:`_STATELESS`) takes ``sd`` as it
+    is, as before."""
+    if optimizer in _STATELESS:
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=dict(sd), options=_OPTIM_OPTIONS)
+        return
     full = _dcp_optimizer_state_dict(module, optimizer)
     full.update(sd)
     set_optimizer_state_dict(module, optimizer, optim_state_dict=full, options=_OPTIM_OPTIONS)
