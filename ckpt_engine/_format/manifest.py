@@ -77,12 +77,26 @@ MAX_PLACE = 4096
 
 @dataclass(frozen=True)
 class Place:
-    """Where a save was made: ``save_dir`` and ``local_dir`` as rank 0 named them (real paths, or
-    URLs). Two jobs that share a ``local_dir`` tell their steps apart by ``save_dir``, even where
-    one job's ``save_dir`` is a copy of the other's (it carries the run's id)."""
+    """Where a save was made: ``save_dir`` and ``local_dir`` as rank 0 named them (absolute paths
+    as spelled, or URLs) and as they resolved there (symbolic links followed). Two jobs that share
+    a ``local_dir`` tell their steps apart by ``save_dir``, even where one job's ``save_dir`` is a
+    copy of the other's (it carries the run's id). A folder is the same where either form is:
+    another spelling of it (a symlink) or the same spelling on a host whose links differ."""
 
     save_dir: str
     local_dir: str
+    real_save_dir: str = ""
+    real_local_dir: str = ""
+
+    def same_save_dir(self, other: Place) -> bool:
+        return self.save_dir == other.save_dir or _same_real(self.real_save_dir, other.real_save_dir)
+
+    def same_local_dir(self, other: Place) -> bool:
+        return self.local_dir == other.local_dir or _same_real(self.real_local_dir, other.real_local_dir)
+
+
+def _same_real(a: str, b: str) -> bool:
+    return bool(a) and a == b
 
 
 @dataclass(frozen=True)
@@ -110,7 +124,12 @@ class Lineage:
             "parent_iteration": self.parent_iteration,
         }
         if self.place is not None:
-            doc["place"] = {"save_dir": self.place.save_dir, "local_dir": self.place.local_dir}
+            place = self.place
+            doc["place"] = {
+                "save_dir": place.save_dir,
+                "local_dir": place.local_dir,
+                "real": [place.real_save_dir, place.real_local_dir],
+            }
         return doc
 
     @property
@@ -419,10 +438,15 @@ def _place(doc: Any) -> Place | None:
     if doc is None:
         return None
     folders = [doc.get(k) for k in ("save_dir", "local_dir")] if isinstance(doc, dict) else []
+    real = doc.get("real", ["", ""]) if isinstance(doc, dict) else None
     good = [f for f in folders if isinstance(f, str) and 0 < len(f) <= MAX_PLACE]
-    if len(good) != 2:
+    real_ok = (
+        isinstance(real, list) and len(real) == 2 and all(isinstance(r, str) and len(r) <= MAX_PLACE for r in real)
+    )
+    if len(good) != 2 or not real_ok:
         raise ValueError(f"lineage place {clip(repr(doc), 80)} is not a save_dir and a local_dir")
-    return Place(good[0], good[1])
+    assert isinstance(real, list)
+    return Place(good[0], good[1], real[0], real[1])
 
 
 def _lineage_id(doc: dict[str, Any], key: str) -> str | None:

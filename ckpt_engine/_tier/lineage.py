@@ -132,12 +132,17 @@ def node_committed(local_dir: str) -> list[Committed]:
 
 def place_of(save_dir: str, local_dir: str) -> Place:
     """Where a save is made, as a lineage records it: each folder's URL without its trailing
-    ``/``, else its real path (a ``file://`` URL's too; symbolic links resolved)."""
+    ``/``, else its absolute path (a ``file://`` URL's too) and its real path (symbolic links
+    resolved)."""
 
-    def where(folder: str) -> str:
-        return folder.rstrip("/") if is_url(folder) else os.path.realpath(os.path.abspath(local_path(folder)))
+    def where(folder: str) -> tuple[str, str]:
+        if is_url(folder):
+            return folder.rstrip("/"), folder.rstrip("/")
+        spelled = os.path.abspath(local_path(folder))
+        return spelled, os.path.realpath(spelled)
 
-    return Place(where(save_dir), where(local_dir))
+    (save, real_save), (local, real_local) = where(save_dir), where(local_dir)
+    return Place(save, local, real_save, real_local)
 
 
 @dataclass(frozen=True)
@@ -280,12 +285,9 @@ def saved_elsewhere(theirs: Place | None, ours: Place | None) -> bool:
     ``save_dir``. A tier moved or copied with its ``save_dir`` (its own ``local_dir`` elsewhere),
     and steps that record no place (saved before places were recorded), are judged by their run
     alone."""
-    return (
-        ours is not None
-        and theirs is not None
-        and theirs.local_dir == ours.local_dir
-        and theirs.save_dir != ours.save_dir
-    )
+    if ours is None or theirs is None:
+        return False
+    return theirs.same_local_dir(ours) and not theirs.same_save_dir(ours)
 
 
 def _elsewhere(durable: Durable, theirs: Lineage) -> bool:

@@ -19,7 +19,15 @@ import torch.distributed.checkpoint as dcp
 
 from ckpt_engine import CheckpointEngine
 from ckpt_engine._format.manifest import Lineage, Place, lookup_manifest, parse_manifest
-from ckpt_engine._tier.lineage import COMMITTED_FILE, Announced, Committed, Durable, admissible, place_of
+from ckpt_engine._tier.lineage import (
+    COMMITTED_FILE,
+    Announced,
+    Committed,
+    Durable,
+    admissible,
+    place_of,
+    saved_elsewhere,
+)
 from ckpt_engine._tier.recovery import _plan
 from ckpt_engine._tier.topology import Topology
 from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
@@ -170,12 +178,18 @@ def test_copies_saved_for_another_save_dir_location_are_set_aside() -> None:
     assert _kept(Durable(None, None, RUN, here), first) == [2]
 
 
-def test_a_place_names_each_folder_one_way(tmp_path: Path) -> None:
+def test_a_folder_is_one_place_under_another_spelling_or_on_a_host_whose_links_differ(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    real = os.path.realpath(tmp_path / "real")
-    spellings = [str(tmp_path / "link"), f"file://{tmp_path}/real", f"{tmp_path}/./real/"]
-    assert {place_of(s, "s3://bucket/tier/") for s in spellings} == {Place(real, "s3://bucket/tier")}
+    here = place_of(str(tmp_path / "real"), "s3://bucket/tier/")
+    for spelling in (str(tmp_path / "link"), f"file://{tmp_path}/real", f"{tmp_path}/./real/"):
+        assert here.same_save_dir(place_of(spelling, "s3://bucket/tier"))
+    assert here.local_dir == "s3://bucket/tier" and here.same_local_dir(place_of("/x", "s3://bucket/tier"))
+    # The same spelling where links resolve elsewhere (another host's mount layout): the same place.
+    other_host = dataclasses.replace(here, real_save_dir="/mnt/elsewhere")
+    assert here.same_save_dir(other_host) and not saved_elsewhere(other_host, here)
+    copied = place_of(str(tmp_path / "copy"), "s3://bucket/tier")
+    assert not here.same_save_dir(copied) and saved_elsewhere(copied, here)
 
 
 def test_a_lineage_round_trips_through_the_manifest_and_a_bad_one_is_refused(tmp_path: Path) -> None:
@@ -187,16 +201,19 @@ def test_a_lineage_round_trips_through_the_manifest_and_a_bad_one_is_refused(tmp
     assert local.lineage.run_id == durable.lineage.run_id
     assert (local.lineage.parent_save_id, local.lineage.parent_iteration) == (durable.lineage.save_id, 2)
     assert parse_manifest(local.to_json().encode(), "test").lineage == local.lineage
-    assert (
-        local.lineage.place
-        == durable.lineage.place
-        == Place(os.path.realpath(tmp_path / "durable"), os.path.realpath(tmp_path / "local"))
-    )
+    assert local.lineage.place == durable.lineage.place == place_of(str(tmp_path / "durable"), str(tmp_path / "local"))
+    assert local.lineage.place.real_save_dir == os.path.realpath(tmp_path / "durable")
     doc = json.loads(local.to_json())
     doc["lineage"]["run_id"] = "../x"
     with pytest.raises(Exception, match="run_id"):
         parse_manifest(json.dumps(doc).encode(), "test")
-    for bad in ("/x", {"save_dir": "/x"}, {"save_dir": "", "local_dir": "/y"}, {"save_dir": 7, "local_dir": "/y"}):
+    for bad in (
+        "/x",
+        {"save_dir": "/x"},
+        {"save_dir": "", "local_dir": "/y"},
+        {"save_dir": 7, "local_dir": "/y"},
+        {"save_dir": "/x", "local_dir": "/y", "real": ["/x"]},
+    ):
         doc = json.loads(local.to_json())
         doc["lineage"]["place"] = bad
         with pytest.raises(Exception, match="place"):
