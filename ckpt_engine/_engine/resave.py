@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import time
 from collections.abc import Collection
 from typing import cast
 
@@ -175,7 +177,8 @@ def move_latest(folder: str, name: str, store: Store | None, committed: set[int]
 
 
 #: Where :func:`rewind_latest` moves the checkpoints of a history a run left (``<save_dir>/
-#: .ckpt_engine_abandoned/<the save that left it>/iter_N``): kept, never resumed or retained.
+#: .ckpt_engine_abandoned/<the save that left it>-<UTC time>-<random>/iter_N``): kept, never
+#: resumed or retained.
 ABANDONED_DIR = ".ckpt_engine_abandoned"
 
 
@@ -203,7 +206,11 @@ def rewind_latest(save_dir: str, name: str, store: Store, ours: Collection[int])
     newer = [(it, path) for it, path in list_checkpoints(save_dir, store) if it > iteration]
     if any(it in ours for it, _ in newer):
         return []  # this engine's own newer saves: the ordinary rule (latest never moves back)
-    aside = store.join(save_dir, ABANDONED_DIR, name)
+    # One folder per rewind: a run may go back to the same step again (its own abandoned history
+    # then goes beside the first one's, never over it).
+    aside = store.join(
+        save_dir, ABANDONED_DIR, f"{name}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+    )
     moved: list[str] = []
     for _, path in sorted(newer, key=lambda p: p[0] == current):  # the one latest names last
         _move_tree(store, path, store.join(aside, os.path.basename(path.rstrip("/"))))

@@ -532,32 +532,43 @@ def _train_and_save(config: dict[str, Any], state: TinyTrainingState, steps: ran
 
 
 def test_a_run_resumed_from_an_older_step_with_allow_overwrite_rewrites_the_history(save_dir: str) -> None:
-    """Run A saves 1-6. Run B resumes A's step 2 (allow_overwrite: it may save those steps
-    again), saves 3 and 4 with other data and stops. latest kept naming A's 6 (it never moved
-    back), so the next restart resumed A's history as B's, in silence. B's saves now move A's
-    newer checkpoints aside and latest names B's newest; an engine's own newer save still keeps
-    latest (it never goes back past the engine's own saves)."""
+    """Run A saves 1-6. Run B resumes A's step 2 (named exactly, as the integrations resume a
+    checkpoint; allow_overwrite: it may save those steps again), saves 3 and 4 with other data
+    and stops. latest kept naming A's 6 (it never moved back), so the next restart resumed A's
+    history as B's, in silence. B's first save now moves A's newer checkpoints aside and latest
+    names B's newest. Run C goes back to step 2 again: B's 4 goes aside beside A's, never over
+    them. An engine's own newer save still keeps latest."""
     a = TinyTrainingState.create(seed=1)
-    _train_and_save({"save_dir": save_dir}, a, range(1, 7))
-    b = TinyTrainingState.create(seed=9)
+    saved_a = _train_and_save({"save_dir": save_dir}, a, range(1, 7))
+    older = os.path.join(save_dir, "iter_000000002")
     branch = {
         "save_dir": save_dir,
-        "load_path": os.path.join(save_dir, "iter_000000002"),
+        "load_dir": older,
+        "load_path": older,
         "load_training_state": True,
         "allow_overwrite": True,
     }
-    with CheckpointEngine(branch) as engine:
-        engine.load(**b.objects())
-    saved_b = _train_and_save(branch, b, range(3, 5))  # B's own data: not A's steps 3 and 4
+    histories = {}
+    for run, seed in (("b", 9), ("c", 11)):
+        state = TinyTrainingState.create(seed=seed)
+        with CheckpointEngine(branch) as engine:
+            assert engine.load(**state.objects()).checkpoint_path == older
+        assert_state_dicts_equal(dict(state.model.state_dict()), saved_a[2])
+        histories[run] = _train_and_save(branch, state, range(3, 5) if run == "b" else range(3, 4))
     restarted = TinyTrainingState.create(seed=5)
     with CheckpointEngine({"save_dir": save_dir}) as engine:
         result = engine.load(**restarted.objects())
-    assert result.iteration == 4
-    assert_state_dicts_equal(dict(restarted.model.state_dict()), saved_b[4])
-    abandoned = os.path.join(save_dir, ".ckpt_engine_abandoned", "iter_000000003")
-    assert sorted(os.listdir(abandoned)) == ["iter_000000004", "iter_000000005", "iter_000000006"]  # A's
+    assert result.iteration == 3  # C's, not A's 6 nor B's 4
+    assert_state_dicts_equal(dict(restarted.model.state_dict()), histories["c"][3])
+    root = os.path.join(save_dir, ".ckpt_engine_abandoned")
+    aside = sorted(os.listdir(root))
+    assert len(aside) == 2 and all(n.startswith("iter_000000003-") for n in aside)
+    assert sorted(sorted(os.listdir(os.path.join(root, n))) for n in aside) == [
+        ["iter_000000004"],  # B's
+        ["iter_000000004", "iter_000000005", "iter_000000006"],  # A's
+    ]
     assert sorted(n for n in os.listdir(save_dir) if n.startswith("iter_")) == [
-        f"iter_00000000{i}" for i in range(1, 5)
+        f"iter_00000000{i}" for i in range(1, 4)
     ]
 
     # One engine that saves 7, then an older step again: its own newer save keeps latest.
@@ -566,3 +577,4 @@ def test_a_run_resumed_from_an_older_step_with_allow_overwrite_rewrites_the_hist
         engine.save(2, **restarted.objects())
     with open(os.path.join(save_dir, "latest_checkpoint.txt")) as f:
         assert f.read().strip() == "iter_000000007"
+    assert len(os.listdir(root)) == 2
