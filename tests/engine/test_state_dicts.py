@@ -428,3 +428,24 @@ def test_a_save_before_the_first_step_changes_nothing_and_resumes_exactly(
     _train(reference, reference_opt, 3)
     assert_state_dicts_equal(resumed.state_dict(), reference.state_dict())
     assert_state_dicts_equal(resumed_opt.state_dict(), reference_opt.state_dict())
+
+
+def test_each_optimizer_is_judged_alone_where_one_stepped_and_another_did_not(tmp_path: Path) -> None:
+    """A GAN's discriminator steps before its generator: the checkpoint holds the one's state and
+    the other's groups only. The load must give the discriminator its state and leave the
+    generator without any (the whole component was judged at once: a strict load missed the
+    generator's state keys, a lenient one gave it a step never taken)."""
+    torch.manual_seed(0)
+    gen, disc = nn.ModuleDict({"g": nn.Linear(4, 4)}), nn.ModuleDict({"d": nn.Linear(4, 1)})
+    opt_g, opt_d = torch.optim.AdamW(gen.parameters(), lr=0.1), torch.optim.AdamW(disc.parameters(), lr=0.1)
+    disc["d"](torch.randn(2, 4)).sum().backward()
+    opt_d.step()
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.save(1, model=[gen, disc], optimizer=[opt_g, opt_d])
+    assert not opt_g.state and len(opt_d.state) == 2
+    gen2, disc2 = nn.ModuleDict({"g": nn.Linear(4, 4)}), nn.ModuleDict({"d": nn.Linear(4, 1)})
+    opt_g2, opt_d2 = torch.optim.AdamW(gen2.parameters(), lr=0.5), torch.optim.AdamW(disc2.parameters(), lr=0.5)
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.load(model=[gen2, disc2], optimizer=[opt_g2, opt_d2])
+    assert not opt_g2.state and opt_g2.param_groups[0]["lr"] == 0.1
+    assert_state_dicts_equal(opt_d2.state_dict(), opt_d.state_dict())

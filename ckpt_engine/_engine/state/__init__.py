@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from ..._dcpio.torch_private import dcp_state_dict_is_own, loads_by_copy
 from ...errors import ArgumentTypeError, ConfigError, InvalidArgumentError, UnsupportedTensorError
 from ...types import STANDARD_COMPONENTS
-from .optim import OPTIM_STATE, optimizer_state_dict, set_optimizer_state, unread_keys
+from .optim import load_templates, optimizer_state_dict, set_optimizer_state, unread_keys
 
 
 def _as_list(obj: Any) -> list[Any]:
@@ -275,12 +275,10 @@ def load_template(
     language model with AdamW). Kept where torch reads them: a tied parameter's (they tell torch
     which of its names was saved), and all of an optimizer named otherwise (by a wrapper).
     ``stored``: the checkpoint's keys of ``component``; of an optimizer saved before its first
-    step (no ``state.`` key), the template holds the groups only (:func:`apply_component`)."""
-    sd = component_state_dict(objs, component, 0, for_load=True)
+    step (none of its ``state.`` keys), the template holds the groups only (:func:`.optim.load_templates`)."""
     if component != "optim":
-        return sd, ()
-    if stored is not None and not any(k.startswith(OPTIM_STATE) for k in stored):
-        sd = {k: v for k, v in sd.items() if not k.startswith(OPTIM_STATE)}
+        return component_state_dict(objs, component, 0, for_load=True), ()
+    sd = _merge(load_templates(objs.modules, objs.optimizers, stored), "optimizer state dict")
     unread = tuple(k for m, o in zip(objs.modules, objs.optimizers, strict=True) for k in unread_keys(m, o, sd))
     skip = set(unread)
     return {k: v for k, v in sd.items() if k not in skip}, unread

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["OPTIM_STATE", "optimizer_state_dict", "set_optimizer_state", "unread_keys"]
+__all__ = ["load_templates", "optimizer_state_dict", "set_optimizer_state", "unread_keys"]
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -220,7 +220,7 @@ def unread_keys(module: nn.Module, optimizer: torch.optim.Optimizer, sd: Mapping
 
 
 #: The prefix of the flattened optimizer state's per-parameter entries (``state.<fqn>.<name>``).
-OPTIM_STATE = "state."
+_OPTIM_STATE = "state."
 
 
 def _set_groups_only(module: nn.Module, optimizer: torch.optim.Optimizer, sd: Mapping[str, Any]) -> None:
@@ -282,12 +282,37 @@ def _empty_groups_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 #   subclasses without ``__tensor_flatten__`` (which have storage of their own) pass as they are.
 
 
+#: Optimizers whose last load template holds no state: the checkpoint holds none of theirs (they
+#: were saved before their first step; :func:`load_templates`).
+_SAVED_WITHOUT_STATE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def load_templates(
+    modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], stored: Collection[str] | None
+) -> list[dict[str, Any]]:
+    """Each optimizer's load template. Where ``stored`` (the checkpoint's keys, a mapping or a
+    set) holds none of an optimizer's state keys, it was saved before its first step: its
+    template holds its groups only, and :func:`set_optimizer_state` leaves it without state. Each
+    optimizer is judged alone (a GAN's discriminator may have stepped before its generator)."""
+    parts = []
+    for module, optimizer in zip(modules, optimizers, strict=True):
+        part = optimizer_state_dict(module, optimizer, True)
+        state = [k for k in part if k.startswith(_OPTIM_STATE)]
+        if stored is not None and state and not any(k in stored for k in state):
+            _SAVED_WITHOUT_STATE.add(optimizer)
+            part = {k: v for k, v in part.items() if not k.startswith(_OPTIM_STATE)}
+        else:
+            _SAVED_WITHOUT_STATE.discard(optimizer)
+        parts.append(part)
+    return parts
+
+
 def set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, sd: Mapping[str, Any]) -> None:
     """Hand a loaded flattened state dict to ``optimizer`` (``sd`` may hold other modules' keys):
-    ``set_optimizer_state_dict``, or, for one saved before its first step (no
-    :data:`OPTIM_STATE` key), its groups only and no state."""
+    ``set_optimizer_state_dict``, or, for one its template showed saved before its first step
+    (:func:`load_templates`), its groups only and no state."""
     with _empty_groups_aside(optimizer):
-        if any(k.startswith(OPTIM_STATE) for k in sd):
-            set_optimizer_state_dict(module, optimizer, optim_state_dict=dict(sd), options=_OPTIM_OPTIONS)
-        else:
+        if optimizer in _SAVED_WITHOUT_STATE:
             _set_groups_only(module, optimizer, sd)
+        else:
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=dict(sd), options=_OPTIM_OPTIONS)
