@@ -308,3 +308,20 @@ def test_a_warm_start_renames_and_a_restart_resumes_the_new_names_as_saved(tmp_p
         assert not (rep.renamed or rep.missing), rep
         assert any("read under their own names" in n for n in rep.notes), rep.notes
     assert train(again, again_opt, 2, seed=3) == expected_next  # bit-exact continuation
+
+
+def test_an_optimizer_saved_before_its_first_step_loads_under_new_names_without_state(tmp_path: Path) -> None:
+    """A step-0 checkpoint of a DDP-wrapped model holds the optimizer's groups and no state: the
+    renamed load gives the bare model's optimizer the saved groups and no state (the rename and
+    the first-step rule decide together; a stepped one keeps its state, as the test above shows)."""
+    inner, _ = fresh("encoder", seed=0)
+    wrapped = Wrapped(inner)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=3e-3)
+    with CheckpointEngine({"save_dir": str(tmp_path / "ddp")}) as engine:
+        engine.save(0, model=wrapped, optimizer=opt)
+    bare, bare_opt = fresh("encoder", seed=5)
+    config = {"save_dir": str(tmp_path / "ddp"), "plugins": [rename({"checkpoint": "module.", "model": ""})]}
+    with CheckpointEngine(config) as engine:
+        result = engine.load(model=bare, optimizer=bare_opt)
+    assert not result.report["optim"].missing and not bare_opt.state
+    assert bare_opt.param_groups[0]["lr"] == 3e-3

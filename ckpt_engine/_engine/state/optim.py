@@ -290,20 +290,22 @@ _SAVED_WITHOUT_STATE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 def load_templates(
     modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], stored: Collection[str] | None
 ) -> list[dict[str, Any]]:
-    """Each optimizer's load template. Where ``stored`` (the checkpoint's keys, a mapping or a
-    set) holds none of an optimizer's state keys, it was saved before its first step: its
-    template holds its groups only, and :func:`set_optimizer_state` leaves it without state. Each
-    optimizer is judged alone (a GAN's discriminator may have stepped before its generator)."""
-    parts = []
-    for module, optimizer in zip(modules, optimizers, strict=True):
-        part = optimizer_state_dict(module, optimizer, True)
+    """Each optimizer's load template. Where ``stored`` (the checkpoint's keys) holds none of an
+    optimizer's state keys and no state key that no optimizer here names (a ``remap_keys`` plugin
+    may read the state under other names: then the plan decides), it was saved before its first
+    step: its template holds its groups only, and :func:`set_optimizer_state` leaves it without
+    state. Each optimizer is judged alone (a GAN's discriminator may have stepped before its
+    generator)."""
+    parts = [optimizer_state_dict(m, o, True) for m, o in zip(modules, optimizers, strict=True)]
+    named = {k for part in parts for k in part if k.startswith(_OPTIM_STATE)}
+    saved = stored if stored is not None and all(k in named for k in stored if k.startswith(_OPTIM_STATE)) else None
+    for i, (optimizer, part) in enumerate(zip(optimizers, parts, strict=True)):
         state = [k for k in part if k.startswith(_OPTIM_STATE)]
-        if stored is not None and state and not any(k in stored for k in state):
+        if saved is not None and state and not any(k in saved for k in state):
             _SAVED_WITHOUT_STATE.add(optimizer)
-            part = {k: v for k, v in part.items() if not k.startswith(_OPTIM_STATE)}
+            parts[i] = {k: v for k, v in part.items() if not k.startswith(_OPTIM_STATE)}
         else:
             _SAVED_WITHOUT_STATE.discard(optimizer)
-        parts.append(part)
     return parts
 
 
