@@ -109,9 +109,14 @@ class RenamePlugin:
                 return head, key[len(head) :]
         return None
 
-    def _first(self, name: str) -> str | None:
-        """What the first rule that matches ``name`` renames it to (``None``: none matches)."""
-        return next((n for n in (rule.apply(name) for rule in self.options.rules) if n is not None), None)
+    def _first(self, name: str) -> tuple[int, str] | None:
+        """The first rule that matches ``name`` (its index) and what it renames it to (``None``:
+        none matches)."""
+        for i, rule in enumerate(self.options.rules):
+            renamed = rule.apply(name)
+            if renamed is not None:
+                return i, renamed
+        return None
 
     @hookimpl
     def remap_keys(self, ctx: RemapContext, key_map: Mapping[str, str]) -> dict[str, str] | None:
@@ -130,18 +135,17 @@ class RenamePlugin:
             if split is None:
                 continue
             head, name = split
-            if not ctx.warm_start and storage in stored and self._first(name) not in (None, name):
+            hit = self._first(name)
+            if hit is None:
+                continue
+            i, renamed = hit
+            if not ctx.warm_start and storage in stored and renamed != name:
                 as_saved += 1  # a resume reads what the run saved under this name
                 continue
-            for i, rule in enumerate(rules):
-                renamed = rule.apply(name)
-                if renamed is None:
-                    continue
-                out[dest] = head + renamed
-                matched[i] += 1
-                found[i] += out[dest] in stored
-                example[i] = example[i] or (dest, out[dest])
-                break
+            out[dest] = head + renamed
+            matched[i] += 1
+            found[i] += out[dest] in stored
+            example[i] = example[i] or (dest, out[dest])
         if as_saved:
             ctx.note(
                 f"{as_saved} key(s) of component {ctx.component!r} that the rules match were read under their own "
