@@ -156,7 +156,8 @@ class Saver:
                 raise
             raise failure from err
         try:
-            per_rank = tuple(sorted(n for n, m in maps[0].items() if m != maps[1].get(n)))
+            # Components whose storage keys the ranks' check renamed (none where no check ran: one map).
+            per_rank = () if maps[0] is maps[1] else tuple(sorted(n for n, m in maps[0].items() if m != maps[1].get(n)))
             inputs = WriteInputs(
                 self.pipeline, staged, maps[0], maps[1], per_rank, stable, checked, self.plan_prefix, self.checksum
             )
