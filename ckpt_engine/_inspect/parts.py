@@ -33,22 +33,23 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 _MAX_CELLS = 1 << 20
 
 
-def rank_of(path: str) -> tuple[int | None, int | None]:
-    """The rank whose part the component folder ``path`` holds and the job's world size: as its
-    checkpoint's manifest records them, else the rank of the node-local tier's folder
-    (``rank_<r>``) it lies in; ``None`` where neither says."""
+def rank_of(path: str) -> tuple[int | None, int | None, bool]:
+    """The rank whose part the component folder ``path`` holds, the job's world size, and whether
+    the component was saved per rank: as its checkpoint's manifest records them (``per_rank``),
+    else the rank of the node-local tier's folder (``rank_<r>``) it lies in; ``None`` where
+    neither says."""
     checkpoint = os.path.dirname(path.rstrip("/")) or "."
     try:
         manifest = lookup_manifest(checkpoint).manifest
     except (CkptEngineError, OSError):  # a damaged manifest: verify reports it; the folder may still say
         manifest = None
     if manifest is not None and manifest.rank is not None:
-        return manifest.rank, manifest.world_size
+        return manifest.rank, manifest.world_size, os.path.basename(path.rstrip("/")) in manifest.per_rank
     for name in reversed(path.replace("\\", "/").split("/")):
         rank = parse_rank_dirname(name)
         if rank is not None:
-            return rank, None
-    return None, None
+            return rank, None, False
+    return None, None, False
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class Part:
     total: int
     #: The tensors it holds only part of, in metadata order.
     partial: tuple[str, ...]
+    #: Whether its manifest lists the component as saved per rank (``Manifest.per_rank``).
+    per_rank: bool = False
 
     @property
     def whole(self) -> bool:
@@ -98,12 +101,8 @@ def require_not_per_rank(part: Part) -> None:
     """Raise :class:`~ckpt_engine.errors.PartialCheckpointError` where ``part``'s checkpoint
     records its component as saved per rank (``Manifest.per_rank``: its value differed across the
     ranks): one rank's copy is not the job's."""
-    component, checkpoint = os.path.basename(part.path.rstrip("/")), os.path.dirname(part.path.rstrip("/"))
-    try:
-        manifest = lookup_manifest(checkpoint).manifest
-    except (CkptEngineError, OSError):
-        return
-    if manifest is not None and component in manifest.per_rank:
+    if part.per_rank:
+        component = os.path.basename(part.path.rstrip("/"))
         raise PartialCheckpointError(
             f"{part.path}: component {component!r} is {part.who}, and holds state that differed across the "
             "ranks (saved per rank): this rank's copy is not the job's. Convert save_dir's checkpoint of this "
@@ -133,7 +132,8 @@ def part_of(path: str, rank_local: bool, infos: Mapping[str, KeyInfo]) -> Part |
     if not rank_local and not partial:
         return None
     held = sum(i.numel if i.held is None else i.held for i in tensors)
-    return Part(path, *rank_of(path), held, sum(i.numel for i in tensors), partial)
+    rank, world_size, per_rank = rank_of(path)
+    return Part(path, rank, world_size, held, sum(i.numel for i in tensors), partial, per_rank)
 
 
 def missing_region(shape: Sequence[int], boxes: Iterable[Box]) -> Box | None:
