@@ -263,25 +263,6 @@ def _empty_groups_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             groups.insert(index, group)
 
 
-# -- tensor subclasses in a state dict: a wrapper of one tensor saved as that tensor, any other refused --
-#
-# Training code holds tensor subclasses in its state: torchao's float8 training wraps each weight in
-# a subclass that casts on the fly (``WeightWithDynamicFloat8CastTensor``, also as the local tensor
-# of an FSDP2 ``DTensor``); QLoRA keeps a frozen base as ``NF4Tensor``, quantized data and scalers
-# in one object. DCP writes such a tensor by pickling it, which the engine's readers (which check
-# every stored size, and never unpickle) cannot read back, and an asynchronous copy of it may
-# stage garbage. So the rule is made once, here, before a state dict reaches a plugin:
-#
-# * a *wrapper* (a subclass whose ``__tensor_flatten__`` names exactly one inner tensor of its own
-#   shape, dtype and strides) is saved as that inner tensor: the same bytes, so a load copies them
-#   back bit for bit (DCP copies into the wrapper, which forwards the copy to its inner tensor);
-# * any other subclass with ``__tensor_flatten__`` is refused at save with
-#   :class:`~ckpt_engine.errors.UnsupportedTensorError` naming the component and key, before
-#   anything is written: never a silent cast, never NaN;
-# * plain tensors, parameters, ``DTensor`` (whose local tensor follows the same rule) and
-#   subclasses without ``__tensor_flatten__`` (which have storage of their own) pass as they are.
-
-
 #: Optimizers whose last load template holds no state: the checkpoint holds none of theirs (they
 #: were saved before their first step; :func:`load_templates`).
 _SAVED_WITHOUT_STATE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
