@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from .._format.layout import CheckedCheckpoint
 from .._format.names import METADATA_FILE
 from .._format.read_lock import ReadLock
 from .._format.verify import FileBlocks, component_blocks, manifest_for_reads
+from .._storage.paths import same_folder
 from .._storage.store import Store, open_store
 from ..config import EngineConfig
 from ..errors import (
@@ -67,10 +67,7 @@ def is_warm_start(config: EngineConfig, checkpoint: str, rule: Any) -> bool:
     its own) is this run's, resumed."""
     if rule != "load_path":
         return False
-    parent, save_dir = checkpoint.rstrip("/").rsplit("/", 1)[0], config.save_dir.rstrip("/")
-    if "://" in parent or "://" in save_dir:
-        return parent != save_dir
-    return os.path.realpath(parent) != os.path.realpath(save_dir)
+    return not same_folder(checkpoint.rstrip("/").rsplit("/", 1)[0], config.save_dir)
 
 
 logger = logging.getLogger("ckpt_engine")

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .._dcpio import dist as _dist
 from .._format.names import LATEST_FILE, parse_iteration
 from .._format.pointer import list_checkpoints, read_latest, resolve_save_folder
+from .._storage.paths import same_folder
 from .._storage.store import Store, open_store
 from .._tier.recovery import Recovered
 from ..config import EngineConfig
@@ -376,7 +377,7 @@ class ResumePlanner:
     def _nearer_tiers(self, ask: ResumeAsk) -> LoadSource | None:
         """The first nearer tier (nearest first) with a candidate, when the load folder is
         ``save_dir`` (a tier holds this engine's own saves) and ``latest`` could be read."""
-        if ask.latest_error is not None or not _same_dir(ask.load_dir, self.save_dir):
+        if ask.latest_error is not None or not same_folder(ask.load_dir, self.save_dir):
             return None
         return next((found for tier in self.nearer if (found := tier.newest(self.reader, ask)) is not None), None)
 
@@ -405,7 +406,7 @@ class ResumePlanner:
             return None
         if _dist.rank() == 0:
             repaired = ""
-            if _same_dir(load_dir, self.save_dir):
+            if same_folder(load_dir, self.save_dir):
                 try:
                     advance_latest(load_dir, name, store)
                     repaired = f"; {LATEST_FILE} now names it"
@@ -508,7 +509,7 @@ class ResumePlanner:
 
     def _scratch(self, ask: ResumeAsk) -> LoadSource:
         cfg = self.config
-        explicit = bool(cfg.load_dir) and not _same_dir(cfg.load_dir or "", cfg.save_dir)
+        explicit = bool(cfg.load_dir) and not same_folder(cfg.load_dir or "", cfg.save_dir)
         if explicit and not agreed(lambda: ask.store.isdir(ask.load_dir)):
             raise CheckpointNotFoundError(
                 f"load_dir {ask.load_dir!r} does not exist, so there is nothing to resume from; fix load_dir, or "
@@ -525,8 +526,3 @@ def _check_keys_not_to_resume(config: EngineConfig, objs: TrainingObjects) -> No
             f"keys_not_to_resume names {unknown}, which are not components of this load; components: "
             f"{', '.join(sorted(known))}. Fix the name, or pass the extra= component it refers to"
         )
-
-
-def _same_dir(a: str, b: str) -> bool:
-    """Whether two configured folders are one (a fresh run's ``load_dir`` may be its ``save_dir``)."""
-    return a.rstrip("/") == b.rstrip("/") or ("://" not in a and os.path.abspath(a) == os.path.abspath(b))

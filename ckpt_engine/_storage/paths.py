@@ -1,5 +1,6 @@
-"""Checks on the local folders a config names, made when the engine starts, so that a bad
-``save_dir`` is reported as what it is instead of as a failed save later."""
+"""The folders a config names: checked when the engine starts (a bad ``save_dir`` is reported as
+what it is instead of as a failed save later), and compared by one rule wherever the engine asks
+whether two of them are one folder."""
 
 from __future__ import annotations
 
@@ -7,8 +8,23 @@ import errno
 import os
 
 from ..errors import SaveDirError
+from .urls import is_url, local_path
 
-__all__ = ["check_local_save_dir"]
+__all__ = ["check_local_save_dir", "same_folder"]
+
+
+def same_folder(a: str, b: str) -> bool:
+    """Whether the folders ``a`` and ``b`` are one: URLs (other than ``file://``) equal but for a
+    trailing ``/``; local paths (``file://`` URLs too) equal as absolute paths or as real paths
+    (symbolic links followed), so a symlinked spelling of ``save_dir`` is ``save_dir``.
+
+    The one rule for "is this ``save_dir``": whether a resume consults the node-local tier and
+    repairs ``latest``, whether ``load_path`` starts another run (a warm start), and whether an
+    integration's pointer names this run's folder."""
+    if is_url(a) or is_url(b):
+        return a.rstrip("/") == b.rstrip("/")
+    la, lb = os.path.abspath(local_path(a)), os.path.abspath(local_path(b))
+    return la == lb or os.path.realpath(la) == os.path.realpath(lb)
 
 
 def _name_max(folder: str) -> int:

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._format import bounded_json
+from .._storage.paths import same_folder
 from ..checkpoints import latest_checkpoint
 from ..config import EngineConfig
 from ..errors import (
@@ -36,7 +37,6 @@ from ._pointers import (
     Pointer,
     PointerMismatchError,
     read_pointer,
-    same_save_dir,
     url_to_fs,
 )
 from ._state_tree import live_target, parse_dtype, skeleton, tensor_module, unflatten
@@ -139,7 +139,7 @@ class CheckpointReader:
         pointer = read_pointer(path)
         assert pointer is not None
         pointer = self.locate(pointer)
-        if not same_save_dir(pointer.save_dir, self.save_dir):
+        if not same_folder(pointer.save_dir, self.save_dir):
             if not self.allow_foreign_pointers:
                 raise PointerMismatchError(
                     f"{path} names a checkpoint of {pointer.save_dir[:200]}, not of this engine's save_dir "

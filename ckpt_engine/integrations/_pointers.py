@@ -20,6 +20,7 @@ from typing import Any
 import fsspec
 
 from .._format import bounded_json
+from .._storage.paths import same_folder
 from .._storage.store import store_for
 from .._storage.urls import is_url
 from ..checkpoints import iteration_of
@@ -36,7 +37,6 @@ __all__ = [
     "PointerMismatchError",
     "pointer_body",
     "read_pointer",
-    "same_save_dir",
     "url_to_fs",
     "write_file",
 ]
@@ -94,13 +94,6 @@ def url_to_fs(path: str) -> tuple[Any, str]:
     return fs, inner
 
 
-def same_save_dir(a: str, b: str) -> bool:
-    """Whether ``a`` and ``b`` are one save folder (local paths compared resolved)."""
-    if is_url(a) or is_url(b):
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
 def _small_json(raw: bytes, limit: int) -> Any:
     """``raw`` as JSON, or ``None`` when it is over ``limit`` bytes or no (bounded) JSON."""
     if len(raw) > limit:
@@ -146,7 +139,7 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
     moved: str | None = None
     if relative is not None and not is_url(path):  # a moved or copied run: its pointers move with it
         moved = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), relative))
-        moved = None if same_save_dir(moved, data["save_dir"]) else moved
+        moved = None if same_folder(moved, data["save_dir"]) else moved
     pointer = Pointer(data["save_dir"], data["checkpoint"], data["iteration"], save_id, moved)
     if not ITER_NAME.match(pointer.checkpoint):
         raise CorruptCheckpointError(f"{path}: names {pointer.checkpoint[:80]!r}, which is no checkpoint folder name")
@@ -270,7 +263,7 @@ class PointerFolders:
                 except CkptEngineError:
                     continue
                 if other is not None and any(
-                    d is not None and same_save_dir(d, self.save_dir) for d in (other.save_dir, other.moved_dir)
+                    d is not None and same_folder(d, self.save_dir) for d in (other.save_dir, other.moved_dir)
                 ):
                     named.add(other.checkpoint)  # a copied run's pointer may name it too: kept
         return named

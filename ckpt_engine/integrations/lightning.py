@@ -44,6 +44,7 @@ from lightning.pytorch.strategies import Strategy
 
 from .. import hookimpl
 from .._format import bounded_json
+from .._storage.paths import same_folder
 from .._storage.urls import is_url
 from ..checkpoints import CheckpointInUseError, latest_checkpoint, remove_checkpoint
 from ..config import EngineConfig
@@ -69,7 +70,6 @@ from ._pointers import (
     PointerMismatchError,
     pointer_body,
     read_pointer,
-    same_save_dir,
     url_to_fs,
     write_file,
 )
@@ -466,7 +466,7 @@ class EngineCheckpointIO(CheckpointIO):
         fs, inner = url_to_fs(path)
         if fs.exists(inner) and not fs.isdir(inner):
             fs.rm_file(inner)
-        if pointer is None or not same_save_dir(pointer.save_dir, self.save_dir):
+        if pointer is None or not same_folder(pointer.save_dir, self.save_dir):
             return
         self._folders.add({os.path.dirname(path)}, record=False)
         with self._lock:

@@ -126,6 +126,18 @@ def test_a_resume_takes_the_newest_local_step_with_nothing_from_save_dir(tmp_pat
     assert_state_dicts_equal(got, saved[5]["state"])
 
 
+def test_a_load_dir_that_is_a_symlink_to_save_dir_still_resumes_the_tier(tmp_path: Path) -> None:
+    """``load_dir`` spelled through a symbolic link is ``save_dir``: the resume consults the tier
+    (steps 4 and 5 are local only), as it does for ``save_dir`` spelled plainly. Judged by absolute
+    path alone, the link read ``save_dir``'s latest (step 3) and lost two steps of training."""
+    config = _config(tmp_path, persist_every=3)
+    saved = _save_steps(config, range(1, 6))
+    (tmp_path / "link").symlink_to(tmp_path / "durable", target_is_directory=True)
+    result, got = _resume({**config, "load_dir": str(tmp_path / "link")})
+    assert (result.iteration, result.checkpoint_path) == (5, str(tmp_path / "local/rank_00000/iter_000000005"))
+    assert_state_dicts_equal(got, saved[5]["state"])
+
+
 def test_a_durable_step_as_new_as_the_local_one_is_read_locally(tmp_path: Path) -> None:
     config = _config(tmp_path, persist_every=3)
     saved = _save_steps(config, range(1, 4))
