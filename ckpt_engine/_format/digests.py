@@ -17,8 +17,9 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from . import bounded_json
 from .hashing import hash_files
-from .manifest import CARRIED, FileEntry, entry_doc, parse_blocks
+from .manifest import CARRIED, MAX_MANIFEST_BYTES, FileEntry, entry_doc, parse_blocks
 from .names import PART_PREFIX, is_part
 
 __all__ = [
@@ -65,9 +66,9 @@ def read_parts(root: str, algorithm: str | None) -> dict[str, FileEntry]:
     out: dict[str, FileEntry] = {}
     for comp, part in _parts(root):
         try:
-            with open(os.path.join(root, comp, part)) as f:
-                doc: Any = json.load(f)
-        except (OSError, ValueError):
+            with open(os.path.join(root, comp, part), "rb") as f:
+                doc: Any = bounded_json.loads(f.read(MAX_MANIFEST_BYTES + 1), max_depth=8, max_int_digits=24)
+        except (OSError, ValueError):  # bounded_json.JSONRefused is a ValueError
             continue
         if not isinstance(doc, dict) or doc.get("algorithm") != algorithm or not isinstance(doc.get("files"), dict):
             continue

@@ -71,6 +71,9 @@ class FileEntry:
 
 
 _LINEAGE_ID = re.compile(r"^[0-9a-f]{1,64}(-[0-9]{1,12})?$")
+#: The most ranks a manifest may name: every rank of a job is a process, and loops over the
+#: ranks of a hostile manifest stay bounded.
+MAX_WORLD_SIZE = 1 << 20
 #: The longest folder a lineage's place records (a path or URL; PATH_MAX is 4096).
 MAX_PLACE = 4096
 
@@ -330,9 +333,9 @@ def lookup_manifest(checkpoint_dir: str | os.PathLike[str], store: Store | None 
     if raw is None:
         return ManifestLookup(None, f"no {MANIFEST_FILE} (written by plain DCP or the original checkpointer)")
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptCheckpointError(f"{path} is not valid JSON ({err}); the manifest is damaged") from err
+        doc = _bounded_doc(raw)
+    except bounded_json.JSONRefused as err:
+        raise CorruptCheckpointError(f"{path} is refused ({err}); the manifest is damaged") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         raise CorruptCheckpointError(f"{path} is not a ckpt-engine manifest (no format {MANIFEST_FORMAT!r})")
     version = doc.get("version")
@@ -355,7 +358,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(raw)} bytes is larger than a manifest may be")
     try:
-        doc = bounded_json.loads(raw, max_depth=8, max_int_digits=24, constants=False, unique_keys=True)
+        doc = _bounded_doc(raw)
     except bounded_json.JSONRefused as err:
         raise CorruptCheckpointError(f"{where}: the manifest is refused: {err}") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or doc.get("version") != MANIFEST_VERSION:
@@ -364,6 +367,12 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         return _manifest_from_doc(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CorruptCheckpointError(f"{where}: the manifest is malformed: {clip(str(err), 200)}") from None
+
+
+def _bounded_doc(raw: bytes) -> Any:
+    """A manifest's JSON within the bounds every manifest is read with: the engine writes nesting
+    of at most 5, integers of at most 20 digits, no ``NaN``/``Infinity``, each key once."""
+    return bounded_json.loads(raw, max_depth=8, max_int_digits=24, constants=False, unique_keys=True)
 
 
 def _read_manifest_bytes(store: Store, path: str) -> bytes | None:
@@ -395,8 +404,8 @@ def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
     if not isinstance(components, list) or not all(isinstance(c, str) for c in components):
         raise ValueError(f"components is {components!r}")
     return Manifest(
-        iteration=int(doc.get("iteration", -1)),
-        world_size=int(doc.get("world_size", 0)),
+        iteration=_iteration(doc.get("iteration", -1)),
+        world_size=_world_size(doc.get("world_size", 0)),
         components=tuple(components),
         algorithm=algorithm,
         files=files,
@@ -454,6 +463,19 @@ def _lineage_id(doc: dict[str, Any], key: str) -> str | None:
     if value is not None and not (isinstance(value, str) and _LINEAGE_ID.fullmatch(value)):
         raise ValueError(f"lineage {key} {clip(repr(value), 80)} is not an id")
     return value
+
+
+def _iteration(value: Any) -> int:
+    if value == -1 and type(value) is int:
+        return -1  # a manifest without one (written before iterations were recorded)
+    return _count("iteration", value)
+
+
+def _world_size(value: Any) -> int:
+    size = _count("world_size", value)
+    if size > MAX_WORLD_SIZE:
+        raise ValueError(f"world_size {size} is more ranks than a job has (at most {MAX_WORLD_SIZE})")
+    return size
 
 
 def _chain(value: Any) -> int:

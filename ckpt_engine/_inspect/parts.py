@@ -118,9 +118,13 @@ def other_parts(part: Part) -> Iterator[tuple[int, str]]:
     component = os.path.basename(part.path.rstrip("/"))
     checkpoint = os.path.dirname(part.path.rstrip("/"))
     tier, name = os.path.dirname(os.path.dirname(checkpoint)), os.path.basename(checkpoint)
-    for rank in range(part.world_size):
+    try:  # the rank folders there are (a manifest's world_size is no bound on the work)
+        ranks = sorted(r for n in os.listdir(tier) if (r := parse_rank_dirname(n)) is not None)
+    except OSError:
+        return
+    for rank in ranks:
         folder = os.path.join(tier, rank_dirname(rank), name, component)
-        if rank != part.rank and os.path.isfile(os.path.join(folder, METADATA_FILE)):
+        if rank != part.rank and rank < part.world_size and os.path.isfile(os.path.join(folder, METADATA_FILE)):
             yield rank, folder
 
 

@@ -39,6 +39,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .._format import bounded_json
 from .._format.manifest import Lineage, Place, lookup_manifest
 from .._format.names import parse_iteration, parse_rank_dirname
 from .._storage.store import Store
@@ -106,8 +107,8 @@ def read_committed(folder: str) -> list[Committed]:
     try:
         with open(os.path.join(folder, COMMITTED_FILE), "rb") as f:
             raw = f.read(_MAX_COMMITTED_BYTES + 1)
-        doc = json.loads(raw) if len(raw) <= _MAX_COMMITTED_BYTES else None
-    except (OSError, ValueError):
+        doc = bounded_json.loads(raw, max_depth=4, max_int_digits=24) if len(raw) <= _MAX_COMMITTED_BYTES else None
+    except (OSError, ValueError):  # bounded_json.JSONRefused is a ValueError
         return []
     entries = doc.get("committed") if isinstance(doc, dict) else None
     out = []
@@ -164,8 +165,8 @@ class Durable:
 def read_run(save_dir: str, store: Store) -> str | None:
     """The run id :data:`RUN_FILE` in ``save_dir`` records (``None``: none, or not readable)."""
     try:
-        doc = json.loads(store.read_bytes(store.join(save_dir, RUN_FILE), 4096))
-    except Exception:  # missing, unreadable or not JSON: no run recorded
+        doc = bounded_json.loads(store.read_bytes(store.join(save_dir, RUN_FILE), 4096), max_depth=4, max_int_digits=24)
+    except Exception:  # missing, unreadable or not (bounded) JSON: no run recorded
         return None
     run = doc.get("run_id") if isinstance(doc, dict) else None
     return run if isinstance(run, str) and _RUN_ID.fullmatch(run) else None

@@ -45,6 +45,7 @@ __all__ = [
     "apply_save_total_limit",
     "newer_checkpoints",
     "open_resume",
+    "parse_trainer_state",
     "read_training_state",
     "reader_engine",
 ]
@@ -57,6 +58,16 @@ FORMAT = "ckpt-engine/transformers"
 TRAINER_STATE_FILE = "trainer_state.json"
 _MAX_DEPTH = 64
 _MAX_INT_DIGITS = 100
+
+
+def parse_trainer_state(text: str, where: str) -> Any:
+    """A ``TrainerState`` JSON text (the engine's copy, or a Trainer checkpoint's
+    ``trainer_state.json``) parsed within bounds; anything else is a
+    :class:`CorruptCheckpointError` naming ``where``."""
+    try:
+        return bounded_json.loads(text, max_depth=_MAX_DEPTH, max_int_digits=_MAX_INT_DIGITS)
+    except bounded_json.JSONRefused as err:
+        raise CorruptCheckpointError(f"{where}: the trainer state cannot be read: {err}") from None
 
 
 class NotATrainerCheckpointError(CkptEngineError, ValueError):
@@ -93,10 +104,7 @@ class StateItems:
         text, components = items.get("trainer_state"), items.get("components")
         if not isinstance(text, str) or not isinstance(components, str):
             raise CorruptCheckpointError(f"{where}/{COMPONENT}: 'trainer_state' and 'components' must be strings")
-        try:
-            state = bounded_json.loads(text, max_depth=_MAX_DEPTH, max_int_digits=_MAX_INT_DIGITS)
-        except bounded_json.JSONRefused as err:
-            raise CorruptCheckpointError(f"{where}/{COMPONENT}: the trainer state cannot be read: {err}") from None
+        state = parse_trainer_state(text, f"{where}/{COMPONENT}")
         step = state.get("global_step") if isinstance(state, dict) else None
         if step != iteration or isinstance(step, bool):
             raise CorruptCheckpointError(

@@ -60,6 +60,7 @@ from ._trainer_checkpoint import (
     apply_save_total_limit,
     newer_checkpoints,
     open_resume,
+    parse_trainer_state,
     read_training_state,
     reader_engine,
 )
@@ -452,10 +453,7 @@ class EngineTrainerMixin(_TrainerBase):
             logger.info("%s is a Trainer checkpoint folder: resumed by the Trainer's own loader", path)
             with open(state_file, encoding="utf-8") as f:
                 text = f.read()
-            try:
-                state = json.loads(text)
-            except ValueError as err:
-                raise CorruptCheckpointError(f"{state_file}: the trainer state is no JSON ({err})") from None
+            state = parse_trainer_state(text, state_file)
             check_trainer_state(state, state_file)
             return None, path
         resume = open_resume(self.engine_config, self.engine_plugins, path)

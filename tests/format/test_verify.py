@@ -95,6 +95,42 @@ def test_damaged_manifest_is_a_typed_error_naming_the_file(
     assert str(_ckpt(save_dir, 2)) in str(info.value)
 
 
+def _set_field(path: Path, key: str, raw_value: str) -> None:
+    """``key`` of the manifest set to the JSON text ``raw_value`` (written as is: hostile text too)."""
+    doc = json.loads(path.read_text())
+    doc[key] = "@@"
+    path.write_text(json.dumps(doc).replace('"@@"', raw_value))
+
+
+HOSTILE_MANIFESTS = {
+    "nested-200k-deep": lambda m: m.write_text("[" * 200_000 + "]" * 200_000),
+    "a-5000-digit-int": lambda m: _set_field(m, "iteration", "9" * 5000),
+    "iteration-infinity": lambda m: _set_field(m, "iteration", "Infinity"),
+    "iteration-a-float": lambda m: _set_field(m, "iteration", "2.9"),
+    "iteration-a-string": lambda m: _set_field(m, "iteration", '"2"'),
+    "world-size-1e12": lambda m: _set_field(m, "world_size", "1000000000000"),
+    "world-size-nan": lambda m: _set_field(m, "world_size", "NaN"),
+}
+
+
+@pytest.mark.parametrize("damage", HOSTILE_MANIFESTS.values(), ids=HOSTILE_MANIFESTS.keys())
+def test_a_hostile_manifest_is_refused_typed_and_the_fallback_takes_the_step_before(save_dir: str, damage: Any) -> None:
+    """A manifest's JSON is read within the bounds a peer's replica is: a deep nesting, a huge or
+    non-finite number, a count of another type, a world size no job has. Each was a bare
+    RecursionError, ValueError or OverflowError (or a truncated value taken as the iteration),
+    which also defeated ``fallback_to_last_complete`` and made ``verify_checkpoint`` raise."""
+    saved = _save(save_dir, 1, 2)
+    damage(_ckpt(save_dir, 2) / MANIFEST_FILE)
+    with pytest.raises(CorruptCheckpointError) as info:
+        _load(save_dir)
+    assert str(_ckpt(save_dir, 2) / MANIFEST_FILE) in str(info.value)
+    result, fresh = _load(save_dir, fallback_to_last_complete=True)
+    assert result.iteration == 1 and result.fell_back_from is not None
+    assert_state_dicts_equal(dict(fresh.model.state_dict()), saved[1])
+    report = verify_checkpoint(str(_ckpt(save_dir, 2)), "checksums")
+    assert not report.ok and MANIFEST_FILE in str(report)
+
+
 def _edit_manifest(path: Path, *, add: dict[str, Any] | None = None, drop: str | None = None) -> None:
     doc = json.loads(path.read_text())
     doc["files"].update(add or {})
