@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageReader
 
@@ -35,8 +36,10 @@ from ..config import EngineConfig
 from ..errors import (
     CheckpointLoadError,
     CkptEngineError,
+    CorruptCheckpointError,
     IncompleteCheckpointError,
     RankLocalCoverageError,
+    clip,
     described,
 )
 from ..pipeline import Pipeline
@@ -71,6 +74,19 @@ def is_warm_start(config: EngineConfig, checkpoint: str, rule: Any) -> bool:
 
 
 logger = logging.getLogger("ckpt_engine")
+
+
+def _iteration(trainer: dict[str, Any], where: str) -> int:
+    """The iteration the ``trainer`` component holds (0 where it holds none)."""
+    value = trainer.get("iteration", 0)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()  # a checkpoint of the original checkpointer's kind may hold a tensor
+    if type(value) is not int or value < 0:
+        raise CorruptCheckpointError(
+            f"{where}: the iteration is {clip(repr(value), 60)}, not a count of steps; the checkpoint was "
+            "damaged or written by other code: load another checkpoint"
+        )
+    return value
 
 
 class Loader:
@@ -252,7 +268,7 @@ class Loader:
                 reports[name] = planner.report
                 apply_component(objs, name, sd, planner.untouched_roots, template)
                 if name == "trainer":
-                    iteration = int(sd.get("iteration", 0))
+                    iteration = _iteration(sd, f"{folder}")
             report = LoadReport(reports)
         finally:
             if validated.lock is not None:

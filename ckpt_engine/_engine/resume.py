@@ -100,8 +100,13 @@ class CheckpointReader(Protocol):
 
 class PassedOver(Exception):
     """Raised alike on every rank by a nearer tier's source whose read found a copy it cannot use
-    (a resharded step's received block that fails its digest): :meth:`ResumePlanner.load` passes
-    that tier over and goes on down the restore order. Never reaches the caller."""
+    (a byte that fails its digest, in a copy on this node, received from a peer or resharded):
+    :meth:`ResumePlanner.load` passes the nearer tiers over and goes on down the restore order.
+    Never reaches the caller."""
+
+
+def _passed_over(what: str, err: CorruptCheckpointError) -> PassedOver:
+    return PassedOver(f"{what} failed its check while it was read ({err})")
 
 
 class LoadSource(Protocol):
@@ -125,9 +130,14 @@ class CheckpointSource:
     tier: str = "durable"
 
     def read(self, reader: CheckpointReader, objs: TrainingObjects) -> LoadResult:
-        result = reader.read_checkpoint(
-            objs, self.path, self.wanted, self.rule, self.validated, fell_back_from=self.fell_back_from
-        )
+        try:
+            result = reader.read_checkpoint(
+                objs, self.path, self.wanted, self.rule, self.validated, fell_back_from=self.fell_back_from
+            )
+        except CorruptCheckpointError as err:  # raised on every rank: the load's checks agree
+            if self.tier == "durable":
+                raise
+            raise _passed_over(f"the local copy {self.path}", err) from err
         if self.tier == "durable" or not result.bytes_read:
             return result
         return dataclasses.replace(result, bytes_by_source={self.tier: result.bytes_read})
@@ -157,12 +167,9 @@ class LocalTierSource:
                 local_reader=None if resharded is None else resharded.reader,
             )
         except CorruptCheckpointError as err:  # raised on every rank: the load's checks agree
-            if resharded is None:
-                raise
-            # named by its iteration: the resharded folder is removed right after (the error names the file)
-            raise PassedOver(
-                f"a copy that the local tier's step {recovered.iteration}, resharded, takes failed its check ({err})"
-            ) from err
+            # named by its iteration: a resharded folder is removed right after (the error names the file)
+            how = "" if resharded is None else ", resharded,"
+            raise _passed_over(f"the local tier's step {recovered.iteration}{how}", err) from err
         finally:
             if resharded is not None:
                 resharded.discard()
@@ -271,18 +278,25 @@ class ResumePlanner:
         self._copy_dir = target.local_dir
 
     def load(self, objs: TrainingObjects) -> LoadResult:
-        """Chooses this load's source and reads it. A nearer tier whose read finds a copy it cannot
-        use (:class:`PassedOver`, alike on every rank) is passed over: the choice goes on down the
-        restore order without the nearer tiers, and that source's read replaces every component
-        (nothing read from the passed-over tier stays in the training objects). So is, with
+        """Chooses this load's source and reads it. A nearer tier (places 1 and 2) whose read finds
+        a copy it cannot use (:class:`PassedOver`, alike on every rank) is passed over: the choice
+        goes on down the restore order without places 1 and 2, and that source's read replaces
+        every component (nothing read from the passed-over tier stays in the training objects),
+        with or without ``fallback_to_last_complete``: ``save_dir`` is the copy of record. So is, with
         ``fallback_to_last_complete``, a checkpoint ``latest`` chose whose read finds a damaged
         byte (:meth:`_read`)."""
         try:
             return self._read(self.choose(objs), objs)
         except PassedOver as err:
+            source = self.choose(objs, nearer=False)
+            if isinstance(source, ScratchSource):  # never a silent fresh start
+                raise CorruptCheckpointError(
+                    f"{err}, and {self.save_dir} holds no checkpoint to resume instead; remove the damaged "
+                    "step from the local tier to start from scratch"
+                ) from err
             if _dist.rank() == 0:
                 logger.warning("%s; resuming from %s", err, self.save_dir)
-            return self._read(self.choose(objs, nearer=False), objs)
+            return self._read(source, objs)
 
     def _read(self, source: LoadSource, objs: TrainingObjects) -> LoadResult:
         """``source`` read into ``objs``. With ``fallback_to_last_complete``, a checkpoint of
@@ -323,8 +337,7 @@ class ResumePlanner:
                 raise
             ask.latest_error = err
         places: tuple[Callable[[ResumeAsk], LoadSource | None], ...] = (
-            self._two_tier_copy,
-            *((self._nearer_tiers,) if nearer else ()),
+            *((self._two_tier_copy, self._nearer_tiers) if nearer else ()),
             self._unnamed,
             self._latest,
             self._load_path,
@@ -341,7 +354,7 @@ class ResumePlanner:
         """The local copy to resume from, if its ``latest`` is complete and at least as new as the
         object store's on every host; ``None`` (logged) otherwise."""
         copy_dir = self._copy_dir
-        if copy_dir is None or ask.latest_error is not None or ask.load_dir != self.save_dir:
+        if copy_dir is None or ask.latest_error is not None or not same_folder(ask.load_dir, self.save_dir):
             return None
         try:
             name = agreed(lambda: read_latest(copy_dir))

@@ -147,6 +147,26 @@ def test_plain_dcp_checkpoint_in_original_layout_loads(save_dir: str) -> None:
     assert_state_dicts_equal(_snapshot(fresh), _snapshot(state))
 
 
+@pytest.mark.parametrize("iteration", ["twenty", None, [9], 9.5, -3])
+def test_an_iteration_that_is_no_count_is_a_typed_error_naming_the_component(save_dir: str, iteration: Any) -> None:
+    """A checkpoint of the original checkpointer's kind (no manifest) whose ``trainer`` holds no
+    step count: a typed error naming the component. It was a bare ValueError or TypeError (9.5 was
+    taken as 9). As with a damaged byte found while reading, components read before it may hold
+    loaded values; with ``fallback_to_last_complete`` the older checkpoint's read replaces them."""
+    state = TinyTrainingState.create(steps=2)
+    CheckpointEngine({"save_dir": save_dir}).save(5, model=state.model)
+    ckpt = Path(save_dir, "iter_000000009")
+    for name, sd in {"model": get_model_state_dict(_fresh().model), "trainer": {"iteration": iteration}}.items():
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(ckpt / name)))
+    Path(save_dir, "latest_checkpoint.txt").write_text("iter_000000009\n")
+    with pytest.raises(CorruptCheckpointError, match=r"iter_000000009/trainer: the iteration is"):
+        CheckpointEngine({"save_dir": save_dir}).load(model=_fresh().model)
+    fresh = _fresh()
+    result = CheckpointEngine({"save_dir": save_dir, "fallback_to_last_complete": True}).load(model=fresh.model)
+    assert (result.iteration, result.fell_back_from) == (5, str(ckpt))
+    assert_state_dicts_equal(dict(fresh.model.state_dict()), dict(state.model.state_dict()))
+
+
 def test_save_content_is_fixed_when_save_returns(save_dir: str) -> None:
     state = TinyTrainingState.create()
     expected = copy.deepcopy(state.model.state_dict())

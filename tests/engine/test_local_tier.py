@@ -33,6 +33,7 @@ from ckpt_engine import (
 from ckpt_engine._format.manifest import lookup_manifest, parse_manifest
 from ckpt_engine._format.metadata_read import is_rank_local, read_metadata, validate_metadata
 from ckpt_engine._format.names import RANK_LOCAL_MARK
+from ckpt_engine._tier.lineage import COMMITTED_FILE
 from ckpt_engine._tier.topology import Topology
 from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
 from ckpt_engine.types import WriteContext, WriteResult
@@ -177,6 +178,50 @@ def test_a_damaged_local_step_is_found_by_its_checksums_and_not_resumed(tmp_path
     result, got = _resume(config)
     assert result.iteration == 4
     assert_state_dicts_equal(got, saved[4]["state"])
+
+
+def _flip_mid_file(data: Path) -> None:
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x55  # same size: only the blocks' digests tell, as the load reads them
+    data.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("component", ["model", "optim"])
+def test_a_byte_flipped_in_a_local_step_found_while_reading_resumes_save_dir(tmp_path: Path, component: str) -> None:
+    """Under the default ``verify: read`` a flip in a tier copy is found only while it is read, after
+    earlier tensors were filled in place. The tier is passed over (with or without
+    ``fallback_to_last_complete``: ``save_dir`` is the copy of record) and ``save_dir``'s latest is
+    read over every component: the resume is step 3's, exactly. Before, the load raised with the
+    model half-filled from step 5."""
+    config = _config(tmp_path, persist_every=3)
+    saved = _save_steps(config, range(1, 6))
+    _flip_mid_file(next((tmp_path / f"local/rank_00000/iter_000000005/{component}").glob("*.distcp")))
+    result, got = _resume(config)
+    assert (result.iteration, result.checkpoint_path) == (3, str(tmp_path / "durable/iter_000000003"))
+    assert set(result.bytes_by_source) == {"durable"}
+    assert_state_dicts_equal(got, saved[3]["state"])
+
+
+def test_a_damaged_local_step_with_nothing_in_save_dir_is_refused_not_a_fresh_start(tmp_path: Path) -> None:
+    config = _config(tmp_path, persist_every=10)
+    _save_steps(config, range(1, 3))
+    _flip_mid_file(next((tmp_path / "local/rank_00000/iter_000000002/model").glob("*.distcp")))
+    with pytest.raises(CorruptCheckpointError, match=r"iter_000000002.*holds no checkpoint to resume instead"):
+        _resume(config)
+
+
+def test_a_hostile_committed_record_is_ignored_by_resume_and_save(tmp_path: Path) -> None:
+    """The tier's record of committed steps is an aid, never a reason to fail: a 3,000-deep JSON
+    nesting in it was a bare RecursionError from load(), save() and ``ckpt-engine ls``."""
+    config = _config(tmp_path, persist_every=3)
+    saved = _save_steps(config, range(1, 5))
+    (tmp_path / "local/rank_00000" / COMMITTED_FILE).write_text("[" * 3000 + "]" * 3000)
+    result, got = _resume(config)
+    assert result.iteration == 4
+    assert_state_dicts_equal(got, saved[4]["state"])
+    state = TinyTrainingState.create(seed=1)
+    with CheckpointEngine(config) as engine:
+        assert engine.save(5, **state.objects()).result().succeeded
 
 
 def test_incremental_local_saves_link_what_did_not_change(tmp_path: Path) -> None:

@@ -582,6 +582,26 @@ def test_two_tier_commits_locally_then_uploads_in_the_background(s3_bucket: Any,
     _assert_same_state(state, fresh)
 
 
+def test_two_tier_local_copy_with_a_flipped_byte_resumes_the_object_store(s3_bucket: Any, tmp_path: Path) -> None:
+    """docs/storage.md: a damaged local copy is not resumed; the object store is. A flip is found
+    only while the copy is read (verify: read), after earlier tensors were filled: the store's read
+    replaces every component, with no fallback option set."""
+    local = str(tmp_path / "local")
+    config = _s3_config(s3_bucket, storage={"local_dir": local})
+    state = TinyTrainingState.create(seed=1, hidden=64)
+    with CheckpointEngine(config) as engine:
+        state.train(1)
+        engine.save(2, **state.objects()).result(timeout=60)
+    data = next(Path(local, "iter_000000002", "model").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x55
+    data.write_bytes(bytes(raw))
+    result, fresh = _resume(config)
+    assert result.checkpoint_path == f"{s3_bucket.url}/iter_000000002"
+    assert set(result.bytes_by_source) == {"durable"}
+    _assert_same_state(state, fresh)
+
+
 @pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
 def test_two_tier_with_async_saves(s3_bucket: Any, tmp_path: Path) -> None:
     pytest.importorskip("ckpt_engine_plugins.pinned_staging")
