@@ -11,7 +11,7 @@ import inspect
 import os
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -26,7 +26,7 @@ from .config import EngineConfig, PluginEntry
 from .defaults import DEFAULT_PLUGIN_NAME, DefaultIO
 from .errors import PluginConfigError, PluginConflictError, PluginLoadError
 
-__all__ = ["LoadedPlugins", "build_plugin_manager", "describe_entry_point", "installed_plugins"]
+__all__ = ["LoadedPlugins", "build_plugin_manager", "describe_entry_point", "installed_plugins", "split_plugins"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,29 @@ def _object_name(obj: Any) -> str:
     return type(obj).__name__ if not inspect.isclass(obj) else obj.__name__
 
 
+def split_plugins(plugins: Any) -> tuple[list[Any], list[Any]]:
+    """``plugins`` in fold order, plugin objects (or classes) and config entries (a name, a
+    ``"module:Class"`` path, a mapping, a :class:`PluginEntry`) mixed, as ``(entries, objects)``:
+    each object's name is an entry too, which places it in the fold order (one item alone may be
+    given bare)."""
+    if isinstance(plugins, (str, Mapping, PluginEntry)) or not isinstance(plugins, Iterable):
+        plugins = [plugins]
+    entries: list[Any] = []
+    objects: list[Any] = []
+    for item in plugins:
+        if isinstance(item, (str, Mapping, PluginEntry)):
+            entries.append(item)
+            continue
+        if inspect.isclass(item):
+            item = instantiate(item, {}, f"plugin object {item.__qualname__}")
+        name = _object_name(item)
+        if name in entries:
+            raise PluginConflictError(f"two plugins are both named {name!r}; give them distinct `name`s")
+        objects.append(item)
+        entries.append(name)
+    return entries, objects
+
+
 def build_plugin_manager(config: EngineConfig, objects: Sequence[Any] = ()) -> LoadedPlugins:
     """Build a fresh manager for ``config`` plus plugin ``objects`` (``CheckpointEngine(plugins=...)``).
 
@@ -181,6 +204,11 @@ def build_plugin_manager(config: EngineConfig, objects: Sequence[Any] = ()) -> L
 
     by_name: dict[str, Any] = {}
     for obj in objects:
+        if isinstance(obj, (str, Mapping, PluginEntry)):  # registered as is, it would implement nothing
+            raise PluginConfigError(
+                f"plugins= takes plugin objects, and {str(obj)[:80]!r} is a config entry; list it in the "
+                "config's `plugins` (it is placed in the fold order there)"
+            )
         if inspect.isclass(obj):
             obj = instantiate(obj, {}, f"plugin object {obj.__qualname__}")
         name = _object_name(obj)

@@ -39,6 +39,7 @@ from ._markers import PROJECT_NAME
 from .config import EngineConfig
 from .errors import InvalidArgumentError
 from .hookspecs import CkptSpecs
+from .plugin_manager import split_plugins
 from .report import ComponentReport
 
 __all__ = [
@@ -116,8 +117,15 @@ def bare_plugin_manager() -> pluggy.PluginManager:
 
 
 def make_engine(save_dir: str | os.PathLike[str], *plugins: Any, **config: Any) -> CheckpointEngine:
-    """An engine saving to ``save_dir`` with plugin objects registered (after configured ones)."""
-    return CheckpointEngine(EngineConfig(save_dir=os.fspath(save_dir), **config), plugins=plugins)
+    """An engine saving to ``save_dir`` with ``plugins`` after the configured ones, in the order
+    given: plugin objects (or classes) and config entries (``"pinned_staging"``,
+    ``{"name": "rename", "options": {...}}``, ``"my_project.plugins:Cls"``), as :func:`plan_load`
+    takes them."""
+    entries, objects = split_plugins(plugins)
+    configured = tuple(config.pop("plugins", ()))
+    return CheckpointEngine(
+        EngineConfig(save_dir=os.fspath(save_dir), plugins=(*configured, *entries), **config), plugins=objects
+    )
 
 
 @dataclass

@@ -10,7 +10,6 @@ public face of it.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +30,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..config import EngineConfig, PluginEntry
+from ..config import EngineConfig
 from ..errors import CheckpointLoadError, CkptEngineError, ConfigError, first_failure
 from ..pipeline import Pipeline
-from ..plugin_manager import build_plugin_manager, instantiate
+from ..plugin_manager import build_plugin_manager, split_plugins
 from ..report import ComponentReport
 from .dist import quiet_dcp
 from .planner import EngineLoadPlanner
@@ -122,21 +121,7 @@ def described_metadata(stored: Mapping[str, Any]) -> Metadata:
 
 def _pipeline(plugins: Any, strict: bool) -> Pipeline:
     """A pipeline with ``plugins`` in the given order: objects and config entries mixed."""
-    if isinstance(plugins, (str, Mapping, PluginEntry)) or not isinstance(plugins, Iterable):
-        plugins = [plugins]
-    entries: list[Any] = []
-    objects: list[Any] = []
-    for item in plugins:
-        if isinstance(item, (str, Mapping, PluginEntry)):
-            entries.append(item)
-            continue
-        if inspect.isclass(item):
-            item = instantiate(item, {}, f"plugin object {item.__qualname__}")
-        name = getattr(item, "name", None)
-        if not isinstance(name, str) or not name:
-            name = type(item).__name__
-        objects.append(item)
-        entries.append(name)  # an entry naming an object places it in the fold order
+    entries, objects = split_plugins(plugins)
     try:
         config = EngineConfig(save_dir=PLANNED_DIR, strict=strict, plugins=tuple(entries))
     except ValidationError as err:  # a malformed entry

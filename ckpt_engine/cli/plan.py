@@ -41,6 +41,7 @@ _LOAD_ARGS = ("model", "optimizer", "scheduler", "grad_scaler", "extra")
 
 
 def _build_objects(spec: str) -> Any:
+    import torch
     from torch import nn
 
     from .._engine.state import TrainingObjects
@@ -57,12 +58,15 @@ def _build_objects(spec: str) -> Any:
                 f"--model factory {spec} returned unknown keys {unknown}; allowed: {', '.join(_LOAD_ARGS)}"
             )
         kwargs = dict(made)
+    elif isinstance(made, (list, tuple)) and len(made) == 2 and isinstance(made[1], torch.optim.Optimizer):
+        kwargs = {"model": made[0], "optimizer": made[1]}  # the common `return model, optimizer`
     elif isinstance(made, nn.Module) or (isinstance(made, (list, tuple)) and made):
         kwargs = {"model": made}
     else:
         raise UsageError(
             f"--model factory {spec} returned a {type(made).__name__}; return an nn.Module, a list of modules, "
-            "or a dict of engine.load() arguments (model=, optimizer=, scheduler=, grad_scaler=, extra=)"
+            "(model, optimizer), or a dict of engine.load() arguments (model=, optimizer=, scheduler=, "
+            "grad_scaler=, extra=)"
         )
     try:
         return TrainingObjects.from_args(

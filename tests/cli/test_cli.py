@@ -422,6 +422,11 @@ def training():
     return {"model": model, "optimizer": opt, "grad_scaler": torch.amp.GradScaler("cpu")}
 
 
+def model_and_optimizer():  # docs/getting-started.md's build_wider shape: `return model, optimizer`
+    model = build()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def broken():
     raise RuntimeError("no GPU here")
 
@@ -476,6 +481,10 @@ def test_plan_prints_the_load_report_and_writes_nothing(cli: Run, saved: dict[st
     assert sorted(data["report"]["optim"]["unexpected"]) == sorted(
         f"param_groups.{k}.initial_lr" for k in ("0.weight", "0.bias", "2.weight", "2.bias")
     )
+    # `return model, optimizer` plans both (it was refused: "model[1] is a AdamW, not a torch.nn.Module")
+    code, out, _ = cli("plan", str(saved["dir"]), "--model", f"{factories}:model_and_optimizer", "--json")
+    assert code == 0 and {"model", "optim"} <= set(json.loads(out)["report"])
+    assert len(json.loads(out)["report"]["optim"]["loaded"]) == 4 * 3 + 11
 
 
 def test_plan_shows_mismatches_and_plugins_that_resolve_them(

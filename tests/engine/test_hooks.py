@@ -21,6 +21,7 @@ from ckpt_engine import (
     PlanEntry,
     PluginConfigError,
     PluginConflictError,
+    PluginEntry,
     PluginLoadError,
     RemapContext,
     SaveResult,
@@ -389,3 +390,25 @@ def test_an_exception_in_a_plugins_hook_names_the_plugin(save_dir: str) -> None:
         engine.load(model=TinyTrainingState.create().model)
     with pytest.raises(CheckpointSaveError, match=r"raised by plugin 'exploding'.* remap_keys hook"):
         engine.save(9, model=TinyTrainingState.create().model)
+
+
+@pytest.mark.parametrize("entry", ["ema", {"name": "ema"}, PluginEntry(name="ema")])
+def test_a_config_entry_passed_as_a_plugin_object_is_refused(save_dir: str, entry: Any) -> None:
+    """``plugins=`` takes objects. A name there was registered as a plugin named 'str' that
+    implements nothing: the EMA swap a user asked for silently did not happen."""
+    with pytest.raises(PluginConfigError, match="is a config entry; list it in the config's `plugins`"):
+        CheckpointEngine({"save_dir": save_dir}, plugins=[entry])
+
+
+def test_make_engine_takes_config_entries_and_objects_in_the_order_given(save_dir: str) -> None:
+    """As ``plan_load`` does (docs/testing-plugins.md): names and objects, placed in that order."""
+
+    class Observer:
+        name = "observer"
+
+        @hookimpl
+        def on_save_done(self, result: Any) -> None:
+            pass
+
+    engine = make_engine(save_dir, "size_mismatch", Observer(), {"name": "ema", "options": {"when": "every_load"}})
+    assert engine.plugin_names[-3:] == ("size_mismatch", "observer", "ema")
