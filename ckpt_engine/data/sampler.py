@@ -55,6 +55,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         self._yielded = 0  # indices of this pass this rank handed out
         self._consumed = 0  # samples of this pass this rank reported with advance()
         self._reported = False  # advance() was called in this pass
+        self._ended = False  # the current pass's iterator ran out: the next pass is the whole epoch
 
     # -- DistributedSampler's surface ---------------------------------------------------------
 
@@ -72,8 +73,8 @@ class ResumableDistributedSampler(DistributedSampler[int]):
 
     def __len__(self) -> int:
         """How many indices the current pass yields on this rank (after a resume, this rank's
-        share of what remains of the epoch)."""
-        return self._pass_length(self._start)
+        share of what remains of the epoch), or, once it ran out, the next pass: the whole epoch."""
+        return self._pass_length(0 if self._ended and not self._pending else self._start)
 
     def set_epoch(self, epoch: int) -> None:
         """Make ``epoch`` the one the next pass iterates. Another epoch than the current one
@@ -134,7 +135,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
     def _new_pass(self) -> None:
         self._pass += 1
         self._yielded = self._consumed = 0
-        self._reported = False
+        self._reported = self._ended = False
 
     def _position_after(self, start: int, consumed: int) -> int:
         """The global position once this rank consumed ``consumed`` indices of a pass from ``start``."""
@@ -226,6 +227,8 @@ class _Pass(Iterator[int]):
         if current:
             self._sampler._pending = False  # this pass is under way: the next one starts the epoch over
         if self._next >= len(self._indices):
+            if current:
+                self._sampler._ended = True
             raise StopIteration
         index = self._indices[self._next]
         self._next += 1

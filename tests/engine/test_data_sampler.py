@@ -167,6 +167,27 @@ def test_set_epoch_keeps_the_loaded_epochs_place_and_starts_others_at_their_star
     assert list(s) == list(other)
 
 
+def test_len_is_the_remainder_during_the_resumed_pass_and_the_whole_epoch_after_it() -> None:
+    """docs/data.md: ``len(sampler)`` says what the first pass after a load yields; later passes
+    are the whole epoch, as ``DistributedSampler``'s. After the resumed pass it still said the
+    remainder (7, then a pass of 12)."""
+    saved = _samplers(2)
+    _run(saved, 2)
+    s = _samplers(2)[1]
+    s.load_state_dict(saved[0].state_dict())
+    whole = len(_samplers(2)[1])
+    remainder = len(s)
+    assert remainder < whole
+    it = iter(s)
+    first = [next(it)]
+    assert len(s) == remainder  # during the pass: the pass's length
+    first += list(it)
+    assert len(first) == remainder
+    assert len(s) == whole  # the pass ran out: the next is the whole epoch
+    assert len(list(s)) == whole == len(s)
+    assert s.state_dict()["position"] == N  # the epoch is complete
+
+
 def test_a_state_saved_at_the_end_of_an_epoch_resumes_with_nothing_left() -> None:
     for drop_last in (False, True):
         saved = _samplers(4, n=10, drop_last=drop_last)
