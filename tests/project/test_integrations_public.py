@@ -23,6 +23,8 @@ INTERNAL_ALLOWED = {
     "ckpt_engine._storage.store": "pointers and folders on an object store are read through the engine's "
     "stores, configured by EngineConfig.storage",
     "ckpt_engine._storage.urls": "whether a path is a URL, as the engine decides it",
+    "ckpt_engine._storage.paths": "whether a pointer names this run's save_dir: one folder rule with the "
+    "engine's resume (symlinked spellings, file:// URLs)",
 }
 
 
