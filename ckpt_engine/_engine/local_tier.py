@@ -58,7 +58,7 @@ from .incremental import CarryBase, carry_base_in
 from .resave import refuse_resave
 from .resume import CheckpointReader, LoadSource, LocalTierSource, ResumeAsk
 from .targets import SavePaths, commit_locally
-from .tiers import CommitPhase, Outcomes, Round, WriteInputs, component_context, wait_writes
+from .tiers import CommitPhase, Outcomes, Round, WriteInputs, component_context, gate_on_check, wait_writes
 
 __all__ = ["LocalTier", "node_local_tiers"]
 
@@ -288,7 +288,7 @@ class LocalTier:
                     outcomes.append(failed)
                 break
             outcomes.append(out)
-        return paths, outcomes
+        return paths, gate_on_check(outcomes, inputs.checked)
 
     def _carry(self, paths: SavePaths, checksum: str) -> tuple[SavePaths, CarryBase | None]:
         """With ``incremental``: this rank's previous checkpoint to carry unchanged files over from,

@@ -245,7 +245,7 @@ class Saver:
         if check is not None:
             found = differences(check, outcome.payloads) if checking else []
             saved_maps = per_rank_maps(check, found, key_maps, rank)  # the same verdict on every rank
-        checked = self._start_later(later, key_maps, paths.iteration) if writes.durable else None
+        checked = self._start_later(later, key_maps, paths.iteration)  # every tier's commit waits for it
         return staged, (saved_maps, key_maps), stable, checked
 
     def _start_later(

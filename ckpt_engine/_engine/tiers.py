@@ -229,12 +229,28 @@ class WriteInputs:
     per_rank: tuple[str, ...]
     #: The model's frozen keys (``incremental``).
     stable: frozenset[str]
-    #: The background check of a staged copy's plain tensors: a durable write commits only once
-    #: every rank agreed on it.
+    #: The background check of a staged copy's plain tensors: a write in any tier commits only
+    #: once every rank agreed on it (:func:`gate_on_check`).
     checked: Future[None] | None
     plan_prefix: str
     #: The manifest's checksum algorithm (``None``: ``save_checksums`` is off).
     checksum: str | None
+
+
+def gate_on_check(outcomes: Outcomes, checked: Future[None] | None) -> Outcomes:
+    """``outcomes`` with one of them (the first still running, else the first) settled only once
+    ``checked`` passed, and failed where it failed: every tier's commit waits for every rank's
+    write, so no tier commits a save whose plain tensors differ across the ranks (the check's
+    verdict is the same on every rank)."""
+    if checked is None or not outcomes:
+        return outcomes
+    at = next((i for i, o in enumerate(outcomes) if isinstance(o, Future)), 0)
+    first = outcomes[at]
+    if not isinstance(first, Future):
+        done: Future[WriteResult] = Future()
+        done.set_result(first)
+        first = done
+    return [*outcomes[:at], gated(first, checked), *outcomes[at + 1 :]]
 
 
 def component_context(
@@ -393,7 +409,7 @@ class DurableTier:
         if self.config.incremental and inputs.checksum is not None:
             carry = carry_base(self.target, self.config, inputs.checksum, paths.iteration)
             paths = dataclasses.replace(paths, carry_chain=carry.chain, carry_from=carry.folder)
-        staged, checked = inputs.staged, inputs.checked
+        staged = inputs.staged
         outcomes: Outcomes = []
         for name in staged.components:
             planner = EngineSavePlanner(
@@ -403,12 +419,10 @@ class DurableTier:
                 self.config, paths, name, planner, staged.is_copy, carry, inputs.stable, watch_group()
             )
             out = inputs.pipeline.write(ctx, staged.components[name])
-            if checked is not None and isinstance(out, Future):  # commits only once the ranks agree
-                out, checked = gated(out, checked), None
             if isinstance(out, Future) and not staged.is_copy:
                 out = out.result()  # the live state: must be written before save() returns
             outcomes.append(out)
-        return paths, outcomes
+        return paths, gate_on_check(outcomes, inputs.checked)
 
     def commit(
         self, paths: SavePaths, components: tuple[str, ...], outcomes: Outcomes, round_: Round, *, collective: bool

@@ -12,7 +12,9 @@ argv: root folder. Saves, each into its own folder under it:
 * ``tier``: the differing data position saved at steps 5 (durable) and 6 (the node-local tier
   only), each rank its own simulated node, for the test's one-process resume;
 * ``async_mismatch`` and ``async_same``: ``pinned_staging`` saves, the buffer checked from the
-  staged copy after ``save()`` returned: the first must fail before its commit, the second commit.
+  staged copy after ``save()`` returned: the first must fail before its commit, the second commit;
+  ``async_mismatch_tier`` and ``async_mismatch_both_tiers`` as the first, into the node-local tier
+  only and into both tiers: no tier may commit it.
 
 Reports per rank one dict: the error of ``mismatch``, what ``per_rank`` restored, the async outcomes.
 """
@@ -109,11 +111,29 @@ def per_rank_round_trip(root: str, rank: int) -> dict[str, Any]:
     }
 
 
+def _iters(folder: str) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.startswith("iter_")) if os.path.isdir(folder) else []
+
+
 def async_saves(root: str, rank: int) -> dict[str, Any]:
+    """The ``async_*`` cases; ``*_tier`` also save into a node-local tier (each rank its own
+    node): ``persist_every`` 100 saves the tier only, 1 both tiers."""
     out: dict[str, Any] = {}
-    for name, expert in (("async_mismatch", float(rank)), ("async_same", 0.5)):
+    cases = (
+        ("async_mismatch", float(rank), None),
+        ("async_same", 0.5, None),
+        ("async_mismatch_tier", float(rank), 100),
+        ("async_mismatch_both_tiers", float(rank), 1),
+    )
+    for name, expert, persist_every in cases:
         save_dir = os.path.join(root, name)
-        config = {"save_dir": save_dir, "plugins": [{"name": "pinned_staging", "options": {"close_timeout_s": 60}}]}
+        config: dict[str, Any] = {
+            "save_dir": save_dir,
+            "plugins": [{"name": "pinned_staging", "options": {"close_timeout_s": 60}}],
+        }
+        if persist_every is not None:
+            local_dir = os.path.join(root, f"{name}_nodes", f"node{rank}")
+            config.update(local_dir=local_dir, ranks_per_node=1, persist_every=persist_every)
         engine = CheckpointEngine(config)
         handle = engine.save(1, model=model_with_expert(expert))  # returns: the check runs after it
         try:
@@ -123,7 +143,9 @@ def async_saves(root: str, rank: int) -> dict[str, Any]:
             out[name] = {"error": type(err).__name__, "message": str(err)}
         with contextlib.suppress(Exception):  # close() raises the failed save again
             engine.close()
-        out[name]["committed"] = sorted(n for n in os.listdir(save_dir) if n.startswith("iter_"))
+        out[name]["committed"] = _iters(save_dir)
+        if persist_every is not None:
+            out[name]["committed_in_tier"] = _iters(os.path.join(local_dir, f"rank_{rank:05d}"))
     return out
 
 

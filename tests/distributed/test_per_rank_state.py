@@ -113,6 +113,12 @@ def test_an_async_save_checks_its_staged_copy_before_the_commit(launched: Any) -
         assert "component 'model' key 'expert'" in got["async_mismatch"]["message"]
         assert got["async_mismatch"]["committed"] == []
         assert got["async_same"] == {"error": None, "committed": ["iter_000000001"]}
+        # The check gates every tier's commit: a tier-only save skipped it (the resume then took
+        # rank 0's copy), and a save into both tiers failed but stayed committed in the tier.
+        for case in ("async_mismatch_tier", "async_mismatch_both_tiers"):
+            assert got[case]["error"] == "CheckpointSaveError", got[case]
+            assert "component 'model' key 'expert'" in got[case]["message"]
+            assert got[case]["committed"] == [] and got[case]["committed_in_tier"] == [], got[case]
 
 
 def test_a_tier_step_holding_per_rank_state_is_not_resharded_into_another_world_size(
