@@ -26,12 +26,15 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .._dcpio.dist import quiet_dcp
-from .._dcpio.object_read import reader_for
+from .._dcpio.fast_read import FastFileSystemReader
+from .._dcpio.object_read import ObjectStoreReader, reader_for
 from .._dcpio.unsafe import blocked_global, refine_unsafe
 from .._format.layout import check_component_files
-from .._format.metadata import SafeFileSystemReader, read_metadata
+from .._format.manifest import lookup_manifest
+from .._format.metadata import read_metadata
 from .._format.metadata_read import is_rank_local
 from .._format.names import METADATA_FILE
+from .._format.verify import FileBlocks, component_blocks
 from .._storage.fscheck import require_regular_file
 from .._storage.store import open_store
 from ..errors import (
@@ -107,6 +110,9 @@ class ComponentReader:
     stored: dict[str, bytes] = field(init=False, default_factory=dict)
     #: What the component holds when it is one rank's part (a rank-local checkpoint), else ``None``.
     part: Part | None = field(init=False, default=None)
+    #: The per-block digests the checkpoint's manifest records for the component's data files:
+    #: every byte a read takes is checked, as a load checks it (none without a manifest).
+    blocks: dict[str, FileBlocks] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         store = open_store(self.path)
@@ -117,6 +123,10 @@ class ComponentReader:
         check_component_files(self.path, self.metadata, store)
         self.keys = key_infos(self.metadata)
         self.part = part_of(self.path, is_rank_local(self.metadata), self.keys)
+        checkpoint, name = self.path.rstrip("/").rsplit("/", 1)
+        manifest = lookup_manifest(checkpoint, store).manifest
+        if manifest is not None:
+            self.blocks = component_blocks(manifest, name, self.path, store.join)
 
     def require_whole(self, keys: Sequence[str]) -> None:
         """Raise :class:`~ckpt_engine.errors.PartialCheckpointError` for the first tensor of ``keys``
@@ -166,7 +176,9 @@ class ComponentReader:
         if not template:
             return {}
         store = open_store(self.path)
-        reader = reader_for(self.path, store, self.metadata, SafeFileSystemReader)
+        reader = reader_for(self.path, store, self.metadata, FastFileSystemReader)
+        if isinstance(reader, (FastFileSystemReader, ObjectStoreReader)):
+            reader.blocks = self.blocks
         planner = _ReadPlanner(self.trust)
         try:
             with quiet_dcp():

@@ -396,8 +396,30 @@ def test_convert_corrupt_data_fails_cleanly(cli: Run, saved: dict[str, Any], tmp
     data = _data_file(ckpt / "iter_000000004")
     data.write_bytes(b"\0" * data.stat().st_size)  # right size, garbage content
     code, _, err = cli("convert", str(ckpt / "iter_000000004"), str(tmp_path / "m.pt"))
-    assert code == 2 and "CorruptCheckpointError" in err and "verify" in err
+    assert code == 2 and "CorruptCheckpointError" in err and data.name in err  # its blocks' digests differ
     assert not (tmp_path / "m.pt").exists() and not list(tmp_path.glob("m.pt.*"))
+
+
+@pytest.mark.parametrize("out", ["m.pt", "m.safetensors", "hf"])
+def test_convert_and_diff_check_every_byte_they_read_against_the_manifest(
+    cli: Run, saved: dict[str, Any], tmp_path: Path, out: str
+) -> None:
+    """One flipped byte inside a tensor (the file parses): convert exported the wrong weights with
+    exit 0 and `diff A A` said identical, while a load refuses it. Both now check the blocks the
+    manifest records, as a load does, and name the file."""
+    if out != "m.pt":
+        pytest.importorskip("safetensors")
+    ckpt = _copy(saved, tmp_path)
+    data = _data_file(ckpt / "iter_000000004")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) - 2048] ^= 0x01  # in the last tensor's bytes, before the archive's directory
+    data.write_bytes(bytes(raw))
+    args = ["--to", "hf"] if out == "hf" else []
+    code, _, err = cli("convert", str(ckpt / "iter_000000004"), str(tmp_path / out), *args)
+    assert code == 2 and "CorruptCheckpointError" in err and data.name in err, err
+    assert not (tmp_path / out).exists()
+    code, _, err = cli("diff", str(ckpt / "iter_000000004"), str(ckpt / "iter_000000004"))
+    assert code == 2 and "CorruptCheckpointError" in err, err
 
 
 # -- plan --------------------------------------------------------------------------------------
