@@ -227,4 +227,7 @@ class CheckpointEngine:
         # plan entries, read items) and few cycles, and each full collection walks them all:
         # with 50 000 tensors that made the load grow faster than linearly (9 s against 25 s).
         with gc_paused():
-            return self._resume.load(objs)
+            result = self._resume.load(objs)
+        if result.checkpoint_path is not None:
+            self._tiers.resumed(result.iteration)
+        return result

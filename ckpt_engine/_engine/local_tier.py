@@ -92,6 +92,9 @@ class LocalTier:
         self._saves = 0
         self._parent: tuple[str, int] | None = None
         self._place: Place | None = None
+        #: The step this engine's last load resumed (``None``: it loaded none): its saves go on
+        #: from it, so the run's copies newer than it are a future it abandoned.
+        self._resumed_from: int | None = None
         #: The lineage of the save :meth:`begin` began last (recorded in its manifests).
         self.current: Lineage | None = None
         #: A rank-local write that raised on this rank, kept for this save's commit (which every
@@ -154,6 +157,13 @@ class LocalTier:
                 "local tier: %s was saved by another run than save_dir's, or for another save_dir; replacing it",
                 paths.final,
             )
+        elif self._abandoned(paths.final, paths.iteration):
+            logger.warning(
+                "local tier: %s was saved by an earlier job that went on past step %d, from which this job resumed "
+                "(no resume takes it any more); replacing it",
+                paths.final,
+                self._resumed_from,
+            )
         else:
             refuse_resave(paths.iteration, [(paths.final, open_store(paths.final))], self.config.allow_overwrite)
         if os.path.exists(paths.partial):
@@ -174,11 +184,27 @@ class LocalTier:
         here = self._place if self._place is not None else place_of(self.config.save_dir, self.root)
         return found.lineage.run_id != run or saved_elsewhere(found.lineage.place, here)
 
+    def _abandoned(self, path: str, iteration: int) -> bool:
+        """Whether the committed checkpoint ``path`` (of ``iteration``) in this rank's folder is of
+        a future this engine abandoned: another engine instance saved it, past the step this
+        engine resumed. Its save replaces it, as a resume sets it aside (:mod:`.._tier.lineage`)."""
+        if self._resumed_from is None or iteration <= self._resumed_from or not os.path.isdir(path):
+            return False
+        try:
+            found = lookup_manifest(path).manifest
+        except CkptEngineError:
+            return False
+        return found is not None and found.lineage is not None and found.lineage.instance != self._instance
+
+    def resumed(self, iteration: int) -> None:
+        """This engine's load resumed step ``iteration``: its saves go on from it."""
+        self._resumed_from = iteration
+
     def begin(self, iteration: int) -> Future[Manifest | None] | None:
         """Every rank, once the save is prepared: at the first save, the node check and the
         replicator (collective); then this save's replication round, to resolve after the commit."""
         topology = self.topology()
-        self._begin_lineage()
+        self._begin_lineage(iteration)
         if self._replicator is None and topology.world > 1:
             self._check_node_local(topology)
             if topology.replicas > 0:
@@ -196,13 +222,14 @@ class LocalTier:
                 )
         return self._replicator.expect(iteration) if self._replicator is not None else None
 
-    def _begin_lineage(self) -> None:
+    def _begin_lineage(self, iteration: int) -> None:
         """This save's lineage (every rank alike). At the first save, rank 0 reads the run and the
         newest durable step from ``save_dir``'s latest (a new run where it has none, or one
         without a lineage) and draws this engine's instance id; every rank takes them from it."""
         if self._run is None:
+            start = iteration - 1 if self._resumed_from is None else self._resumed_from
             first = _dist.broadcast_object(
-                _lineage_start(self.config) if _dist.rank() == 0 else None, step="local tier: lineage"
+                _lineage_start(self.config, start) if _dist.rank() == 0 else None, step="local tier: lineage"
             )
             self._run, self._instance, self._parent, self._place = first
         self._saves += 1
@@ -476,20 +503,20 @@ def _agree_local(phase: CommitPhase, what: str, step: str) -> None:
         phase.error = error
 
 
-def _lineage_start(config: EngineConfig) -> tuple[str, str, tuple[str, int] | None, Place]:
-    """Rank 0, at an engine's first save: the run (:func:`_save_dir_run`'s, or a new one, then
-    recorded in ``save_dir``), a new instance id, the durable step the saves descend from
-    (``save_dir``'s latest, if it records a lineage) and where the saves are made."""
+def _lineage_start(config: EngineConfig, start: int) -> tuple[str, str, tuple[str, int] | None, Place]:
+    """Rank 0, at an engine's first save: the run (:func:`_save_dir_run`'s, or a new one), a new
+    instance id, recorded in ``save_dir`` with ``start``, the step its saves go on from (the run's
+    fork: :mod:`.._tier.lineage`), before any of them is committed; the durable step the saves
+    descend from (``save_dir``'s latest, if it records a lineage) and where the saves are made."""
     store = open_store(config.save_dir, config.storage)
     run, parent = _save_dir_run(config)
-    if run is None or read_run(config.save_dir, store) != run:
-        run = run or secrets.token_hex(8)
-        try:
-            write_run(config.save_dir, store, run)
-        except (OSError, CkptEngineError) as err:  # its steps still record it; a resume needs one
-            logger.warning("local tier: the run's id cannot be recorded in save_dir (%s)", err)
+    run, instance = run or secrets.token_hex(8), secrets.token_hex(8)
+    try:
+        write_run(config.save_dir, store, run, (instance, start))
+    except (OSError, CkptEngineError) as err:  # its steps still record it; a resume needs one
+        logger.warning("local tier: the run's id and this job's start cannot be recorded in save_dir (%s)", err)
     assert config.local_dir is not None
-    return run, secrets.token_hex(8), parent, place_of(config.save_dir, config.local_dir)
+    return run, instance, parent, place_of(config.save_dir, config.local_dir)
 
 
 def _save_dir_run(config: EngineConfig) -> tuple[str | None, tuple[str, int] | None]:

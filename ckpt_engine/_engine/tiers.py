@@ -332,7 +332,9 @@ class Tier(Protocol):
     :class:`~.resume.PassedOver` on every rank, and the planner goes on without the nearer tiers; the
     durable tier's candidates are the planner's own places for its save folder (the two-tier copy,
     a committed checkpoint ``latest`` does not name yet, ``latest``, the fallback), asked after the
-    nearer tiers'.
+    nearer tiers'. Once a load read a step, ``resumed(iteration)`` on every rank (no I/O, no
+    collective): the saves that follow go on from it (the node-local tier records that fork at its
+    next first save, and replaces its own copies of the future it abandoned).
     """
 
     #: What :attr:`SaveResult.tier <ckpt_engine.types.SaveResult.tier>` calls a save that ends here.
@@ -361,6 +363,8 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
     def newest(self, reader: CheckpointReader, ask: ResumeAsk) -> LoadSource | None: ...
+
+    def resumed(self, iteration: int) -> None: ...
 
 
 class DurableTier:
@@ -454,6 +458,9 @@ class DurableTier:
         after the nearer tiers'."""
         return None
 
+    def resumed(self, iteration: int) -> None:
+        """Nothing here: ``save_dir``'s own rules (``allow_overwrite``) govern its re-saves."""
+
 
 @dataclass
 class TierSave:
@@ -500,6 +507,11 @@ class TierStack:
     def durable_committed(self, paths: SavePaths) -> None:
         for tier in self.nearer:
             tier.durable_committed(paths)
+
+    def resumed(self, iteration: int) -> None:
+        """A load read step ``iteration``: every tier's saves go on from it."""
+        for tier in (self.durable, *self.nearer):
+            tier.resumed(iteration)
 
     def wait(self, timeout: float | None = None) -> None:
         """Every tier's after-commit work so far (the node-local tier's replication rounds)."""

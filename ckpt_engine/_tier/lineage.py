@@ -22,7 +22,13 @@ peer's replica) is taken only when
   its folder after a durable commit): either shows ``save_dir`` was rolled back past that
   instance's saves. The record covers the instance's last durable step, which no later copy
   descends from (a job whose last save was durable, then ``save_dir`` rolled back); without it a
-  step whose durable commit did not finish (a crash while it was written) is still resumed.
+  step whose durable commit did not finish (a crash while it was written) is still resumed;
+* no later engine instance of the run went on from an older step (a fork, :data:`RUN_FILE`): an
+  engine records, at its first save and before it commits anything, the step it went on from (the
+  one it resumed, else the one before its first save). A copy of an earlier instance newer than a
+  later fork's step is a future that training abandoned: a job resumed on fewer ranks from
+  ``save_dir`` (the tier's newer steps did not fit it) that saved steps of its own, then came back
+  on the old ranks, took the abandoned steps back and discarded its own training.
 
 Copies without a lineage (written before lineages were recorded) are judged by iteration alone,
 as before, when ``save_dir``'s latest has none either; otherwise they are set aside.
@@ -52,6 +58,7 @@ __all__ = [
     "Announced",
     "Committed",
     "Durable",
+    "abandoned",
     "admissible",
     "describe_set_aside",
     "durable_view",
@@ -60,14 +67,20 @@ __all__ = [
     "place_of",
     "read_committed",
     "read_run",
+    "read_run_record",
     "saved_elsewhere",
     "write_run",
 ]
 
 #: The run's id in ``save_dir``, written by the run's first save (before any durable step exists:
-#: a run that has saved only to the tier so far is still known by ``save_dir``).
+#: a run that has saved only to the tier so far is still known by ``save_dir``), and its forks:
+#: ``[engine instance, the step it went on from]``, oldest first, one per engine that saved.
 RUN_FILE = ".ckpt_engine_run.json"
 _RUN_ID = re.compile(r"^[0-9a-f]{1,64}$")
+#: Forks the run file keeps (the newest); an instance older than all of them counts as older
+#: than every fork kept.
+_MAX_FORKS = 64
+_MAX_RUN_BYTES = 16 << 10
 
 
 #: In rank 0's ``local_dir`` folder (rank 0 makes every durable commit): the newest durable step
@@ -156,6 +169,8 @@ class Durable:
     lineage: Lineage | None
     run_only: str | None = None
     place: Place | None = None
+    #: The run's forks (:data:`RUN_FILE`), oldest first: ``(instance, the step it went on from)``.
+    forks: tuple[tuple[str, int], ...] = ()
 
     @property
     def run_id(self) -> str | None:
@@ -164,19 +179,51 @@ class Durable:
 
 def read_run(save_dir: str, store: Store) -> str | None:
     """The run id :data:`RUN_FILE` in ``save_dir`` records (``None``: none, or not readable)."""
+    return read_run_record(save_dir, store)[0]
+
+
+def read_run_record(save_dir: str, store: Store) -> tuple[str | None, tuple[tuple[str, int], ...]]:
+    """The run id and the forks :data:`RUN_FILE` in ``save_dir`` records (``(None, ())``: none, or
+    not readable; a malformed fork is left out)."""
     try:
-        doc = bounded_json.loads(store.read_bytes(store.join(save_dir, RUN_FILE), 4096), max_depth=4, max_int_digits=24)
+        raw = store.read_bytes(store.join(save_dir, RUN_FILE), _MAX_RUN_BYTES)
+        doc = bounded_json.loads(raw, max_depth=4, max_int_digits=24)
     except Exception:  # missing, unreadable or not (bounded) JSON: no run recorded
-        return None
+        return None, ()
     run = doc.get("run_id") if isinstance(doc, dict) else None
-    return run if isinstance(run, str) and _RUN_ID.fullmatch(run) else None
+    if not (isinstance(run, str) and _RUN_ID.fullmatch(run)):
+        return None, ()
+    entries = doc.get("forks")
+    forks = tuple(
+        (e[0], e[1])
+        for e in (entries[-_MAX_FORKS:] if isinstance(entries, list) else [])
+        if isinstance(e, list)
+        and len(e) == 2
+        and isinstance(e[0], str)
+        and _RUN_ID.fullmatch(e[0])
+        and type(e[1]) is int
+    )
+    return run, forks
 
 
-def write_run(save_dir: str, store: Store, run_id: str) -> None:
-    """Record ``run_id`` as ``save_dir``'s run (:data:`RUN_FILE`)."""
+def write_run(save_dir: str, store: Store, run_id: str, fork: tuple[str, int] | None = None) -> None:
+    """Record ``run_id`` as ``save_dir``'s run (:data:`RUN_FILE`), and ``fork`` after the forks it
+    records for that run."""
+    run, forks = read_run_record(save_dir, store)
+    kept = list(forks) if run == run_id else []
+    if fork is not None:
+        kept.append(fork)
     if store.capabilities.local_files:
         os.makedirs(save_dir, exist_ok=True)
-    store.write_bytes(store.join(save_dir, RUN_FILE), json.dumps({"run_id": run_id}).encode())
+    doc = {"run_id": run_id, "forks": [list(f) for f in kept[-_MAX_FORKS:]]}
+    store.write_bytes(store.join(save_dir, RUN_FILE), json.dumps(doc).encode())
+
+
+def abandoned(forks: tuple[tuple[str, int], ...], instance: str, iteration: int) -> bool:
+    """Whether step ``iteration`` saved by engine ``instance`` is of a future training abandoned:
+    an instance recorded after it (any, where it is not recorded) went on from an older step."""
+    mine = next((k for k in range(len(forks) - 1, -1, -1) if forks[k][0] == instance), -1)
+    return any(start < iteration for _, start in forks[mine + 1 :])
 
 
 def durable_view(
@@ -189,15 +236,17 @@ def durable_view(
     A manifest that cannot be read counts as one without a lineage: the load from ``save_dir``
     reports what is wrong with it."""
     found = [(it, n) for n in names if n is not None and (it := parse_iteration(n)) is not None]
+    run, forks = read_run_record(load_dir, store)
     if not found:  # no step yet: the run, if one has saved to its tier
-        run = read_run(load_dir, store)
-        return None if run is None else Durable(None, None, run, place)
+        return None if run is None else Durable(None, None, run, place, forks)
     iteration, name = max(found)
     try:
         manifest = lookup_manifest(store.join(load_dir, name), store).manifest
     except (OSError, CkptEngineError):
         manifest = None
-    return Durable(iteration, None if manifest is None else manifest.lineage, place=place)
+    lineage = None if manifest is None else manifest.lineage
+    same_run = lineage is None or run == lineage.run_id
+    return Durable(iteration, lineage, place=place, forks=forks if same_run else ())
 
 
 @dataclass(frozen=True)
@@ -255,6 +304,9 @@ def _rolled_back_instances(durable: Durable, copies: list[Announced], committed:
     } | {c.instance for c in committed if c.run_id == durable.run_id and newer(c.iteration)}
 
 
+_ABANDONED = "a later job of the run went on from an older step (this step's future was abandoned)"
+
+
 def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | None:
     """Why ``copy`` (at least as new as ``durable``) may not be taken, or ``None``."""
     ours, theirs = durable.lineage, copy.lineage
@@ -263,6 +315,8 @@ def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | N
             return "another run"
         if _elsewhere(durable, theirs):
             return _elsewhere_reason(theirs)
+        if abandoned(durable.forks, theirs.instance, copy.iteration):
+            return _ABANDONED
         return "save_dir was rolled back past its saves" if theirs.instance in rolled_back else None
     if ours is None or theirs is None:
         if ours is None and theirs is None:
@@ -272,6 +326,8 @@ def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | N
         return "another run"
     if _elsewhere(durable, theirs):
         return _elsewhere_reason(theirs)
+    if abandoned(durable.forks, theirs.instance, copy.iteration):
+        return _ABANDONED
     if copy.iteration == durable.iteration:
         return None if theirs.save_id == ours.save_id else "another save of save_dir's latest step"
     if theirs.instance in rolled_back:

@@ -24,6 +24,7 @@ from ckpt_engine._tier.lineage import (
     Announced,
     Committed,
     Durable,
+    abandoned,
     admissible,
     place_of,
     saved_elsewhere,
@@ -377,3 +378,51 @@ def test_a_step_received_into_a_folder_of_newer_steps_is_kept(tmp_path: Path) ->
     shutil.copytree(aside, partial)
     final = commit_copy(str(tmp_path / "local"), dataclasses.replace(manifest, rank=0), partial, keep_last=1)
     assert final == str(folder / "iter_000000006") and (folder / "iter_000000006").is_dir()
+
+
+# -- forks: a later job that went on from an older step -----------------------------------------------
+
+
+def test_a_step_an_earlier_instance_saved_past_a_later_fork_is_abandoned() -> None:
+    """e1 saved 4 to 6; e2 went on from 3 (resumed there) and saved 4; e3 went on from 4. Only
+    e2's 4 is still training's history; e1's 5 and 6 are a future abandoned at e2's fork."""
+    durable = Durable(3, _lin("e1-3"), forks=(("e1", 0), ("e2", 3), ("e3", 4)))
+    copies = [_copy(4, _lin("e2-1", "e1-3", 3)), _copy(5, _lin("e1-5", "e1-3", 3)), _copy(6, _lin("e1-6", "e1-3", 3))]
+    kept, aside = admissible(durable, copies)
+    assert [c.iteration for c in kept] == [4]
+    assert [
+        c.iteration
+        for c in aside["a later job of the run went on from an older step (this step's future was abandoned)"]
+    ] == [5, 6]
+    # An instance no fork records (saved before forks were recorded) counts as older than all.
+    assert abandoned((("e2", 3),), "e0", 4) and not abandoned((("e2", 3),), "e0", 3)
+    assert not abandoned((("e1", 0), ("e2", 6)), "e1", 6)  # e2 went on from e1's last step
+
+
+def test_a_job_that_resumed_an_older_step_is_not_undone_by_the_next_resume(tmp_path: Path) -> None:
+    """Job A saved 1 to 6 (3 durable, the others local only). Job B's resume passed A's tier over
+    (step 6 damaged) and went on from save_dir's 3; B saved 4 (A's own 4 is replaced, not refused:
+    B abandoned it) and stopped. A's damaged 6 is then removed. The next resume took A's 5 (the
+    newest step), the future B abandoned, and discarded B's training; it must take B's 4."""
+    config = {**_config(tmp_path / "durable", tmp_path / "local"), "persist_every": 100}
+    state = TinyTrainingState.create(seed=1)
+    with CheckpointEngine(config) as engine:
+        for it in range(1, 7):
+            state.train(1, seed=it)
+            assert engine.save(it, **state.objects(), durable=it == 3).result().succeeded
+    folder = tmp_path / "local/rank_00000"
+    data = next((folder / "iter_000000006/model").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x55
+    data.write_bytes(bytes(raw))
+    b = TinyTrainingState.create(seed=99)
+    with CheckpointEngine(config) as engine:
+        assert engine.load(**b.objects()).iteration == 3
+        b.train(1, seed=40)  # another batch than A's step 4
+        assert engine.save(4, **b.objects()).result().succeeded
+    shutil.rmtree(folder / "iter_000000006")
+    forks = json.loads((tmp_path / "durable/.ckpt_engine_run.json").read_text())["forks"]
+    assert [start for _, start in forks] == [0, 3]
+    result, got = _resume(config)
+    assert (result.iteration, result.checkpoint_path) == (4, str(folder / "iter_000000004"))
+    assert_state_dicts_equal(got, _snapshot(b))
