@@ -37,6 +37,7 @@ from .._format.names import METADATA_FILE
 from .._format.verify import FileBlocks, component_blocks
 from .._storage.fscheck import require_regular_file
 from .._storage.store import open_store
+from .._storage.urls import is_url, local_path
 from ..errors import (
     CkptEngineError,
     CorruptCheckpointError,
@@ -97,6 +98,15 @@ class _ReadPlanner(DefaultLoadPlanner):
         self.original_state_dict[key] = obj
 
 
+def _parent(path: str) -> tuple[str, str]:
+    """The folder holding component folder ``path`` (the checkpoint, whose manifest records the
+    component's digests) and the component's name; ``("", name)`` for a URL at a bucket's root."""
+    if is_url(path):
+        head, _, name = path.rstrip("/").rpartition("/")
+        return ("" if head.endswith(":/") or "://" not in head else head), name
+    return os.path.split(os.path.abspath(local_path(path)))
+
+
 @dataclass
 class ComponentReader:
     """Reads values of one component folder, safely and a batch at a time."""
@@ -123,8 +133,8 @@ class ComponentReader:
         check_component_files(self.path, self.metadata, store)
         self.keys = key_infos(self.metadata)
         self.part = part_of(self.path, is_rank_local(self.metadata), self.keys)
-        checkpoint, name = self.path.rstrip("/").rsplit("/", 1)
-        manifest = lookup_manifest(checkpoint, store).manifest
+        checkpoint, name = _parent(self.path)
+        manifest = lookup_manifest(checkpoint, store).manifest if checkpoint else None
         if manifest is not None:
             self.blocks = component_blocks(manifest, name, self.path, store.join)
 

@@ -23,10 +23,12 @@ peer's replica) is taken only when
   instance's saves. The record covers the instance's last durable step, which no later copy
   descends from (a job whose last save was durable, then ``save_dir`` rolled back); without it a
   step whose durable commit did not finish (a crash while it was written) is still resumed;
-* no later engine instance of the run went on from an older step (a fork, :data:`RUN_FILE`): an
-  engine records, at its first save and before it commits anything, the step it went on from (the
-  one it resumed, else the one before its first save). A copy of an earlier instance newer than a
-  later fork's step is a future that training abandoned: a job resumed on fewer ranks from
+* no later engine instance of the run went on from an older step (a fork, :data:`RUN_FILE`) and
+  saved a step of its own (a copy, or ``save_dir``'s latest): an engine records, at its first save
+  and before it commits anything, the step it went on from (the one it resumed, else the one before
+  its first save). A copy of an earlier instance newer than such a fork's step is a future that
+  training abandoned (a fork of a job that committed nothing, or an instance whose own record could
+  not be written, changes nothing): a job resumed on fewer ranks from
   ``save_dir`` (the tier's newer steps did not fit it) that saved steps of its own, then came back
   on the old ranks, took the abandoned steps back and discarded its own training.
 
@@ -219,11 +221,20 @@ def write_run(save_dir: str, store: Store, run_id: str, fork: tuple[str, int] | 
     store.write_bytes(store.join(save_dir, RUN_FILE), json.dumps(doc).encode())
 
 
-def abandoned(forks: tuple[tuple[str, int], ...], instance: str, iteration: int) -> bool:
+def abandoned(
+    forks: tuple[tuple[str, int], ...], instance: str, iteration: int, live: Iterable[str] | None = None
+) -> bool:
     """Whether step ``iteration`` saved by engine ``instance`` is of a future training abandoned:
-    an instance recorded after it (any, where it is not recorded) went on from an older step."""
-    mine = next((k for k in range(len(forks) - 1, -1, -1) if forks[k][0] == instance), -1)
-    return any(start < iteration for _, start in forks[mine + 1 :])
+    an instance recorded after it went on from an older step and saved a step of its own (one of
+    ``live``, the instances with a copy or ``save_dir``'s latest; ``None``: any). A fork of a job
+    that committed nothing (it stopped in its first save) abandons nothing; an instance the forks
+    do not record (its record could not be written, or it saved before forks were recorded) is
+    judged by the other rules alone."""
+    mine = next((k for k in range(len(forks) - 1, -1, -1) if forks[k][0] == instance), None)
+    if mine is None:
+        return False
+    saved = None if live is None else set(live)
+    return any(start < iteration and (saved is None or inst in saved) for inst, start in forks[mine + 1 :])
 
 
 def durable_view(
@@ -274,10 +285,13 @@ def admissible(
     kept: list[Announced] = []
     aside: dict[str, list[Announced]] = {}
     rolled_back = _rolled_back_instances(durable, copies, committed)
+    live = {c.lineage.instance for c in copies if c.lineage is not None}
+    if durable.lineage is not None:
+        live.add(durable.lineage.instance)
     for copy in copies:
         if durable.iteration is not None and copy.iteration < durable.iteration:
             continue
-        reason = _reason(durable, copy, rolled_back)
+        reason = _reason(durable, copy, rolled_back, live)
         if reason is None:
             kept.append(copy)
         else:
@@ -307,7 +321,7 @@ def _rolled_back_instances(durable: Durable, copies: list[Announced], committed:
 _ABANDONED = "a later job of the run went on from an older step (this step's future was abandoned)"
 
 
-def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | None:
+def _reason(durable: Durable, copy: Announced, rolled_back: set[str], live: set[str]) -> str | None:
     """Why ``copy`` (at least as new as ``durable``) may not be taken, or ``None``."""
     ours, theirs = durable.lineage, copy.lineage
     if durable.iteration is None:  # the run is known, none of its steps is durable yet
@@ -315,7 +329,7 @@ def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | N
             return "another run"
         if _elsewhere(durable, theirs):
             return _elsewhere_reason(theirs)
-        if abandoned(durable.forks, theirs.instance, copy.iteration):
+        if abandoned(durable.forks, theirs.instance, copy.iteration, live):
             return _ABANDONED
         return "save_dir was rolled back past its saves" if theirs.instance in rolled_back else None
     if ours is None or theirs is None:
@@ -326,7 +340,7 @@ def _reason(durable: Durable, copy: Announced, rolled_back: set[str]) -> str | N
         return "another run"
     if _elsewhere(durable, theirs):
         return _elsewhere_reason(theirs)
-    if abandoned(durable.forks, theirs.instance, copy.iteration):
+    if abandoned(durable.forks, theirs.instance, copy.iteration, live):
         return _ABANDONED
     if copy.iteration == durable.iteration:
         return None if theirs.save_id == ours.save_id else "another save of save_dir's latest step"

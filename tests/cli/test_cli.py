@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from _cli import Run
 from _paths import ROOT
 from _torchrun import run_torchrun
@@ -25,7 +26,7 @@ from ckpt_engine import CheckpointEngine
 from ckpt_engine._inspect import reader as cli_read
 from ckpt_engine._inspect.describe import config_reference
 from ckpt_engine.plugin_manager import installed_plugins
-from ckpt_engine.testing import TinyTrainingState
+from ckpt_engine.testing import TinyTrainingState, assert_state_dicts_equal
 
 
 @pytest.fixture(scope="module")
@@ -420,6 +421,27 @@ def test_convert_and_diff_check_every_byte_they_read_against_the_manifest(
     assert not (tmp_path / out).exists()
     code, _, err = cli("diff", str(ckpt / "iter_000000004"), str(ckpt / "iter_000000004"))
     assert code == 2 and "CorruptCheckpointError" in err, err
+
+
+def test_convert_and_diff_take_a_component_folder_named_by_a_relative_path(
+    cli: Run, saved: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain DCP folder (no manifest above it) and an engine component named relative to the
+    working folder ('plain', '.', 'model'): the reader's look for the manifest one folder up split
+    the path on '/' and failed with a bare ValueError."""
+    ckpt = _copy(saved, tmp_path)
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(tmp_path / "plain"))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli("convert", "plain", str(tmp_path / "p.pt"))
+    assert code == 0, err
+    assert torch.equal(torch.load(tmp_path / "p.pt")["w"], torch.arange(6.0))
+    monkeypatch.chdir(tmp_path / "plain")
+    assert cli("convert", ".", str(tmp_path / "q.pt"))[0] == 0
+    monkeypatch.chdir(ckpt / "iter_000000004")
+    code, _, err = cli("convert", "model", str(tmp_path / "m.pt"))
+    assert code == 0, err
+    assert_state_dicts_equal(torch.load(tmp_path / "m.pt"), saved["models"][4])
+    assert cli("diff", "model", "model")[0] == 0
 
 
 # -- plan --------------------------------------------------------------------------------------

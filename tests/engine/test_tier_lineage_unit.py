@@ -394,9 +394,15 @@ def test_a_step_an_earlier_instance_saved_past_a_later_fork_is_abandoned() -> No
         c.iteration
         for c in aside["a later job of the run went on from an older step (this step's future was abandoned)"]
     ] == [5, 6]
-    # An instance no fork records (saved before forks were recorded) counts as older than all.
-    assert abandoned((("e2", 3),), "e0", 4) and not abandoned((("e2", 3),), "e0", 3)
     assert not abandoned((("e1", 0), ("e2", 6)), "e1", 6)  # e2 went on from e1's last step
+    # An instance no fork records (its record could not be written; saved before forks were
+    # recorded) is judged by the other rules alone, and a fork of a job that committed nothing
+    # (it stopped in its first save) abandons nothing: the steps before it are training's history.
+    assert not abandoned((("e2", 3),), "e0", 4)
+    forks = (("e1", 0), ("e2", 3))
+    assert abandoned(forks, "e1", 5, live={"e1", "e2"}) and not abandoned(forks, "e1", 5, live={"e1"})
+    kept, _ = admissible(Durable(3, _lin("e1-3"), forks=forks), [_copy(5, _lin("e1-5", "e1-3", 3))])
+    assert [c.iteration for c in kept] == [5]
 
 
 def test_a_job_that_resumed_an_older_step_is_not_undone_by_the_next_resume(tmp_path: Path) -> None:
@@ -426,3 +432,56 @@ def test_a_job_that_resumed_an_older_step_is_not_undone_by_the_next_resume(tmp_p
     result, got = _resume(config)
     assert (result.iteration, result.checkpoint_path) == (4, str(folder / "iter_000000004"))
     assert_state_dicts_equal(got, _snapshot(b))
+
+
+def test_a_job_whose_fork_could_not_be_recorded_keeps_its_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_dir's run file could not be rewritten when job A started (a full quota, a read-only
+    object): A's own fork is missing, and an older fork made A's steps 4 and 5 look abandoned; the
+    resume took save_dir's 3. An instance the forks do not record abandons and is abandoned by
+    nothing."""
+    config = {**_config(tmp_path / "durable", tmp_path / "local"), "persist_every": 100}
+    _save({**config, "persist_every": 3}, range(1, 4))
+    import ckpt_engine._engine.local_tier as local_tier
+
+    def unwritable(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(local_tier, "write_run", unwritable)
+    a = TinyTrainingState.create(seed=5)
+    with CheckpointEngine(config) as engine:
+        assert engine.load(**a.objects()).iteration == 3
+        for it in (4, 5):
+            a.train(1, seed=it)
+            assert engine.save(it, **a.objects()).result().succeeded
+    monkeypatch.undo()
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (5, {"local"})
+    assert_state_dicts_equal(got, _snapshot(a))
+
+
+def test_a_job_that_stopped_in_its_first_save_abandons_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Job B (on another node: its own local_dir) resumed save_dir's 3 and its first save failed
+    after its fork was recorded. B committed nothing, so job A's tier steps 4 and 5 on A's node are
+    still the run's newest training; the next resume there takes 5."""
+    config = _config(tmp_path / "durable", tmp_path / "local")
+    saved = _save(config, range(1, 6))
+    import ckpt_engine._engine.local_tier as local_tier
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    other = {**config, "local_dir": str(tmp_path / "other_node")}
+    b = TinyTrainingState.create(seed=7)
+    with CheckpointEngine(other) as engine:
+        assert engine.load(**b.objects()).iteration == 3
+        monkeypatch.setattr(local_tier.LocalTier, "write", fail)
+        with pytest.raises(Exception):  # noqa: B017 - whatever the failed write raises
+            engine.save(4, **b.objects()).result()
+        monkeypatch.undo()
+    forks = json.loads((tmp_path / "durable/.ckpt_engine_run.json").read_text())["forks"]
+    assert [start for _, start in forks][-1] == 3  # B's fork was recorded
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (5, {"local"})
+    assert_state_dicts_equal(got, saved[5])
