@@ -16,7 +16,8 @@ a rank that does not arrive within ``collective_timeout_s`` is named in a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -47,6 +48,14 @@ class _Failed:
         return (_Failed, (self.err,))
 
 
+def checkpoint_error(step: str, failures: Mapping[int, BaseException]) -> CheckpointException:
+    """DCP's ``CheckpointException`` for ``step`` failed on the ranks of ``failures``, each error
+    with its traceback's summary, as DCP's own are built (its ``str`` formats those pairs: a bare
+    exception there made ``str`` raise ``TypeError``)."""
+    wrapped = {r: (err, traceback.extract_tb(err.__traceback__)) for r, err in failures.items()}
+    return CheckpointException(step, wrapped)
+
+
 def _run(fn: Callable[[], _T]) -> _T | _Failed:
     try:
         return fn()
@@ -57,7 +66,7 @@ def _run(fn: Callable[[], _T]) -> _T | _Failed:
 def _raise_failures(step: str, values: list[Any]) -> None:
     failures = {r: v.err for r, v in enumerate(values) if isinstance(v, _Failed)}
     if failures:
-        raise CheckpointException(step, failures)  # type: ignore[arg-type]
+        raise checkpoint_error(step, failures)
 
 
 class _RankLocal:
@@ -109,7 +118,7 @@ class Comm:
         out = _run(fn)
         if isinstance(out, _Failed):
             if self.world == 1:
-                raise CheckpointException(name, {0: out.err})  # type: ignore[dict-item]
+                raise checkpoint_error(name, {0: out.err})
             self._held = out
             return None  # type: ignore[return-value]
         return out
@@ -154,7 +163,7 @@ class Comm:
         self._bound(name + " (error)")
         dist.broadcast_object_list(box, src=self._global(failed[0]), group=self.group)
         err = box[0].err if isinstance(box[0], _Failed) else RuntimeError(f"rank {failed[0]} failed in {name!r}")
-        raise CheckpointException(name, dict.fromkeys(failed, err))  # type: ignore[arg-type]
+        raise checkpoint_error(name, dict.fromkeys(failed, err))
 
     @gc_paused()
     def gather_scatter(self, name: str, value: _T, reduce: Callable[[list[_T]], list[_R]]) -> _R:
@@ -176,11 +185,11 @@ class Comm:
             assert gathered is not None
             failures = {r: v.err for r, v in enumerate(gathered) if isinstance(v, _Failed)}
             if failures:
-                scatter = [CheckpointException(name, failures)] * self.world  # type: ignore[arg-type]
+                scatter = [checkpoint_error(name, failures)] * self.world
             else:
                 result = _run(lambda: reduce(gathered))
                 if isinstance(result, _Failed):
-                    scatter = [CheckpointException(name, {0: result.err})] * self.world  # type: ignore[dict-item]
+                    scatter = [checkpoint_error(name, {0: result.err})] * self.world
                 else:
                     scatter = list(result)
         box: list[Any] = [None]
@@ -212,10 +221,10 @@ class Comm:
             assert gathered is not None
             failures = {r: v.err for r, v in enumerate(gathered) if isinstance(v, _Failed)}
             if failures:
-                box[0] = CheckpointException(name, failures)  # type: ignore[arg-type]
+                box[0] = checkpoint_error(name, failures)
             else:
                 out = _run(lambda: finish(gathered))
-                box[0] = CheckpointException(name, {0: out.err}) if isinstance(out, _Failed) else out  # type: ignore[dict-item]
+                box[0] = checkpoint_error(name, {0: out.err}) if isinstance(out, _Failed) else out
         self._bound(name + " (result)")
         dist.broadcast_object_list(box, src=self._global(0), group=self.group)
         if isinstance(box[0], CheckpointException):

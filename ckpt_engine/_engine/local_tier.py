@@ -30,10 +30,10 @@ from .._dcpio.dist import new_gloo_group
 from .._dcpio.planner import EngineSavePlanner
 from .._format.digests import written_entries
 from .._format.hashing import DEFAULT_ALGORITHM
-from .._format.layout import SaveDirLock, cleanup_leftovers, remove_tree
+from .._format.layout import SaveDirLock, cleanup_leftovers, remove_checkpoint, remove_tree
 from .._format.manifest import FileEntry, Lineage, Manifest, Place, list_files, lookup_manifest
-from .._format.names import iter_dirname, partial_dirname
-from .._format.pointer import read_latest
+from .._format.names import iter_dirname, parse_iteration, partial_dirname
+from .._format.pointer import read_latest, write_latest
 from .._format.retention import apply_retention
 from .._storage.store import open_store
 from .._tier.folders import rank_folder
@@ -375,6 +375,8 @@ class LocalTier:
             if phase.error is None:
                 commit_locally(paths, components, algorithm, self._entries, _dist.world_size(), rank=_dist.rank())
                 manifest = lookup_manifest(paths.final).manifest
+                if self._resumed_from is not None and self._run is not None:
+                    _drop_abandoned(self.folder, paths.name, self._run, self._instance, self._resumed_from)
                 self._retain()
         except Exception as err:
             phase.error = err
@@ -501,6 +503,43 @@ def _agree_local(phase: CommitPhase, what: str, step: str) -> None:
         error = CheckpointSaveError(f"rank {failed.rank} failed to {what} its local-tier checkpoint: {failed.text}")
         error.__cause__ = phase.error
         phase.error = error
+
+
+def _drop_abandoned(folder: str, committed: str, run: str, instance: str, start: int) -> None:
+    """After this engine committed ``committed`` into its rank ``folder``, having resumed step
+    ``start``: remove the steps there that another engine instance of the run saved past
+    ``start``. They are a future this job abandoned, which a resume sets aside now that this job
+    has a step of its own (:func:`.._tier.lineage.abandoned`); kept, ``local_keep_last`` counted
+    them as the newest and removed this job's own steps, and the folder's ``latest`` kept naming
+    them. ``latest`` then names ``committed``. Best effort, logged."""
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        iteration = parse_iteration(name)
+        if iteration is None or iteration <= start or name == committed:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            found = lookup_manifest(path).manifest
+        except CkptEngineError:
+            continue
+        lineage = None if found is None else found.lineage
+        if lineage is None or lineage.run_id != run or lineage.instance == instance:
+            continue
+        try:
+            remove_checkpoint(path)
+        except OSError as err:
+            logger.warning("local tier: cannot remove %s, a step this job abandoned: %s", path, err)
+            continue
+        removed.append(iteration)
+    if removed:
+        write_latest(folder, committed)
+        logger.warning(
+            "local tier: removed step(s) %s from %s: an earlier job saved them past step %d, from which this job "
+            "went on",
+            ", ".join(map(str, removed)),
+            folder,
+            start,
+        )
 
 
 def _lineage_start(config: EngineConfig, start: int) -> tuple[str, str, tuple[str, int] | None, Place]:

@@ -202,6 +202,19 @@ def test_a_byte_flipped_in_a_local_step_found_while_reading_resumes_save_dir(tmp
     assert_state_dicts_equal(got, saved[3]["state"])
 
 
+def test_a_step_damaged_in_the_tier_and_in_save_dir_is_a_typed_error(tmp_path: Path) -> None:
+    """The tier's copy is passed over and save_dir's copy of the same step is damaged too: the
+    second read's failure was a TypeError from DCP's exception (built with bare errors, where its
+    ``str`` expects (error, traceback) pairs) instead of the CorruptCheckpointError naming the file."""
+    config = _config(tmp_path, persist_every=3)
+    _save_steps(config, range(1, 4))
+    _flip_mid_file(next((tmp_path / "local/rank_00000/iter_000000003/model").glob("*.distcp")))
+    durable = next((tmp_path / "durable/iter_000000003/model").glob("*.distcp"))
+    _flip_mid_file(durable)
+    with pytest.raises(CorruptCheckpointError, match=durable.name):
+        _resume(config)
+
+
 def test_a_damaged_local_step_with_nothing_in_save_dir_is_refused_not_a_fresh_start(tmp_path: Path) -> None:
     config = _config(tmp_path, persist_every=10)
     _save_steps(config, range(1, 3))

@@ -408,8 +408,8 @@ def test_a_step_an_earlier_instance_saved_past_a_later_fork_is_abandoned() -> No
 def test_a_job_that_resumed_an_older_step_is_not_undone_by_the_next_resume(tmp_path: Path) -> None:
     """Job A saved 1 to 6 (3 durable, the others local only). Job B's resume passed A's tier over
     (step 6 damaged) and went on from save_dir's 3; B saved 4 (A's own 4 is replaced, not refused:
-    B abandoned it) and stopped. A's damaged 6 is then removed. The next resume took A's 5 (the
-    newest step), the future B abandoned, and discarded B's training; it must take B's 4."""
+    B abandoned it) and stopped. A copy of A's 5 kept elsewhere was resumed (the newest step): the
+    future B abandoned, discarding B's training. It must take B's 4."""
     config = {**_config(tmp_path / "durable", tmp_path / "local"), "persist_every": 100}
     state = TinyTrainingState.create(seed=1)
     with CheckpointEngine(config) as engine:
@@ -421,12 +421,16 @@ def test_a_job_that_resumed_an_older_step_is_not_undone_by_the_next_resume(tmp_p
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x55
     data.write_bytes(bytes(raw))
+    shutil.copytree(folder / "iter_000000005", tmp_path / "kept_elsewhere")  # as a peer's replica would
     b = TinyTrainingState.create(seed=99)
     with CheckpointEngine(config) as engine:
         assert engine.load(**b.objects()).iteration == 3
         b.train(1, seed=40)  # another batch than A's step 4
         assert engine.save(4, **b.objects()).result().succeeded
-    shutil.rmtree(folder / "iter_000000006")
+    # B's commit removed A's 5 and 6 from its folder (a future it abandoned); a copy of 5 kept
+    # elsewhere must still not be resumed.
+    assert sorted(p.name for p in folder.glob("iter_*")) == ["iter_000000004"]
+    shutil.copytree(tmp_path / "kept_elsewhere", folder / "iter_000000005")
     forks = json.loads((tmp_path / "durable/.ckpt_engine_run.json").read_text())["forks"]
     assert [start for _, start in forks] == [0, 3]
     result, got = _resume(config)
@@ -485,3 +489,25 @@ def test_a_job_that_stopped_in_its_first_save_abandons_nothing(tmp_path: Path, m
     result, got = _resume(config)
     assert (result.iteration, set(result.bytes_by_source)) == (5, {"local"})
     assert_state_dicts_equal(got, saved[5])
+
+
+def test_the_tier_keeps_the_steps_of_a_job_that_went_on_from_an_older_step(tmp_path: Path) -> None:
+    """save_dir rolled back to step 2 (a user's rollback) while the tier held the first job's 4 and
+    5. The next job resumed 2 and saved 3 to the tier: ``local_keep_last`` (2) counted 4 and 5 as
+    the newest and removed 3 right after its commit, so the third job resumed save_dir's 2 and lost
+    3. The abandoned 4 and 5 are removed instead, and the tier's latest names 3."""
+    config = {**_config(tmp_path / "durable", tmp_path / "local"), "persist_every": 2, "local_keep_last": 2}
+    _save(config, range(1, 6))
+    shutil.rmtree(tmp_path / "durable/iter_000000004")
+    (tmp_path / "durable/latest_checkpoint.txt").write_text("iter_000000002\n")
+    b = TinyTrainingState.create(seed=9)
+    with CheckpointEngine(config) as engine:
+        assert engine.load(**b.objects()).iteration == 2
+        b.train(1, seed=30)
+        assert engine.save(3, **b.objects()).result().tier == "local"
+    folder = tmp_path / "local/rank_00000"
+    assert sorted(p.name for p in folder.glob("iter_*")) == ["iter_000000003"]  # 4 and 5 removed, not 3
+    assert (folder / "latest_checkpoint.txt").read_text().strip() == "iter_000000003"
+    result, got = _resume(config)
+    assert (result.iteration, result.checkpoint_path) == (3, str(folder / "iter_000000003"))
+    assert_state_dicts_equal(got, _snapshot(b))
