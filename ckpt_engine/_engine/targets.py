@@ -9,9 +9,8 @@ it instead of testing the storage mode:
 * :class:`ObjectStoreTarget`: ``save_dir`` is an object-store URL. Ranks write into a local spool
   folder and each uploads its own files; rank 0 checks the upload against the DCP metadata and
   writes the manifest last: the manifest is the completion marker (an object store has no rename).
-* :class:`TwoTierTarget`: an object-store URL with ``storage.local_dir``. The save commits in the
-  local folder as :class:`LocalTarget` does, then rank 0 uploads the committed copy (marker last);
-  synchronous saves upload in the background, and loads prefer the local copy.
+* :class:`TwoTierTarget`: an object-store URL with ``storage.local_dir``. The save commits locally
+  as :class:`LocalTarget` does, then rank 0 uploads it in the background (marker last).
 
 A target owns the staging folder, the per-rank file publication, the commit, what follows it,
 the cleanup of an uncommitted save and the folders retention runs in. The commit *protocol*
@@ -405,26 +404,29 @@ class TwoTierTarget(_CommitsLocally):
 
     def after_commit(self, paths: SavePaths) -> BaseException | None:
         """Upload the committed local copy; the manifest (the completion marker) goes last, then
-        ``latest``. Returns the error, if any (the local copy stays complete)."""
+        ``latest``; a re-save uploads beside the old copy (``.iter_n.replacing/``), moved over it
+        once complete. Returns the error, if any (the local copy stays complete)."""
         assert paths.local_final is not None
-        store = self.object_store
+        store, replacing = self.object_store, None
         try:
             refuse_resave(paths.iteration, [(paths.final, store)], self.config.allow_overwrite)
-            if store.exists(paths.final):  # a re-save: the old marker goes first
-                remove_checkpoint(paths.final, store)
+            if store.exists(paths.final):  # a failed upload must leave the old copy as it was
+                replacing = store.join(self.save_dir, replacing_dirname(paths.iteration))
+                store.remove_tree(replacing)  # what an earlier failed re-save uploaded, if any
+            dest = replacing or paths.final
             manifest = lookup_manifest(paths.local_final).manifest
             if manifest is None:
                 raise IncompleteCheckpointError(f"{paths.local_final} has no manifest; it cannot be uploaded")
             copies, source = self._carried_remotely(paths, manifest)
             rels = [rel for rel in list_files(paths.local_final) if rel not in copies]
-            upload_files(store, paths.local_final, paths.final, rels)
+            upload_files(store, paths.local_final, dest, rels)
             if copies:
-                copy_within(store, source, paths.final, copies)
-            # The local manifest, with the versions of the uploaded objects (the local ones mean
-            # nothing there): the next upload copies only objects that still have them.
-            files = with_versions(manifest.files, paths.final, store)
-            remote = dataclasses.replace(manifest, files=files)
-            store.write_bytes(store.join(paths.final, MANIFEST_FILE), remote.to_json().encode("utf-8"))
+                copy_within(store, source, dest, copies)
+            # With the uploaded objects' versions: the next upload copies only objects that still have them.
+            remote = dataclasses.replace(manifest, files=with_versions(manifest.files, dest, store))
+            store.write_bytes(store.join(dest, MANIFEST_FILE), remote.to_json().encode("utf-8"))
+            if replacing is not None:
+                promote_replacement(store, replacing, paths.final)
             move_latest(self.save_dir, paths.name, store, self.committed, self.config.allow_overwrite)
         except StorageError as err:
             wrapped = StorageError(f"{err}; the local copy {paths.local_final} is complete and is resumed from")
@@ -435,10 +437,9 @@ class TwoTierTarget(_CommitsLocally):
         return None
 
     def _carried_remotely(self, paths: SavePaths, manifest: Manifest) -> tuple[dict[str, int], str]:
-        """The files of an incremental save (its local ``manifest``) that the previous
-        checkpoint's uploaded copy holds unchanged (hard links locally, so equal bytes; the
-        object still has the version and checksum its manifest recorded): copied inside the
-        store, not uploaded again."""
+        """The files of an incremental save (its local ``manifest``) the previous checkpoint's
+        upload holds unchanged (linked locally; the object keeps its recorded version and
+        checksum): copied inside the store, not uploaded again."""
         if paths.carry_from is None:
             return {}, ""
         source = self.store.join(self.save_dir, os.path.basename(paths.carry_from))

@@ -28,6 +28,7 @@ from ckpt_engine import (
     CheckpointExistsError,
     CheckpointPermissionError,
     CheckpointSaveError,
+    CkptEngineError,
     IncompleteCheckpointError,
     SaveContext,
     StagedState,
@@ -600,6 +601,38 @@ def test_two_tier_local_copy_with_a_flipped_byte_resumes_the_object_store(s3_buc
     assert result.checkpoint_path == f"{s3_bucket.url}/iter_000000002"
     assert set(result.bytes_by_source) == {"durable"}
     _assert_same_state(state, fresh)
+
+
+def test_a_two_tier_resave_whose_upload_fails_leaves_the_old_copy(
+    s3_bucket: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/storage.md: a re-save (allow_overwrite) never puts the old copy at risk before the new
+    one is complete. The two-tier upload removed the old checkpoint first: an upload that failed
+    then left latest naming nothing on the store (another machine could not resume)."""
+    import ckpt_engine._engine.targets as targets
+
+    config = _s3_config(s3_bucket, storage={"local_dir": str(tmp_path / "local")}, allow_overwrite=True)
+    state = TinyTrainingState.create(seed=1, hidden=64)
+    with CheckpointEngine(config) as engine:
+        state.train(1)
+        engine.save(2, **state.objects()).result(timeout=60)
+    other = TinyTrainingState.create(seed=5, hidden=64)
+
+    def failing_upload(*args: Any, **kwargs: Any) -> None:
+        raise StorageError("the object store went away")
+
+    monkeypatch.setattr(targets, "upload_files", failing_upload)
+    with pytest.raises(CkptEngineError, match="the object store went away"), CheckpointEngine(config) as engine:
+        engine.save(2, **other.objects()).result(timeout=60)  # (close() reports the failed upload again)
+    monkeypatch.undo()
+    result, fresh = _resume(_s3_config(s3_bucket))  # another machine: the object store only
+    assert result.checkpoint_path == f"{s3_bucket.url}/iter_000000002"
+    _assert_same_state(state, fresh)
+    # The upload works again: the re-save replaces the old copy, and nothing is left beside it.
+    with CheckpointEngine(config) as engine:
+        engine.save(2, **other.objects()).result(timeout=60)
+    assert not [k for k in s3_bucket.objects() if ".replacing" in k]
+    _assert_same_state(other, _resume(_s3_config(s3_bucket))[1])
 
 
 @pytest.mark.full  # over 2 s on 2 cores: the S3 server and its uploads
