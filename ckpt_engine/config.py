@@ -187,7 +187,9 @@ class EngineConfig(_Frozen):
         "(`s3://bucket/run`, any fsspec filesystem; see `storage`).",
     )
     load_dir: str | None = Field(
-        default=None, description="Folder whose `latest_checkpoint.txt` is resumed; default: `save_dir`."
+        default=None,
+        description="Folder whose `latest_checkpoint.txt` is resumed, or one checkpoint folder "
+        "(`iter_*`) resumed whole (a branch from an older step); default: `save_dir`.",
     )
     load_path: str | None = Field(
         default=None,

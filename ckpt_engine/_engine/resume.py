@@ -257,7 +257,8 @@ class ResumePlanner:
        before anything is chosen: never after a read began);
     3. **a committed checkpoint ``latest`` does not name yet** (a save stopped between its commit
        and the pointer's move), when it passes the checks (``latest`` is repaired);
-    4. **``latest``** of the load folder;
+    4. **``latest``** of the load folder (or the load folder itself, where ``load_dir`` names one
+       checkpoint folder: a branch from an older step);
     5. **the fallback** (``fallback_to_last_complete``): the newest checkpoint that passes the
        checks, when ``latest`` cannot be read or fails them;
     6. **``load_path``**: a ``.pth`` file, safetensors weights, a checkpoint or save folder;
@@ -340,6 +341,7 @@ class ResumePlanner:
             *((self._two_tier_copy, self._nearer_tiers) if nearer else ()),
             self._unnamed,
             self._latest,
+            self._named,
             self._load_path,
         )
         for place in places:
@@ -457,6 +459,15 @@ class ResumePlanner:
                 raise
             return self._fallback(ask, path, err)
         return CheckpointSource(path, ask.wanted, "latest", validated)
+
+    def _named(self, ask: ResumeAsk) -> LoadSource | None:
+        """A ``load_dir`` that is one checkpoint folder (``iter_*``, no ``latest`` in it), checked
+        and resumed whole, as ``latest`` would be: a branch from an older step. Without this it
+        was a fresh start, in silence."""
+        name = ask.load_dir.rstrip("/").rsplit("/", 1)[-1]
+        if ask.latest is not None or same_folder(ask.load_dir, self.save_dir) or parse_iteration(name) is None:
+            return None
+        return CheckpointSource(ask.load_dir, ask.wanted, "latest", self.reader.validate(ask.load_dir, ask.store))
 
     def _fallback(self, ask: ResumeAsk, bad: str, err: CkptEngineError, refused: Sequence[str] = ()) -> LoadSource:
         """``fallback_to_last_complete``: the newest checkpoint that passes the checks (``refused``:

@@ -117,3 +117,17 @@ def test_a_damaged_byte_found_while_reading_falls_back_with_the_option(save_dir:
     _flip_a_moment(save_dir, 1)
     with pytest.raises(CorruptCheckpointError, match="found no other complete checkpoint"):
         _load(save_dir, fallback_to_last_complete=True)
+
+
+def test_a_load_dir_naming_a_checkpoint_folder_resumes_it_whole_not_a_fresh_start(save_dir: str) -> None:
+    """docs/reliability.md's branch from an older step: load_dir naming one checkpoint folder (it
+    holds no latest_checkpoint.txt) started from scratch in silence. It resumes that checkpoint,
+    every component, as latest would; a damaged one is refused as latest's is."""
+    saved = _save(save_dir, 1, 2)
+    result, fresh = _load(save_dir, load_dir=str(_ckpt(save_dir, 1)))
+    assert (result.iteration, result.checkpoint_path, result.source) == (1, str(_ckpt(save_dir, 1)), "latest")
+    assert_state_dicts_equal(dict(fresh.model.state_dict()), saved[1])
+    assert {"model", "optim", "scheduler", "trainer"} <= set(result.components)
+    (_ckpt(save_dir, 1) / "model" / ".metadata").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="iter_000000001"):
+        _load(save_dir, load_dir=str(_ckpt(save_dir, 1)))
