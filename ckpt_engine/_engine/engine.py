@@ -160,6 +160,12 @@ class CheckpointEngine:
         then. Useful to keep start-up out of a measurement."""
         return self.pipeline.wait_ready(timeout)
 
+    def resumed_from(self, iteration: int) -> None:
+        """Training goes on from step ``iteration``, read other than by :meth:`load` (an
+        integration's reader, another engine): the node-local tier's saves then treat the steps an
+        earlier job saved past it as a future it abandoned, as after a :meth:`load` of that step."""
+        self._tiers.resumed(iteration)
+
     def wait(self) -> None:
         """Block until every pending save is committed; raise if one failed."""
         self._queue.wait()
@@ -229,5 +235,5 @@ class CheckpointEngine:
         with gc_paused():
             result = self._resume.load(objs)
         if result.checkpoint_path is not None:
-            self._tiers.resumed(result.iteration)
+            self.resumed_from(result.iteration)
         return result

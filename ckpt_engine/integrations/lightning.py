@@ -226,6 +226,8 @@ class EngineCheckpointIO(CheckpointIO):
             from .. import CheckpointEngine
 
             self._engine = CheckpointEngine(self.config, plugins=[*self._plugins, _CommitObserver(self)])
+            if self._resumed is not None:  # its node-local tier's saves go on from that step
+                self._engine.resumed_from(self._resumed[0])
         return self._engine
 
     def teardown(self) -> None:
@@ -443,9 +445,14 @@ class EngineCheckpointIO(CheckpointIO):
         checkpoint = reader.read(os.fspath(path), like)
         step = checkpoint.get("global_step")
         folder, save_id = reader.last_read or ("", None)
-        ours = os.path.dirname(folder.rstrip("/")) == self.save_dir.rstrip("/")
+        tier = self.config.local_dir  # a step the resume took from the node-local tier is the run's too
+        ours = os.path.dirname(folder.rstrip("/")) == self.save_dir.rstrip("/") or bool(
+            tier and os.path.abspath(folder).startswith(os.path.join(os.path.abspath(tier), ""))
+        )
         with self._lock:
             self._resumed = (step, save_id) if ours and isinstance(step, int) else None
+        if self._resumed is not None and self._engine is not None:
+            self._engine.resumed_from(self._resumed[0])
         return checkpoint
 
     # -- remove -----------------------------------------------------------------------------

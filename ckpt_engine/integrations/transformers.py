@@ -319,6 +319,8 @@ class EngineTrainerMixin(_TrainerBase):
             if self._overwrite:
                 config = config.model_copy(update={"allow_overwrite": True})
             self._engine = CheckpointEngine(config, plugins=[*self.engine_plugins, _SaveObserver(self)])
+            if self._resume is not None:  # its node-local tier's saves go on from that step
+                self._engine.resumed_from(self._resume.iteration)
         return self._engine
 
     @property
@@ -384,6 +386,8 @@ class EngineTrainerMixin(_TrainerBase):
         broken, and are replaced without it."""
         resume, passed = self._resolve_resume(resume_from_checkpoint)
         self._resume = resume
+        if resume is not None and self._engine is not None:  # made before train(): tell it too
+            self._engine.resumed_from(resume.iteration)
         try:
             self._overwrite = self._replaces_newer(resume, passed)
             output = super().train(passed, *args, **kwargs)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from ckpt_engine import CheckpointEngine
+from ckpt_engine import CheckpointEngine, CheckpointExistsError
 from ckpt_engine._format.manifest import Lineage, Place, lookup_manifest, parse_manifest
 from ckpt_engine._tier.lineage import (
     COMMITTED_FILE,
@@ -510,4 +510,22 @@ def test_the_tier_keeps_the_steps_of_a_job_that_went_on_from_an_older_step(tmp_p
     assert (folder / "latest_checkpoint.txt").read_text().strip() == "iter_000000003"
     result, got = _resume(config)
     assert (result.iteration, result.checkpoint_path) == (3, str(folder / "iter_000000003"))
+    assert_state_dicts_equal(got, _snapshot(b))
+
+
+def test_resumed_from_tells_an_engine_that_did_not_load_where_training_went_on(tmp_path: Path) -> None:
+    """The integrations read a checkpoint through a reader engine; the engine that saves never
+    called load(). Told the step with resumed_from, its save of an iteration the tier holds past
+    that step replaces the abandoned copy (it was refused: CheckpointExistsError mid-run)."""
+    config = {**_config(tmp_path / "durable", tmp_path / "local"), "persist_every": 3}
+    _save(config, range(1, 6))
+    b = TinyTrainingState.create(seed=11)
+    with CheckpointEngine(config) as engine, pytest.raises(CheckpointExistsError):
+        engine.save(4, **b.objects())
+    with CheckpointEngine(config) as engine:
+        engine.resumed_from(3)
+        b.train(1, seed=44)
+        assert engine.save(4, **b.objects()).result().succeeded
+    result, got = _resume(config)
+    assert (result.iteration, set(result.bytes_by_source)) == (4, {"local"})
     assert_state_dicts_equal(got, _snapshot(b))

@@ -277,11 +277,14 @@ def test_a_lightning_module_trained_by_hand_resumes_exactly(tmp_path: Path) -> N
     assert report.keys_compared > 10
 
 
-def test_a_fit_resumed_mid_accumulation_points_the_resaved_step_at_its_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tier", [False, True], ids=["save_dir", "node_local_tier"])
+def test_a_fit_resumed_mid_accumulation_points_the_resaved_step_at_its_checkpoint(tmp_path: Path, tier: bool) -> None:
     """With ``accumulate_grad_batches``, ``ModelCheckpoint`` saves the step a fit resumed from
     again after its first micro-batch (it does not keep which step it saved last). In a new
     process that was a save of a committed iteration: ``CheckpointExistsError``, and the resumed
-    fit crashed. The step's checkpoint stays as the run saved it and the new names point at it."""
+    fit crashed. The step's checkpoint stays as the run saved it and the new names point at it.
+    From the node-local tier (step 3 saved there only) the IO did not take the resumed step for
+    the run's: the re-save was refused on every restart."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
@@ -295,7 +298,7 @@ def test_a_fit_resumed_mid_accumulation_points_the_resaved_step_at_its_checkpoin
         trainer = L.Trainer(
             max_steps=6,
             accumulate_grad_batches=2,
-            plugins=[EngineCheckpointIO(script.config(str(tmp_path), "sync"))],
+            plugins=[EngineCheckpointIO(script.config(str(tmp_path), "sync", **tier_options))],
             callbacks=[
                 ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1, save_last=True),
                 *([StopAt3()] if stop else []),
@@ -309,10 +312,13 @@ def test_a_fit_resumed_mid_accumulation_points_the_resaved_step_at_its_checkpoin
         trainer.fit(script.Regressor(), script.data(), ckpt_path=ckpt_path)
         return int(trainer.global_step)
 
+    tier_options = {"local_dir": str(tmp_path / "local"), "persist_every": 100} if tier else {}
+    step3 = (tmp_path / "local" / "rank_00000" if tier else tmp_path / "engine") / "iter_000000003"
     assert fit(True, None) == 3
-    manifest = (tmp_path / "engine" / "iter_000000003" / "ckpt_engine_manifest.json").read_text()
+    assert tier != (tmp_path / "engine" / "iter_000000003").exists()
+    manifest = (step3 / "ckpt_engine_manifest.json").read_text()
     assert fit(False, "last") == 6
-    assert (tmp_path / "engine" / "iter_000000003" / "ckpt_engine_manifest.json").read_text() == manifest
+    assert (step3 / "ckpt_engine_manifest.json").read_text() == manifest
     for pointer in (tmp_path / "ckpts").glob("*step=3*.ckpt"):
         got = read_pointer(pointer)
         assert got is not None and got.checkpoint == "iter_000000003", pointer
