@@ -121,7 +121,7 @@ class CheckpointReader:
                 f"replaced (allow_overwrite) in {checkpoint_dir}; load the checkpoint folder itself to get the later "
                 "state, or the pointer that save wrote"
             )
-        checkpoint = self._read_checkpoint(structure, checkpoint_dir, like or {})
+        checkpoint = self._read_checkpoint(structure, checkpoint_dir, like or {}, (save_dir, folder, iteration))
         self.last_read = (checkpoint_dir, saved if isinstance(saved, str) else None)
         return checkpoint
 
@@ -234,8 +234,15 @@ class CheckpointReader:
         return bool(fs.exists(inner))
 
     def _read_checkpoint(
-        self, structure: dict[str, Any], checkpoint_dir: str, like: Mapping[str, Any]
+        self,
+        structure: dict[str, Any],
+        checkpoint_dir: str,
+        like: Mapping[str, Any],
+        source: tuple[str, str | None, int],
     ) -> dict[str, Any]:
+        """The checkpoint dict, read by the rule that found ``structure`` (``source``: the save
+        folder, the folder named, and the iteration found): a step the node-local tier resharded
+        for the first read is gone after it, and is resharded again."""
         where = f"{checkpoint_dir}/{COMPONENT}"
         live_model = like.get("state_dict")
         live_model = live_model if isinstance(live_model, Mapping) else {}
@@ -249,8 +256,14 @@ class CheckpointReader:
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptCheckpointError(f"{where}: malformed structure ({err})") from err
         module = tensor_module(model_spec)
-        with self._engine(os.path.dirname(checkpoint_dir), checkpoint_dir) as reader:
+        save_dir, folder, iteration = source
+        with self._engine(save_dir, folder) as reader:
             result = reader.load(model=module if model_spec else None, extra={COMPONENT: items})
+        if result.iteration != iteration:
+            raise CheckpointNotFoundError(
+                f"{where}: {save_dir}'s latest moved from iteration {iteration} to {result.iteration} while it "
+                "was read (another job saving into it?); load again"
+            )
         skipped = set(result.report["model"].skipped) if model_spec else set()
         value = unflatten(structure["tree"], items.items, where)
         checkpoint: dict[str, Any] = value["checkpoint"]

@@ -167,6 +167,9 @@ class Resume:
     rng: DeferredRng
     #: With ``fallback_to_last_complete``: the checkpoint refused in favour of ``checkpoint``.
     fell_back_from: str | None = None
+    #: The folder the resume asked for (``None``: the load folder's latest, which a second read
+    #: resolves again where ``checkpoint`` is gone: a step the node-local tier resharded).
+    folder: str | None = None
 
     def close(self) -> None:
         shutil.rmtree(self.stand_in, ignore_errors=True)
@@ -199,18 +202,23 @@ def open_resume(config: EngineConfig, plugins: Sequence[Any], folder: str | None
     stand_in = tempfile.mkdtemp(prefix="ckpt-engine-resume-")
     with open(os.path.join(stand_in, TRAINER_STATE_FILE), "w", encoding="utf-8") as f:
         f.write(text)
-    return Resume(result.checkpoint_path, result.iteration, components, stand_in, DeferredRng(), result.fell_back_from)
+    return Resume(
+        result.checkpoint_path, result.iteration, components, stand_in, DeferredRng(), result.fell_back_from, folder
+    )
 
 
 def read_training_state(
     config: EngineConfig, plugins: Sequence[Any], resume: Resume, objects: Mapping[str, Any]
 ) -> Any:
     """Load ``objects`` (``model``, ``optimizer``, ``scheduler``, ``grad_scaler``) and the random
-    state from exactly ``resume.checkpoint``; only the components the save holds are asked for."""
+    state from exactly ``resume.checkpoint`` (or, where that was a resharded step of the node-local
+    tier, removed after the first read, the step the same rule takes again, of the same iteration);
+    only the components the save holds are asked for."""
     wanted = set(resume.components)
     kwargs = {k: v for k, v in objects.items() if k == "model" or _COMPONENT_OF.get(k) in wanted}
     extra = {RNG_COMPONENT: resume.rng} if RNG_COMPONENT in wanted else {}
-    reader = reader_engine(config, plugins, resume.checkpoint, tuple(extra))
+    gone = resume.folder is None and not open_store(resume.checkpoint, config.storage).isdir(resume.checkpoint)
+    reader = reader_engine(config, plugins, None if gone else resume.checkpoint, tuple(extra))
     with reader:
         result = reader.load(**kwargs, extra=extra)
     if result.checkpoint_path is None or result.iteration != resume.iteration:
