@@ -11,6 +11,7 @@ parameters, optimizer state and every logged loss.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,6 +35,8 @@ from ckpt_engine import (
     CheckpointNotFoundError,
     CkptEngineError,
     ConfigError,
+    CorruptCheckpointError,
+    EngineConfig,
     IncompleteCheckpointError,
 )
 from ckpt_engine.cli import main as cli
@@ -437,3 +440,26 @@ def test_a_tiny_gpt2_trained_by_hand_resumes_exactly(tmp_path: Path) -> None:
     report = check_exact_resume(hf_models.build_gpt2, hf_models.step_gpt2, steps=5, save_at=2, workdir=tmp_path)
     report.raise_if_not_exact()
     assert report.keys_compared > 50  # every parameter, its AdamW state, the schedule, the position, the generators
+
+
+def test_the_second_read_of_a_resume_whose_folder_is_gone_takes_the_same_step_again(tmp_path: Path) -> None:
+    """A resume's second read (the model, optimizer and scheduler, after the trainer-state probe)
+    named the folder the probe read. A step the node-local tier resharded into another number of
+    ranks is read from a folder the engine removes after each read: CheckpointNotFoundError on
+    every such resume. The second read takes the step by the probe's rule again (same iteration)."""
+    from ckpt_engine.integrations._trainer_checkpoint import DeferredRng, Resume, read_training_state
+
+    save_dir = str(tmp_path / "ckpt")
+    saved = torch.nn.Linear(4, 3)
+    with CheckpointEngine({"save_dir": save_dir}) as engine:
+        engine.save(3, model=saved)
+    gone = str(tmp_path / "local" / ".ckpt_engine_reshard" / "rank_00000" / "iter_000000003")
+    resume = Resume(gone, 3, ("model",), str(tmp_path / "stand_in"), DeferredRng(), None, None)
+    fresh = torch.nn.Linear(4, 3)
+    result = read_training_state(EngineConfig(save_dir=save_dir), (), resume, {"model": fresh})
+    assert result.iteration == 3
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), fresh.state_dict().values(), strict=True))
+    with pytest.raises(CorruptCheckpointError, match="second read of it found iteration 3"):
+        read_training_state(
+            EngineConfig(save_dir=save_dir), (), dataclasses.replace(resume, iteration=5), {"model": fresh}
+        )
