@@ -152,12 +152,13 @@ class LocalTier:
             self._lock = lock
             for line in cleanup_leftovers(self.folder):
                 logger.warning("local tier: %s", line)
-        if self._of_another_run(paths.final):
+        found = _committed_lineage(paths.final)
+        if self._of_another_run(found):
             logger.warning(
                 "local tier: %s was saved by another run than save_dir's, or for another save_dir; replacing it",
                 paths.final,
             )
-        elif self._abandoned(paths.final, paths.iteration):
+        elif self._abandoned(found, paths.iteration):
             logger.warning(
                 "local tier: %s was saved by an earlier job that went on past step %d, from which this job resumed "
                 "(no resume takes it any more); replacing it",
@@ -169,32 +170,25 @@ class LocalTier:
         if os.path.exists(paths.partial):
             remove_tree(paths.partial)
 
-    def _of_another_run(self, path: str) -> bool:
-        """Whether the committed checkpoint ``path`` in this rank's folder records another run
-        than this engine's (``save_dir``'s latest's, before the first save), or was saved for
-        another ``save_dir`` location: a resume would set it aside, so a save of its iteration
-        replaces it instead of being refused as a re-save."""
-        try:
-            found = lookup_manifest(path).manifest if os.path.isdir(path) else None
-        except CkptEngineError:
-            return False
-        if found is None or found.lineage is None:
+    def _of_another_run(self, found: Lineage | None) -> bool:
+        """Whether the committed checkpoint in this rank's folder whose lineage is ``found``
+        records another run than this engine's (``save_dir``'s latest's, before the first save),
+        or was saved for another ``save_dir`` location: a resume would set it aside, so a save of
+        its iteration replaces it instead of being refused as a re-save."""
+        if found is None:
             return False
         run = self._run if self._run is not None else _save_dir_run(self.config)[0]
         here = self._place if self._place is not None else place_of(self.config.save_dir, self.root)
-        return found.lineage.run_id != run or saved_elsewhere(found.lineage.place, here)
+        return found.run_id != run or saved_elsewhere(found.place, here)
 
-    def _abandoned(self, path: str, iteration: int) -> bool:
-        """Whether the committed checkpoint ``path`` (of ``iteration``) in this rank's folder is of
-        a future this engine abandoned: another engine instance saved it, past the step this
-        engine resumed. Its save replaces it, as a resume sets it aside (:mod:`.._tier.lineage`)."""
-        if self._resumed_from is None or iteration <= self._resumed_from or not os.path.isdir(path):
+    def _abandoned(self, found: Lineage | None, iteration: int) -> bool:
+        """Whether the committed checkpoint of ``iteration`` in this rank's folder, whose lineage is
+        ``found``, is of a future this engine abandoned: another engine instance saved it, past the
+        step this engine resumed. Its save replaces it, as a resume sets it aside
+        (:mod:`.._tier.lineage`)."""
+        if self._resumed_from is None or iteration <= self._resumed_from or found is None:
             return False
-        try:
-            found = lookup_manifest(path).manifest
-        except CkptEngineError:
-            return False
-        return found is not None and found.lineage is not None and found.lineage.instance != self._instance
+        return found.instance != self._instance
 
     def resumed(self, iteration: int) -> None:
         """This engine's load resumed step ``iteration``: its saves go on from it."""
@@ -505,6 +499,18 @@ def _agree_local(phase: CommitPhase, what: str, step: str) -> None:
         phase.error = error
 
 
+def _committed_lineage(path: str) -> Lineage | None:
+    """The lineage the committed checkpoint ``path`` records (``None``: no checkpoint there, none
+    recorded, or a manifest that cannot be read, which a resume's checks report)."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        found = lookup_manifest(path).manifest
+    except CkptEngineError:
+        return None
+    return None if found is None else found.lineage
+
+
 def _drop_abandoned(folder: str, committed: str, run: str, instance: str, start: int) -> None:
     """After this engine committed ``committed`` into its rank ``folder``, having resumed step
     ``start``: remove the steps there that another engine instance of the run saved past
@@ -518,11 +524,7 @@ def _drop_abandoned(folder: str, committed: str, run: str, instance: str, start:
         if iteration is None or iteration <= start or name == committed:
             continue
         path = os.path.join(folder, name)
-        try:
-            found = lookup_manifest(path).manifest
-        except CkptEngineError:
-            continue
-        lineage = None if found is None else found.lineage
+        lineage = _committed_lineage(path)
         if lineage is None or lineage.run_id != run or lineage.instance == instance:
             continue
         try:

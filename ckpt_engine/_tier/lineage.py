@@ -79,8 +79,8 @@ __all__ = [
 #: ``[engine instance, the step it went on from]``, oldest first, one per engine that saved.
 RUN_FILE = ".ckpt_engine_run.json"
 _RUN_ID = re.compile(r"^[0-9a-f]{1,64}$")
-#: Forks the run file keeps (the newest); an instance older than all of them counts as older
-#: than every fork kept.
+#: Forks the run file keeps (the newest); an instance whose fork was dropped is judged as one
+#: that recorded none (:func:`abandoned`).
 _MAX_FORKS = 64
 _MAX_RUN_BYTES = 16 << 10
 
