@@ -21,10 +21,20 @@ from typing import Any
 
 from .._format.manifest import lookup_manifest
 from .._format.names import METADATA_FILE, parse_rank_dirname, rank_dirname
+from .._storage.urls import is_url, local_path
 from ..errors import CkptEngineError, PartialCheckpointError, clip
 from .keys import KeyInfo
 
-__all__ = ["Part", "missing_region", "other_parts", "part_of", "partial_read_error", "rank_of", "require_not_per_rank"]
+__all__ = [
+    "Part",
+    "checkpoint_of",
+    "missing_region",
+    "other_parts",
+    "part_of",
+    "partial_read_error",
+    "rank_of",
+    "require_not_per_rank",
+]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -33,18 +43,27 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 _MAX_CELLS = 1 << 20
 
 
+def checkpoint_of(path: str) -> tuple[str, str]:
+    """The folder holding component folder ``path`` (the checkpoint, whose manifest describes the
+    component) and the component's name; ``("", name)`` for a URL at a bucket's root."""
+    if is_url(path):
+        head, _, name = path.rstrip("/").rpartition("/")
+        return ("" if head.endswith(":/") or "://" not in head else head), name
+    return os.path.split(os.path.abspath(local_path(path)))
+
+
 def rank_of(path: str) -> tuple[int | None, int | None, bool]:
     """The rank whose part the component folder ``path`` holds, the job's world size, and whether
     the component was saved per rank: as its checkpoint's manifest records them (``per_rank``),
     else the rank of the node-local tier's folder (``rank_<r>``) it lies in; ``None`` where
     neither says."""
-    checkpoint = os.path.dirname(path.rstrip("/")) or "."
+    checkpoint, component = checkpoint_of(path)
     try:
-        manifest = lookup_manifest(checkpoint).manifest
+        manifest = lookup_manifest(checkpoint).manifest if checkpoint else None
     except (CkptEngineError, OSError):  # a damaged manifest: verify reports it; the folder may still say
         manifest = None
     if manifest is not None and manifest.rank is not None:
-        return manifest.rank, manifest.world_size, os.path.basename(path.rstrip("/")) in manifest.per_rank
+        return manifest.rank, manifest.world_size, component in manifest.per_rank
     for name in reversed(path.replace("\\", "/").split("/")):
         rank = parse_rank_dirname(name)
         if rank is not None:

@@ -37,7 +37,6 @@ from .._format.names import METADATA_FILE
 from .._format.verify import FileBlocks, component_blocks
 from .._storage.fscheck import require_regular_file
 from .._storage.store import open_store
-from .._storage.urls import is_url, local_path
 from ..errors import (
     CkptEngineError,
     CorruptCheckpointError,
@@ -64,7 +63,7 @@ from .keys import match_keys as match_keys
 from .keys import prefix_of as prefix_of
 from .keys import refused_value as refused_value
 from .keys import summarize_value as summarize_value
-from .parts import Part, other_parts, part_of, partial_read_error, require_not_per_rank
+from .parts import Part, checkpoint_of, other_parts, part_of, partial_read_error, require_not_per_rank
 from .target import Target as Target
 from .target import is_save_dir as is_save_dir
 from .target import resolve as resolve
@@ -98,15 +97,6 @@ class _ReadPlanner(DefaultLoadPlanner):
         self.original_state_dict[key] = obj
 
 
-def _parent(path: str) -> tuple[str, str]:
-    """The folder holding component folder ``path`` (the checkpoint, whose manifest records the
-    component's digests) and the component's name; ``("", name)`` for a URL at a bucket's root."""
-    if is_url(path):
-        head, _, name = path.rstrip("/").rpartition("/")
-        return ("" if head.endswith(":/") or "://" not in head else head), name
-    return os.path.split(os.path.abspath(local_path(path)))
-
-
 @dataclass
 class ComponentReader:
     """Reads values of one component folder, safely and a batch at a time."""
@@ -133,7 +123,7 @@ class ComponentReader:
         check_component_files(self.path, self.metadata, store)
         self.keys = key_infos(self.metadata)
         self.part = part_of(self.path, is_rank_local(self.metadata), self.keys)
-        checkpoint, name = _parent(self.path)
+        checkpoint, name = checkpoint_of(self.path)
         manifest = lookup_manifest(checkpoint, store).manifest if checkpoint else None
         if manifest is not None:
             self.blocks = component_blocks(manifest, name, self.path, store.join)
