@@ -592,7 +592,7 @@ def test_two_tier_local_copy_with_a_flipped_byte_resumes_the_object_store(s3_buc
     state = TinyTrainingState.create(seed=1, hidden=64)
     with CheckpointEngine(config) as engine:
         state.train(1)
-        engine.save(2, **state.objects()).result(timeout=60)
+        engine.save(2, **state.objects()).result()
     data = next(Path(local, "iter_000000002", "model").glob("*.distcp"))
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x55
@@ -615,7 +615,7 @@ def test_a_two_tier_resave_whose_upload_fails_leaves_the_old_copy(
     state = TinyTrainingState.create(seed=1, hidden=64)
     with CheckpointEngine(config) as engine:
         state.train(1)
-        engine.save(2, **state.objects()).result(timeout=60)
+        engine.save(2, **state.objects()).result()
     other = TinyTrainingState.create(seed=5, hidden=64)
 
     def failing_upload(*args: Any, **kwargs: Any) -> None:
@@ -623,14 +623,14 @@ def test_a_two_tier_resave_whose_upload_fails_leaves_the_old_copy(
 
     monkeypatch.setattr(targets, "upload_files", failing_upload)
     with pytest.raises(CkptEngineError, match="the object store went away"), CheckpointEngine(config) as engine:
-        engine.save(2, **other.objects()).result(timeout=60)  # (close() reports the failed upload again)
+        engine.save(2, **other.objects()).result()  # (close() reports the failed upload again)
     monkeypatch.undo()
     result, fresh = _resume(_s3_config(s3_bucket))  # another machine: the object store only
     assert result.checkpoint_path == f"{s3_bucket.url}/iter_000000002"
     _assert_same_state(state, fresh)
     # The upload works again: the re-save replaces the old copy, and nothing is left beside it.
     with CheckpointEngine(config) as engine:
-        engine.save(2, **other.objects()).result(timeout=60)
+        engine.save(2, **other.objects()).result()
     assert not [k for k in s3_bucket.objects() if ".replacing" in k]
     _assert_same_state(other, _resume(_s3_config(s3_bucket))[1])
 
