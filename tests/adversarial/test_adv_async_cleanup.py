@@ -75,7 +75,7 @@ def test_failed_background_save_is_cleaned_up_and_the_next_save_proceeds(save_di
         assert plugin.running == 0  # no write of the failed save was still running at cleanup
         assert sorted(os.listdir(save_dir)) == [], os.listdir(save_dir)  # no .iter_000000001.partial left
         plugin.fail = False
-        engine.save(2, **state.objects()).result(timeout=60)  # not the old error: this save happens
+        engine.save(2, **state.objects()).result()  # not the old error: this save happens
         with pytest.raises(CheckpointSaveError, match="iteration 1"):
             engine.wait()  # the earlier failure, whose handle nobody asked: reported once, here
         engine.wait()

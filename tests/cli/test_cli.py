@@ -768,7 +768,7 @@ def test_commands_on_an_async_checkpoint(cli: Run, tmp_path: Path) -> None:
         handle = engine.save(5, **state.objects())
         expected = {k: v.detach().clone() for k, v in state.model.state_dict().items()}
         state.train(1)  # mutate right away: the checkpoint holds the point-in-time state
-        handle.result(timeout=120)
+        handle.result()
     code, out, _ = cli("ls", str(tmp_path / "ckpt"))
     assert code == 0 and re.search(r"5\s+iter_000000005 .*verified\s+<- latest", out)
     assert cli("verify", str(tmp_path / "ckpt"))[0] == 0

@@ -273,7 +273,7 @@ def test_a_save_dir_under_the_home_folder_is_expanded_everywhere(
     state = TinyTrainingState.create()
     for i, plugins in enumerate(([], ["pinned_staging"]), 1):
         with CheckpointEngine({"save_dir": "~/ckpt", "plugins": plugins}) as engine:
-            assert engine.save(i, **state.objects()).result(timeout=120).succeeded
+            assert engine.save(i, **state.objects()).result().succeeded
     assert (tmp_path / "ckpt" / "iter_000000002").is_dir()
     result = CheckpointEngine({"save_dir": "/unused", "load_dir": "~/ckpt"}).load(**state.objects())
     assert result.iteration == 2

@@ -95,7 +95,7 @@ def test_every_overlapped_checkpoint_is_the_state_at_its_save(engine: Checkpoint
             handles.append(engine.save(i, **trainer.objects()))
             # The next forward pass changes BatchNorm's running stats while the copy may still
             # run: buffers are copied inside save(), parameters behind it.
-    results = [h.result(timeout=60) for h in handles]
+    results = [h.result() for h in handles]
     for result in results:
         assert result.succeeded and result.background_copy_seconds > 0
         assert result.loop_wait_seconds == result.blocked_seconds + result.step_wait_seconds
@@ -115,7 +115,7 @@ def test_the_step_hook_waits_for_the_copy_then_removes_itself(engine: Checkpoint
     assert not trainer.optim._optimizer_step_pre_hooks
     assert not trainer.optim._optimizer_step_post_hooks
     handle.wait_staged(timeout=0)  # complete: returns at once
-    assert handle.result(timeout=60).succeeded
+    assert handle.result().succeeded
 
 
 @pytest.mark.full  # over 2 s on 2 cores: training with the overlapped copy
@@ -124,14 +124,14 @@ def test_an_edit_right_after_save_fails_that_save_with_the_key_and_the_fix(
 ) -> None:
     trainer = Trainer()
     trainer.step()
-    engine.save(1, **trainer.objects()).result(timeout=60)
+    engine.save(1, **trainer.objects()).result()
     handle = engine.save(2, **trainer.objects())
     with torch.no_grad():
         trainer.model[0].weight.mul_(2.0)  # a weight edit outside the optimizer, before the copy is confirmed
     with pytest.raises(SnapshotChangedError, match=r"model: 0\.weight .*wait_staged\(\)"):
         handle.wait_staged()
     with pytest.raises(CheckpointSaveError, match=r"0\.weight was changed in place"):
-        handle.result(timeout=60)
+        handle.result()
     assert (tmp_path / "ckpt" / "latest_checkpoint.txt").read_text() == "iter_000000001\n"
     assert not (tmp_path / "ckpt" / "iter_000000002").exists()
     with pytest.raises(CheckpointSaveError):
@@ -154,7 +154,7 @@ def test_a_failure_seen_through_wait_staged_is_not_raised_again_by_close(tmp_pat
     with pytest.raises(SnapshotChangedError):
         handle.wait_staged()
     trainer.step()
-    assert engine.save(2, **trainer.objects()).result(timeout=60).succeeded
+    assert engine.save(2, **trainer.objects()).result().succeeded
     engine.close()  # raised the SnapshotChangedError of iteration 1 again before
     assert (tmp_path / "ckpt" / "latest_checkpoint.txt").read_text() == "iter_000000002\n"
 
@@ -170,7 +170,7 @@ def test_an_edit_after_wait_staged_never_reaches_the_checkpoint(engine: Checkpoi
         for p in trainer.model.parameters():
             p.fill_(-7.0)
         trainer.optim.state[trainer.model[0].weight]["exp_avg"].fill_(-7.0)
-    assert handle.result(timeout=60).succeeded
+    assert handle.result().succeeded
     assert_state_dicts_equal(loaded(tmp_path / "ckpt" / "iter_000000001", tmp_path), want)
 
 
@@ -183,7 +183,7 @@ def test_an_edit_racing_the_copy_is_exact_or_a_typed_error(engine: CheckpointEng
         with torch.no_grad():
             trainer.optim.state[trainer.model[3].weight]["exp_avg"].add_(1.0)  # the last tensors copied
         try:
-            handle.result(timeout=60)
+            handle.result()
         except CheckpointSaveError as err:
             assert isinstance(err.__cause__, SnapshotChangedError), err
             assert "optim: state.3.weight.exp_avg" in str(err)
@@ -202,7 +202,7 @@ def test_without_overlap_wait_staged_returns_at_once_and_nothing_is_hooked(tmp_p
         handle = engine.save(1, **trainer.objects())
         handle.wait_staged(timeout=0)
         assert not trainer.optim._optimizer_step_pre_hooks
-        result = handle.result(timeout=60)
+        result = handle.result()
     assert result.step_wait_seconds == 0.0 and result.background_copy_seconds == 0.0
     assert result.loop_wait_seconds == result.blocked_seconds
 
@@ -311,7 +311,7 @@ def test_cuda_training_loop_checkpoints_are_bit_exact(tmp_path: Path, overlap: b
             if i % 2 == 0:
                 expected[i] = {k: v.cpu() for k, v in trainer.model.state_dict().items()}
                 handles.append(engine.save(i, **trainer.objects()))
-        assert all(h.result(timeout=120).succeeded for h in handles)
+        assert all(h.result().succeeded for h in handles)
     assert not trainer.optim._optimizer_step_pre_hooks
     for i, want in expected.items():
         fresh = Trainer(seed=9, width=1024)

@@ -108,14 +108,14 @@ def test_an_edit_before_the_copy_fails_the_save_never_tears_it(
     trainer = Trainer(width=width)
     trainer.step()
     gate.set()
-    engine.save(1, **trainer.objects()).result(timeout=60)
+    engine.save(1, **trainer.objects()).result()
     gate.clear()
     handle = engine.save(2, **trainer.objects())
     with torch.no_grad():
         edit(trainer)
     gate.set()
     with pytest.raises(CheckpointSaveError) as info:
-        handle.result(timeout=60)
+        handle.result()
     assert isinstance(info.value.__cause__, SnapshotChangedError), info.value
     assert named in str(info.value)
     assert (tmp_path / "ckpt" / "latest_checkpoint.txt").read_text() == "iter_000000001\n"
@@ -124,7 +124,7 @@ def test_an_edit_before_the_copy_fails_the_save_never_tears_it(
         engine.wait()
     trainer.step()  # training goes on; the next save is exact
     want = trainer.snapshot()
-    engine.save(3, **trainer.objects()).result(timeout=60)
+    engine.save(3, **trainer.objects()).result()
     assert_state_dicts_equal(loaded(tmp_path / "ckpt" / "iter_000000003", tmp_path, width), want)
 
 
@@ -143,7 +143,7 @@ def test_a_single_unsampled_element_is_the_documented_limit(
     with torch.no_grad():
         weight(trainer).data.view(-1)[stride // 2].add_(1.0)
     gate.set()
-    assert handle.result(timeout=60).succeeded
+    assert handle.result().succeeded
     saved = loaded(tmp_path / "ckpt" / "iter_000000001", tmp_path, 1024)["model"]["0.weight"]
     assert torch.equal(saved, before) or torch.equal(saved, weight(trainer).detach())
 
@@ -183,7 +183,7 @@ def test_an_edit_that_replaces_the_tensor_leaves_the_checkpoint_exact(
     with torch.no_grad():
         HARMLESS[name](trainer)
     gate.set()
-    assert handle.result(timeout=60).succeeded
+    assert handle.result().succeeded
     assert_state_dicts_equal(loaded(tmp_path / "ckpt" / "iter_000000001", tmp_path, 128), want)
 
 
@@ -253,12 +253,12 @@ def test_a_stateless_optimizer_is_not_stepped_by_later_saves_and_overlap_defers_
     that blocked longer than one without it."""
     trainer = SgdTrainer()
     trainer.step()
-    engine.save(1, model=trainer.model, optimizer=trainer.optim).result(timeout=60)  # proves SGD stateless
+    engine.save(1, model=trainer.model, optimizer=trainer.optim).result()  # proves SGD stateless
     for i in range(2, 5):
         trainer.step()
         steps, versions = trainer.steps_run, [p._version for p in trainer.model.parameters()]
         want = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-        result = engine.save(i, model=trainer.model, optimizer=trainer.optim).result(timeout=60)
+        result = engine.save(i, model=trainer.model, optimizer=trainer.optim).result()
         assert trainer.steps_run == steps, "save() stepped the optimizer"
         assert [p._version for p in trainer.model.parameters()] == versions
         assert all(p.grad is None for p in trainer.model.parameters())
@@ -288,11 +288,11 @@ def test_a_stateful_optimizer_that_never_stepped_saves_its_groups_and_stays_unst
 def test_overlap_without_an_optimizer_warns_once_and_copies_in_save(engine: CheckpointEngine) -> None:
     model = nn.Linear(32, 32)
     with pytest.warns(UserWarning, match="got no optimizer"):
-        result = engine.save(1, model=model).result(timeout=60)
+        result = engine.save(1, model=model).result()
     assert result.background_copy_seconds == 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        engine.save(2, model=model).result(timeout=60)
+        engine.save(2, model=model).result()
 
 
 # -- skeletons pickled off save()'s path ------------------------------------------------------
@@ -334,7 +334,7 @@ def test_flat_skeletons_are_pickled_after_save_and_hold_the_values_of_save(
     counter.d["count"] = 2  # changes to the live dict after save() must not reach the checkpoint
     counter.d["added"] = 3
     gate.set()
-    assert handle.result(timeout=60).succeeded
+    assert handle.result().succeeded
     assert "pinned-staging-overlap-copy" in calls
     path = tmp_path / "ckpt" / "iter_000000001"
     saved = FileSystemReader(str(path / "counter")).read_metadata().state_dict_metadata

@@ -154,7 +154,7 @@ def test_save_returns_a_point_in_time_copy(shared: Shared, tmp_path: Path) -> No
     handle = engine.save(5, **state.objects(), extra={"extra": extra})
     mutate(state, extra)  # right after save() returned: must not reach the checkpoint
     after = snapshot(state, extra)
-    assert handle.result(timeout=TIMEOUT).succeeded
+    assert handle.result().succeeded
 
     loaded, loaded_extra, iteration = load(str(save_dir / "iter_000000005"), tmp_path)
     assert iteration == 5
@@ -185,18 +185,18 @@ def test_back_to_back_saves_are_not_torn(shared: Shared, tmp_path: Path) -> None
 def test_buffers_are_reused_and_reallocated_when_shapes_change(shared: Shared, tmp_path: Path) -> None:
     engine, plugin, _, save_dir = shared
     state = TinyTrainingState.create(seed=3, steps=1)
-    engine.save(30, **state.objects()).result(timeout=TIMEOUT)
+    engine.save(30, **state.objects()).result()
     first = plugin.buffer_sets()
     rng = 3 + torch.cuda.device_count()  # the rng component's generators: Python, NumPy, torch CPU, each CUDA device
     assert len(first) == 1 and first[0].tensors == 4 + 4 * 3 + rng and not first[0].busy
     state.train(1, seed=5)
-    engine.save(31, **state.objects()).result(timeout=TIMEOUT)
+    engine.save(31, **state.objects()).result()
     assert plugin.buffer_sets() == first  # same set, same memory (set id and data pointer)
     assert shm_files() == [], "a buffer file stayed in /dev/shm after the writer mapped it"
 
     wider = TinyTrainingState.create(seed=4, hidden=24, steps=1)  # new shapes: a new set
     before = snapshot(wider)
-    engine.save(32, **wider.objects()).result(timeout=TIMEOUT)
+    engine.save(32, **wider.objects()).result()
     (second,) = plugin.buffer_sets()
     assert second.set_id != first[0].set_id and second.nbytes > first[0].nbytes
     loaded, _, _ = load(str(save_dir / "iter_000000032"), tmp_path, hidden=24)
@@ -207,8 +207,8 @@ def test_on_save_done_reports_sane_timings_once_per_save(shared: Shared) -> None
     engine, _, recorder, save_dir = shared
     state = TinyTrainingState.create(seed=5, steps=1)
     recorder.results.clear()
-    engine.save(40, **state.objects()).result(timeout=TIMEOUT)
-    engine.save(41, **state.objects()).result(timeout=TIMEOUT)
+    engine.save(40, **state.objects()).result()
+    engine.save(41, **state.objects()).result()
     assert [r.iteration for r in recorder.results] == [40, 41]
     for r in recorder.results:
         assert r.succeeded and r.error is None
@@ -235,7 +235,7 @@ def test_values_the_writer_cannot_import_fail_clearly(shared: Shared, monkeypatc
     state = TinyTrainingState.create(seed=6, steps=1)
     handle = engine.save(50, **state.objects(), extra={"extra": holder})
     with pytest.raises(CheckpointSaveError, match=r"PinnedTestScriptOnly.*__main__.*importable module"):
-        handle.result(timeout=TIMEOUT)
+        handle.result()
     with pytest.raises(CheckpointSaveError):
         engine.wait()  # the failure is also reported to the next wait()
     assert latest(save_dir) == before and not (save_dir / "iter_000000050").exists()
@@ -244,7 +244,7 @@ def test_values_the_writer_cannot_import_fail_clearly(shared: Shared, monkeypatc
     holder.value = threading.Lock()  # not picklable: refused while staging, in save() itself
     with pytest.raises(CheckpointSaveError, match="picklable"):
         engine.save(51, **state.objects(), extra={"extra": holder})
-    engine.save(52, **state.objects()).result(timeout=TIMEOUT)
+    engine.save(52, **state.objects()).result()
     assert latest(save_dir) == "iter_000000052"
 
 
@@ -258,7 +258,7 @@ def test_writer_killed_mid_save_fails_clearly_and_a_new_writer_takes_over(
     """On the writers users' jobs start (the other tests fork theirs, tests/conftest.py)."""
     engine, plugin, recorder = make(save_dir)
     state = TinyTrainingState.create(seed=7, steps=1)
-    engine.save(1, **state.objects()).result(timeout=TIMEOUT)
+    engine.save(1, **state.objects()).result()
     pid = plugin.writer_pid
     assert pid is not None
     # A new interpreter, a child of this process, that sees no GPU and runs one intra-op thread.
@@ -272,7 +272,7 @@ def test_writer_killed_mid_save_fails_clearly_and_a_new_writer_takes_over(
     assert not handle.done()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(CheckpointSaveError) as info:
-        handle.result(timeout=TIMEOUT)
+        handle.result()
     message = str(info.value)
     assert f"pid {pid}" in message and "SIGKILL" in message and "exit code -9" in message, message
     assert "iteration 2" in message and "not committed" in message, message
@@ -285,7 +285,7 @@ def test_writer_killed_mid_save_fails_clearly_and_a_new_writer_takes_over(
     # The caller saw that failure through its handle: the next save() proceeds.
     state.train(1, seed=3)
     expected = snapshot(state)
-    engine.save(3, **state.objects()).result(timeout=TIMEOUT)  # a new writer took over
+    engine.save(3, **state.objects()).result()  # a new writer took over
     assert plugin.writer_pid not in (None, pid)
     assert latest(save_dir) == "iter_000000003"
     loaded, _, _ = load(os.path.join(save_dir, "iter_000000003"), tmp_path)

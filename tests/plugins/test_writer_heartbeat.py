@@ -77,7 +77,7 @@ def test_a_stopped_writer_fails_the_save_after_the_heartbeat_timeout(
     model = nn.Linear(64, 64)
     with CheckpointEngine({"save_dir": str(tmp_path)}, plugins=[plugin]) as engine:
         plugin.wait_ready()
-        assert engine.save(1, model=model).result(timeout=120).succeeded
+        assert engine.save(1, model=model).result().succeeded
         pid = plugin.writer_pid
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
@@ -87,13 +87,13 @@ def test_a_stopped_writer_fails_the_save_after_the_heartbeat_timeout(
         # write_timeout_s (300 s), so only the heartbeat rule can fail this save.
         clock.advance(4.0)
         with pytest.raises(CheckpointSaveError, match=r"sent no heartbeat .* heartbeat_timeout_s=3s.*stopped") as info:
-            handle.result(timeout=120)
+            handle.result()
         assert f"pid {pid}" in str(info.value)
         assert (tmp_path / "latest_checkpoint.txt").read_text() == "iter_000000001\n"
         with pytest.raises(CheckpointSaveError):
             engine.wait()
         # a new writer takes over: the next save works
-        assert engine.save(3, model=model).result(timeout=120).succeeded
+        assert engine.save(3, model=model).result().succeeded
 
 
 def _throttle_until_done(plugin: PinnedStagingPlugin, clock: ManualClock, pid: int, handle: SaveHandle) -> float:
@@ -142,7 +142,7 @@ def test_a_slow_writer_that_keeps_beating_is_never_failed(clock: ManualClock, tm
                 os.kill(pid, signal.SIGSTOP)
                 handle = engine.save(iteration, model=model)
                 longest_pending_judged = _throttle_until_done(plugin, clock, pid, handle)
-                assert handle.result(timeout=120).succeeded
+                assert handle.result().succeeded
                 if longest_pending_judged > 2.0:
                     break
         finally:

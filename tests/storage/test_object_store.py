@@ -391,7 +391,7 @@ def test_s3_async_save_uploads_in_the_background(s3_bucket: Any) -> None:
         snapshot = TinyTrainingState.create(seed=1, hidden=64)
         snapshot.model.load_state_dict(state.model.state_dict())
         state.train(2)  # after save() returned: must not leak into the checkpoint
-        result = handle.result(timeout=60)
+        result = handle.result()
         assert result.succeeded and result.path == f"{s3_bucket.url}/iter_000000001"
     loaded, fresh = _resume({**config, "plugins": []})
     assert loaded.iteration == 1
@@ -463,13 +463,13 @@ def test_s3_async_upload_failure_goes_through_on_save_done(s3_bucket: Any, monke
         monkeypatch.setattr(FsspecStore, "upload", stop_then_upload)
         handle = engine.save(2, **state.objects())  # returns after staging; the upload fails
         with pytest.raises(CheckpointSaveError, match="failed after 2 attempt"):
-            handle.result(timeout=60)
+            handle.result()
         s3_bucket.server.start()
         assert [r.succeeded for r in observer.results] == [True, False]
         assert isinstance(observer.results[1].error, StorageError)
         assert s3_bucket.fs().cat_file(f"{s3_bucket.name}/run/{LATEST_FILE}") == b"iter_000000001\n"
         # The failure was seen through its handle: the next save proceeds (it used to raise it again).
-        engine.save(3, **state.objects()).result(timeout=60)
+        engine.save(3, **state.objects()).result()
     assert s3_bucket.fs().cat_file(f"{s3_bucket.name}/run/{LATEST_FILE}") == b"iter_000000003\n"
 
 
@@ -567,7 +567,7 @@ def test_two_tier_commits_locally_then_uploads_in_the_background(s3_bucket: Any,
             state.train(1)
             handles.append(engine.save(it, **state.objects()))
             assert read_latest(local) == f"iter_{it:09}"  # the local copy is committed on return
-        assert [h.result(timeout=60).path for h in handles] == [f"{s3_bucket.url}/iter_{i:09}" for i in (1, 2)]
+        assert [h.result().path for h in handles] == [f"{s3_bucket.url}/iter_{i:09}" for i in (1, 2)]
     assert sorted(os.listdir(local)) == ["iter_000000002", LATEST_FILE]  # local_keep_last=1
     remote = s3_bucket.objects()
     assert f"iter_000000001/{MANIFEST_FILE}" in remote and f"iter_000000002/{MANIFEST_FILE}" in remote
@@ -645,7 +645,7 @@ def test_two_tier_with_async_saves(s3_bucket: Any, tmp_path: Path) -> None:
         handle = engine.save(4, **state.objects())
         snapshot = {k: v.clone() for k, v in state.model.state_dict().items()}
         state.train(1)  # after save() returned: not in the checkpoint
-        assert handle.result(timeout=60).succeeded
+        assert handle.result().succeeded
     assert read_latest(local) == "iter_000000004"
     assert s3_bucket.fs().cat_file(f"{s3_bucket.name}/run/{LATEST_FILE}") == b"iter_000000004\n"
     for source in (config, _s3_config(s3_bucket)):  # the local copy, then the object store
@@ -660,12 +660,12 @@ def test_two_tier_upload_failure_keeps_the_local_copy(s3_bucket: Any, tmp_path: 
     config = _s3_config(s3_bucket, storage={"local_dir": local})
     state = TinyTrainingState.create(seed=1, hidden=64)
     with CheckpointEngine(config) as engine:
-        engine.save(1, **state.objects()).result(timeout=60)
+        engine.save(1, **state.objects()).result()
         s3_bucket.server.stop()
         state.train(1)
         handle = engine.save(2, **state.objects())
         with pytest.raises(CheckpointSaveError, match=r"local copy .*iter_000000002 is complete"):
-            handle.result(timeout=60)
+            handle.result()
         s3_bucket.server.start()
         with pytest.raises(CheckpointSaveError, match="iter_000000002"):
             engine.wait()  # the failure is reported again to the training loop
