@@ -472,24 +472,17 @@ class ResumePlanner:
     def _fallback(self, ask: ResumeAsk, bad: str, err: CkptEngineError, refused: Sequence[str] = ()) -> LoadSource:
         """``fallback_to_last_complete``: the newest checkpoint that passes the checks (``refused``:
         those whose read found damage, left out too)."""
-        store = ask.store
-
-        def same(a: str, b: str) -> bool:
-            if store.capabilities.local_files:
-                return os.path.abspath(a) == os.path.abspath(b)
-            return a.rstrip("/") == b.rstrip("/")
-
         candidates: list[str] = _dist.broadcast_object(
             [
                 p
-                for _, p in reversed(list_checkpoints(ask.load_dir, store))
-                if not any(same(p, q) for q in (bad, *refused))
+                for _, p in reversed(list_checkpoints(ask.load_dir, ask.store))
+                if not any(same_folder(p, q) for q in (bad, *refused))
             ]
         )
         tried = []
         for path in candidates:
             try:
-                validated = self.reader.validate(path, store, what="fallback_to_last_complete")
+                validated = self.reader.validate(path, ask.store, what="fallback_to_last_complete")
             except CkptEngineError as cand_err:
                 tried.append(f"{os.path.basename(path)}: {type(cand_err).__name__}")
                 continue

@@ -446,8 +446,8 @@ class EngineCheckpointIO(CheckpointIO):
         step = checkpoint.get("global_step")
         folder, save_id = reader.last_read or ("", None)
         tier = self.config.local_dir  # a step the resume took from the node-local tier is the run's too
-        ours = os.path.dirname(folder.rstrip("/")) == self.save_dir.rstrip("/") or bool(
-            tier and os.path.abspath(folder).startswith(os.path.join(os.path.abspath(tier), ""))
+        ours = same_folder(os.path.dirname(folder.rstrip("/")), self.save_dir) or bool(
+            tier and os.path.realpath(folder).startswith(os.path.join(os.path.realpath(tier), ""))
         )
         with self._lock:
             self._resumed = (step, save_id) if ours and isinstance(step, int) else None
