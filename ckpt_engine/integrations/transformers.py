@@ -427,7 +427,9 @@ class EngineTrainerMixin(_TrainerBase):
             del training["model"]
         with self._lock:
             self._protected[step] = self.state.best_model_checkpoint
-        self.engine.save(step, model=self._model(), extra=extra, **training)
+        # load_best_model_at_end loads the best step from save_dir: never a node-local tier's only
+        best = self.args.load_best_model_at_end and self.state.best_global_step == step
+        self.engine.save(step, model=self._model(), extra=extra, durable=bool(best), **training)
         self._saved_steps.add(step)
 
     def _state_json(self) -> str:

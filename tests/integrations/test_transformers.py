@@ -230,6 +230,32 @@ def test_save_total_limit_keeps_the_newest_and_the_best_which_loads_at_the_end(t
 
 
 @pytest.mark.full  # over 2 s on 2 cores: Trainer runs
+def test_with_a_node_local_tier_the_best_step_is_saved_durably_and_loads_at_the_end(tmp_path: Path) -> None:
+    """With ``local_dir`` and a ``persist_every`` longer than the run, only the saves of a new
+    best step reach ``save_dir``: ``load_best_model_at_end`` found the best step in the
+    node-local tier only, and failed at the end of training."""
+    evaluated = {
+        "eval_strategy": "steps",
+        "eval_steps": 3,
+        "metric_for_best_model": "loss",
+        "greater_is_better": True,
+        "load_best_model_at_end": True,
+    }
+    engine = {"local_dir": str(tmp_path / "local"), "persist_every": 1000}
+    trainer = script.trainer(str(tmp_path), engine=engine, eval_dataset=script.Tokens(8), **evaluated)
+    trainer.train()
+    best_step = trainer.state.best_global_step
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and best == str(tmp_path / CKPT / f"iter_{best_step:09}")
+    assert os.path.basename(best) in _iters(tmp_path)
+    assert "iter_000000012" not in _iters(tmp_path)  # not a new best (eval loss falls): tier only
+    stored = script.build_model("gpt2")
+    with CheckpointEngine({"save_dir": str(tmp_path / "x"), "load_path": best}) as reader:
+        reader.load(model=stored)
+    assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in stored.state_dict().items())
+
+
+@pytest.mark.full  # over 2 s on 2 cores: Trainer runs
 def test_lora_with_incremental_writes_only_the_adapter_and_its_optimizer_state_after_the_first_save(
     tmp_path: Path, reference: dict[str, dict[str, Any]]
 ) -> None:
