@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import logging
 import os
 import threading
@@ -43,7 +42,6 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.strategies import Strategy
 
 from .. import hookimpl
-from .._format import bounded_json
 from .._storage.paths import same_folder
 from .._storage.urls import is_url
 from ..checkpoints import CheckpointInUseError, latest_checkpoint, remove_checkpoint
@@ -53,12 +51,12 @@ from ..types import SaveResult
 from ._lightning_read import (
     COMPONENT,
     MAX_STRUCTURE_DEPTH,
-    STRUCTURE_KEY,
     CheckpointReader,
     Items,
     parse_structure,
 )
 from ._lightning_strategies import Connection, IOCalls, UnsupportedStrategyError, connect, install
+from ._lightning_write import split_checkpoint
 from ._pointers import (
     ITER_NAME,
     LAST_ALIAS,
@@ -73,7 +71,7 @@ from ._pointers import (
     url_to_fs,
     write_file,
 )
-from ._state_tree import differing_keys, dtype_name, fingerprint_checkpoint, flatten, tensor_module
+from ._state_tree import differing_keys, fingerprint_checkpoint
 
 __all__ = [
     "COMPONENT",
@@ -308,7 +306,7 @@ class EngineCheckpointIO(CheckpointIO):
                 self._write_pointers(step, [target])
             return
         try:
-            model, items = _split(checkpoint, save_id)
+            model, items = split_checkpoint(checkpoint, save_id)
             self.engine.save(step, model=model, extra={COMPONENT: Items(items)})
         except BaseException:
             with self._lock:
@@ -577,44 +575,6 @@ def install_load_from_checkpoint() -> None:
         method = current.method  # Lightning's restricted classmethod keeps the function here
         method = getattr(method, "__ckpt_engine_original__", method)
         setattr(owner, "load_from_checkpoint", type(current)(_engine_aware(method)))  # noqa: B010
-
-
-def _split(checkpoint: Mapping[str, Any], save_id: str) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model module (the state dict's tensors) and the ``lightning`` component's items.
-
-    Under DDP and ``ModelParallelStrategy`` every rank gives its own checkpoint dict (so all
-    ranks fail together on a bad one). What several ranks give under one key (the replicated
-    model and optimizer of DDP, the loops, the structure) the engine writes once, from the
-    lowest rank that gives it (``dedup_save_to_lowest_rank``), as Lightning's would; what
-    differs by rank (a callback's state) is saved per rank, and each rank resumes its own
-    (docs/reliability.md, Per-rank state). DTensors are written as each rank's shard."""
-    rest = dict(checkpoint)
-    state_dict = rest.pop("state_dict", None)
-    state_dict = state_dict if isinstance(state_dict, Mapping) else {}
-    tensors = {k: v for k, v in state_dict.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
-    others = {k: v for k, v in state_dict.items() if k not in tensors}
-    encoded: str | None = None
-    try:  # a dict nested past the recursion limit fails in flatten or in json.dumps
-        tree, items = flatten({"checkpoint": rest, "state_dict_other": others}, frozenset({STRUCTURE_KEY}))
-        structure = {
-            "format": POINTER_FORMAT,
-            "version": 1,
-            "save_id": save_id,
-            "has_state_dict": "state_dict" in checkpoint,
-            "state_dict_order": [k if isinstance(k, str) else None for k in state_dict],
-            "model": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in tensors.items()},
-            "tree": tree,
-        }
-        encoded = json.dumps(structure, separators=(",", ":"))
-    except RecursionError:
-        pass
-    if encoded is None or bounded_json.nesting(encoded.encode()) > MAX_STRUCTURE_DEPTH:
-        raise ArgumentTypeError(
-            f"the checkpoint dict nests deeper than EngineCheckpointIO stores (about {MAX_STRUCTURE_DEPTH // 3} "
-            "levels of dicts and lists); flatten the deep part in on_save_checkpoint"
-        )
-    items[STRUCTURE_KEY] = encoded
-    return tensor_module(tensors), items
 
 
 install_load_from_checkpoint()
