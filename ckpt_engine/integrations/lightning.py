@@ -42,6 +42,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.strategies import Strategy
 
 from .. import hookimpl
+from .._dcpio import dist as _dist
 from .._storage.paths import same_folder
 from .._storage.urls import is_url
 from ..checkpoints import CheckpointInUseError, latest_checkpoint, remove_checkpoint
@@ -124,6 +125,8 @@ _RUNTIME_STATE = (
     "_folders",
     "_fingerprints",
     "_save_ids",
+    "_id_base",
+    "_id_count",
     "_resumed",
 )
 
@@ -171,6 +174,8 @@ class EngineCheckpointIO(CheckpointIO):
         self._folders: PointerFolders
         self._fingerprints: dict[int, dict[str, str]]
         self._save_ids: dict[int, str]
+        self._id_base: str | None
+        self._id_count: int
         self._resumed: tuple[int, str | None] | None
         self._reset_runtime()
 
@@ -206,6 +211,7 @@ class EngineCheckpointIO(CheckpointIO):
         #: step -> digests of the state saved at that step, and the id of its save (in its pointers).
         self._fingerprints = {}
         self._save_ids = {}
+        self._id_base, self._id_count = None, 0
         #: The global step (and save id) of the checkpoint of this save folder the fit resumed.
         self._resumed = None
 
@@ -292,14 +298,15 @@ class EngineCheckpointIO(CheckpointIO):
             changed = differing_keys(self._fingerprints.get(step, {}), fingerprint) if again else []
         if again and agree(bool(changed)):  # every rank decides alike
             self._replace_step(step, target, changed)
+        new_id = None if step in self._saved else self._new_save_id()  # only this thread adds to _saved
         with self._lock:
             again, committed = step in self._saved, step in self._committed
             if not committed and rank == 0:
                 self._pending.setdefault(step, []).append(target)
             self._saved.add(step)
-            if not again:
+            if new_id is not None:
                 self._fingerprints[step] = fingerprint
-                self._save_ids[step] = uuid.uuid4().hex
+                self._save_ids[step] = new_id
             save_id = self._save_ids[step]
         if again:  # the same step under another name: point at the one engine checkpoint
             if committed and rank == 0:
@@ -314,6 +321,14 @@ class EngineCheckpointIO(CheckpointIO):
                 self._saved.discard(step)
                 self._fingerprints.pop(step, None)
             raise
+
+    def _new_save_id(self) -> str:
+        """An id for a new save, the same on every rank (its structure is saved once, not per rank,
+        and its pointers name it): rank 0's random id for this object, once, and a count."""
+        if self._id_base is None:
+            self._id_base = _dist.broadcast_object(uuid.uuid4().hex, step="lightning: the id of a save")
+        self._id_count += 1
+        return f"{self._id_base}-{self._id_count}"
 
     def _bookkeeping_callbacks(self) -> frozenset[str]:
         """The ``state_key``\\ s of the trainer's ``ModelCheckpoint`` callbacks (connected to a

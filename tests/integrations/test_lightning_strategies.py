@@ -14,6 +14,7 @@ weights, optimizer state and losses with an uninterrupted run's, bit for bit
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -202,12 +203,14 @@ def test_a_load_reads_into_the_live_tensors_of_the_stored_dtype_and_shape() -> N
 # -- 2 processes: killed in a save, resumed bit for bit ---------------------------------------
 
 
-def _env(*, cuda: bool = False, background: bool = False, ranks: int = 2) -> dict[str, str]:
+def _env(*, cuda: bool = False, background: bool = False, ranks: int = 2, tier: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CKPT_TEST_LIGHTNING_RANKS": str(ranks)})
     env.update({"CKPT_TEST_LIGHTNING_CUDA": "1"} if cuda else {"CUDA_VISIBLE_DEVICES": ""})
     if background:
         env["CKPT_TEST_LIGHTNING_ASYNC"] = "1"
+    if tier:
+        env["CKPT_TEST_LIGHTNING_TIER"] = "1"
     for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
         env.pop(name, None)  # Lightning starts the job and picks its own port
     return env
@@ -337,6 +340,32 @@ def test_a_two_process_job_killed_mid_save_resumes_bit_identical(tmp_path: Path,
     assert whole["losses"] == {}  # resumed at its last step: what it holds is what it loaded
     _assert_same(_joined([s["model"] for s in shards]), whole["model"], "model")
     _assert_same(_joined([s["optimizer"] for s in shards]), whole["optimizer"], "optimizer")
+
+
+@pytest.mark.dist
+def test_a_ddp_job_saved_only_to_the_node_local_tier_resumes_on_one_process(tmp_path: Path) -> None:
+    """Two DDP ranks save every step into the node-local tier only; ``ckpt_path="last"`` on one
+    process then reads the tier's copies, resharded. Each rank put its own random save id in the
+    checkpoint's structure, so every Lightning step held state saved per rank, which the tier
+    does not reshard: the resume found nothing in ``save_dir`` and failed."""
+    args = [str(tmp_path), "ddp", str(STEPS)]
+    done = _forked.run(SCRIPT, *args, "fit", env=_env(tier=True), inherit_env=False, timeout=300, preload=LIGHTNING)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert not list((tmp_path / "killed" / "engine").glob("iter_*")), "the fit saved to save_dir"
+    for manifest in (tmp_path / "killed" / "local").glob("rank_*/iter_*/ckpt_engine_manifest.json"):
+        # the ranks' checkpoint dicts are alike: nothing is saved per rank (each rank's own random
+        # save id in the structure made the whole lightning component differ, and kept the tier
+        # from resharding any step of a Lightning job)
+        assert json.loads(manifest.read_text()).get("per_rank", []) == [], manifest
+    cmd = [sys.executable, str(SCRIPT), *args, "reshard"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(ranks=1, tier=True), timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    shards = [torch.load(tmp_path / "killed" / f"final_{r}.pt", weights_only=False) for r in range(2)]
+    whole = torch.load(tmp_path / "resharded" / "final_0.pt", weights_only=False)
+    assert whole["losses"] == {}  # resumed at its last step: what it holds is what it loaded
+    for rank, shard in enumerate(shards):  # DDP: every rank holds the whole state
+        _assert_same(shard["model"], whole["model"], f"model (rank {rank})")
+        _assert_same(shard["optimizer"], whole["optimizer"], f"optimizer (rank {rank})")
 
 
 def _joined(shards: list[Any]) -> Any:

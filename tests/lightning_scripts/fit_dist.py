@@ -4,6 +4,7 @@
     python fit_dist.py ROOT STRATEGY STEPS kill KILL_AT
     python fit_dist.py ROOT STRATEGY STEPS resume
     python fit_dist.py ROOT STRATEGY STEPS reshard
+    python fit_dist.py ROOT STRATEGY STEPS fit
 
 ``STRATEGY`` is ``ddp`` (``Trainer(strategy="ddp", devices=2)``) or ``model_parallel``
 (``ModelParallelStrategy``, the model sharded with FSDP2's ``fully_shard``); Lightning starts the
@@ -21,7 +22,9 @@ right after the save returned, while the writer process writes).
 ``ckpt_path="last"`` to ``STEPS``; each rank writes ``ROOT/<run>/final_<rank>.pt``: its model and
 optimizer state (its own shards under FSDP2) and the loss of every step it ran. ``reshard`` (with
 ``CKPT_TEST_LIGHTNING_RANKS=1``): resumes run ``killed`` at its last step ``STEPS`` on one
-process, and writes what it loaded as run ``resharded``.
+process, and writes what it loaded as run ``resharded``. ``fit``: fits run ``killed`` to ``STEPS``
+and writes its final state. With ``CKPT_TEST_LIGHTNING_TIER=1`` the engine saves into the
+node-local tier ``ROOT/<run>/local`` only (``persist_every`` longer than the fit).
 Every rank prints ``SAVED <run> <iteration> <rank>`` for each save its engine committed.
 """
 
@@ -52,6 +55,9 @@ CUDA = os.environ.get("CKPT_TEST_LIGHTNING_CUDA") == "1"
 RANKS = 1 if CUDA else int(os.environ.get("CKPT_TEST_LIGHTNING_RANKS", "2"))
 #: With CKPT_TEST_LIGHTNING_ASYNC=1: background saves (``pinned_staging``).
 ASYNC = os.environ.get("CKPT_TEST_LIGHTNING_ASYNC") == "1"
+#: With CKPT_TEST_LIGHTNING_TIER=1: every save to the node-local tier ``ROOT/<run>/local`` only, and
+#: no :class:`RankState` (state saved per rank is not resharded from the tier, by design).
+TIER = os.environ.get("CKPT_TEST_LIGHTNING_TIER") == "1"
 
 
 class Regressor(L.LightningModule):
@@ -174,7 +180,12 @@ def fit(root: str, run: str, name: str, steps: int, *, ckpt_path: str | None = N
     torch.set_num_threads(1)
     torch.manual_seed(0)
     plugins: list[Any] = [ReportSaves(run)]
-    config = {"save_dir": os.path.join(root, run, "engine"), "plugins": ["pinned_staging"] if ASYNC else []}
+    config: dict[str, Any] = {
+        "save_dir": os.path.join(root, run, "engine"),
+        "plugins": ["pinned_staging"] if ASYNC else [],
+    }
+    if TIER:
+        config |= {"local_dir": os.path.join(root, run, "local"), "persist_every": 1000}
     if stop_at >= 0 and ASYNC:
         io: EngineCheckpointIO = StopAfterAsyncSave(config, plugins, stop_at)
     else:
@@ -185,7 +196,7 @@ def fit(root: str, run: str, name: str, steps: int, *, ckpt_path: str | None = N
         devices=RANKS,
         plugins=[io],
         callbacks=[
-            RankState(),
+            *([] if TIER else [RankState()]),  # state saved per rank: a tier's step of it is not resharded
             ModelCheckpoint(
                 dirpath=os.path.join(root, run, "ckpts"),
                 every_n_train_steps=STEPS_PER_EPOCH,
@@ -224,7 +235,7 @@ def dump(trainer: Any, root: str, run: str) -> None:
         "model": _local(get_model_state_dict(model)),
         "optimizer": _local(get_optimizer_state_dict(model, optimizer)),
         "losses": module.losses,
-        "rank_state_loaded": next(c for c in trainer.callbacks if isinstance(c, RankState)).loaded,
+        "rank_state_loaded": next((c.loaded for c in trainer.callbacks if isinstance(c, RankState)), None),
     }
     os.makedirs(os.path.join(root, run), exist_ok=True)
     torch.save(state, os.path.join(root, run, f"final_{trainer.global_rank}.pt"))
@@ -235,6 +246,9 @@ def main() -> None:
     if mode == "kill":
         fit(root, "killed", name, steps, stop_at=int(sys.argv[5]))
         say("FINISHED")
+        return
+    if mode == "fit":  # run ``killed`` to ``STEPS`` without a stop
+        dump(fit(root, "killed", name, steps), root, "killed")
         return
     if mode == "reshard":  # resume run ``killed`` at its last step, on RANKS processes: no step runs
         dump(fit(root, "killed", name, steps, ckpt_path="last"), root, "resharded")
