@@ -125,10 +125,25 @@ _RUNTIME_STATE = (
     "_folders",
     "_fingerprints",
     "_save_ids",
-    "_id_base",
-    "_id_count",
+    "_ids",
     "_resumed",
 )
+
+
+class _SaveIds:
+    """Ids for new saves, the same on every rank (a save's structure is saved once, not per rank,
+    and its pointers name it): rank 0's random id, drawn at the first save, and a count."""
+
+    def __init__(self) -> None:
+        self.base: str | None = None
+        self.count = 0
+
+    def next(self) -> str:
+        """The next id (collective at the first call: every rank calls it alike)."""
+        if self.base is None:
+            self.base = _dist.broadcast_object(uuid.uuid4().hex, step="lightning: the id of a save")
+        self.count += 1
+        return f"{self.base}-{self.count}"
 
 
 def _alone(flag: bool) -> bool:
@@ -174,8 +189,7 @@ class EngineCheckpointIO(CheckpointIO):
         self._folders: PointerFolders
         self._fingerprints: dict[int, dict[str, str]]
         self._save_ids: dict[int, str]
-        self._id_base: str | None
-        self._id_count: int
+        self._ids: _SaveIds
         self._resumed: tuple[int, str | None] | None
         self._reset_runtime()
 
@@ -211,7 +225,7 @@ class EngineCheckpointIO(CheckpointIO):
         #: step -> digests of the state saved at that step, and the id of its save (in its pointers).
         self._fingerprints = {}
         self._save_ids = {}
-        self._id_base, self._id_count = None, 0
+        self._ids = _SaveIds()
         #: The global step (and save id) of the checkpoint of this save folder the fit resumed.
         self._resumed = None
 
@@ -298,7 +312,7 @@ class EngineCheckpointIO(CheckpointIO):
             changed = differing_keys(self._fingerprints.get(step, {}), fingerprint) if again else []
         if again and agree(bool(changed)):  # every rank decides alike
             self._replace_step(step, target, changed)
-        new_id = None if step in self._saved else self._new_save_id()  # only this thread adds to _saved
+        new_id = None if step in self._saved else self._ids.next()  # only this thread adds to _saved
         with self._lock:
             again, committed = step in self._saved, step in self._committed
             if not committed and rank == 0:
@@ -321,14 +335,6 @@ class EngineCheckpointIO(CheckpointIO):
                 self._saved.discard(step)
                 self._fingerprints.pop(step, None)
             raise
-
-    def _new_save_id(self) -> str:
-        """An id for a new save, the same on every rank (its structure is saved once, not per rank,
-        and its pointers name it): rank 0's random id for this object, once, and a count."""
-        if self._id_base is None:
-            self._id_base = _dist.broadcast_object(uuid.uuid4().hex, step="lightning: the id of a save")
-        self._id_count += 1
-        return f"{self._id_base}-{self._id_count}"
 
     def _bookkeeping_callbacks(self) -> frozenset[str]:
         """The ``state_key``\\ s of the trainer's ``ModelCheckpoint`` callbacks (connected to a
