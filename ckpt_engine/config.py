@@ -317,7 +317,8 @@ class EngineConfig(_Frozen):
         ge=1,
         description="With `local_dir`: a save whose iteration is a multiple of N is also committed to `save_dir` "
         "(durable); the others live in the local tier and its peer replicas only. `save(..., durable=True)` "
-        "forces one.",
+        "forces one, and so does a job that went back to a step older than `save_dir`'s latest with "
+        "`allow_overwrite`, until one of its saves is committed there (it rewinds `latest`).",
     )
     peer_replicas: int | None = Field(
         default=None,

@@ -548,9 +548,12 @@ def _lineage_start(config: EngineConfig, start: int) -> tuple[str, str, tuple[st
     """Rank 0, at an engine's first save: the run (:func:`_save_dir_run`'s, or a new one), a new
     instance id, recorded in ``save_dir`` with ``start``, the step its saves go on from (the run's
     fork: :mod:`.._tier.lineage`), before any of them is committed; the durable step the saves
-    descend from (``save_dir``'s latest, if it records a lineage) and where the saves are made."""
+    descend from (``save_dir``'s latest, if it records a lineage; with ``allow_overwrite``, the
+    older ``start`` the job went back to) and where the saves are made."""
     store = open_store(config.save_dir, config.storage)
     run, parent = _save_dir_run(config)
+    if config.allow_overwrite and parent is not None and start < parent[1]:
+        parent = _went_back_to(config, start) or parent  # its first durable save rewinds latest to it
     run, instance = run or secrets.token_hex(8), secrets.token_hex(8)
     try:
         write_run(config.save_dir, store, run, (instance, start))
@@ -573,3 +576,15 @@ def _save_dir_run(config: EngineConfig) -> tuple[str | None, tuple[str, int] | N
     if found is None or found.lineage is None:
         return read_run(config.save_dir, store), None
     return found.lineage.run_id, (found.lineage.save_id, found.iteration)
+
+
+def _went_back_to(config: EngineConfig, start: int) -> tuple[str, int] | None:
+    """With ``allow_overwrite``, a job that went back to step ``start``, older than ``save_dir``'s
+    latest, rewrites the history from there (:func:`~.resave.move_latest`): its saves descend
+    from ``save_dir``'s checkpoint of ``start`` (save id, iteration), where that records a lineage."""
+    store = open_store(config.save_dir, config.storage)
+    try:
+        found = lookup_manifest(store.join(config.save_dir, iter_dirname(start)), store).manifest
+    except (OSError, CkptEngineError):
+        return None
+    return None if found is None or found.lineage is None else (found.lineage.save_id, start)

@@ -42,8 +42,10 @@ from .._dcpio.watch import phase as publish_phase
 from .._format.digests import carried_copies, written_entries
 from .._format.layout import SaveDirLock, cleanup_leftovers
 from .._format.manifest import FileEntry, Lineage, list_files, owner_rank
+from .._format.names import parse_iteration
+from .._format.pointer import read_latest
 from ..config import EngineConfig
-from ..errors import CheckpointSaveError, CollectiveError
+from ..errors import CheckpointSaveError, CkptEngineError, CollectiveError
 from ..pipeline import Pipeline
 from ..types import CarriedBy, StagedState, WriteContext, WriteResult
 from .collectives import watch_group
@@ -461,6 +463,19 @@ class DurableTier:
     def resumed(self, iteration: int) -> None:
         """Nothing here: ``save_dir``'s own rules (``allow_overwrite``) govern its re-saves."""
 
+    def latest_iteration(self) -> int | None:
+        """The iteration ``save_dir``'s ``latest`` names, as rank 0 reads it (collective; ``None``:
+        none, or a ``latest`` that cannot be read)."""
+        found = None
+        if _dist.rank() == 0:
+            try:
+                name = read_latest(self.config.save_dir, self.target.store)
+            except CkptEngineError:
+                name = None
+            found = parse_iteration(name) if name else None
+        iteration: int | None = _dist.broadcast_object(found, step="tiers: save_dir's latest")
+        return iteration
+
 
 @dataclass
 class TierSave:
@@ -478,8 +493,10 @@ class TierStack:
     is just a stack: nothing outside it asks whether a tier exists.
 
     The persist policy: every save goes to every nearer tier; it also goes to the durable tier
-    when the stack has no nearer tier, when its iteration is a multiple of ``persist_every``, or
-    when ``save(durable=True)`` forces it. The durable tier is written first and committed last:
+    when the stack has no nearer tier, when its iteration is a multiple of ``persist_every``, when
+    ``save(durable=True)`` forces it, or while a job that went back to an older step with
+    ``allow_overwrite`` has not rewound ``save_dir``'s ``latest`` yet (:meth:`saves`, every rank
+    alike: rank 0 reads ``latest``). The durable tier is written first and committed last:
     a save that reaches the durable tier is committed in every tier, or it failed.
 
     The restore order (:class:`~.resume.ResumePlanner`, which states each place's rule): the
@@ -493,12 +510,34 @@ class TierStack:
         #: The tiers nearer than the durable one, nearest first.
         self.nearer = tuple(nearer)
         self.persist_every = persist_every
+        #: With ``allow_overwrite``: the step a load resumed, until ``save_dir``'s ``latest`` is
+        #: known not to name a step past it that this engine did not save (:meth:`_rewinds`).
+        self._behind: int | None = None
+        #: The iterations this engine placed in ``save_dir`` since.
+        self._placed: set[int] = set()
 
     def saves(self, iteration: int, *, durable: bool) -> list[TierSave]:
         """Where the save of ``iteration`` goes, in write order (``durable``: forced)."""
-        persist = durable or not self.nearer or iteration % self.persist_every == 0
+        persist = durable or not self.nearer or iteration % self.persist_every == 0 or self._rewinds()
+        if persist and self._behind is not None:
+            self._placed.add(iteration)
         durable_part = [TierSave(self.durable, self.durable.paths(iteration))] if persist else []
         return durable_part + [TierSave(tier, tier.paths(iteration)) for tier in self.nearer]
+
+    def _rewinds(self) -> bool:
+        """Whether a save the policy leaves to the nearer tiers must go to ``save_dir`` too (every
+        rank alike: rank 0 reads ``latest``). It must after a load went back to a step older than
+        ``save_dir``'s ``latest``, with ``allow_overwrite``, until a save of this engine is
+        committed there: saved to the nearer tiers only, ``latest`` would still name the history
+        the job left, which the next resume takes; committed there, it rewinds ``latest``
+        (:func:`~.resave.move_latest`), and the nearer tiers' saves descend from it."""
+        if self._behind is None:
+            return False
+        latest = self.durable.latest_iteration()
+        if latest is None or latest <= self._behind or latest in self._placed:
+            self._behind = None  # nothing past the resumed step, or this engine's own save, is latest
+            return False
+        return True
 
     def lineage(self) -> Lineage | None:
         """What the manifests of the save about to be committed record (the nearest tier's)."""
@@ -512,6 +551,8 @@ class TierStack:
         """A load read step ``iteration``: every tier's saves go on from it."""
         for tier in (self.durable, *self.nearer):
             tier.resumed(iteration)
+        if self.nearer and self.durable.config.allow_overwrite:
+            self._behind, self._placed = iteration, set()
 
     def wait(self, timeout: float | None = None) -> None:
         """Every tier's after-commit work so far (the node-local tier's replication rounds)."""

@@ -529,3 +529,27 @@ def test_resumed_from_tells_an_engine_that_did_not_load_where_training_went_on(t
     result, got = _resume(config)
     assert (result.iteration, set(result.bytes_by_source)) == (4, {"local"})
     assert_state_dicts_equal(got, _snapshot(b))
+
+
+def test_a_job_that_went_back_with_allow_overwrite_and_saved_to_the_tier_is_resumed_not_the_left_history(
+    tmp_path: Path,
+) -> None:
+    """Job A saved 1 to 6 (2, 4 and 6 durable). Job B loaded the older durable 2 by name, with
+    ``allow_overwrite``, and saved 3 (not a multiple of ``persist_every``) and 5. Saved to the
+    tier only, ``latest`` kept naming A's 6, the history B left, and the next resume took it:
+    training B had discarded. B's first save also goes to ``save_dir``, which rewinds ``latest``
+    there, and the tier's 5 descends from it."""
+    config = {**_config(tmp_path / "durable", tmp_path / "local"), "persist_every": 2, "allow_overwrite": True}
+    _save(config, range(1, 7))
+    assert (tmp_path / "durable/latest_checkpoint.txt").read_text().strip() == "iter_000000006"
+    b = TinyTrainingState.create(seed=99)
+    older = {**config, "load_dir": str(tmp_path / "durable/iter_000000002")}
+    with CheckpointEngine(older) as engine:
+        assert engine.load(**b.objects()).iteration == 2
+        for it in (3, 5):
+            b.train(1, seed=40 + it)  # other batches than A's
+            assert engine.save(it, **b.objects()).result().succeeded
+    assert (tmp_path / "durable/latest_checkpoint.txt").read_text().strip() == "iter_000000003"
+    result, got = _resume(config)
+    assert (result.iteration, result.checkpoint_path) == (5, str(tmp_path / "local/rank_00000/iter_000000005"))
+    assert_state_dicts_equal(got, _snapshot(b))
