@@ -430,6 +430,51 @@ def test_a_save_before_the_first_step_changes_nothing_and_resumes_exactly(
     assert_state_dicts_equal(resumed_opt.state_dict(), reference_opt.state_dict())
 
 
+class _LateBranch(nn.Module):
+    """``late`` gets gradients only from step 4 on: until then the optimizer holds no state of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.early, self.late = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.early(x)
+        return self.late(h) if step > 3 else h
+
+
+def _train_late(model: _LateBranch, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        optimizer.zero_grad()
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        model(x, step).square().mean().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("make", _BEFORE_ITS_FIRST_STEP, ids=["adamw", "sgd_momentum", "rmsprop"])
+def test_a_parameter_the_optimizer_held_no_state_of_resumes_without_state(tmp_path: Path, make: Any) -> None:
+    """A branch that had no gradient before the save has no optimizer state in the checkpoint.
+    The strict load refused the valid checkpoint (its state keys missing), and with
+    ``strict: false``, as the error advised, the branch resumed with DCP's made-up first state
+    (AdamW: step 1, zero moments) and trained on differently from the uninterrupted run."""
+    torch.manual_seed(0)
+    reference = _LateBranch()
+    saved, resumed = copy.deepcopy(reference), _LateBranch()
+    reference_opt, saved_opt, resumed_opt = (make(m.parameters()) for m in (reference, saved, resumed))
+    _train_late(reference, reference_opt, range(1, 7))
+    _train_late(saved, saved_opt, range(1, 3))
+    assert len(saved_opt.state) == 2  # early's weight and bias only
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.save(2, model=saved, optimizer=saved_opt)
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        result = engine.load(model=resumed, optimizer=resumed_opt)
+    assert not (result.report["optim"].missing or result.report["optim"].unexpected)
+    assert set(resumed_opt.state) == {resumed.early.weight, resumed.early.bias}
+    assert_state_dicts_equal(resumed_opt.state_dict(), saved_opt.state_dict())
+    _train_late(resumed, resumed_opt, range(3, 7))
+    assert_state_dicts_equal(resumed.state_dict(), reference.state_dict())
+    assert_state_dicts_equal(resumed_opt.state_dict(), reference_opt.state_dict())
+
+
 def test_each_optimizer_is_judged_alone_where_one_stepped_and_another_did_not(tmp_path: Path) -> None:
     """A GAN's discriminator steps before its generator: the checkpoint holds the one's state and
     the other's groups only. The load must give the discriminator its state and leave the

@@ -287,7 +287,47 @@ def load_templates(
             parts[i] = {k: v for k, v in part.items() if not k.startswith(_OPTIM_STATE)}
         else:
             _SAVED_WITHOUT_STATE.discard(optimizer)
+            _UNSAVED_PARAMETERS.pop(optimizer, None)
+            unsaved = _unsaved_parameters(modules[i], state, saved) if saved is not None else {}
+            if unsaved:
+                _UNSAVED_PARAMETERS[optimizer] = frozenset(unsaved)
+                parts[i] = {k: v for k, v in part.items() if not any(k in keys for keys in unsaved.values())}
     return parts
+
+
+#: Optimizers whose last load template left out the parameters the checkpoint holds no state of
+#: (:func:`_unsaved_parameters`), by name: :func:`set_optimizer_state` leaves them without state.
+_UNSAVED_PARAMETERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _unsaved_parameters(module: nn.Module, state: list[str], saved: Collection[str]) -> dict[str, set[str]]:
+    """The parameters (by name, with their template's state keys) the checkpoint holds no state
+    of at all, where others have some: a branch that had no gradient before the save, which the
+    optimizer held no state for. Loaded from the template, each would get DCP's made-up first
+    state (``step`` 1, zero moments) and train on from it; left out, it has none after the load,
+    as at the save. Empty where a name is not the module's own (a wrapper renamed it)."""
+    by_param: dict[str, set[str]] = {}
+    for key in state:
+        by_param.setdefault(key[len(_OPTIM_STATE) :].rpartition(".")[0], set()).add(key)
+    unsaved = {name: keys for name, keys in by_param.items() if not any(k in saved for k in keys)}
+    if not unsaved or len(unsaved) == len(by_param):
+        return {}
+    names = {name for name, _ in module.named_parameters()}
+    return unsaved if all(name in names for name in unsaved) else {}
+
+
+def _set_without_unsaved(
+    module: nn.Module, optimizer: torch.optim.Optimizer, sd: Mapping[str, Any], unsaved: frozenset[str]
+) -> None:
+    """Load ``sd``, which holds no state of the ``unsaved`` parameters: DCP's function needs a
+    state for every parameter, so it is given the state DCP initialised for those, which is then
+    dropped (as :func:`_set_groups_only` does for all of them)."""
+    full = _dcp_optimizer_state_dict(module, optimizer)
+    full.update(sd)
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=full, options=_OPTIM_OPTIONS)
+    params = dict(module.named_parameters())
+    for name in unsaved:
+        optimizer.state.pop(params[name], None)
 
 
 def set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, sd: Mapping[str, Any]) -> None:
@@ -297,5 +337,7 @@ def set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, sd:
     with _empty_groups_aside(optimizer):
         if optimizer in _SAVED_WITHOUT_STATE:
             _set_groups_only(module, optimizer, sd)
+        elif (unsaved := _UNSAVED_PARAMETERS.get(optimizer)) is not None:
+            _set_without_unsaved(module, optimizer, sd, unsaved)
         else:
             set_optimizer_state_dict(module, optimizer, optim_state_dict=dict(sd), options=_OPTIM_OPTIONS)
