@@ -52,6 +52,11 @@ class HookContractError(CkptEngineError):
     """A plugin's hook implementation returned something the hook contract does not allow."""
 
 
+class ObserverError(CkptEngineError):
+    """An ``on_save_done`` observer raised (its exception is the cause). Every other observer
+    ran, and the save it observed is as its ``SaveResult`` says: committed, or failed on its own."""
+
+
 class CheckpointNotFoundError(CkptEngineError, FileNotFoundError):
     """A checkpoint that the configuration points at does not exist."""
 

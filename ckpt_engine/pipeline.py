@@ -17,7 +17,7 @@ from typing import Any
 from pluggy import HookCaller
 
 from .defaults import DEFAULT_PLUGIN_NAME
-from .errors import CkptEngineError, HookContractError, PluginConflictError
+from .errors import CkptEngineError, HookContractError, ObserverError, PluginConflictError
 from .hookspecs import HOOK_KINDS
 from .lifecycle import (
     BoundsPendingSaves,
@@ -220,7 +220,26 @@ class Pipeline:
     # -- observers --------------------------------------------------------------------------
 
     def on_save_done(self, result: SaveResult) -> None:
-        self.pm.hook.on_save_done(result=result)
+        """Every observer, in pluggy's order, each on its own: one that raises does not keep the
+        others from running. The first failure is raised once all ran, as :class:`ObserverError`
+        naming its plugin."""
+        failed: list[tuple[str, Exception]] = []
+        for impl in reversed(self.pm.hook.on_save_done.get_hookimpls()):
+            try:
+                impl.function(*[{"result": result}[name] for name in impl.argnames])
+            except Exception as err:
+                failed.append((impl.plugin_name, err))
+        if failed:
+            name, first = failed[0]
+            more = f"; {len(failed) - 1} other observer(s) raised too (logged)" if len(failed) > 1 else ""
+            for other, other_err in failed[1:]:
+                logger.error("the on_save_done observer of plugin %r raised %r", other, other_err)
+            state = "is committed" if result.succeeded else "failed on its own"
+            raise ObserverError(
+                f"the on_save_done observer of plugin {name!r} raised {type(first).__name__}: {first}{more}. The "
+                f"save of iteration {result.iteration} {state}, and every other observer ran. Fix the plugin, or leave "
+                "it out of the engine's plugins"
+            ) from first
 
     # -- lifecycle (ckpt_engine.lifecycle) ---------------------------------------------------
 

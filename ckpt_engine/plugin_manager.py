@@ -240,7 +240,13 @@ def build_plugin_manager(config: EngineConfig, objects: Sequence[Any] = ()) -> L
         _register(pm, obj, name, who)
         order.append(name)
         descriptions[name] = who
-    pm.check_pending()
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as err:
+        raise PluginLoadError(
+            f"{err} (the engine's hooks: {', '.join(hookspecs.HOOK_KINDS)}; docs/hooks.md); rename the method, or "
+            "leave it undecorated if it is no hook"
+        ) from err
     return LoadedPlugins(pm=pm, order=tuple(order), descriptions=descriptions)
 
 
@@ -251,7 +257,10 @@ def _register(pm: pluggy.PluginManager, plugin: Any, name: str, who: str) -> Non
         raise PluginConflictError(f"{who}: this plugin object is already registered under another name")
     try:
         pm.register(plugin, name=name)
-    except pluggy.PluginValidationError:
-        raise
+    except pluggy.PluginValidationError as err:
+        raise PluginLoadError(
+            f"{who}: {err} (the engine's hooks: {', '.join(hookspecs.HOOK_KINDS)}; docs/hooks.md gives each "
+            "one's arguments)"
+        ) from err
     except ValueError as err:
         raise PluginConflictError(f"{who}: {err}") from err

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..errors import CheckpointSaveError
+from ..errors import CheckpointSaveError, CkptEngineError, ObserverError
 from ..types import PendingSnapshot, SaveResult
 
 __all__ = ["SaveHandle", "SaveQueue"]
@@ -64,7 +64,11 @@ class SaveHandle:
                 raise
             except Exception:
                 pass  # a failed copy fails the save: the result below carries its error
-        result = self._future.result(timeout)
+        try:
+            result = self._future.result(timeout)
+        except ObserverError:
+            self.reported = True  # raised once, here: a later save() need not raise it again
+            raise
         if not result.succeeded:
             self.reported = True
             raise CheckpointSaveError(
@@ -84,7 +88,7 @@ class SaveQueue:
         self._pending: list[SaveHandle] = []
         #: Failures of saves whose handle nobody asked, noticed by a later save() (which
         #: proceeds): raised by the next wait() / close().
-        self._failed: list[CheckpointSaveError] = []
+        self._failed: list[CkptEngineError] = []
         self._lock = threading.Lock()
         self._committer: ThreadPoolExecutor | None = None
 
@@ -112,12 +116,12 @@ class SaveQueue:
             cut = max(0, len(self._pending) - keep)
             pending, self._pending = self._pending[:cut], self._pending[cut:]
         results = []
-        first_error: CheckpointSaveError | None = None
+        first_error: CkptEngineError | None = None
         for handle in pending:
             seen = handle.reported
             try:
                 results.append(handle.result())
-            except CheckpointSaveError as err:
+            except (CheckpointSaveError, ObserverError) as err:
                 if raise_errors:
                     first_error = first_error or err
                 elif not seen:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from ckpt_engine import (
     EngineConfig,
     HookContractError,
     LoadContext,
+    ObserverError,
     PlanEntry,
     PluginConfigError,
     PluginConflictError,
@@ -115,8 +117,76 @@ def test_entry_point_naming_a_function_is_refused(save_dir: str) -> None:
 
 
 def test_misspelled_hook_name_fails_at_build(save_dir: str) -> None:
-    with pytest.raises(pluggy.PluginValidationError, match="remap_key"):
+    with pytest.raises(PluginLoadError, match=r"remap_key.*the engine's hooks: remap_keys") as raised:
         CheckpointEngine({"save_dir": save_dir, "plugins": ["fake_misspelled"]})
+    assert isinstance(raised.value.__cause__, pluggy.PluginValidationError)
+
+
+def test_a_hook_with_an_argument_the_hook_has_not_fails_at_build_naming_the_plugin(save_dir: str) -> None:
+    class Extra:
+        name = "extra_arg"
+
+        @hookimpl
+        def on_save_done(self, result: SaveResult, when: float) -> None:
+            pass
+
+    with pytest.raises(PluginLoadError, match=r"(?s)plugin 'extra_arg'.*'when'"):
+        make_engine(save_dir, Extra())
+
+
+def test_every_observer_runs_and_one_that_raises_is_an_observer_error_naming_it(save_dir: str) -> None:
+    """An ``on_save_done`` that raised stopped the observers after it and reached the caller as
+    a bare exception; with ``pinned_staging`` the next save raised it again and was never made."""
+    seen: list[int] = []
+
+    class Broken:
+        name = "broken"
+
+        @hookimpl
+        def on_save_done(self, result: SaveResult) -> None:
+            if result.iteration == 1:
+                raise RuntimeError("observer bug")
+
+    class Counter:
+        name = "counter"
+
+        @hookimpl
+        def on_save_done(self, result: SaveResult) -> None:
+            seen.append(result.iteration)
+
+    state = TinyTrainingState.create()
+    with make_engine(save_dir, Counter(), Broken()) as engine:  # pluggy calls Broken first
+        with pytest.raises(ObserverError, match="plugin 'broken' raised RuntimeError: observer bug") as raised:
+            engine.save(1, model=state.model)
+        assert isinstance(raised.value.__cause__, RuntimeError) and seen == [1]
+        assert engine.save(2, model=state.model).result().succeeded
+    assert seen == [1, 2]
+    with open(os.path.join(save_dir, "latest_checkpoint.txt")) as latest:
+        assert latest.read().strip() == "iter_000000002"
+
+
+@pytest.mark.full  # a pinned_staging writer process start-up
+def test_an_observer_error_of_a_background_save_is_raised_once_and_the_next_save_is_made(save_dir: str) -> None:
+    class Broken:
+        name = "broken"
+
+        @hookimpl
+        def on_save_done(self, result: SaveResult) -> None:
+            if result.iteration == 1:
+                raise RuntimeError("observer bug")
+
+    state = TinyTrainingState.create()
+    engine = CheckpointEngine({"save_dir": save_dir, "plugins": ["pinned_staging"]}, plugins=[Broken()])
+    try:
+        first = engine.save(1, model=state.model)
+        with pytest.raises(ObserverError, match="plugin 'broken'"):
+            first.result()
+        second = engine.save(2, model=state.model)  # raised iteration 1's error again, and was not made
+        assert second.result().succeeded
+    finally:
+        engine.close()
+    with open(os.path.join(save_dir, "latest_checkpoint.txt")) as latest:
+        assert latest.read().strip() == "iter_000000002"
 
 
 def test_disabled_plugin_is_never_imported(save_dir: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
