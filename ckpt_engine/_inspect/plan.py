@@ -228,6 +228,9 @@ def _dry_run(
                 report, n = dry_run_component(
                     engine, objs, name, cdir, strict=False, strict_unexpected=False, warm_start=warm
                 )
+            except CheckpointLoadError as err:  # refused before any plan (PerRankStateError): no report
+                run.failures.append(f"{name}: {err}")
+                continue
             run.reports[name] = report
             run.items += n
     finally:

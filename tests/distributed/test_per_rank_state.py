@@ -136,3 +136,23 @@ def test_a_tier_step_holding_per_rank_state_is_not_resharded_into_another_world_
     ):
         engine.load(model=model(), extra={"loader": Position()})
     assert "not resharding the steps that hold state saved per rank, step(s) 6 (loader)" in caplog.text
+
+
+def test_plan_into_another_world_size_fails_as_the_load_would(
+    launched: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ckpt-engine plan`` of a checkpoint holding state saved per rank into one process: the
+    load refuses it (PerRankStateError), so the plan must report the load as failing (exit 1)
+    naming the component; it ended with a one-line error and exit 2, as for bad arguments."""
+    from ckpt_engine.cli import main as cli
+
+    root, _ = launched
+    (tmp_path / "per_rank_factory.py").write_text(
+        "import torch\nfrom torch import nn\n\n\ndef model():\n    m = nn.Linear(4, 4)\n"
+        "    m.register_buffer('expert', torch.zeros(3))\n    return m\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = cli(["plan", str(root / "per_rank"), "--model", "per_rank_factory:model"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "FAILED: the load would fail" in out and "model: " in out and "saved per rank by 2 rank(s)" in out
