@@ -214,7 +214,7 @@ def _find_tied(source: ComponentSource, only: list[str], common: list[str], side
         ]
         for twin in twins:
             values = source.read([key, twin])
-            if max_abs_diff(values[key], values[twin]) == 0.0:
+            if max_abs_diff(values[key], values[twin]) == 0.0 and not _constant(values[key]):
                 only.remove(key)
                 out.tied.append((key, twin, side))
                 break
@@ -245,6 +245,13 @@ def _compare_values(
                 out.value_changes[k] = (summarize_value(x), summarize_value(y))
 
 
+def _constant(tensor: Any) -> bool:
+    """Whether every element of ``tensor`` is one value (a bias at zeros, a norm weight at ones):
+    such a tensor equals any other of its shape and value by chance, never shows a tied weight."""
+    flat = tensor.reshape(-1)
+    return bool(flat.numel() <= 1 or (flat == flat[0]).all())
+
+
 def max_abs_diff(a: Any, b: Any) -> float:
     """The largest ``|a - b|`` of two same-shape tensors (NaN where both are NaN counts as equal,
     NaN on one side as infinitely far; booleans differ by 1)."""
@@ -262,7 +269,11 @@ def max_abs_diff(a: Any, b: Any) -> float:
     both_nan = torch.isnan(x) & torch.isnan(y) if not x.is_complex() else torch.zeros_like(d, dtype=torch.bool)
     d = torch.where(both_nan, torch.zeros_like(d), d)
     d = torch.nan_to_num(d, nan=float("inf"))
-    return float(d.max()) if d.numel() else 0.0
+    largest = float(d.max()) if d.numel() else 0.0
+    if not (a.is_floating_point() or a.is_complex() or b.is_floating_point() or b.is_complex()):
+        # integers past 2**53 (64-bit seeds, counters) round to one float64: unequal integers differ by 1 at least
+        return max(largest, 1.0)
+    return largest
 
 
 def same_value(x: Any, y: Any, stored_x: bytes | None, stored_y: bytes | None) -> bool:

@@ -574,6 +574,31 @@ def test_diff_of_a_model_and_its_save_pretrained_output_compares_tied_weights_as
     assert code == 1 and "tied:" not in out
 
 
+def test_diff_never_takes_a_constant_tensor_for_a_tied_weight(cli: Run, tmp_path: Path) -> None:
+    """A layer only A has, whose bias is still at zeros, equals B's zero bias of another layer by
+    chance: it was listed as tied and the diff said the checkpoints were identical (exit 0)."""
+    common = {"0.weight": torch.randn(4, 4), "0.bias": torch.zeros(4)}
+    torch.save({**common, "adapter.weight": torch.randn(4, 4), "adapter.bias": torch.zeros(4)}, tmp_path / "a.pt")
+    torch.save(common, tmp_path / "b.pt")
+    code, out, _ = cli("diff", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))
+    assert code == 1 and "only in a: adapter.bias" in out and "tied:" not in out, out
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "dtype"),
+    [(2**53, 2**53 + 1, torch.int64), (2**62, 2**62 + 1, torch.int64), (2**63 + 1, 2**63, torch.uint64)],
+)
+def test_diff_tells_integers_apart_past_float64s_precision(
+    cli: Run, tmp_path: Path, a: int, b: int, dtype: torch.dtype
+) -> None:
+    """Integer tensors were compared as float64, in which 2**53 and 2**53 + 1 are one value: a
+    64-bit seed or counter that changed was "identical", even under an ``--atol`` below 1."""
+    torch.save({"seed": torch.tensor([a], dtype=dtype)}, tmp_path / "a.pt")
+    torch.save({"seed": torch.tensor([b], dtype=dtype)}, tmp_path / "b.pt")
+    code, out, _ = cli("diff", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--atol", "0.5")
+    assert code == 1 and "identical" not in out, out
+
+
 def test_a_safetensors_header_length_whose_low_byte_is_0x80_is_safetensors(cli: Run, tmp_path: Path) -> None:
     """One valid file in 256 starts with 0x80 (a pickle's first byte): it is still safetensors."""
     data = torch.arange(6, dtype=torch.float32)
