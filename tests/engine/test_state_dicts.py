@@ -494,3 +494,38 @@ def test_each_optimizer_is_judged_alone_where_one_stepped_and_another_did_not(tm
         engine.load(model=[gen2, disc2], optimizer=[opt_g2, opt_d2])
     assert not opt_g2.state and opt_g2.param_groups[0]["lr"] == 0.1
     assert_state_dicts_equal(opt_d2.state_dict(), opt_d.state_dict())
+
+
+class _PerClassCounts:
+    """An extra whose state holds dicts keyed by int (counts per class, a tensor per class)."""
+
+    def __init__(self, counts: dict[int, int], weights: dict[int, torch.Tensor]) -> None:
+        self.counts, self.weights = counts, weights
+        self.received: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counts": dict(self.counts), "weights": dict(self.weights), "text": {"007": 7}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.received = sd
+
+
+def test_int_keys_of_an_extras_and_a_schedulers_state_load_under_their_int_keys(tmp_path: Path) -> None:
+    """DCP's flattening names nested items by string paths, and its load set ``"1": 22`` beside
+    the template's ``1: 0``: the object read the stale 0. MultiStepLR's milestones (a Counter of
+    ints) got both too."""
+    saved = _PerClassCounts({0: 11, 1: 22, -2: 33}, {3: torch.arange(4.0)})
+    model = nn.Linear(2, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.MultiStepLR(optim, milestones=[2, 5], gamma=0.5)
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.save(1, model=model, scheduler=sched, extra={"classes": saved})
+    fresh = _PerClassCounts({0: 0, 1: 0, -2: 0}, {3: torch.zeros(4)})
+    fresh_sched = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD(model.parameters(), lr=1.0), milestones=[2, 5])
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.load(model=nn.Linear(2, 2), scheduler=fresh_sched, extra={"classes": fresh})
+    assert fresh.received is not None
+    assert fresh.received["counts"] == {0: 11, 1: 22, -2: 33}
+    assert list(fresh.received["weights"]) == [3] and torch.equal(fresh.received["weights"][3], torch.arange(4.0))
+    assert fresh.received["text"] == {"007": 7}  # a string key stays a string
+    assert dict(fresh_sched.milestones) == {2: 1, 5: 1}

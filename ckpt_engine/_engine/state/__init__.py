@@ -322,12 +322,34 @@ def apply_component(
         for module, optim in zip(objs.modules, objs.optimizers, strict=True):
             set_optimizer_state(module, optim, sd)
     elif component == "scheduler":
-        objs.scheduler.load_state_dict(sd)
+        objs.scheduler.load_state_dict(_int_keys_back(sd))
     elif component == "trainer":
         if objs.grad_scaler is not None and "grad_scaler" in sd and "grad_scaler" not in untouched:
             objs.grad_scaler.load_state_dict(sd["grad_scaler"])
     else:
-        objs.extra[component].load_state_dict(sd)
+        objs.extra[component].load_state_dict(_int_keys_back(sd))
+
+
+def _int_text(key: str) -> bool:
+    """Whether ``key`` is ``str(n)`` of an int ``n`` (``"-3"``, not ``"007"``)."""
+    return key.lstrip("-").isdigit() and str(int(key)) == key
+
+
+def _int_keys_back(value: Any) -> Any:
+    """``value`` with each loaded ``"3"`` key of a nested dict put back under the int key ``3`` the
+    template holds. DCP's flattening names a nested item by its path with every key made a
+    string, and its load sets the loaded value under that string beside the template's int key,
+    which kept its template value (a scheduler's milestones, an extra's per-class counts): the
+    object got both, and read the stale one. Dicts changed in place; returns ``value``."""
+    if isinstance(value, dict):
+        for key in [k for k in value if type(k) is str and _int_text(k) and int(k) in value]:
+            value[int(key)] = value.pop(key)
+        for item in value.values():
+            _int_keys_back(item)
+    elif isinstance(value, list):
+        for item in value:
+            _int_keys_back(item)
+    return value
 
 
 # -- tensor subclasses in a state dict: a wrapper of one tensor saved as that tensor, any other refused --
