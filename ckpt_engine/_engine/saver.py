@@ -52,7 +52,7 @@ from .consensus import (
 )
 from .incremental import stable_keys
 from .pending import SaveHandle, SaveQueue
-from .state import TrainingObjects, component_state_dict, plain_tensors
+from .state import TrainingObjects, component_state_dict, plain_tensors, without_broadcast_buffers
 from .targets import SavePaths
 from .tiers import TierStack, WriteInputs
 
@@ -202,9 +202,10 @@ class Saver:
                 key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
             if self.config.incremental and "model" in state:
                 stable = stable_keys(objs.modules, state["model"], key_maps["model"])
+            digested = without_broadcast_buffers(state, objs.modules)  # DDP makes them rank 0's
             if world > 1 and (checking or self.config.per_rank_keys):
                 part: Part = "values" if checking else "none"
-                check = digests(state, key_maps, paths.iteration, self.config.per_rank_keys, part)
+                check = digests(digested, key_maps, paths.iteration, self.config.per_rank_keys, part)
             for tier_save in writes.saves:  # the durable tier first: the rank-0 clearing, the lock
                 tier_save.tier.prepare(tier_save.paths)
             t_stage = time.perf_counter()
@@ -222,7 +223,7 @@ class Saver:
                 staged.completion.result()
             staging = time.perf_counter() - t_stage
             if checking and check is not None:
-                check, later = self._tensor_digests(state, staged, key_maps, check, paths.iteration)
+                check, later = self._tensor_digests(digested, staged, key_maps, check, paths.iteration)
         except Exception as exc:
             if world == 1:
                 raise

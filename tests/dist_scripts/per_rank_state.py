@@ -11,6 +11,8 @@ argv: root folder. Saves, each into its own folder under it:
 * ``same`` and ``same_off``: identical state with the check on and off (the test compares them);
 * ``tier``: the differing data position saved at steps 5 (durable) and 6 (the node-local tier
   only), each rank its own simulated node, for the test's one-process resume;
+* ``ddp_bn_broadcast`` and ``ddp_bn_own``: a DDP model whose BatchNorm statistics differ across
+  the ranks, with ``broadcast_buffers`` (saved: rank 0's) and without (refused);
 * ``async_mismatch`` and ``async_same``: ``pinned_staging`` saves, the buffer checked from the
   staged copy after ``save()`` returned: the first must fail before its commit, the second commit;
   ``async_mismatch_tier`` and ``async_mismatch_both_tiers`` as the first, into the node-local tier
@@ -149,6 +151,28 @@ def async_saves(root: str, rank: int) -> dict[str, Any]:
     return out
 
 
+def ddp_batchnorm(root: str, rank: int) -> dict[str, Any]:
+    """A DDP model with BatchNorm (``broadcast_buffers`` True by default, and False), one training
+    step on each rank's own batch: the running statistics differ across the ranks at the save.
+    With broadcasting, DDP gives every rank rank 0's at the next forward: the save takes rank 0's
+    (it was refused as diverged ranks). Without, it must still be refused."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: dict[str, Any] = {}
+    for broadcast in (True, False):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), broadcast_buffers=broadcast)
+        ddp(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        name = f"ddp_bn_{'broadcast' if broadcast else 'own'}"
+        try:
+            with CheckpointEngine({"save_dir": os.path.join(root, name)}) as engine:
+                engine.save(1, model=ddp)
+            out[name] = {"error": None, "running_mean": ddp.module[1].running_mean.tolist()}
+        except Exception as err:  # reported, compared by the test
+            out[name] = {"error": type(err).__name__, "message": str(err)}
+    return out
+
+
 def main() -> None:
     rank, _ = init()
     root = sys.argv[1]
@@ -160,6 +184,7 @@ def main() -> None:
         with CheckpointEngine({"save_dir": os.path.join(root, name), "check_replicated": check}) as engine:
             engine.save(1, model=model_with_expert(0.5), extra={"loader": Position(2, 100)})
     out["async"] = async_saves(root, rank)
+    out["ddp"] = ddp_batchnorm(root, rank)
     tier = {
         "save_dir": os.path.join(root, "tier"),
         "local_dir": os.path.join(root, "tier_nodes", f"node{rank}"),

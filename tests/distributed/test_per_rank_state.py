@@ -156,3 +156,21 @@ def test_plan_into_another_world_size_fails_as_the_load_would(
     out = capsys.readouterr().out
     assert code == 1, out
     assert "FAILED: the load would fail" in out and "model: " in out and "saved per rank by 2 rank(s)" in out
+
+
+def test_ddp_broadcast_buffers_are_saved_from_rank_0_and_others_that_differ_refused(launched: Any) -> None:
+    """DDP with ``broadcast_buffers`` (its default) and BatchNorm: after a step each rank holds its
+    own running statistics, which DDP replaces with rank 0's at the next forward. The save was
+    refused as diverged ranks (ReplicatedStateMismatchError); it saves rank 0's. Without
+    ``broadcast_buffers`` the statistics really are per rank, and the save is still refused."""
+    root, results = launched
+    ranks = [results[r]["ddp"] for r in (0, 1)]
+    assert all(r["ddp_bn_broadcast"]["error"] is None for r in ranks), ranks
+    assert ranks[0]["ddp_bn_broadcast"]["running_mean"] != ranks[1]["ddp_bn_broadcast"]["running_mean"]
+    stored = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with CheckpointEngine({"save_dir": str(root / "ddp_bn_broadcast")}) as engine:
+        engine.load(model=stored)
+    assert stored[1].running_mean.tolist() == ranks[0]["ddp_bn_broadcast"]["running_mean"]
+    for r in ranks:
+        assert r["ddp_bn_own"]["error"] == "ReplicatedStateMismatchError", r
+        assert "running_mean" in r["ddp_bn_own"]["message"]
