@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from types import MappingProxyType
 from typing import Any
 
+import torch
 from pluggy import HookCaller
 
 from .defaults import DEFAULT_PLUGIN_NAME
@@ -197,6 +198,14 @@ class Pipeline:
                 f"{self.describe(name)}: stage returned components {sorted(result.components)}, "
                 f"expected {sorted(state)}"
             )
+        for component, live in state.items():
+            problem = _staged_unlike(live, result.components[component])
+            if problem is not None:
+                raise HookContractError(
+                    f"{self.describe(name)}: stage returned component {component!r} {problem}: a stage copies the "
+                    "state it is given, key for key, each tensor with its shape and dtype (the save would commit "
+                    "another state than the training's)"
+                )
         return result
 
     def write(self, ctx: WriteContext, state_dict: dict[str, Any]) -> WriteResult | Future[WriteResult]:
@@ -330,3 +339,23 @@ def _check_decision(who: str, entry: PlanEntry) -> None:
         raise HookContractError(
             f"{who}: entry {entry.dest_key!r}: plugins may mark entries skip, overlap or load, not {d.value!r}"
         )
+
+
+def _staged_unlike(live: Mapping[str, Any], staged: Any) -> str | None:
+    """How a staged component differs in structure from the live one it copies (keys; each plain
+    tensor's shape and dtype), or ``None``. Tensor subclasses (a DTensor's staged local copy) and
+    values are not compared."""
+    if not isinstance(staged, Mapping):
+        return f"as a {type(staged).__name__}, not a state dict"
+    if staged.keys() != live.keys():
+        lost, new = sorted(set(live) - set(staged))[:4], sorted(set(staged) - set(live))[:4]
+        return f"with other keys (without {lost}, with {new})"
+    for key, value in live.items():
+        copy = staged[key]
+        if type(value) is not torch.Tensor:
+            continue
+        if not isinstance(copy, torch.Tensor):
+            return f"with {key!r} as a {type(copy).__name__}, not a tensor"
+        if type(copy) is torch.Tensor and (copy.shape != value.shape or copy.dtype != value.dtype):
+            return f"with {key!r} as {copy.dtype} {tuple(copy.shape)}, not {value.dtype} {tuple(value.shape)}"
+    return None

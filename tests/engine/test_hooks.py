@@ -27,6 +27,7 @@ from ckpt_engine import (
     PluginLoadError,
     RemapContext,
     SaveResult,
+    StagedState,
     hookimpl,
 )
 from ckpt_engine.defaults import DEFAULT_PLUGIN_NAME
@@ -369,6 +370,42 @@ def test_on_save_done_sees_failures(save_dir: str) -> None:
     assert not os.path.exists(os.path.join(save_dir, "latest_checkpoint.txt"))
     assert not os.path.exists(os.path.join(save_dir, ".iter_000000004.partial"))
     assert not os.path.exists(os.path.join(save_dir, "iter_000000004"))
+
+
+def _odd_stage(change: str) -> Any:
+    class OddStage:
+        name = "odd_stage"
+
+        @hookimpl
+        def stage(self, ctx: Any, state: Any) -> StagedState:
+            comps = {c: dict(sd) for c, sd in state.items()}
+            model = comps["model"]
+            if change == "drop":
+                model.pop("bias")
+            elif change == "extra":
+                model["ghost"] = torch.ones(3)
+            elif change == "shape":
+                model["weight"] = torch.zeros(2, 2)
+            elif change == "dtype":
+                model["weight"] = model["weight"].double()
+            else:
+                model["weight"] = "not a tensor"
+            return StagedState(components=comps, is_copy=False)
+
+    return OddStage()
+
+
+@pytest.mark.parametrize("change", ["drop", "extra", "shape", "dtype", "nontensor"])
+def test_a_stage_that_returns_another_structure_fails_the_save_naming_it(save_dir: str, change: str) -> None:
+    """A stage provider that dropped, added or reshaped a key was committed as latest: the next
+    load failed on a missing key without naming the plugin (or loaded what it made up)."""
+    with (
+        make_engine(save_dir, _odd_stage(change)) as engine,
+        pytest.raises(CheckpointSaveError, match=r"plugin 'odd_stage'.*stage returned component 'model' with") as err,
+    ):
+        engine.save(1, model=nn.Linear(4, 4))
+    assert isinstance(err.value.__cause__, HookContractError)
+    assert not os.path.exists(os.path.join(save_dir, "iter_000000001"))
 
 
 def test_bare_plugin_manager_has_specs_only() -> None:
