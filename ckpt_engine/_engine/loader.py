@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -266,6 +266,7 @@ class Loader:
                 )
                 assert planner.report is not None
                 reports[name] = planner.report
+                _warn_of_unasked_state(objs, name, planner.report.unexpected)
                 apply_component(objs, name, sd, planner.untouched_roots, template)
                 if name == "trainer":
                     iteration = _iteration(sd, f"{folder}")
@@ -374,3 +375,26 @@ class Loader:
             unread=unread,
             warm_start=warm_start,
         )
+
+
+def _warn_of_unasked_state(objs: TrainingObjects, name: str, unexpected: Sequence[str]) -> None:
+    """Rank 0: an ``extra`` object's saved keys its ``state_dict()`` did not list at the load are
+    not loaded, and its ``load_state_dict()`` never gets them (a dict that grew during training):
+    said once per load, not only in the report (``strict_unexpected: true`` makes it an error).
+    The integrations' readers, which read part of a component on purpose, say so with
+    ``reads_part_of_its_state``."""
+    obj = objs.extra.get(name)
+    if obj is None or name == RNG_COMPONENT or not unexpected or _dist.rank() != 0:
+        return
+    if getattr(type(obj), "reads_part_of_its_state", False):
+        return
+    shown = ", ".join(unexpected[:6]) + (f" and {len(unexpected) - 6} more" if len(unexpected) > 6 else "")
+    logger.warning(
+        "extra %r: the checkpoint holds %d key(s) its state_dict() did not list at this load (%s): they were not "
+        "loaded, and its load_state_dict() does not get them. State that grows during training (a dict filled as "
+        "it goes) loads whole when kept under one key (a list of pairs), or when a fresh object's state_dict() "
+        "lists the saved keys; strict_unexpected: true makes this an error",
+        name,
+        len(unexpected),
+        shown,
+    )

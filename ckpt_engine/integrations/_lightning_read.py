@@ -64,6 +64,8 @@ class Items:
     #: (on one process, global rank 0's: what Lightning's own file holds), so that a sharded
     #: checkpoint still resumes on another world size (docs/reliability.md, Per-rank state).
     repartitions_state = True
+    #: A load may read part of it on purpose (the structure first): its other keys are no loss.
+    reads_part_of_its_state = True
 
     def __init__(self, items: dict[str, Any]) -> None:
         self.items = items

@@ -529,3 +529,38 @@ def test_int_keys_of_an_extras_and_a_schedulers_state_load_under_their_int_keys(
     assert list(fresh.received["weights"]) == [3] and torch.equal(fresh.received["weights"][3], torch.arange(4.0))
     assert fresh.received["text"] == {"007": 7}  # a string key stays a string
     assert dict(fresh_sched.milestones) == {2: 1, 5: 1}
+
+
+class _Offsets:
+    """Per-shard offsets filled as training goes (``as_pairs``: kept under one key)."""
+
+    def __init__(self, offsets: dict[str, int], *, as_pairs: bool) -> None:
+        self.offsets, self.as_pairs = offsets, as_pairs
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"offsets": sorted(self.offsets.items()) if self.as_pairs else dict(self.offsets)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.offsets = dict(sd["offsets"])
+
+
+@pytest.mark.parametrize("as_pairs", [False, True])
+def test_state_an_extra_does_not_ask_for_at_the_load_is_said_not_dropped_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, as_pairs: bool
+) -> None:
+    """A dict that grew during training: a fresh object's ``state_dict()`` lists none of the saved
+    keys, so the load read none of them and said so only in the report. It is now a warning naming
+    the keys and the fix; kept under one key (a list of pairs) the state loads whole."""
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.save(
+            1, model=nn.Linear(2, 2), extra={"data": _Offsets({"shard-0": 12, "shard-1": 7}, as_pairs=as_pairs)}
+        )
+    fresh = _Offsets({}, as_pairs=as_pairs)
+    with caplog.at_level("WARNING", logger="ckpt_engine"), CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.load(model=nn.Linear(2, 2), extra={"data": fresh})
+    warned = [r.getMessage() for r in caplog.records if "did not list" in r.getMessage()]
+    if as_pairs:
+        assert fresh.offsets == {"shard-0": 12, "shard-1": 7} and not warned
+    else:
+        assert fresh.offsets == {}
+        assert len(warned) == 1 and "extra 'data'" in warned[0] and "offsets.shard-0" in warned[0], warned
