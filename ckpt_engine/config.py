@@ -242,9 +242,11 @@ class EngineConfig(_Frozen):
     )
     incremental: bool = Field(
         default=False,
-        description="Write only what changed: a file whose bytes equal the previous checkpoint's file of the same "
-        "name (same size and checksum in its manifest) is carried over, as a hard link (local) or a server-side "
-        "copy (object store), instead of written. Every checkpoint stays complete, loadable by plain `dcp.load`, "
+        description="Write only what changed: the model's frozen parameters (`requires_grad` false) and buffers "
+        "are written to files of their own, and such a file whose bytes equal the previous checkpoint's file of the "
+        "same name (same size and checksum in its manifest) is carried over, as a hard link (local) or a "
+        "server-side copy (object store), instead of written; trained parameters and optimizer state, which change "
+        "at every step, are written. Every checkpoint stays complete, loadable by plain `dcp.load`, "
         "and safe to delete in any order. Turn it on when much of the state does not change between saves "
         "(frozen weights, adapters, fine-tuning); it costs nothing measurable when everything changes. Needs "
         "`save_checksums`.",
