@@ -113,7 +113,8 @@ def _summary(result: PathVerification) -> list[str]:
     tail = (f", {unverified} unverified" if unverified and not result.allow_unverified else "") + (
         f", {bad} failed" if bad else ""
     )
-    return [f"{good} of {len(reports)} checkpoints ok{tail}"]
+    folder = f"; the folder itself has {len(result.problems)} problem(s) (FAILED above)" if result.problems else ""
+    return [f"{good} of {len(reports)} checkpoints ok{tail}{folder}"]
 
 
 def _unverified(r: VerifyReport) -> str:

@@ -227,6 +227,18 @@ def test_verify_ok_then_each_kind_of_damage(cli: Run, saved: dict[str, Any], tmp
     assert code == 1 and data["ok"] is False and data["checkpoints"][0]["complete"] is False
 
 
+def test_verify_of_a_folder_whose_latest_names_nothing_does_not_end_all_ok(
+    cli: Run, saved: dict[str, Any], tmp_path: Path
+) -> None:
+    """The checkpoints are intact and ``latest`` names one that does not exist: the last line said
+    "2 of 2 checkpoints ok" below the FAILED line (exit 1, rightly)."""
+    ckpt = _copy(saved, tmp_path)
+    (ckpt / "latest_checkpoint.txt").write_text("iter_000000008\n")
+    code, out, _ = cli("verify", str(ckpt))
+    assert code == 1 and "names 'iter_000000008', which does not exist" in out
+    assert out.rstrip().endswith("2 of 2 checkpoints ok; the folder itself has 1 problem(s) (FAILED above)"), out
+
+
 def test_verify_bad_input(cli: Run, saved: dict[str, Any], tmp_path: Path) -> None:
     code, _, err = cli("verify", str(tmp_path / "missing"))
     assert code == 2 and "does not exist" in err
