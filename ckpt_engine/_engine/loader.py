@@ -241,6 +241,7 @@ class Loader:
             )
         try:
             names = self._names(objs, wanted)
+            _warn_of_unknown_plugin_components(self.config, [*checked.components, *objs.available()])
             digests = manifest_for_reads(path, validated.store, self.config.verify, _dist.rank() == 0)
             reports: dict[str, ComponentReport] = {}
             iteration = 0
@@ -398,3 +399,22 @@ def _warn_of_unasked_state(objs: TrainingObjects, name: str, unexpected: Sequenc
         len(unexpected),
         shown,
     )
+
+
+def _warn_of_unknown_plugin_components(config: EngineConfig, known: Sequence[str]) -> None:
+    """Rank 0: a plugin whose ``components`` option names a component neither the checkpoint nor
+    this load has (``"modle"``) applies to nothing there: said, since the load's own errors
+    (a mismatch the plugin would have resolved) then advise enabling a plugin that is enabled."""
+    if _dist.rank() != 0:
+        return
+    for entry in config.plugins:
+        named = entry.options.get("components") if entry.enabled else None
+        unknown = [c for c in named if c not in known] if isinstance(named, (list, tuple)) else []
+        if unknown:
+            logger.warning(
+                "plugin %r: its components option names %s, which neither this checkpoint nor this load has (they "
+                "have: %s); it does not apply there. Check the spelling",
+                entry.name,
+                ", ".join(repr(c) for c in unknown),
+                ", ".join(sorted(set(known))),
+            )

@@ -519,3 +519,22 @@ def test_make_engine_takes_config_entries_and_objects_in_the_order_given(save_di
 
     engine = make_engine(save_dir, "size_mismatch", Observer(), {"name": "ema", "options": {"when": "every_load"}})
     assert engine.plugin_names[-3:] == ("size_mismatch", "observer", "ema")
+
+
+def test_a_plugin_whose_components_name_no_component_of_the_load_is_said(
+    save_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``components: ["modle"]`` validated and switched the plugin off for ``model``; the load's
+    strictness error then advised enabling the plugin, which was enabled. The load now says which
+    name matches nothing."""
+    state = TinyTrainingState.create()
+    with CheckpointEngine({"save_dir": save_dir}) as engine:
+        engine.save(1, model=state.model)
+    entry = {"name": "size_mismatch", "options": {"policy": "skip", "components": ["modle", "model"]}}
+    with (
+        caplog.at_level("WARNING", logger="ckpt_engine"),
+        CheckpointEngine({"save_dir": save_dir, "plugins": [entry]}) as engine,
+    ):
+        engine.load(model=TinyTrainingState.create().model)
+    warned = [r.getMessage() for r in caplog.records if "components option names" in r.getMessage()]
+    assert len(warned) == 1 and "'modle'" in warned[0] and "'model'" not in warned[0].split("(they")[0], warned
