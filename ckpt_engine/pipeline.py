@@ -233,7 +233,14 @@ class Pipeline:
         others from running. The first failure is raised once all ran, as :class:`ObserverError`
         naming its plugin."""
         failed: list[tuple[str, Exception]] = []
-        for impl in reversed(self.pm.hook.on_save_done.get_hookimpls()):
+        impls = self.pm.hook.on_save_done.get_hookimpls()
+        if any(impl.wrapper or impl.hookwrapper for impl in impls):  # pluggy runs a wrapper around the rest
+            try:
+                self.pm.hook.on_save_done(result=result)
+            except Exception as err:
+                failed.append((", ".join(impl.plugin_name for impl in impls), err))
+            impls = []
+        for impl in reversed(impls):
             try:
                 impl.function(*[{"result": result}[name] for name in impl.argnames])
             except Exception as err:

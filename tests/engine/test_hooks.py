@@ -538,3 +538,30 @@ def test_a_plugin_whose_components_name_no_component_of_the_load_is_said(
         engine.load(model=TinyTrainingState.create().model)
     warned = [r.getMessage() for r in caplog.records if "components option names" in r.getMessage()]
     assert len(warned) == 1 and "'modle'" in warned[0] and "'model'" not in warned[0].split("(they")[0], warned
+
+
+def test_an_observer_wrapper_still_wraps_the_observers(save_dir: str) -> None:
+    """Observers run one by one (so one that raises stops no other); a ``wrapper=True``
+    implementation is pluggy's to run around the others, and still does."""
+    calls: list[str] = []
+
+    class Wrapper:
+        name = "wrapper"
+
+        @hookimpl(wrapper=True)
+        def on_save_done(self, result: SaveResult) -> Any:
+            calls.append("before")
+            out = yield
+            calls.append("after")
+            return out
+
+    class Plain:
+        name = "plain"
+
+        @hookimpl
+        def on_save_done(self, result: SaveResult) -> None:
+            calls.append(f"saw {result.iteration}")
+
+    with make_engine(save_dir, Wrapper(), Plain()) as engine:
+        engine.save(1, model=TinyTrainingState.create().model)
+    assert calls == ["before", "saw 1", "after"]
