@@ -163,7 +163,9 @@ class CheckpointEngine:
     def resumed_from(self, iteration: int) -> None:
         """Training goes on from step ``iteration``, read other than by :meth:`load` (an
         integration's reader, another engine): the node-local tier's saves then treat the steps an
-        earlier job saved past it as a future it abandoned, as after a :meth:`load` of that step."""
+        earlier job saved past it as a future it abandoned, as after a :meth:`load` of that step.
+        Call it on every rank, as :meth:`load` runs: with ``allow_overwrite``, the next save asks
+        rank 0 whether ``save_dir``'s latest is past that step (a collective)."""
         self._tiers.resumed(iteration)
 
     def wait(self) -> None:
