@@ -234,11 +234,12 @@ class Pipeline:
         naming its plugin."""
         failed: list[tuple[str, Exception]] = []
         impls = self.pm.hook.on_save_done.get_hookimpls()
-        if any(impl.wrapper or impl.hookwrapper for impl in impls):  # pluggy runs a wrapper around the rest
+        chained = any(impl.wrapper or impl.hookwrapper for impl in impls)
+        if chained:  # pluggy runs a wrapper around the rest, as one chain a failure stops
             try:
                 self.pm.hook.on_save_done(result=result)
             except Exception as err:
-                failed.append((", ".join(impl.plugin_name for impl in impls), err))
+                failed.append(("one of " + ", ".join(repr(impl.plugin_name) for impl in impls), err))
             impls = []
         for impl in reversed(impls):
             try:
@@ -251,10 +252,15 @@ class Pipeline:
             for other, other_err in failed[1:]:
                 logger.error("the on_save_done observer of plugin %r raised %r", other, other_err)
             state = "is committed" if result.succeeded else "failed on its own"
+            ran = (
+                "the observers after it in pluggy's chain did not run (a wrapper=True observer makes them one chain)"
+                if chained
+                else "every other observer ran"
+            )
+            who = name if chained else repr(name)
             raise ObserverError(
-                f"the on_save_done observer of plugin {name!r} raised {type(first).__name__}: {first}{more}. The "
-                f"save of iteration {result.iteration} {state}, and every other observer ran. Fix the plugin, or leave "
-                "it out of the engine's plugins"
+                f"the on_save_done observer of plugin {who} raised {type(first).__name__}: {first}{more}. The save of "
+                f"iteration {result.iteration} {state}; {ran}. Fix the plugin, or leave it out of the engine's plugins"
             ) from first
 
     # -- lifecycle (ckpt_engine.lifecycle) ---------------------------------------------------

@@ -202,7 +202,7 @@ class Saver:
                 key_maps[name] = self.pipeline.remap_keys(ctx, flat_keys(sd))
             if self.config.incremental and "model" in state:
                 stable = stable_keys(objs.modules, state["model"], key_maps["model"])
-            digested = without_broadcast_buffers(state, objs.modules)  # DDP makes them rank 0's
+            digested = without_broadcast_buffers(state, objs.modules, self.config.per_rank_keys)  # DDP: rank 0's
             if world > 1 and (checking or self.config.per_rank_keys):
                 part: Part = "values" if checking else "none"
                 check = digests(digested, key_maps, paths.iteration, self.config.per_rank_keys, part)

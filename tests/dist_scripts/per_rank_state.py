@@ -159,13 +159,16 @@ def ddp_batchnorm(root: str, rank: int) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     out: dict[str, Any] = {}
-    for broadcast in (True, False):
+    for broadcast, per_rank in ((True, False), (False, False), (True, True)):
         torch.manual_seed(0)
         ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), broadcast_buffers=broadcast)
         ddp(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
-        name = f"ddp_bn_{'broadcast' if broadcast else 'own'}"
+        name = "ddp_bn_per_rank" if per_rank else f"ddp_bn_{'broadcast' if broadcast else 'own'}"
+        config: dict[str, Any] = {"save_dir": os.path.join(root, name)}
+        if per_rank:  # named per rank by the user: saved per rank, broadcast or not
+            config["per_rank_keys"] = ["model.1.running_*"]
         try:
-            with CheckpointEngine({"save_dir": os.path.join(root, name)}) as engine:
+            with CheckpointEngine(config) as engine:
                 engine.save(1, model=ddp)
             out[name] = {"error": None, "running_mean": ddp.module[1].running_mean.tolist()}
         except Exception as err:  # reported, compared by the test

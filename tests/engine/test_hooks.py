@@ -565,3 +565,29 @@ def test_an_observer_wrapper_still_wraps_the_observers(save_dir: str) -> None:
     with make_engine(save_dir, Wrapper(), Plain()) as engine:
         engine.save(1, model=TinyTrainingState.create().model)
     assert calls == ["before", "saw 1", "after"]
+
+
+def test_with_a_wrapper_a_failing_observer_does_not_claim_the_others_ran(save_dir: str) -> None:
+    """With a ``wrapper=True`` observer pluggy runs the observers as one chain, which a failure
+    stops: the error said every other observer ran."""
+
+    class Wrapper:
+        name = "wrapper"
+
+        @hookimpl(wrapper=True)
+        def on_save_done(self, result: SaveResult) -> Any:
+            return (yield)
+
+    class Broken:
+        name = "broken"
+
+        @hookimpl
+        def on_save_done(self, result: SaveResult) -> None:
+            raise RuntimeError("observer bug")
+
+    with (
+        make_engine(save_dir, Wrapper(), Broken()) as engine,
+        pytest.raises(ObserverError, match="did not run") as raised,
+    ):
+        engine.save(1, model=TinyTrainingState.create().model)
+    assert "every other observer ran" not in str(raised.value)

@@ -475,6 +475,23 @@ def test_a_parameter_the_optimizer_held_no_state_of_resumes_without_state(tmp_pa
     assert_state_dicts_equal(resumed_opt.state_dict(), reference_opt.state_dict())
 
 
+def test_a_ddp_wrapped_model_with_a_parameter_without_state_resumes_too(tmp_path: Path, one_rank_mesh: Any) -> None:
+    """DCP names a DDP model's parameters without its ``module.`` prefix: the names the fix checked
+    against still had it, so a DDP model fell back to the strict refusal."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    saved, resumed = DistributedDataParallel(_LateBranch()), DistributedDataParallel(_LateBranch())
+    saved_opt, resumed_opt = torch.optim.AdamW(saved.parameters()), torch.optim.AdamW(resumed.parameters())
+    _train_late(saved.module, saved_opt, range(1, 3))
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.save(2, model=saved, optimizer=saved_opt)
+    with CheckpointEngine({"save_dir": str(tmp_path)}) as engine:
+        engine.load(model=resumed, optimizer=resumed_opt)
+    assert set(resumed_opt.state) == {resumed.module.early.weight, resumed.module.early.bias}
+    assert_state_dicts_equal(resumed_opt.state_dict(), saved_opt.state_dict())
+
+
 def test_each_optimizer_is_judged_alone_where_one_stepped_and_another_did_not(tmp_path: Path) -> None:
     """A GAN's discriminator steps before its generator: the checkpoint holds the one's state and
     the other's groups only. The load must give the discriminator its state and leave the
@@ -504,7 +521,7 @@ class _PerClassCounts:
         self.received: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"counts": dict(self.counts), "weights": dict(self.weights), "text": {"007": 7}}
+        return {"counts": dict(self.counts), "weights": dict(self.weights), "text": {"007": 7, "²": 2}}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.received = sd
@@ -527,7 +544,7 @@ def test_int_keys_of_an_extras_and_a_schedulers_state_load_under_their_int_keys(
     assert fresh.received is not None
     assert fresh.received["counts"] == {0: 11, 1: 22, -2: 33}
     assert list(fresh.received["weights"]) == [3] and torch.equal(fresh.received["weights"][3], torch.arange(4.0))
-    assert fresh.received["text"] == {"007": 7}  # a string key stays a string
+    assert fresh.received["text"] == {"007": 7, "²": 2}  # string keys stay strings ("²".isdigit() is true)
     assert dict(fresh_sched.milestones) == {2: 1, 5: 1}
 
 

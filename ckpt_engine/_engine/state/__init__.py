@@ -13,6 +13,7 @@ The optimizers' part is :mod:`.optim`'s.
 
 from __future__ import annotations
 
+import fnmatch
 import operator
 import weakref
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -266,19 +267,21 @@ def component_state_dict(
 
 
 def without_broadcast_buffers(
-    state: dict[str, dict[str, Any]], modules: Sequence[nn.Module]
+    state: dict[str, dict[str, Any]], modules: Sequence[nn.Module], per_rank_keys: Sequence[str] = ()
 ) -> dict[str, dict[str, Any]]:
     """``state`` without the ``model`` buffers a ``DistributedDataParallel`` with
     ``broadcast_buffers=True`` (its default) broadcasts from rank 0 at every forward (BatchNorm's
     running statistics): each rank updates its own copy in its forward, so at a save they differ,
     yet rank 0's, which DCP saves, is what every rank trains with next. The per-rank state check
     leaves them out; a model passed unwrapped (``ddp.module``) has no such mark, and its
-    differing buffers still fail the save."""
+    differing buffers still fail the save. A buffer ``per_rank_keys`` names stays: it is saved
+    per rank, as configured."""
     names = {
         name
         for module in modules
         if isinstance(module, DistributedDataParallel) and module.broadcast_buffers
         for name, _ in module.module.named_buffers()
+        if not any(fnmatch.fnmatchcase(f"model.{name}", pattern) for pattern in per_rank_keys)
     }
     if not names or "model" not in state:
         return state
@@ -353,7 +356,8 @@ def apply_component(
 
 def _int_text(key: str) -> bool:
     """Whether ``key`` is ``str(n)`` of an int ``n`` (``"-3"``, not ``"007"``)."""
-    return key.lstrip("-").isdigit() and str(int(key)) == key
+    digits = key[1:] if key.startswith("-") else key
+    return digits.isascii() and digits.isdigit() and str(int(key)) == key
 
 
 def _int_keys_back(value: Any) -> Any:

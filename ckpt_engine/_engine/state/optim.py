@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["load_templates", "optimizer_state_dict", "set_optimizer_state", "unread_keys"]
 
@@ -312,8 +313,15 @@ def _unsaved_parameters(module: nn.Module, state: list[str], saved: Collection[s
     unsaved = {name: keys for name, keys in by_param.items() if not any(k in saved for k in keys)}
     if not unsaved or len(unsaved) == len(by_param):
         return {}
-    names = {name for name, _ in module.named_parameters()}
+    names = set(_parameters_by_name(module))
     return unsaved if all(name in names for name in unsaved) else {}
+
+
+def _parameters_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The module's parameters by the names DCP's optimizer state uses: a ``DistributedDataParallel``
+    wrapper's own ``module.`` prefix left out, as DCP leaves it out."""
+    inner = module.module if isinstance(module, DistributedDataParallel) else module
+    return dict(inner.named_parameters())
 
 
 def _set_without_unsaved(
@@ -325,7 +333,7 @@ def _set_without_unsaved(
     full = _dcp_optimizer_state_dict(module, optimizer)
     full.update(sd)
     set_optimizer_state_dict(module, optimizer, optim_state_dict=full, options=_OPTIM_OPTIONS)
-    params = dict(module.named_parameters())
+    params = _parameters_by_name(module)
     for name in unsaved:
         optimizer.state.pop(params[name], None)
 
