@@ -463,18 +463,20 @@ class DurableTier:
     def resumed(self, iteration: int) -> None:
         """Nothing here: ``save_dir``'s own rules (``allow_overwrite``) govern its re-saves."""
 
-    def latest_iteration(self) -> int | None:
-        """The iteration ``save_dir``'s ``latest`` names, as rank 0 reads it (collective; ``None``:
-        none, or a ``latest`` that cannot be read)."""
-        found = None
+    def latest_past(self, step: int) -> bool:
+        """Whether ``save_dir``'s ``latest`` names an iteration past ``step`` that this engine has
+        not committed (collective: rank 0, which makes the commits, reads ``latest`` and decides;
+        a ``latest`` that cannot be read names nothing)."""
+        found = False
         if _dist.rank() == 0:
             try:
                 name = read_latest(self.config.save_dir, self.target.store)
             except CkptEngineError:
                 name = None
-            found = parse_iteration(name) if name else None
-        iteration: int | None = _dist.broadcast_object(found, step="tiers: save_dir's latest")
-        return iteration
+            iteration = parse_iteration(name) if name else None
+            found = iteration is not None and iteration > step and iteration not in self.target.committed
+        past: bool = _dist.broadcast_object(found, step="tiers: save_dir's latest")
+        return past
 
 
 @dataclass
@@ -511,16 +513,12 @@ class TierStack:
         self.nearer = tuple(nearer)
         self.persist_every = persist_every
         #: With ``allow_overwrite``: the step a load resumed, until ``save_dir``'s ``latest`` is
-        #: known not to name a step past it that this engine did not save (:meth:`_rewinds`).
+        #: known not to name a step past it that this engine did not commit (:meth:`_rewinds`).
         self._behind: int | None = None
-        #: The iterations this engine placed in ``save_dir`` since.
-        self._placed: set[int] = set()
 
     def saves(self, iteration: int, *, durable: bool) -> list[TierSave]:
         """Where the save of ``iteration`` goes, in write order (``durable``: forced)."""
         persist = durable or not self.nearer or iteration % self.persist_every == 0 or self._rewinds()
-        if persist and self._behind is not None:
-            self._placed.add(iteration)
         durable_part = [TierSave(self.durable, self.durable.paths(iteration))] if persist else []
         return durable_part + [TierSave(tier, tier.paths(iteration)) for tier in self.nearer]
 
@@ -533,11 +531,10 @@ class TierStack:
         (:func:`~.resave.move_latest`), and the nearer tiers' saves descend from it."""
         if self._behind is None:
             return False
-        latest = self.durable.latest_iteration()
-        if latest is None or latest <= self._behind or latest in self._placed:
-            self._behind = None  # nothing past the resumed step, or this engine's own save, is latest
-            return False
-        return True
+        if self.durable.latest_past(self._behind):
+            return True  # until a save of this engine is committed there (a failed one does not count)
+        self._behind = None
+        return False
 
     def lineage(self) -> Lineage | None:
         """What the manifests of the save about to be committed record (the nearest tier's)."""
@@ -552,7 +549,7 @@ class TierStack:
         for tier in (self.durable, *self.nearer):
             tier.resumed(iteration)
         if self.nearer and self.durable.config.allow_overwrite:
-            self._behind, self._placed = iteration, set()
+            self._behind = iteration
 
     def wait(self, timeout: float | None = None) -> None:
         """Every tier's after-commit work so far (the node-local tier's replication rounds)."""

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from ckpt_engine import CheckpointEngine, CheckpointExistsError
+from ckpt_engine import CheckpointEngine, CheckpointExistsError, CheckpointSaveError, hookimpl
 from ckpt_engine._format.manifest import Lineage, Place, lookup_manifest, parse_manifest
 from ckpt_engine._tier.lineage import (
     COMMITTED_FILE,
@@ -552,4 +552,45 @@ def test_a_job_that_went_back_with_allow_overwrite_and_saved_to_the_tier_is_resu
     assert (tmp_path / "durable/latest_checkpoint.txt").read_text().strip() == "iter_000000003"
     result, got = _resume(config)
     assert (result.iteration, result.checkpoint_path) == (5, str(tmp_path / "local/rank_00000/iter_000000005"))
+    assert_state_dicts_equal(got, _snapshot(b))
+
+
+def test_a_job_that_went_back_keeps_saving_durably_while_its_rewinding_save_failed(tmp_path: Path) -> None:
+    """As above, but job B's first save (6, the iteration save_dir's latest names) failed. The
+    tier stack counted it as B's own save there and placed B's 7 in the tier only: latest kept
+    naming A's 6, which the next resume took. A save counts once it is committed."""
+    from ckpt_engine import WriteContext, WriteResult
+    from ckpt_engine.defaults import DefaultIO
+
+    class FailOnce:
+        name = "fail_once"
+
+        def __init__(self) -> None:
+            self.failed, self.io = False, DefaultIO()
+
+        def writes_rank_local(self) -> bool:  # the default write's, which it calls
+            return True
+
+        @hookimpl
+        def write(self, ctx: WriteContext, state_dict: dict[str, Any]) -> WriteResult:
+            if ctx.iteration == 6 and not self.failed:
+                self.failed = True
+                raise OSError(28, "No space left on device")
+            return self.io.write(ctx, state_dict)
+
+    config = {**_config(tmp_path / "durable", tmp_path / "local"), "persist_every": 2, "allow_overwrite": True}
+    _save(config, range(1, 7))
+    b = TinyTrainingState.create(seed=99)
+    with CheckpointEngine(
+        {**config, "load_dir": str(tmp_path / "durable/iter_000000002")}, plugins=[FailOnce()]
+    ) as engine:
+        assert engine.load(**b.objects()).iteration == 2
+        b.train(1, seed=46)
+        with pytest.raises(CheckpointSaveError):
+            engine.save(6, **b.objects())
+        b.train(1, seed=47)
+        assert engine.save(7, **b.objects()).result().succeeded
+    assert (tmp_path / "durable/latest_checkpoint.txt").read_text().strip() == "iter_000000007"
+    result, got = _resume(config)
+    assert result.iteration == 7
     assert_state_dicts_equal(got, _snapshot(b))
