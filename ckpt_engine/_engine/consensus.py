@@ -22,7 +22,9 @@ the same verdict from them (:func:`differences`). Then (:func:`per_rank_maps`):
   ``_format/names.per_rank_key``) and restored per rank;
 * a plain tensor that differs fails the save on every rank with
   :class:`~ckpt_engine.errors.ReplicatedStateMismatchError` naming the key and the ranks;
-* keys ``EngineConfig.per_rank_keys`` names are always saved per rank, and not digested.
+* keys ``EngineConfig.per_rank_keys`` names are always saved per rank, and not digested;
+* the buffers a ``DistributedDataParallel`` model broadcasts from rank 0 are not digested
+  (:func:`without_broadcast_buffers`): rank 0's copy is the training state.
 
 A tensor of at most :data:`FULL_HASH_BYTES` is hashed whole (``xxh3_64``); a larger one by its
 shape, dtype and :data:`SAMPLED_PAGES` pages of :data:`PAGE_BYTES` spread over it, at offsets
@@ -45,7 +47,9 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 import xxhash
+from torch import nn
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.nn.parallel import DistributedDataParallel
 
 from .._dcpio import dist
 from .._dcpio.planner import already_flat
@@ -76,6 +80,7 @@ __all__ = [
     "tensor_digest",
     "unwrap",
     "value_digest",
+    "without_broadcast_buffers",
 ]
 
 _T = TypeVar("_T")
@@ -241,6 +246,28 @@ def _flat(state_dict: dict[str, Any]) -> Mapping[str, Any]:
 def _per_rank(component: str, key: str, patterns: Sequence[str]) -> bool:
     name = f"{component}.{key}"
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def without_broadcast_buffers(
+    state: dict[str, dict[str, Any]], modules: Sequence[nn.Module], patterns: Sequence[str] = ()
+) -> dict[str, dict[str, Any]]:
+    """``state`` without the ``model`` buffers a ``DistributedDataParallel`` with
+    ``broadcast_buffers=True`` (its default) broadcasts from rank 0 at every forward (BatchNorm's
+    running statistics): each rank updates its own copy in its forward, so at a save they differ,
+    yet rank 0's, which DCP saves, is what every rank trains with next. The check leaves them out
+    of :func:`digests`; a model passed unwrapped (``ddp.module``) has no such mark, and its
+    differing buffers still fail the save. A buffer ``patterns`` (``per_rank_keys``) names stays:
+    it is saved per rank, as configured."""
+    names = {
+        name
+        for module in modules
+        if isinstance(module, DistributedDataParallel) and module.broadcast_buffers
+        for name, _ in module.module.named_buffers()
+        if not _per_rank("model", name, patterns)
+    }
+    if not names or "model" not in state:
+        return state
+    return {**state, "model": {k: v for k, v in state["model"].items() if k not in names}}
 
 
 @dataclass

@@ -49,10 +49,11 @@ from .consensus import (
     plain_keys,
     shares_memory,
     unwrap,
+    without_broadcast_buffers,
 )
 from .incremental import stable_keys
 from .pending import SaveHandle, SaveQueue
-from .state import TrainingObjects, component_state_dict, plain_tensors, without_broadcast_buffers
+from .state import TrainingObjects, component_state_dict, plain_tensors
 from .targets import SavePaths
 from .tiers import TierStack, WriteInputs
 

@@ -13,7 +13,6 @@ The optimizers' part is :mod:`.optim`'s.
 
 from __future__ import annotations
 
-import fnmatch
 import operator
 import weakref
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -28,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from ..._dcpio.torch_private import dcp_state_dict_is_own, loads_by_copy
 from ...errors import ArgumentTypeError, ConfigError, InvalidArgumentError, UnsupportedTensorError
@@ -264,28 +262,6 @@ def component_state_dict(
         return trainer_state_dict(objs.grad_scaler, iteration)
     extra_sd: dict[str, Any] = objs.extra[component].state_dict()
     return extra_sd
-
-
-def without_broadcast_buffers(
-    state: dict[str, dict[str, Any]], modules: Sequence[nn.Module], per_rank_keys: Sequence[str] = ()
-) -> dict[str, dict[str, Any]]:
-    """``state`` without the ``model`` buffers a ``DistributedDataParallel`` with
-    ``broadcast_buffers=True`` (its default) broadcasts from rank 0 at every forward (BatchNorm's
-    running statistics): each rank updates its own copy in its forward, so at a save they differ,
-    yet rank 0's, which DCP saves, is what every rank trains with next. The per-rank state check
-    leaves them out; a model passed unwrapped (``ddp.module``) has no such mark, and its
-    differing buffers still fail the save. A buffer ``per_rank_keys`` names stays: it is saved
-    per rank, as configured."""
-    names = {
-        name
-        for module in modules
-        if isinstance(module, DistributedDataParallel) and module.broadcast_buffers
-        for name, _ in module.module.named_buffers()
-        if not any(fnmatch.fnmatchcase(f"model.{name}", pattern) for pattern in per_rank_keys)
-    }
-    if not names or "model" not in state:
-        return state
-    return {**state, "model": {k: v for k, v in state["model"].items() if k not in names}}
 
 
 def load_template(
