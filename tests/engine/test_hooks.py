@@ -135,18 +135,21 @@ def test_a_hook_with_an_argument_the_hook_has_not_fails_at_build_naming_the_plug
         make_engine(save_dir, Extra())
 
 
+class _Broken:
+    """An observer with a bug: it raises at the save of iteration 1."""
+
+    name = "broken"
+
+    @hookimpl
+    def on_save_done(self, result: SaveResult) -> None:
+        if result.iteration == 1:
+            raise RuntimeError("observer bug")
+
+
 def test_every_observer_runs_and_one_that_raises_is_an_observer_error_naming_it(save_dir: str) -> None:
     """An ``on_save_done`` that raised stopped the observers after it and reached the caller as
     a bare exception; with ``pinned_staging`` the next save raised it again and was never made."""
     seen: list[int] = []
-
-    class Broken:
-        name = "broken"
-
-        @hookimpl
-        def on_save_done(self, result: SaveResult) -> None:
-            if result.iteration == 1:
-                raise RuntimeError("observer bug")
 
     class Counter:
         name = "counter"
@@ -156,7 +159,7 @@ def test_every_observer_runs_and_one_that_raises_is_an_observer_error_naming_it(
             seen.append(result.iteration)
 
     state = TinyTrainingState.create()
-    with make_engine(save_dir, Counter(), Broken()) as engine:  # pluggy calls Broken first
+    with make_engine(save_dir, Counter(), _Broken()) as engine:  # pluggy calls _Broken first
         with pytest.raises(ObserverError, match="plugin 'broken' raised RuntimeError: observer bug") as raised:
             engine.save(1, model=state.model)
         assert isinstance(raised.value.__cause__, RuntimeError) and seen == [1]
@@ -168,16 +171,8 @@ def test_every_observer_runs_and_one_that_raises_is_an_observer_error_naming_it(
 
 @pytest.mark.full  # a pinned_staging writer process start-up
 def test_an_observer_error_of_a_background_save_is_raised_once_and_the_next_save_is_made(save_dir: str) -> None:
-    class Broken:
-        name = "broken"
-
-        @hookimpl
-        def on_save_done(self, result: SaveResult) -> None:
-            if result.iteration == 1:
-                raise RuntimeError("observer bug")
-
     state = TinyTrainingState.create()
-    engine = CheckpointEngine({"save_dir": save_dir, "plugins": ["pinned_staging"]}, plugins=[Broken()])
+    engine = CheckpointEngine({"save_dir": save_dir, "plugins": ["pinned_staging"]}, plugins=[_Broken()])
     try:
         first = engine.save(1, model=state.model)
         with pytest.raises(ObserverError, match="plugin 'broken'"):
@@ -578,15 +573,8 @@ def test_with_a_wrapper_a_failing_observer_does_not_claim_the_others_ran(save_di
         def on_save_done(self, result: SaveResult) -> Any:
             return (yield)
 
-    class Broken:
-        name = "broken"
-
-        @hookimpl
-        def on_save_done(self, result: SaveResult) -> None:
-            raise RuntimeError("observer bug")
-
     with (
-        make_engine(save_dir, Wrapper(), Broken()) as engine,
+        make_engine(save_dir, Wrapper(), _Broken()) as engine,
         pytest.raises(ObserverError, match="did not run") as raised,
     ):
         engine.save(1, model=TinyTrainingState.create().model)
