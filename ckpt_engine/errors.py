@@ -210,6 +210,19 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
     each last published) and on a rank that arrived after the others had given up."""
 
 
+class RankFailedError(CollectiveError):
+    """Another rank's save or load failed on that rank alone, outside any collective (a ``write``
+    hook that raised there, a bad argument on one rank), so it will not reach the collective this
+    rank waits at. Raised at once on the ranks that wait there, naming the rank, its phase and its
+    error (``.failed_rank``), instead of after ``collective_timeout_s``. The ranks stay in step:
+    the engine's next save or load proceeds on every rank."""
+
+    def __init__(self, message: str, *, step: str = "", failed_rank: int = -1) -> None:
+        super().__init__(message, step=step, missing=(failed_rank,) if failed_rank >= 0 else ())
+        #: The rank whose save or load failed on its own.
+        self.failed_rank = failed_rank
+
+
 class ProcessGroupError(CollectiveError):
     """A collective of a save or a load failed inside ``torch.distributed``: a peer rank's
     connection closed (it died) or it stopped answering within gloo's timeout (it was stopped),

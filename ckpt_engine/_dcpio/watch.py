@@ -40,7 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import CollectiveError, CollectiveTimeoutError, ProcessGroupError, clip
+from ..errors import CollectiveError, CollectiveTimeoutError, ProcessGroupError, RankFailedError, clip, described
 from .torch_private import default_store
 
 __all__ = ["PHASE_LOG", "CollectiveWatch", "activate", "active_watch", "c10d_failure", "phase"]
@@ -49,6 +49,10 @@ _ids = itertools.count()
 _local = threading.local()
 #: At most this many late ranks are described one by one in an error message.
 _SHOWN = 8
+#: How a barrier's verdict starts when a rank gave its slot up (:meth:`CollectiveWatch.leave`).
+_LEFT = "left:"
+#: At most this many characters of that rank's error travel with it.
+_ERROR_CHARS = 600
 #: This process's recent phases, oldest first: ``(name, time.perf_counter(), threading.get_ident())``.
 PHASE_LOG: deque[tuple[str, float, int]] = deque(maxlen=1024)
 
@@ -89,6 +93,10 @@ class CollectiveWatch:
         self._phase_t = time.time()
         #: ``time.monotonic()`` by which the next barrier gives up, if sooner than ``timeout_s``.
         self._deadline: float | None = None
+        #: The engine call (a save or a load; every rank makes them in the same order) under way:
+        #: its number and name (:meth:`begin`).
+        self._call = 0
+        self._what = "save or load"
 
     @classmethod
     def create(cls, timeout_s: float, *, who: str = "rank", monitored: bool = False) -> CollectiveWatch | None:
@@ -153,6 +161,39 @@ class CollectiveWatch:
 
     # -- barriers -----------------------------------------------------------------------------
 
+    def begin(self, what: str) -> None:
+        """A new engine call (``save``, ``load``) starts on this rank: every rank counts them alike."""
+        self._call += 1
+        self._what = what
+
+    def leave(self, err: BaseException) -> None:
+        """This rank's call failed here on its own, outside a collective (``err``), so it will not
+        reach the barrier the others wait at or come to next: give that barrier's slot up with a
+        note of the failure. The ranks waiting there wake at once and raise
+        :class:`~ckpt_engine.errors.RankFailedError` (:meth:`_barrier`) instead of waiting
+        ``timeout_s``; every rank has then used the slot, so the next call's barriers line up.
+
+        Called on every rank where a failure every rank shares (one they agreed on) ends the call:
+        the first note wins, and every rank skips the same slot. A rank that finished the call
+        before this one failed meets the note at its next call's first barrier: a note of an
+        earlier call only moves that barrier to the next slot, as this rank's next barrier does."""
+        if self.group is None:
+            return
+        self._seq += 1
+        base = f"{self.ns}b/{self._seq}/"
+        error = described(err)
+        error = error[:_ERROR_CHARS] + ("..." if len(error) > _ERROR_CHARS else "")
+        note = _LEFT + json.dumps({"rank": self.rank, "call": self._call, "phase": self._phase, "error": error})
+        try:
+            verdict = self.store.compare_set(base + "state", "", note)
+            verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
+            self.store.set(base + "all", "1")
+        except Exception:  # the store is gone: nothing more runs on this watch
+            self.group_failed()
+            return
+        if not verdict.startswith(_LEFT):  # the others gave the slot up first (a timeout) and closed their group
+            self.group_failed()
+
     def expect_by(self, deadline: float) -> None:
         """Give up the next barrier at ``deadline`` (``time.monotonic()``) if that comes before
         ``timeout_s``: a rank whose own collective with a peer failed after waiting part of
@@ -198,19 +239,27 @@ class CollectiveWatch:
                 f"{self.who} {self.rank}: an earlier collective of this engine timed out; its process group is closed",
                 step=step,
             )
-        self._seq += 1
-        seq = self._seq
-        base = f"{self.ns}b/{seq}/"
-        self._publish()  # "seq": this rank arrived at barrier seq
-        t0 = time.monotonic()
         wait_s = self._wait_s()
-        failure = self._wait_monitored(wait_s) if self.monitored else self._wait_in_store(base, wait_s)
-        # The rank that gives up calls the roll then, and its verdict carries it: a rank that
-        # reads the verdict later (one that arrived after it, perhaps after the lost rank woke
-        # up and arrived too) names the same ranks instead of the ones still missing by then.
-        mine = "ok" if failure is None else "timeout:" + json.dumps(self._roll_call(seq))
-        verdict = self.store.compare_set(base + "state", "", mine)
-        verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
+        while True:
+            self._seq += 1
+            seq = self._seq
+            base = f"{self.ns}b/{seq}/"
+            self._publish()  # "seq": this rank arrived at barrier seq
+            t0 = time.monotonic()
+            failure = self._wait_monitored(wait_s) if self.monitored else self._wait_in_store(base, wait_s)
+            # The rank that gives up calls the roll then, and its verdict carries it: a rank that
+            # reads the verdict later (one that arrived after it, perhaps after the lost rank woke
+            # up and arrived too) names the same ranks instead of the ones still missing by then.
+            mine = "ok" if failure is None else "timeout:" + json.dumps(self._roll_call(seq))
+            verdict = self.store.compare_set(base + "state", "", mine)
+            verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
+            if not verdict.startswith(_LEFT):
+                break
+            left = _left_note(verdict)
+            if left.get("call") == self._call:
+                raise self._left_error(step, left)
+            # A rank gave this slot up after an earlier call the others had finished: it moved on
+            # to the next slot, and so does this barrier.
         if verdict != "ok":
             self.group_failed()
             if self.monitored and failure is not None and verdict == mine and time.monotonic() - t0 < 0.9 * wait_s:
@@ -259,6 +308,19 @@ class CollectiveWatch:
                 ago = max(0.0, now - float(doc.get("t", now)))
                 late.append((r, f"last phase: {doc.get('phase')}, {ago:.1f} s ago"))
         return late
+
+    def _left_error(self, step: str, left: dict[str, Any]) -> RankFailedError:
+        """The error for a barrier whose slot rank ``left["rank"]`` gave up in this call."""
+        rank = int(left.get("rank", -1))
+        error = str(left.get("error"))[: _ERROR_CHARS + 3]
+        return RankFailedError(
+            f"{self.who} {rank} failed this {self._what} on its own in phase '{left.get('phase')}', so it will not "
+            f"reach '{step}': {error}; seen from {self.who} {self.rank}. Every rank fails this "
+            f"{self._what}; fix the cause on {self.who} {rank} (the ranks are still in step: the next save or "
+            "load proceeds)",
+            step=step,
+            failed_rank=rank,
+        )
 
     def _timeout_error(self, step: str, late: list[tuple[int, str]], *, came_late: bool) -> CollectiveTimeoutError:
         """The error for a barrier given up on: ``late`` is the roll call of the rank that gave up
@@ -325,6 +387,16 @@ def c10d_cause(err: BaseException, depth: int = 8) -> BaseException | None:
             return inner
         todo += [x for x in (inner, e.__cause__, e.__context__) if x is not None and x is not e]
     return None
+
+
+def _left_note(verdict: str) -> dict[str, Any]:
+    """The note a ``left:`` verdict carries (:meth:`CollectiveWatch.leave`; anything unreadable
+    names no call, so a barrier that meets it moves on to the next slot)."""
+    try:
+        doc = json.loads(verdict[len(_LEFT) :])
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def _verdict_roll(verdict: str) -> list[tuple[int, str]]:

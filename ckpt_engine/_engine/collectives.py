@@ -46,8 +46,11 @@ class EngineCollectives:
         reaches here untyped (a peer died during one of DCP's own collectives), or wrapped in
         another engine error (a ``CheckpointSaveError`` around gloo's "Connection closed by
         peer"), becomes a :class:`~ckpt_engine.errors.ProcessGroupError`, and any such error
-        marks the process group broken."""
+        marks the process group broken. Any other failure here gives the barrier the other ranks
+        wait at up (:meth:`CollectiveWatch.leave`): they raise ``RankFailedError`` at once."""
         watch = self._current()
+        if watch is not None:
+            watch.begin(what)
         try:
             with activate(watch):
                 return call()
@@ -56,7 +59,11 @@ class EngineCollectives:
             raise
         except Exception as err:
             cause = None if watch is None or isinstance(err, CollectiveError) else c10d_cause(err)
-            if watch is None or cause is None:
+            if watch is None or isinstance(err, CollectiveError):
+                raise
+            if cause is None:
+                # Failed here, outside a collective: the ranks waiting for this one are told now.
+                watch.leave(err)
                 raise
             self.broken = typed = watch.broken(what, cause)
             raise typed from err

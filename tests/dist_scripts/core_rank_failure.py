@@ -4,6 +4,10 @@ A scenario of ``core.py`` (argument: save_dir). Saves iteration 1 (FSDP2 model +
 
 * ``load``: a plugin whose ``pre_load_plan`` raises on rank 1 only;
 * ``save``: a plugin whose ``remap_keys`` raises on rank 1 only, on save (iteration 2);
+* ``write``: a ``write`` provider that raises on rank 1 only, outside any collective, while rank
+  0 writes (iteration 1, in ``<save_dir>-write``); rank 0 must not wait for rank 1 at its next
+  collective. Then ``write_again``: the same engine saves iteration 1 on both ranks (the ranks
+  are still in step);
 * ``recover``: a plain engine loads iteration 1 into a fresh model on both ranks.
 
 Each rank returns, per step, the error type and message it got and the seconds it took.
@@ -17,7 +21,8 @@ from typing import Any
 import torch
 from _common import attempt, cpu_mesh, make_model, params_full, shard_fsdp2
 
-from ckpt_engine import CheckpointEngine, hookimpl
+from ckpt_engine import CheckpointEngine, WriteContext, WriteResult, hookimpl
+from ckpt_engine.defaults import DefaultIO
 
 FAILING_RANK = 1
 
@@ -40,6 +45,22 @@ class FailSaveRemapOnRank:
             raise RuntimeError(f"planned remap_keys failure on rank {ctx.rank} ({ctx.component})")
 
 
+class FailWriteOnRankOnce:
+    """The default write, except that the first one on rank 1 raises before writing anything."""
+
+    name = "fail_write_on_rank_once"
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    @hookimpl
+    def write(self, ctx: WriteContext, state_dict: dict[str, Any]) -> WriteResult:
+        if ctx.rank == FAILING_RANK and not self.failed:
+            self.failed = True
+            raise OSError(28, "No space left on device")
+        return DefaultIO().write(ctx, state_dict)
+
+
 def scenario(save_dir: str) -> list[Any]:
     mesh = cpu_mesh()
     src = shard_fsdp2(make_model(seed=0), mesh)
@@ -58,11 +79,31 @@ def scenario(save_dir: str) -> list[Any]:
     save_engine = CheckpointEngine({"save_dir": save_dir}, plugins=[FailSaveRemapOnRank()])
     save = attempt(lambda: save_engine.save(2, model=src, optimizer=src_optim))
     save["listing"] = sorted(os.listdir(save_dir))
-    with open(os.path.join(save_dir, "latest_checkpoint.txt")) as f:
-        save["latest"] = f.read()
+    save["latest"] = _latest(save_dir)
+
+    write_dir = f"{save_dir}-write"
+    with CheckpointEngine({"save_dir": write_dir}, plugins=[FailWriteOnRankOnce()]) as engine:
+        write = attempt(lambda: engine.save(1, model=src, optimizer=src_optim))
+        write["listing"] = sorted(os.listdir(write_dir))
+        write_again = attempt(lambda: engine.save(1, model=src, optimizer=src_optim).result())
+        write_again["latest"] = _latest(write_dir)
 
     good = shard_fsdp2(make_model(seed=4), mesh)
     with CheckpointEngine({"save_dir": save_dir}) as engine:
         result = engine.load(model=good)
     recover = {"iteration": result.iteration, "equal": params_full(good) == saved}
-    return [{"load": load, "save": save, "recover": recover, "plugins": list(load_engine.plugin_names)}]
+    return [
+        {
+            "load": load,
+            "save": save,
+            "write": write,
+            "write_again": write_again,
+            "recover": recover,
+            "plugins": list(load_engine.plugin_names),
+        }
+    ]
+
+
+def _latest(save_dir: str) -> str:
+    with open(os.path.join(save_dir, "latest_checkpoint.txt")) as f:
+        return f.read()

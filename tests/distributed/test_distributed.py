@@ -426,6 +426,19 @@ def test_one_rank_failures_raise_on_every_rank(core):
         assert save["listing"] == ["iter_000000001", "latest_checkpoint.txt"], what
         assert save["latest"] == "iter_000000001\n", what
 
+        # A write provider that raised on rank 1 alone, outside any collective: rank 0 is told at
+        # its next collective instead of waiting out the 600 s timeout (which the launch's hang
+        # guard is below), and the same engine's next save succeeds on both ranks.
+        write = got["write"]
+        if rank == 1:
+            assert write["raised"] == "CheckpointSaveError", f"{what}: {write}"
+        else:
+            assert write["raised"] == "RankFailedError", f"{what}: {write}"
+            assert "rank 1 failed this save on its own" in write["message"], what
+        assert "No space left on device" in write["message"], what
+        assert write["listing"] == [], what
+        assert got["write_again"]["raised"] is None and got["write_again"]["latest"] == "iter_000000001\n", what
+
         # The ranks are still in step: a load right after both failures succeeds.
         assert got["recover"] == {"iteration": 1, "equal": True}, what
     # The rank that did not fail is told which rank did.

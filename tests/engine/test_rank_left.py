@@ -1,0 +1,132 @@
+"""A rank whose save or load fails on its own, outside a collective, tells the ranks waiting for it.
+
+The watches of several "ranks" share one real c10d ``HashStore``, each rank a thread. The
+barriers are given a timeout far longer than any test: a rank told of the failure raises at once,
+so the tests end by what the ranks do, not by a clock (a missing note would show as a wait of
+that timeout, which the suite's hang guard ends as a failure).
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from ckpt_engine import CollectiveTimeoutError, RankFailedError
+from ckpt_engine._dcpio.watch import CollectiveWatch
+
+#: Longer than the suite's hang guard: no barrier here may end by timing out.
+LONG_S = 3600.0
+
+
+class _Store:
+    """A real ``HashStore`` that counts the barriers' waits, so a test can act once a rank waits."""
+
+    def __init__(self) -> None:
+        self._store = dist.HashStore()
+        self.waiting = threading.Semaphore(0)
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        self.waiting.release()
+        self._store.wait(keys, timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def _watches(world: int, timeout_s: float = LONG_S) -> list[CollectiveWatch]:
+    store = _Store()
+    return [
+        CollectiveWatch(timeout_s, store=store, group=object(), rank=r, world=world, namespace="left/")
+        for r in range(world)
+    ]
+
+
+def _in_threads(*fns: Any) -> list[Any]:
+    """Each of ``fns`` on a thread of its own; what each returned or raised."""
+    out: list[Any] = [None] * len(fns)
+
+    def call(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except Exception as err:
+            out[i] = err
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _begin(watches: list[CollectiveWatch], what: str) -> None:
+    for w in watches:
+        w.begin(what)
+
+
+def _all_pass(watches: list[CollectiveWatch], step: str) -> None:
+    assert _in_threads(*[lambda w=w: w.barrier(step) for w in watches]) == [None] * len(watches)
+
+
+def test_the_ranks_waiting_for_a_rank_that_failed_on_its_own_raise_at_once_naming_it() -> None:
+    w0, w1, w2 = watches = _watches(3)
+    _begin(watches, "save")
+    _all_pass(watches, "prepare")
+    w1.phase("write")
+
+    def failing_rank() -> None:
+        for _ in range(2):  # ranks 0 and 2 wait for it
+            assert w1.store.waiting.acquire(timeout=LONG_S)
+        w1.leave(OSError(28, "No space left on device"))
+
+    r0, _, r2 = _in_threads(lambda: w0.barrier("plan_check"), failing_rank, lambda: w2.barrier("plan_check"))
+    for rank, got in ((0, r0), (2, r2)):
+        assert isinstance(got, RankFailedError), (rank, got)
+        assert got.failed_rank == 1 and got.missing == (1,) and got.step == "plan_check"
+        assert "rank 1 failed this save on its own in phase 'write', so it will not reach 'plan_check'" in str(got)
+        assert "OSError: [Errno 28] No space left on device" in str(got)
+        assert f"seen from rank {rank}" in str(got)
+    # Nobody's group was closed, and the ranks are still in step: the next call's barriers pass.
+    assert all(w.group is not None for w in watches)
+    _begin(watches, "save")
+    _all_pass(watches, "prepare")
+    _all_pass(watches, "commit")
+
+
+def test_a_rank_that_failed_after_the_others_finished_the_call_does_not_fail_their_next_one() -> None:
+    w0, w1 = watches = _watches(2)
+    _begin(watches, "load")
+    _all_pass(watches, "read")
+    w1.leave(RuntimeError("a Stateful's load_state_dict raised on rank 1"))  # after the call's last barrier
+    # Rank 0 finished that load; its next save's first barrier is the slot rank 1 gave up. It
+    # moves on to the next slot, where rank 1's next barrier is.
+    _begin(watches, "save")
+    _all_pass(watches, "prepare")
+    _all_pass(watches, "write")
+    assert w0._seq == w1._seq
+
+
+def test_ranks_that_all_fail_together_give_up_the_same_slot_and_stay_in_step() -> None:
+    watches = _watches(3)
+    _begin(watches, "save")
+    _all_pass(watches, "prepare")
+    for w in watches:  # a failure the ranks agreed on: each leaves, the first note wins
+        w.leave(ValueError("replicated state differs"))
+    _begin(watches, "save")
+    _all_pass(watches, "prepare")
+    assert len({w._seq for w in watches}) == 1
+
+
+def test_a_rank_leaving_a_slot_the_others_gave_up_on_by_timeout_closes_its_group_as_they_did() -> None:
+    w0, w1 = _watches(2, timeout_s=0.2)
+    _begin([w0, w1], "save")
+    with pytest.raises(CollectiveTimeoutError):
+        w0.barrier("write")  # rank 1 never comes: rank 0 gives up and closes its group
+    assert w0.group is None
+    w1.leave(OSError("late failure"))
+    # Every rank's next call makes a new group (the engine's rule after a timeout).
+    assert w1.group is None
