@@ -11,14 +11,19 @@ A :class:`CollectiveWatch` belongs to one engine on one rank of a job with sever
   and their last phase, e.g. ``rank 1 did not reach 'write' within 10 s (last phase: stage,
   12.3 s ago)``. Whether a barrier passed or was given up is decided once, atomically
   (``compare_set``), so a rank that arrives late raises too instead of walking into a collective
-  nobody else will join;
+  nobody else will join. A rank that comes to a barrier for another collective than the ranks
+  before it (the ranks are out of step) gives it up for all: no rank runs a collective its peers
+  are not running;
+* lets a rank whose save or load failed on its own, outside a collective, give up the barrier
+  the others wait at (:meth:`CollectiveWatch.leave`): they raise at once instead of after
+  ``timeout_s``;
 * owns a gloo process group created with the same timeout, on which the collectives themselves
   run (object collectives: no device needed, and a rank that dies between the barrier and the
   collective is caught by gloo's timeout).
 
 The collectives consult the watch that is active in the calling thread (:func:`activate`,
 :func:`active_watch`); without one (one process, or code outside a save or a load) they run
-unbounded, as before. Per barrier a rank makes four small store requests; the coordinator's
+unbounded, as before. Per barrier a rank makes five small store requests; the coordinator's
 store sees O(ranks) requests per barrier.
 
 Every :func:`phase` call is also noted, with or without a watch, in this process's
@@ -51,6 +56,8 @@ _local = threading.local()
 _SHOWN = 8
 #: How a barrier's verdict starts when a rank gave its slot up (:meth:`CollectiveWatch.leave`).
 _LEFT = "left:"
+#: How a barrier's verdict starts when ranks came to it for different collectives.
+_ASTRAY = "astray:"
 #: At most this many characters of that rank's error travel with it.
 _ERROR_CHARS = 600
 #: This process's recent phases, oldest first: ``(name, time.perf_counter(), threading.get_ident())``.
@@ -165,6 +172,7 @@ class CollectiveWatch:
         """A new engine call (``save``, ``load``) starts on this rank: every rank counts them alike."""
         self._call += 1
         self._what = what
+        self._phase, self._phase_t = "start", time.time()  # not published: the call's first phase will be
 
     def leave(self, err: BaseException) -> None:
         """This rank's call failed here on its own, outside a collective (``err``), so it will not
@@ -246,7 +254,7 @@ class CollectiveWatch:
             base = f"{self.ns}b/{seq}/"
             self._publish()  # "seq": this rank arrived at barrier seq
             t0 = time.monotonic()
-            failure = self._wait_monitored(wait_s) if self.monitored else self._wait_in_store(base, wait_s)
+            failure = self._wait_monitored(wait_s) if self.monitored else self._wait_in_store(base, step, wait_s)
             # The rank that gives up calls the roll then, and its verdict carries it: a rank that
             # reads the verdict later (one that arrived after it, perhaps after the lost rank woke
             # up and arrived too) names the same ranks instead of the ones still missing by then.
@@ -260,6 +268,9 @@ class CollectiveWatch:
                 raise self._left_error(step, left)
             # A rank gave this slot up after an earlier call the others had finished: it moved on
             # to the next slot, and so does this barrier.
+        if verdict.startswith(_ASTRAY):
+            self.group_failed()
+            raise self._astray_error(step, verdict)
         if verdict != "ok":
             self.group_failed()
             if self.monitored and failure is not None and verdict == mine and time.monotonic() - t0 < 0.9 * wait_s:
@@ -272,11 +283,21 @@ class CollectiveWatch:
         if seq > 1 and self.rank == 0:
             # Every rank passed barrier seq, so none still reads the keys of barrier seq - 1.
             old = f"{self.ns}b/{seq - 1}/"
-            for name in ("count", "all", "state"):
+            for name in ("step", "count", "all", "state"):
                 with contextlib.suppress(Exception):
                     self.store.delete_key(old + name)
 
-    def _wait_in_store(self, base: str, wait_s: float) -> BaseException | None:
+    def _wait_in_store(self, base: str, step: str, wait_s: float) -> BaseException | None:
+        first = self.store.compare_set(base + "step", "", step)
+        first = first.decode() if isinstance(first, bytes) else str(first)
+        if first != step:
+            # Ranks came to this barrier for different collectives: they are out of step, and
+            # none may run either collective. This rank does not count itself in: it gives the
+            # barrier up for every rank, the ones waiting and the ones still to come.
+            note = json.dumps({"rank": self.rank, "step": step[:_ERROR_CHARS], "first": first[:_ERROR_CHARS]})
+            self.store.compare_set(base + "state", "", _ASTRAY + note)
+            self.store.set(base + "all", "1")
+            return None
         if self.store.add(base + "count", 1) == self.world:
             self.store.set(base + "all", "1")
         try:
@@ -320,6 +341,21 @@ class CollectiveWatch:
             "load proceeds)",
             step=step,
             failed_rank=rank,
+        )
+
+    def _astray_error(self, step: str, verdict: str) -> CollectiveError:
+        """The error for a barrier the ranks came to for different collectives."""
+        try:
+            note = json.loads(verdict[len(_ASTRAY) :])
+            rank, theirs, first = int(note["rank"]), str(note["step"]), str(note["first"])
+        except (ValueError, TypeError, KeyError):
+            rank, theirs, first = -1, "?", "?"
+        return CollectiveError(
+            f"the ranks are out of step: {self.who} {rank} came to collective '{theirs}' where the {self.who}s before "
+            f"it came to '{first}' (one of them skipped or added a collective), so none runs it; seen from "
+            f"{self.who} {self.rank} at '{step}'. Every rank fails this {self._what}; this is a bug: report it with "
+            "every rank's log",
+            step=step,
         )
 
     def _timeout_error(self, step: str, late: list[tuple[int, str]], *, came_late: bool) -> CollectiveTimeoutError:

@@ -130,3 +130,17 @@ def test_a_rank_leaving_a_slot_the_others_gave_up_on_by_timeout_closes_its_group
     w1.leave(OSError("late failure"))
     # Every rank's next call makes a new group (the engine's rule after a timeout).
     assert w1.group is None
+
+
+def test_ranks_that_come_to_a_barrier_for_different_collectives_all_refuse_it() -> None:
+    w0, w1, w2 = watches = _watches(3)
+    _begin(watches, "save")
+    _all_pass(watches, "prepare")
+    # Rank 1 skipped a collective the others run: without the check the three would pass this
+    # barrier together and run two different collectives against each other.
+    got = _in_threads(lambda: w0.barrier("plan_check"), lambda: w1.barrier("commit"), lambda: w2.barrier("plan_check"))
+    for rank, err in enumerate(got):
+        assert type(err).__name__ == "CollectiveError", (rank, err)
+        assert "the ranks are out of step" in str(err) and "'commit'" in str(err) and "'plan_check'" in str(err)
+        assert f"seen from rank {rank}" in str(err)
+    assert all(w.group is None for w in watches)  # every rank's next call makes a new group
