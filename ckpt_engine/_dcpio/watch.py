@@ -104,6 +104,9 @@ class CollectiveWatch:
         #: its number and name (:meth:`begin`).
         self._call = 0
         self._what = "save or load"
+        #: The call a peer left (its note), once this rank raised RankFailedError for it: every
+        #: later barrier of that call fails at once, without a slot (the peer is out of the call).
+        self._left: tuple[int, dict[str, Any]] | None = None
 
     @classmethod
     def create(cls, timeout_s: float, *, who: str = "rank", monitored: bool = False) -> CollectiveWatch | None:
@@ -184,22 +187,39 @@ class CollectiveWatch:
         Called on every rank where a failure every rank shares (one they agreed on) ends the call:
         the first note wins, and every rank skips the same slot. A rank that finished the call
         before this one failed meets the note at its next call's first barrier: a note of an
-        earlier call only moves that barrier to the next slot, as this rank's next barrier does."""
-        if self.group is None:
+        earlier call only moves that barrier to the next slot, as this rank's next barrier does
+        (and this rank's note goes past such a note to the next slot too). A rank told that a
+        peer left this call (its :class:`~ckpt_engine.errors.RankFailedError`, perhaps wrapped)
+        has nothing to tell: the others were told too."""
+        if self.group is None or (self._left is not None and self._left[0] == self._call):
             return
-        self._seq += 1
-        base = f"{self.ns}b/{self._seq}/"
         error = described(err)
         error = error[:_ERROR_CHARS] + ("..." if len(error) > _ERROR_CHARS else "")
         note = _LEFT + json.dumps({"rank": self.rank, "call": self._call, "phase": self._phase, "error": error})
         try:
-            verdict = self.store.compare_set(base + "state", "", note)
-            verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
-            self.store.set(base + "all", "1")
+            while True:
+                self._seq += 1
+                base = f"{self.ns}b/{self._seq}/"
+                verdict = self.store.compare_set(base + "state", "", note)
+                verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
+                if verdict == note:
+                    self.store.set(base + "all", "1")  # wake the ranks waiting there
+                    return
+                call = _verdict_call(verdict)
+                if not (verdict.startswith(_LEFT) and call is not None and call < self._call):
+                    break
+                # A note a peer left after an earlier call: the peers skip that slot, so does this one.
         except Exception:  # the store is gone: nothing more runs on this watch
             self.group_failed()
             return
-        if not verdict.startswith(_LEFT):  # the others gave the slot up first (a timeout) and closed their group
+        if call is not None and call > self._call:
+            # The peers finished this call and decided the slot in a later one (a peer left it, or
+            # they gave it up): leave it to this rank's next call, whose first barrier reads it.
+            self._seq -= 1
+        elif not verdict.startswith(_LEFT):
+            # The others gave this call's slot up first (a timeout, ranks out of step) and closed
+            # their group: so does this rank. (A peer that left this call at this slot: nothing
+            # more to do, every rank skips it.)
             self.group_failed()
 
     def expect_by(self, deadline: float) -> None:
@@ -247,6 +267,8 @@ class CollectiveWatch:
                 f"{self.who} {self.rank}: an earlier collective of this engine timed out; its process group is closed",
                 step=step,
             )
+        if self._left is not None and self._left[0] == self._call:
+            raise self._left_error(step, self._left[1])
         wait_s = self._wait_s()
         while True:
             self._seq += 1
@@ -258,14 +280,14 @@ class CollectiveWatch:
             # The rank that gives up calls the roll then, and its verdict carries it: a rank that
             # reads the verdict later (one that arrived after it, perhaps after the lost rank woke
             # up and arrived too) names the same ranks instead of the ones still missing by then.
-            mine = "ok" if failure is None else "timeout:" + json.dumps(self._roll_call(seq))
+            mine = (
+                "ok" if failure is None else "timeout:" + json.dumps({"call": self._call, "roll": self._roll_call(seq)})
+            )
             verdict = self.store.compare_set(base + "state", "", mine)
             verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
             if not verdict.startswith(_LEFT):
                 break
-            left = _left_note(verdict)
-            if left.get("call") == self._call:
-                raise self._left_error(step, left)
+            self._check_left(step, _left_note(verdict))
             # A rank gave this slot up after an earlier call the others had finished: it moved on
             # to the next slot, and so does this barrier.
         if verdict.startswith(_ASTRAY):
@@ -288,13 +310,24 @@ class CollectiveWatch:
                     self.store.delete_key(old + name)
 
     def _wait_in_store(self, base: str, step: str, wait_s: float) -> BaseException | None:
-        first = self.store.compare_set(base + "step", "", step)
+        token = f"{self._call}:{step}"
+        first = self.store.compare_set(base + "step", "", token)
         first = first.decode() if isinstance(first, bytes) else str(first)
-        if first != step:
-            # Ranks came to this barrier for different collectives: they are out of step, and
-            # none may run either collective. This rank does not count itself in: it gives the
-            # barrier up for every rank, the ones waiting and the ones still to come.
-            note = json.dumps({"rank": self.rank, "step": step[:_ERROR_CHARS], "first": first[:_ERROR_CHARS]})
+        if first != token:
+            # Ranks came to this barrier for different collectives, or for one of different
+            # engine calls: they are out of step, and none may run either collective. This rank
+            # does not count itself in: it gives the barrier up for every rank, the ones waiting
+            # and the ones still to come.
+            first_call, _, first_step = first.partition(":")
+            note = json.dumps(
+                {
+                    "rank": self.rank,
+                    "call": self._call,
+                    "step": step[:_ERROR_CHARS],
+                    "first_call": first_call[:20],
+                    "first": first_step[:_ERROR_CHARS],
+                }
+            )
             self.store.compare_set(base + "state", "", _ASTRAY + note)
             self.store.set(base + "all", "1")
             return None
@@ -330,6 +363,23 @@ class CollectiveWatch:
                 late.append((r, f"last phase: {doc.get('phase')}, {ago:.1f} s ago"))
         return late
 
+    def _check_left(self, step: str, left: dict[str, Any]) -> None:
+        """A barrier's slot holds ``left``, a note a rank left (:meth:`leave`): raise where it left
+        this call (and fail every later barrier of the call at once) or a later one (the ranks are
+        out of step); return where it left an earlier one (the barrier moves on to the next slot)."""
+        call = left.get("call")
+        if call == self._call:
+            self._left = (self._call, left)
+            raise self._left_error(step, left)
+        if isinstance(call, int) and call > self._call:
+            self.group_failed()
+            raise CollectiveError(
+                f"the ranks are out of step: {self.who} {left.get('rank')} left its engine call {call} at the "
+                f"collective {self.who} {self.rank} reached in its call {self._call} ('{step}'). Every rank fails "
+                f"this {self._what}; this is a bug: report it with every rank's log",
+                step=step,
+            )
+
     def _left_error(self, step: str, left: dict[str, Any]) -> RankFailedError:
         """The error for a barrier whose slot rank ``left["rank"]`` gave up in this call."""
         rank = int(left.get("rank", -1))
@@ -348,11 +398,17 @@ class CollectiveWatch:
         try:
             note = json.loads(verdict[len(_ASTRAY) :])
             rank, theirs, first = int(note["rank"]), str(note["step"]), str(note["first"])
+            calls = (
+                ""
+                if str(note["call"]) == note["first_call"]
+                else f" (its engine call {note['call']}, theirs {note['first_call']})"
+            )
         except (ValueError, TypeError, KeyError):
-            rank, theirs, first = -1, "?", "?"
+            rank, theirs, first, calls = -1, "?", "?", ""
         return CollectiveError(
             f"the ranks are out of step: {self.who} {rank} came to collective '{theirs}' where the {self.who}s before "
-            f"it came to '{first}' (one of them skipped or added a collective), so none runs it; seen from "
+            f"it came to '{first}'{calls} (one of them skipped or added a collective or a save or load), so none runs "
+            f"it; seen from "
             f"{self.who} {self.rank} at '{step}'. Every rank fails this {self._what}; this is a bug: report it with "
             "every rank's log",
             step=step,
@@ -435,11 +491,21 @@ def _left_note(verdict: str) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
+def _verdict_call(verdict: str) -> int | None:
+    try:
+        doc = json.loads(verdict.partition(":")[2])
+        return int(doc["call"]) if isinstance(doc, dict) else None
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
 def _verdict_roll(verdict: str) -> list[tuple[int, str]]:
     """The roll call a ``timeout:`` verdict carries (written by :meth:`CollectiveWatch._barrier`
     of this engine on another rank of the job; anything unreadable names nobody)."""
     try:
         doc = json.loads(verdict.partition(":")[2])
+        if isinstance(doc, dict):
+            doc = doc.get("roll", [])
         return [(int(r), str(what)) for r, what in doc]
     except (ValueError, TypeError):
         return []

@@ -1,9 +1,10 @@
 """A rank whose save or load fails on its own, outside a collective, tells the ranks waiting for it.
 
 The watches of several "ranks" share one real c10d ``HashStore``, each rank a thread. The
-barriers are given a timeout far longer than any test: a rank told of the failure raises at once,
-so the tests end by what the ranks do, not by a clock (a missing note would show as a wait of
-that timeout, which the suite's hang guard ends as a failure).
+barriers are given a timeout far longer than any of these steps takes: a rank told of the
+failure raises at once, so the tests end by what the ranks do, not by a clock. A missing note
+shows as that wait, then a ``CollectiveTimeoutError`` where the test expects another outcome (a
+wait inside the store cannot be interrupted by the suite's hang guard).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch.distributed as dist
 from ckpt_engine import CollectiveTimeoutError, RankFailedError
 from ckpt_engine._dcpio.watch import CollectiveWatch
 
-#: Longer than the suite's hang guard: no barrier here may end by timing out.
-LONG_S = 3600.0
+#: No barrier here may end by timing out: a rank that waits is woken by the others long before.
+LONG_S = 120.0
 
 
 class _Store:
@@ -144,3 +145,79 @@ def test_ranks_that_come_to_a_barrier_for_different_collectives_all_refuse_it() 
         assert "the ranks are out of step" in str(err) and "'commit'" in str(err) and "'plan_check'" in str(err)
         assert f"seen from rank {rank}" in str(err)
     assert all(w.group is None for w in watches)  # every rank's next call makes a new group
+
+
+def test_a_later_barrier_of_the_call_a_peer_left_fails_at_once_without_a_slot() -> None:
+    # Code that catches the error and goes on to another collective in the same call (a resume's
+    # fallback) must not wait for the rank that left, nor use a slot the others do not.
+    w0, w1 = watches = _watches(2)
+    _begin(watches, "load")
+    w1.leave(TypeError("bad argument on rank 1"))  # before its first collective
+    for step in ("sync", "sync", "metadata"):
+        with pytest.raises(RankFailedError, match="rank 1 failed this load on its own"):
+            w0.barrier(step)
+    w0.leave(RankFailedError("wrapped"))  # told already: nothing more to tell
+    _begin(watches, "save")
+    _all_pass(watches, "prepare")
+    assert w0._seq == w1._seq
+
+
+def test_a_note_left_at_the_start_of_a_call_goes_past_a_peers_note_of_the_previous_call() -> None:
+    w0, w1 = watches = _watches(2)
+    _begin(watches, "save")
+    _all_pass(watches, "commit")
+    w1.leave(RuntimeError("failed on rank 1 after the last collective"))  # end of call 1
+    _begin(watches, "save")
+    w0.leave(ValueError("bad argument on rank 0"))  # start of call 2: must not be lost
+    with pytest.raises(RankFailedError, match="rank 0 failed this save on its own"):
+        w1.barrier("prepare")
+    assert w0._seq == w1._seq
+    _begin(watches, "save")
+    _all_pass(watches, "prepare")
+
+
+def test_a_note_left_after_the_others_timed_out_in_their_next_call_closes_the_group_in_that_call() -> None:
+    # Rank 1 fails after the last collective of call 1, but only after rank 0 gave up the first
+    # barrier of call 2 (and closed its group there). Rank 1 must close its group in its call 2,
+    # as rank 0 did, or the ranks would make their new groups in different calls.
+    w0, w1 = watches = _watches(2, timeout_s=0.2)
+    _begin(watches, "save")
+    _all_pass(watches, "commit")
+    w0.begin("save")
+    with pytest.raises(CollectiveTimeoutError):
+        w0.barrier("prepare")
+    assert w0.group is None
+    w1.leave(RuntimeError("failed on rank 1 after the last collective"))  # still its call 1
+    assert w1.group is not None
+    w1.begin("save")
+    with pytest.raises(CollectiveTimeoutError, match="after the other ranks stopped waiting"):
+        w1.barrier("prepare")
+    assert w1.group is None
+
+
+def test_ranks_in_different_engine_calls_at_one_barrier_refuse_it() -> None:
+    w0, w1 = watches = _watches(2)
+    _begin(watches, "save")
+    w1.begin("save")  # rank 1 is one call ahead: the same step names no longer hide it
+    got = _in_threads(lambda: w0.barrier("prepare"), lambda: w1.barrier("prepare"))
+    for err in got:
+        assert type(err).__name__ == "CollectiveError" and "the ranks are out of step" in str(err), err
+        assert "engine call" in str(err)
+
+
+def test_a_rank_leaving_after_a_peer_already_left_the_next_call_takes_no_slot() -> None:
+    # Rank 1 fails after the last collective of call 1, but rank 0 has already started call 2
+    # and failed there on its own first, at the slot rank 1 would take: rank 1's next call must
+    # meet rank 0's note there, not one slot further on (the ranks would then be a call apart).
+    w0, w1 = watches = _watches(2)
+    _begin(watches, "save")
+    _all_pass(watches, "commit")
+    w0.begin("save")
+    w0.leave(ValueError("bad argument on rank 0"))  # call 2
+    w1.leave(RuntimeError("failed on rank 1 after the last collective"))  # still call 1
+    w1.begin("save")
+    with pytest.raises(RankFailedError, match="rank 0 failed this save on its own"):
+        w1.barrier("prepare")
+    assert w0._seq == w1._seq
+    _begin(watches, "save")
+    _all_pass(watches, "prepare")
