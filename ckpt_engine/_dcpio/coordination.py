@@ -12,21 +12,36 @@ Inside a save or a load of the engine (an active :class:`~ckpt_engine._dcpio.wat
 every collective is preceded by the watch's bounded barrier and runs on the watch's gloo group:
 a rank that does not arrive within ``collective_timeout_s`` is named in a
 ``CollectiveTimeoutError`` instead of hanging the others.
+
+The load's settle of the plan also carries each rank's plan digest (:func:`plan_digest`,
+:func:`check_plans_agree`): whether the ranks that hold the same keys of a component planned its
+load alike. Each rank plans its load alone, running ``remap_keys`` and ``pre_load_plan`` itself;
+a hook that depends on the rank (or a plugin enabled on some ranks only) would have two ranks
+that hold the same replicated parameter read it from different stored keys, or one load it and
+the other skip it, and nothing would say so. Ranks holding the same keys (every rank of a DDP or
+FSDP job; each pipeline stage's replicas) must send the same digest; only where they do not does
+the lowest rank of each of the two first plans that differ send its whole plan, so that every
+rank raises the same :class:`~ckpt_engine.errors.CheckpointDisagreementError` naming the keys.
+A per-rank key (``per_rank_keys``, saved once per rank) counts by the key it was saved under,
+not by its rank's copy.
 """
 
 from __future__ import annotations
 
+import hashlib
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..errors import CheckpointDisagreementError, clip
+from ..types import PlanEntry
 from .fast_read import gc_paused
 from .watch import active_watch
 
-__all__ = ["RANK_LOCAL", "Comm"]
+__all__ = ["RANK_LOCAL", "Comm", "PlanDigest", "check_plans_agree", "plan_digest"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -149,16 +164,23 @@ class Comm:
         ``CheckpointException`` with that error for each failed rank (what
         :func:`~ckpt_engine.errors.first_failure` reads: the same error, the same ranks, as a
         gather of every rank's outcome gives)."""
+        return self.settle_with(name, value, None)[0]
+
+    def settle_with(self, name: str, value: _T, digest: Any) -> tuple[_T, list[Any]]:
+        """:meth:`settle`, and every rank's ``digest`` (a small value, ``[digest]`` in one process),
+        which travels in the same all-gather as the int."""
         value = self._take_held(value)
         if self.world == 1:
             _raise_failures(name, [value])
-            return value
+            return value, [digest]
         flags: list[Any] = [None] * self.world
+        flag = int(isinstance(value, _Failed))
         self._bound(name)
-        dist.all_gather_object(flags, int(isinstance(value, _Failed)), group=self.group)
-        failed = [r for r, flag in enumerate(flags) if flag]
+        dist.all_gather_object(flags, flag if digest is None else (flag, digest), group=self.group)
+        pairs = [f if isinstance(f, tuple) else (f, None) for f in flags]
+        failed = [r for r, (flag, _) in enumerate(pairs) if flag]
         if not failed:
-            return value
+            return value, [d for _, d in pairs]
         box: list[Any] = [value if self.rank == failed[0] else None]
         self._bound(name + " (error)")
         dist.broadcast_object_list(box, src=self._global(failed[0]), group=self.group)
@@ -230,3 +252,97 @@ class Comm:
         if isinstance(box[0], CheckpointException):
             raise box[0]
         return box[0]  # type: ignore[no-any-return]
+
+
+# -- whether the ranks planned alike ----------------------------------------------------------
+
+#: A rank's plan of one component: 8 bytes of digest of its destination keys, then 8 of what each gets.
+PlanDigest = bytes
+#: At most this many differing keys, and ranks of a side, are named.
+_SHOWN = 5
+
+
+def _plan_rows(entries: Sequence[PlanEntry], mapped: Mapping[str, str], resolved: Mapping[str, str]) -> list[str]:
+    """One line per destination key: the stored key it reads (the key a per-rank copy was saved
+    under, not this rank's copy) and its decision."""
+    rows = []
+    for e in entries:
+        storage = mapped.get(e.dest_key, e.storage_key) if e.storage_key == resolved.get(e.dest_key) else e.storage_key
+        rows.append(f"{e.dest_key}\x00{storage}\x00{e.decision.value}")
+    rows.sort()
+    return rows
+
+
+def _digest(lines: Sequence[str]) -> bytes:
+    h = hashlib.blake2b(digest_size=8)
+    for line in lines:
+        h.update(line.encode("utf-8", "surrogatepass"))
+        h.update(b"\x01")
+    return h.digest()
+
+
+def plan_digest(
+    entries: Sequence[PlanEntry], mapped: Mapping[str, str], resolved: Mapping[str, str]
+) -> tuple[PlanDigest, list[str]]:
+    """This rank's :data:`PlanDigest` of ``entries`` (``mapped``: each destination key's stored key
+    after ``remap_keys``; ``resolved``: the same with per-rank keys replaced by this rank's copy),
+    and the rows it digests (sent only where plans differ)."""
+    rows = _plan_rows(entries, mapped, resolved)
+    return _digest(sorted(e.dest_key for e in entries)) + _digest(rows), rows
+
+
+def _split(digests: Sequence[PlanDigest | None]) -> tuple[list[int], list[int]] | None:
+    """The ranks of the first two different plans among ranks with the same keys, or ``None``."""
+    first_plan: dict[bytes, bytes] = {}
+    for d in digests:
+        if d is None:
+            continue
+        keys, plan = d[:8], d[8:]
+        seen = first_plan.setdefault(keys, plan)
+        if seen != plan:
+            a = [r for r, x in enumerate(digests) if x == keys + seen]
+            b = [r for r, x in enumerate(digests) if x == d]
+            return a, b
+    return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:_SHOWN])) + (f" and {len(ranks) - _SHOWN} more" if len(ranks) > _SHOWN else "")
+
+
+def _rows_by_key(rows: Sequence[str]) -> dict[str, tuple[str, str]]:
+    out = {}
+    for row in rows:
+        dest, storage, decision = row.split("\x00")
+        out[dest] = (storage, decision)
+    return out
+
+
+def check_plans_agree(
+    comm: Any, component: str, where: str, digests: Sequence[PlanDigest | None], rows: Sequence[str]
+) -> None:
+    """Raise :class:`CheckpointDisagreementError` on every rank where ranks holding the same keys
+    of ``component`` (in ``where``) planned them differently (``digests``: every rank's, as the
+    settle gathered them; ``rows``: this rank's plan). Collective only where they differ (every
+    rank sees the same ``digests``): the lowest rank of each of the two plans sends its rows."""
+    split = _split(digests)
+    if split is None:
+        return
+    a, b = split
+    sent = list(rows) if comm.rank in (a[0], b[0]) else None
+    plans = comm.all_gather("plan agreement", sent)
+    plan_a, plan_b = _rows_by_key(plans[a[0]] or []), _rows_by_key(plans[b[0]] or [])
+    differ = [k for k in sorted(plan_a) if plan_a[k] != plan_b.get(k)]
+    shown = "; ".join(
+        f"{clip(k)}: rank {a[0]} reads {clip(plan_a[k][0])} ({plan_a[k][1]}), rank {b[0]} reads "
+        f"{clip(plan_b[k][0])} ({plan_b[k][1]})"
+        for k in differ[:_SHOWN]
+    )
+    more = f" and {len(differ) - _SHOWN} more key(s)" if len(differ) > _SHOWN else ""
+    raise CheckpointDisagreementError(
+        f"component {component!r} of {where}: the ranks planned this load differently, so ranks that hold the same "
+        f"keys would load different values: rank(s) {_ranks(a)} and rank(s) {_ranks(b)} differ at {shown}{more}. "
+        "A remap_keys or pre_load_plan hook that depends on the rank, or a plugin enabled on some ranks only, does "
+        "this: plan the same on every rank that holds a key (state that differs by rank belongs in per_rank_keys). "
+        "Nothing was read"
+    )

@@ -35,10 +35,11 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .coordination import Comm
+from .coordination import Comm, check_plans_agree
 from .dedup_read import SharedReads, dedup_wanted
 from .fast_read import FastFileSystemReader
 from .object_read import ObjectStoreReader
+from .planner import EngineLoadPlanner
 from .watch import phase
 
 __all__ = ["LoadStats", "load_state_dict", "plans_locally"]
@@ -73,6 +74,16 @@ def plans_locally(planner: LoadPlanner, reader: StorageReader) -> bool:
         type(planner).create_global_plan is DefaultLoadPlanner.create_global_plan
         and type(reader).prepare_global_plan in _IDENTITY_GLOBAL
     )
+
+
+def _settle_plan(comm: Comm, planner: LoadPlanner, local_plan: LoadPlan) -> LoadPlan:
+    """Each rank's own plan is its final one: settle the outcome, and (the engine's planner, with
+    several ranks) that the ranks holding the same keys planned them alike."""
+    if not isinstance(planner, EngineLoadPlanner) or comm.world == 1:
+        return comm.settle("plan", local_plan)
+    final, digests = comm.settle_with("plan", local_plan, planner.digest)
+    check_plans_agree(comm, planner.component, planner.checkpoint_dir, digests, planner.plan_rows)
+    return final
 
 
 def load_state_dict(
@@ -110,7 +121,7 @@ def load_state_dict(
 
         final = planner.finish_plan(comm.gather_scatter("plan", local_plan, global_step))
     else:
-        final = comm.settle("plan", local_plan)
+        final = _settle_plan(comm, planner, local_plan)
 
     shared = SharedReads(comm, storage_reader, dedup_wanted(dedup_reads, storage_reader, comm.world))
 

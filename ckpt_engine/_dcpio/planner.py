@@ -51,6 +51,7 @@ from ..report import ComponentReport, OverlapRecord, SkipRecord
 from ..staging import TensorKey, local_tensor, memory_key
 from ..types import Decision, LoadContext, PlanEntry, RemapContext, ValueSpec
 from .archive_write import archive_settings, value_archive
+from .coordination import PlanDigest, plan_digest
 from .local_plan import plain_write_items
 from .plain_values import plain_value
 from .torch_private import local_chunks
@@ -204,6 +205,11 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         #: Primaries whose aliases differ from them in dtype: read into a buffer of the stored
         #: dtype, then cast into every destination from it (never through the primary's dtype).
         self._staged: set[str] = set()
+        #: This rank's plan digest and rows (:func:`~.plan_agreement.plan_digest`), set by
+        #: :meth:`create_local_plan` in a job of several ranks: the ranks that hold the same keys
+        #: must have planned them alike.
+        self.digest: PlanDigest | None = None
+        self.plan_rows: list[str] = []
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -255,6 +261,8 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         items = self._read_items(entries)
         if is_rank_local(self.metadata):  # one rank's shards: what this rank needs must be there
             _require_cover(items, entries, self.state_dict, self._aliases, self.checkpoint_dir)
+        if self.world_size > 1:
+            self.digest, self.plan_rows = plan_digest(entries, mapped, key_map)
         report = self._build_report(entries, unexpected, tied)
         self.report = dataclasses.replace(report, notes=tuple(remap_ctx.notes), tied=tied)
         return LoadPlan(items)

@@ -8,6 +8,9 @@ A scenario of ``core.py`` (argument: save_dir). Saves iteration 1 (FSDP2 model +
   0 writes (iteration 1, in ``<save_dir>-write``); rank 0 must not wait for rank 1 at its next
   collective. Then ``write_again``: the same engine saves iteration 1 on both ranks (the ranks
   are still in step);
+* ``diverge``: a ``pre_load_plan`` that skips a parameter on rank 1 only (a hook that depends
+  on the rank): both ranks refuse the load, naming the key and what each rank planned, and
+  nothing is loaded;
 * ``recover``: a plain engine loads iteration 1 into a fresh model on both ranks.
 
 Each rank returns, per step, the error type and message it got and the seconds it took.
@@ -43,6 +46,18 @@ class FailSaveRemapOnRank:
     def remap_keys(self, ctx: Any, key_map: Any) -> None:
         if ctx.direction == "save" and ctx.rank == FAILING_RANK:
             raise RuntimeError(f"planned remap_keys failure on rank {ctx.rank} ({ctx.component})")
+
+
+class SkipOnRank:
+    """A ``pre_load_plan`` that keeps parameter ``0.bias`` on rank 1 only (a rank-dependent bug)."""
+
+    name = "skip_on_rank"
+
+    @hookimpl
+    def pre_load_plan(self, ctx: Any, entries: Any) -> Any:
+        if ctx.rank != FAILING_RANK or ctx.component != "model":
+            return None
+        return [e.skip("keep rank 1's own bias") if e.dest_key == "0.bias" else e for e in entries]
 
 
 class FailWriteOnRankOnce:
@@ -88,6 +103,12 @@ def scenario(save_dir: str) -> list[Any]:
         write_again = attempt(lambda: engine.save(1, model=src, optimizer=src_optim).result())
         write_again["latest"] = _latest(write_dir)
 
+    fresh = shard_fsdp2(make_model(seed=5), mesh)
+    before = params_full(fresh)
+    with CheckpointEngine({"save_dir": save_dir}, plugins=[SkipOnRank()]) as engine:
+        diverge = attempt(lambda: engine.load(model=fresh))
+    diverge["unchanged"] = params_full(fresh) == before
+
     good = shard_fsdp2(make_model(seed=4), mesh)
     with CheckpointEngine({"save_dir": save_dir}) as engine:
         result = engine.load(model=good)
@@ -98,6 +119,7 @@ def scenario(save_dir: str) -> list[Any]:
             "save": save,
             "write": write,
             "write_again": write_again,
+            "diverge": diverge,
             "recover": recover,
             "plugins": list(load_engine.plugin_names),
         }

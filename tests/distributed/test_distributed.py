@@ -439,6 +439,13 @@ def test_one_rank_failures_raise_on_every_rank(core):
         assert write["listing"] == [], what
         assert got["write_again"]["raised"] is None and got["write_again"]["latest"] == "iter_000000001\n", what
 
+        # A pre_load_plan that skips 0.bias on rank 1 only: both ranks refuse before reading.
+        diverge = got["diverge"]
+        assert diverge["raised"] == "CheckpointDisagreementError", f"{what}: {diverge}"
+        assert "the ranks planned this load differently" in diverge["message"], what
+        assert "rank 0 reads '0.bias' (load), rank 1 reads '0.bias' (skip)" in diverge["message"], what
+        assert diverge["unchanged"], what
+
         # The ranks are still in step: a load right after both failures succeeds.
         assert got["recover"] == {"iteration": 1, "equal": True}, what
     # The rank that did not fail is told which rank did.
