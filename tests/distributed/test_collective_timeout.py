@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from _threads import in_threads
 from _torchrun import run_torchrun
 
 from ckpt_engine import CollectiveTimeoutError, EngineConfig
@@ -45,23 +46,6 @@ def _watches(world: int, timeout_s: float) -> list[CollectiveWatch]:
     ]
 
 
-def _run(fns: list[Any]) -> list[Any]:
-    out: list[Any] = [None] * len(fns)
-
-    def call(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except Exception as err:
-            out[i] = err
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return out
-
-
 def _first(w: CollectiveWatch, step: str) -> tuple[Any, threading.Event]:
     """``w``'s barrier at ``step`` as a thread's function, and the event it sets once that
     barrier returned or raised: a late rank waits for it, so ``w`` cannot have waited for that rank."""
@@ -89,7 +73,7 @@ def test_barriers_pass_when_every_rank_arrives() -> None:
             w.barrier(step)
         return w.rank
 
-    assert _run([lambda w=w: rank(w) for w in watches]) == [0, 1, 2]
+    assert in_threads(*[lambda w=w: rank(w) for w in watches]) == [0, 1, 2]
     # Rank 0 deleted the keys of the barriers everybody passed: only the last one's remain.
     store = watches[0].store
     assert not store.check(["test/b/1/count"]) and store.check(["test/b/4/count"])
@@ -106,7 +90,7 @@ def test_a_rank_that_does_not_arrive_is_named_with_its_last_phase() -> None:
         assert gave_up.wait(60), "rank 0 never gave up"
         w2.barrier("write")
 
-    r0, r2 = _run([first, late])
+    r0, r2 = in_threads(first, late)
     assert w0.store.waits[0] == 0.5  # rank 0 waited its timeout, not longer
     assert isinstance(r0, CollectiveTimeoutError)
     assert r0.step == "write" and r0.missing == (1, 2)
@@ -126,7 +110,7 @@ def test_a_rank_arriving_after_the_others_gave_up_raises_instead_of_entering_the
         w1.phase("stage")
         w1.barrier("write")
 
-    r0, r1 = _run([first, late])
+    r0, r1 = in_threads(first, late)
     assert isinstance(r0, CollectiveTimeoutError) and r0.missing == (1,)
     assert isinstance(r1, CollectiveTimeoutError) and r1.missing == ()
     assert "rank 1 reached 'write' after the other ranks stopped waiting for it" in str(r1)
@@ -143,7 +127,7 @@ def test_a_survivor_arriving_after_the_lost_rank_woke_names_it() -> None:
     with pytest.raises(CollectiveTimeoutError) as given_up:
         w0.barrier("read")
     assert given_up.value.missing == (1, 2)
-    woke = _run([lambda: w2.barrier("read")])[0]
+    woke = in_threads(lambda: w2.barrier("read"))[0]
     assert isinstance(woke, CollectiveTimeoutError) and woke.missing == (1,)  # rank 1 was missing too
     with pytest.raises(CollectiveTimeoutError) as last:
         w1.barrier("read")

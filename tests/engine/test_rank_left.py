@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from _threads import in_threads
 
 from ckpt_engine import CollectiveTimeoutError, RankFailedError
 from ckpt_engine._dcpio.watch import CollectiveWatch
@@ -46,31 +47,13 @@ def _watches(world: int, timeout_s: float = LONG_S) -> list[CollectiveWatch]:
     ]
 
 
-def _in_threads(*fns: Any) -> list[Any]:
-    """Each of ``fns`` on a thread of its own; what each returned or raised."""
-    out: list[Any] = [None] * len(fns)
-
-    def call(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except Exception as err:
-            out[i] = err
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
 def _begin(watches: list[CollectiveWatch], what: str) -> None:
     for w in watches:
         w.begin(what)
 
 
 def _all_pass(watches: list[CollectiveWatch], step: str) -> None:
-    assert _in_threads(*[lambda w=w: w.barrier(step) for w in watches]) == [None] * len(watches)
+    assert in_threads(*[lambda w=w: w.barrier(step) for w in watches]) == [None] * len(watches)
 
 
 def test_the_ranks_waiting_for_a_rank_that_failed_on_its_own_raise_at_once_naming_it() -> None:
@@ -84,7 +67,7 @@ def test_the_ranks_waiting_for_a_rank_that_failed_on_its_own_raise_at_once_namin
             assert w1.store.waiting.acquire(timeout=LONG_S)
         w1.leave(OSError(28, "No space left on device"))
 
-    r0, _, r2 = _in_threads(lambda: w0.barrier("plan_check"), failing_rank, lambda: w2.barrier("plan_check"))
+    r0, _, r2 = in_threads(lambda: w0.barrier("plan_check"), failing_rank, lambda: w2.barrier("plan_check"))
     for rank, got in ((0, r0), (2, r2)):
         assert isinstance(got, RankFailedError), (rank, got)
         assert got.failed_rank == 1 and got.missing == (1,) and got.step == "plan_check"
@@ -139,7 +122,7 @@ def test_ranks_that_come_to_a_barrier_for_different_collectives_all_refuse_it() 
     _all_pass(watches, "prepare")
     # Rank 1 skipped a collective the others run: without the check the three would pass this
     # barrier together and run two different collectives against each other.
-    got = _in_threads(lambda: w0.barrier("plan_check"), lambda: w1.barrier("commit"), lambda: w2.barrier("plan_check"))
+    got = in_threads(lambda: w0.barrier("plan_check"), lambda: w1.barrier("commit"), lambda: w2.barrier("plan_check"))
     for rank, err in enumerate(got):
         assert type(err).__name__ == "CollectiveError", (rank, err)
         assert "the ranks are out of step" in str(err) and "'commit'" in str(err) and "'plan_check'" in str(err)
@@ -199,7 +182,7 @@ def test_ranks_in_different_engine_calls_at_one_barrier_refuse_it() -> None:
     w0, w1 = watches = _watches(2)
     _begin(watches, "save")
     w1.begin("save")  # rank 1 is one call ahead: the same step names no longer hide it
-    got = _in_threads(lambda: w0.barrier("prepare"), lambda: w1.barrier("prepare"))
+    got = in_threads(lambda: w0.barrier("prepare"), lambda: w1.barrier("prepare"))
     for err in got:
         assert type(err).__name__ == "CollectiveError" and "the ranks are out of step" in str(err), err
         assert "engine call" in str(err)
