@@ -24,7 +24,8 @@ time is not in the figures.
   gather of the write results and ``write_metadata``, the coordinator's finish of a real save:
   with the plan cache of a cold save that wrote the same results before, it writes the last
   ``.metadata`` again with a new ``storage_meta`` instead of pickling the ``Metadata``.
-* **engine load**: the fixed-size agreements of :meth:`Comm.settle` (plan and read), the
+* **engine load**: the fixed-size agreements of :meth:`Comm.settle` (plan, with each rank's plan
+  digest, and read), the
   validation's agreements, and the broadcast of ``.metadata``'s bytes (pickled once).
 * **DCP save**, on the same input: the same gathers and scatter with DCP's own objects (write
   results pickled one by one), ``DefaultSavePlanner`` and ``FileSystemWriter`` (``finish``).
@@ -200,6 +201,8 @@ def run(ranks: int, tensors: int, reps: int) -> dict[str, Any]:
     md = global_metadata(ranks, tensors)
     load_plan_blobs = [pickle.dumps(local_load_plan(r, md, tensors)) for r in range(ranks)]
     flag_blobs = [pickle.dumps(0) for _ in range(ranks)]
+    # The plan's settle also carries each rank's 16-byte plan digest (Comm.settle_with).
+    settle_blobs = [pickle.dumps((0, bytes(16))) for _ in range(ranks)]
     agree_blobs = [pickle.dumps((None, "", None)) for _ in range(ranks)]
     sent: dict[str, int] = {}
 
@@ -260,10 +263,10 @@ def run(ranks: int, tensors: int, reps: int) -> dict[str, Any]:
     def engine_load() -> int:
         bufs = [_gather(agree_blobs)[1], _gather(agree_blobs)[1]]  # validate: checks, metadata checks
         sent["engine_load"] = len(pickle.dumps([{"model": md_bytes}]))  # the metadata broadcast's payload
-        for _ in range(2):  # settle: plan, read
-            failed = [r for r, f in enumerate(_gather(flag_blobs)[0]) if f]
+        for blobs in (settle_blobs, flag_blobs):  # settle: plan (with the plan digests), read
+            failed = [r for r, f in enumerate(_gather(blobs)[0]) if (f[0] if isinstance(f, tuple) else f)]
             assert not failed
-            bufs.append(len(flag_blobs) * max(map(len, flag_blobs)))
+            bufs.append(len(blobs) * max(map(len, blobs)))
         return max(bufs)
 
     def dcp_load() -> int:

@@ -14,16 +14,16 @@ a rank that does not arrive within ``collective_timeout_s`` is named in a
 ``CollectiveTimeoutError`` instead of hanging the others.
 
 The load's settle of the plan also carries each rank's plan digest (:func:`plan_digest`,
-:func:`check_plans_agree`): whether the ranks that hold the same keys of a component planned its
-load alike. Each rank plans its load alone, running ``remap_keys`` and ``pre_load_plan`` itself;
-a hook that depends on the rank (or a plugin enabled on some ranks only) would have two ranks
-that hold the same replicated parameter read it from different stored keys, or one load it and
-the other skip it, and nothing would say so. Ranks holding the same keys (every rank of a DDP or
-FSDP job; each pipeline stage's replicas) must send the same digest; only where they do not does
-the lowest rank of each of the two first plans that differ send its whole plan, so that every
-rank raises the same :class:`~ckpt_engine.errors.CheckpointDisagreementError` naming the keys.
-A per-rank key (``per_rank_keys``, saved once per rank) counts by the key it was saved under,
-not by its rank's copy.
+:func:`check_plans_agree`): whether the ranks that read the same stored keys of a component
+planned them alike. Each rank plans its load alone, running ``remap_keys`` and ``pre_load_plan``
+itself; a hook that depends on the rank (or a plugin enabled on some ranks only) would have one
+rank load a replicated parameter and another keep its own value, and nothing would say so. Ranks
+that plan the same set of stored keys (every rank of a DDP or FSDP job; each pipeline stage's
+replicas) must send the same digest; ranks that read other stored keys are not compared, nor are
+per-rank copies (``per_rank_keys``) and rank-local parts, whose decisions may differ by rank.
+Only where two digests differ do the lowest ranks of the two plans broadcast their rows, so that
+every rank raises the same :class:`~ckpt_engine.errors.CheckpointDisagreementError` naming the
+keys.
 """
 
 from __future__ import annotations
@@ -145,6 +145,15 @@ class Comm:
             return held
         return value
 
+    def broadcast(self, name: str, value: Any, src: int) -> Any:
+        """Rank ``src``'s ``value`` on every rank (this group's rank numbers)."""
+        if self.world == 1:
+            return value
+        box: list[Any] = [value]
+        self._bound(name)
+        dist.broadcast_object_list(box, src=self._global(src), group=self.group)
+        return box[0]
+
     def all_gather(self, name: str, value: _T) -> list[_T]:
         """Every rank's ``value``; raises on every rank if a step of any rank failed."""
         value = self._take_held(value)
@@ -256,19 +265,21 @@ class Comm:
 
 # -- whether the ranks planned alike ----------------------------------------------------------
 
-#: A rank's plan of one component: 8 bytes of digest of its destination keys, then 8 of what each gets.
+#: A rank's plan of one component: 8 bytes of digest of the stored keys it plans, then 8 of how.
 PlanDigest = bytes
 #: At most this many differing keys, and ranks of a side, are named.
 _SHOWN = 5
 
 
 def _plan_rows(entries: Sequence[PlanEntry], mapped: Mapping[str, str], resolved: Mapping[str, str]) -> list[str]:
-    """One line per destination key: the stored key it reads (the key a per-rank copy was saved
-    under, not this rank's copy) and its decision."""
-    rows = []
-    for e in entries:
-        storage = mapped.get(e.dest_key, e.storage_key) if e.storage_key == resolved.get(e.dest_key) else e.storage_key
-        rows.append(f"{e.dest_key}\x00{storage}\x00{e.decision.value}")
+    """One line per destination key that reads a stored key the ranks share: the stored key, the
+    destination key and the decision, sorted. A key resolved to this rank's own per-rank copy is
+    left out: its value, shape and so its decision may differ by rank."""
+    rows = [
+        f"{e.storage_key}\x00{e.dest_key}\x00{e.decision.value}"
+        for e in entries
+        if resolved.get(e.dest_key, e.storage_key) == mapped.get(e.dest_key, e.storage_key)
+    ]
     rows.sort()
     return rows
 
@@ -286,13 +297,16 @@ def plan_digest(
 ) -> tuple[PlanDigest, list[str]]:
     """This rank's :data:`PlanDigest` of ``entries`` (``mapped``: each destination key's stored key
     after ``remap_keys``; ``resolved``: the same with per-rank keys replaced by this rank's copy),
-    and the rows it digests (sent only where plans differ)."""
+    and the rows it digests (sent only where plans differ). Ranks that plan the same set of stored
+    keys must plan them alike; ranks that read other stored keys (other pipeline stages, experts
+    a remap gives each rank) are not compared."""
     rows = _plan_rows(entries, mapped, resolved)
-    return _digest(sorted(e.dest_key for e in entries)) + _digest(rows), rows
+    stored = sorted({row.partition("\x00")[0] for row in rows})
+    return _digest(stored) + _digest(rows), rows
 
 
 def _split(digests: Sequence[PlanDigest | None]) -> tuple[list[int], list[int]] | None:
-    """The ranks of the first two different plans among ranks with the same keys, or ``None``."""
+    """The ranks of the first two different plans among ranks with the same stored keys, or ``None``."""
     first_plan: dict[bytes, bytes] = {}
     for d in digests:
         if d is None:
@@ -310,39 +324,52 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:_SHOWN])) + (f" and {len(ranks) - _SHOWN} more" if len(ranks) > _SHOWN else "")
 
 
-def _rows_by_key(rows: Sequence[str]) -> dict[str, tuple[str, str]]:
+def _by_key(rows: Sequence[str]) -> dict[tuple[str, str], str]:
+    """``(stored key, destination key) -> decision`` of a plan's rows."""
     out = {}
     for row in rows:
-        dest, storage, decision = row.split("\x00")
-        out[dest] = (storage, decision)
+        storage, dest, decision = row.split("\x00")
+        out[(storage, dest)] = decision
     return out
 
 
+def _differences(plans: Sequence[tuple[str, Mapping[tuple[str, str], str]]]) -> list[str]:
+    """The stored keys two plans (each with its rank's label) plan differently, at most
+    :data:`_SHOWN`, each as the message shows it (``key: rank A ...; rank B ...``)."""
+
+    def how(plan: Mapping[tuple[str, str], str], key: str) -> str:
+        got = sorted((dest, decision) for (storage, dest), decision in plan.items() if storage == key)
+        return ", ".join(f"{decision} into {clip(dest)}" for dest, decision in got) or "nothing"
+
+    out = []
+    for key in sorted({s for _, plan in plans for s, _ in plan}):
+        hows = [(label, how(plan, key)) for label, plan in plans]
+        if hows[0][1] != hows[1][1]:
+            out.append(f"{clip(key)}: " + "; ".join(f"{label} {text}" for label, text in hows))
+    return out[:_SHOWN]
+
+
 def check_plans_agree(
-    comm: Any, component: str, where: str, digests: Sequence[PlanDigest | None], rows: Sequence[str]
+    comm: Comm, component: str, where: str, digests: Sequence[PlanDigest | None], rows: Sequence[str]
 ) -> None:
-    """Raise :class:`CheckpointDisagreementError` on every rank where ranks holding the same keys
-    of ``component`` (in ``where``) planned them differently (``digests``: every rank's, as the
-    settle gathered them; ``rows``: this rank's plan). Collective only where they differ (every
-    rank sees the same ``digests``): the lowest rank of each of the two plans sends its rows."""
+    """Raise :class:`CheckpointDisagreementError` on every rank where ranks that plan the same
+    stored keys of ``component`` (in ``where``) planned them differently (``digests``: every
+    rank's, as the settle gathered them; ``rows``: this rank's plan). Collective only where they
+    differ (every rank sees the same ``digests``): the lowest rank of each of the two plans
+    broadcasts its rows."""
     split = _split(digests)
     if split is None:
         return
     a, b = split
-    sent = list(rows) if comm.rank in (a[0], b[0]) else None
-    plans = comm.all_gather("plan agreement", sent)
-    plan_a, plan_b = _rows_by_key(plans[a[0]] or []), _rows_by_key(plans[b[0]] or [])
-    differ = [k for k in sorted(plan_a) if plan_a[k] != plan_b.get(k)]
-    shown = "; ".join(
-        f"{clip(k)}: rank {a[0]} reads {clip(plan_a[k][0])} ({plan_a[k][1]}), rank {b[0]} reads "
-        f"{clip(plan_b[k][0])} ({plan_b[k][1]})"
-        for k in differ[:_SHOWN]
-    )
-    more = f" and {len(differ) - _SHOWN} more key(s)" if len(differ) > _SHOWN else ""
+    plans = [
+        (f"rank {r}", _by_key(comm.broadcast("plan agreement", list(rows) if comm.rank == r else None, r)))
+        for r in (a[0], b[0])
+    ]
+    differ = _differences(plans)
     raise CheckpointDisagreementError(
-        f"component {component!r} of {where}: the ranks planned this load differently, so ranks that hold the same "
-        f"keys would load different values: rank(s) {_ranks(a)} and rank(s) {_ranks(b)} differ at {shown}{more}. "
-        "A remap_keys or pre_load_plan hook that depends on the rank, or a plugin enabled on some ranks only, does "
-        "this: plan the same on every rank that holds a key (state that differs by rank belongs in per_rank_keys). "
-        "Nothing was read"
+        f"component {component!r} of {where}: the ranks planned this load differently, so ranks that read the same "
+        f"stored keys would load different values: rank(s) {_ranks(a)} and rank(s) {_ranks(b)} differ at "
+        f"{' | '.join(differ)}. A pre_load_plan or remap_keys hook that depends on the rank, or a plugin enabled on "
+        "some ranks only, does this: ranks that read a stored key must plan it alike (state that differs by rank "
+        f"belongs in per_rank_keys). Nothing of component {component!r} was read"
     )

@@ -205,9 +205,9 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         #: Primaries whose aliases differ from them in dtype: read into a buffer of the stored
         #: dtype, then cast into every destination from it (never through the primary's dtype).
         self._staged: set[str] = set()
-        #: This rank's plan digest and rows (:func:`~.plan_agreement.plan_digest`), set by
-        #: :meth:`create_local_plan` in a job of several ranks: the ranks that hold the same keys
-        #: must have planned them alike.
+        #: This rank's plan digest and rows (:func:`~.coordination.plan_digest`), set by
+        #: :meth:`create_local_plan` in a job of several ranks: the ranks that read the same
+        #: stored keys must have planned them alike.
         self.digest: PlanDigest | None = None
         self.plan_rows: list[str] = []
 
@@ -261,7 +261,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         items = self._read_items(entries)
         if is_rank_local(self.metadata):  # one rank's shards: what this rank needs must be there
             _require_cover(items, entries, self.state_dict, self._aliases, self.checkpoint_dir)
-        if self.world_size > 1:
+        if self.world_size > 1 and not is_rank_local(self.metadata):  # each rank its own part: nothing shared
             self.digest, self.plan_rows = plan_digest(entries, mapped, key_map)
         report = self._build_report(entries, unexpected, tied)
         self.report = dataclasses.replace(report, notes=tuple(remap_ctx.notes), tied=tied)

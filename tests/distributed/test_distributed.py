@@ -436,14 +436,15 @@ def test_one_rank_failures_raise_on_every_rank(core):
             assert write["raised"] == "RankFailedError", f"{what}: {write}"
             assert "rank 1 failed this save on its own" in write["message"], what
         assert "No space left on device" in write["message"], what
-        assert write["listing"] == [], what
+        # (rank 0 removes the failed save's partial folder: rank 1 may list it before then)
+        assert not [n for n in write["listing"] if n.startswith("iter_") or n == "latest_checkpoint.txt"], what
         assert got["write_again"]["raised"] is None and got["write_again"]["latest"] == "iter_000000001\n", what
 
         # A pre_load_plan that skips 0.bias on rank 1 only: both ranks refuse before reading.
         diverge = got["diverge"]
         assert diverge["raised"] == "CheckpointDisagreementError", f"{what}: {diverge}"
         assert "the ranks planned this load differently" in diverge["message"], what
-        assert "rank 0 reads '0.bias' (load), rank 1 reads '0.bias' (skip)" in diverge["message"], what
+        assert "'0.bias': rank 0 load into '0.bias'; rank 1 skip into '0.bias'" in diverge["message"], what
         assert diverge["unchanged"], what
 
         # The ranks are still in step: a load right after both failures succeeds.

@@ -3,54 +3,58 @@ that compares them runs on 2 gloo ranks in ``distributed/test_distributed.py`` (
 
 from __future__ import annotations
 
-from ckpt_engine._dcpio.coordination import _split, plan_digest
+from ckpt_engine._dcpio.coordination import _by_key, _differences, _split, plan_digest
 from ckpt_engine._format.names import per_rank_key
 from ckpt_engine.types import Decision, PlanEntry, ValueSpec
 
 SPEC = ValueSpec(is_tensor=True, shape=(2,), dtype=None)
 
 
-def _entries(keys: dict[str, str], skip: tuple[str, ...] = ()) -> list[PlanEntry]:
-    out = []
+def _plan(
+    keys: dict[str, str], how: dict[str, str] | None = None, mapped: dict[str, str] | None = None
+) -> tuple[bytes, list[str]]:
+    """The digest and rows of a plan reading ``keys`` (destination -> stored key, this rank's
+    copy for a per-rank key), each loaded unless ``how`` says skip or overlap."""
+    entries = []
     for dest, storage in keys.items():
         e = PlanEntry(dest_key=dest, storage_key=storage, target=SPEC, stored=SPEC, decision=Decision.LOAD)
-        out.append(e.skip("kept") if dest in skip else e)
-    return out
-
-
-def _digest(keys: dict[str, str], skip: tuple[str, ...] = (), mapped: dict[str, str] | None = None) -> bytes:
-    mapped = mapped if mapped is not None else dict(keys)
-    return plan_digest(_entries(keys, skip), mapped, keys)[0]
+        decision = (how or {}).get(dest)
+        entries.append(e.skip("kept") if decision == "skip" else e.overlap("grew") if decision == "overlap" else e)
+    return plan_digest(entries, mapped if mapped is not None else dict(keys), keys)
 
 
 def test_ranks_with_the_same_plan_agree_in_any_order() -> None:
-    a = _digest({"w": "w", "b": "b"})
-    b = _digest({"b": "b", "w": "w"})
+    a, _ = _plan({"w": "w", "b": "b"})
+    b, _ = _plan({"b": "b", "w": "w"})
     assert a == b and _split([a, b]) is None
 
 
-def test_a_per_rank_key_counts_by_the_key_it_was_saved_under_not_by_the_ranks_copy() -> None:
-    mapped = {"w": "w", "pos": "pos"}
-    rank0 = _digest({"w": "w", "pos": per_rank_key("pos", 0)}, mapped=mapped)
-    rank1 = _digest({"w": "w", "pos": per_rank_key("pos", 1)}, mapped=mapped)
+def test_a_stored_key_loaded_on_one_rank_and_skipped_on_another_is_named() -> None:
+    base, rows0 = _plan({"w": "w", "b": "b"})
+    skipped, rows1 = _plan({"w": "w", "b": "b"}, how={"b": "skip"})
+    assert skipped[:8] == base[:8] and skipped[8:] != base[8:]  # the same stored keys, planned otherwise
+    assert _split([base, skipped]) == ([0], [1])
+    assert _split([base, base, skipped, base]) == ([0, 1, 3], [2])
+    plans = [(f"rank {r}", _by_key(rows)) for r, rows in ((0, rows0), (1, rows1))]
+    assert _differences(plans) == ["'b': rank 0 load into 'b'; rank 1 skip into 'b'"]
+
+
+def test_per_rank_copies_are_not_compared_their_shapes_may_differ_by_rank() -> None:
+    mapped = {"w": "w", "expert": "expert"}
+    rank0, _ = _plan({"w": "w", "expert": per_rank_key("expert", 0)}, mapped=mapped)
+    rank1, _ = _plan({"w": "w", "expert": per_rank_key("expert", 1)}, how={"expert": "overlap"}, mapped=mapped)
     assert rank0 == rank1
 
 
-def test_a_key_read_from_another_stored_key_or_skipped_on_one_rank_is_a_different_plan() -> None:
-    base = _digest({"w": "w", "b": "b"})
-    remapped = _digest({"w": "ema.w", "b": "b"})
-    skipped = _digest({"w": "w", "b": "b"}, skip=("b",))
-    for other in (remapped, skipped):
-        assert other[:8] == base[:8] and other[8:] != base[8:]  # the same keys, planned otherwise
-        assert _split([base, other]) == ([0], [1])
-    assert _split([base, base, skipped, base]) == ([0, 1, 3], [2])
-
-
-def test_ranks_holding_other_keys_pipeline_stages_are_not_compared() -> None:
-    stage0 = _digest({"layers.0.w": "layers.0.w"})
-    stage1 = _digest({"layers.1.w": "layers.1.w"}, skip=("layers.1.w",))
+def test_ranks_reading_other_stored_keys_are_not_compared() -> None:
+    # Pipeline stages, or experts a rank-aware remap gives each rank: other stored keys.
+    stage0, _ = _plan({"layers.0.w": "layers.0.w"})
+    stage1, _ = _plan({"layers.1.w": "layers.1.w"}, how={"layers.1.w": "skip"})
     assert _split([stage0, stage1, stage0, stage1]) is None
+    experts0, _ = _plan({"experts.0.w": "experts.0.w", "experts.1.w": "experts.1.w"})
+    experts1, _ = _plan({"experts.0.w": "experts.2.w", "experts.1.w": "experts.3.w"})
+    assert _split([experts0, experts1]) is None
     # ...but the replicas of one stage are.
-    stage1_other = _digest({"layers.1.w": "layers.1.w"})
+    stage1_other, _ = _plan({"layers.1.w": "layers.1.w"})
     assert _split([stage0, stage1, stage0, stage1_other]) == ([1], [3])
     assert _split([None, None]) is None  # planners that send no digest
