@@ -29,6 +29,7 @@ keys.
 from __future__ import annotations
 
 import hashlib
+import json
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -271,17 +272,9 @@ PlanDigest = bytes
 _SHOWN = 5
 
 
-def _plan_rows(entries: Sequence[PlanEntry], mapped: Mapping[str, str], resolved: Mapping[str, str]) -> list[str]:
-    """One line per destination key that reads a stored key the ranks share: the stored key, the
-    destination key and the decision, sorted. A key resolved to this rank's own per-rank copy is
-    left out: its value, shape and so its decision may differ by rank."""
-    rows = [
-        f"{e.storage_key}\x00{e.dest_key}\x00{e.decision.value}"
-        for e in entries
-        if resolved.get(e.dest_key, e.storage_key) == mapped.get(e.dest_key, e.storage_key)
-    ]
-    rows.sort()
-    return rows
+def _plan_rows(entries: Sequence[PlanEntry]) -> list[str]:
+    """One row per entry (the stored key, the destination key and the decision), sorted."""
+    return sorted(json.dumps([e.storage_key, e.dest_key, e.decision.value]) for e in entries)
 
 
 def _digest(lines: Sequence[str]) -> bytes:
@@ -300,8 +293,11 @@ def plan_digest(
     and the rows it digests (sent only where plans differ). Ranks that plan the same set of stored
     keys must plan them alike; ranks that read other stored keys (other pipeline stages, experts
     a remap gives each rank) are not compared."""
-    rows = _plan_rows(entries, mapped, resolved)
-    stored = sorted({row.partition("\x00")[0] for row in rows})
+    # A key resolved to this rank's own per-rank copy is left out: its value, shape and so its
+    # decision may differ by rank.
+    shared = [e for e in entries if resolved.get(e.dest_key, e.storage_key) == mapped.get(e.dest_key, e.storage_key)]
+    rows = _plan_rows(shared)
+    stored = sorted({e.storage_key for e in shared})
     return _digest(stored) + _digest(rows), rows
 
 
@@ -324,29 +320,33 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:_SHOWN])) + (f" and {len(ranks) - _SHOWN} more" if len(ranks) > _SHOWN else "")
 
 
-def _by_key(rows: Sequence[str]) -> dict[tuple[str, str], str]:
-    """``(stored key, destination key) -> decision`` of a plan's rows."""
-    out = {}
+def _by_key(rows: Sequence[str]) -> dict[str, list[tuple[str, str]]]:
+    """A plan's rows as ``stored key -> sorted [(destination key, decision)]``."""
+    out: dict[str, list[tuple[str, str]]] = {}
     for row in rows:
-        storage, dest, decision = row.split("\x00")
-        out[(storage, dest)] = decision
+        storage, dest, decision = json.loads(row)
+        out.setdefault(storage, []).append((dest, decision))
+    for got in out.values():
+        got.sort()
     return out
 
 
-def _differences(plans: Sequence[tuple[str, Mapping[tuple[str, str], str]]]) -> list[str]:
-    """The stored keys two plans (each with its rank's label) plan differently, at most
-    :data:`_SHOWN`, each as the message shows it (``key: rank A ...; rank B ...``)."""
+def _differences(plans: Sequence[tuple[str, Mapping[str, list[tuple[str, str]]]]]) -> list[str]:
+    """The first :data:`_SHOWN` stored keys two plans (each with its rank's label, grouped by
+    :func:`_by_key`) plan differently, each as the message shows it (``key: rank A ...; rank B ...``)."""
 
-    def how(plan: Mapping[tuple[str, str], str], key: str) -> str:
-        got = sorted((dest, decision) for (storage, dest), decision in plan.items() if storage == key)
+    def how(got: list[tuple[str, str]]) -> str:
         return ", ".join(f"{decision} into {clip(dest)}" for dest, decision in got) or "nothing"
 
+    (label_a, plan_a), (label_b, plan_b) = plans
     out = []
-    for key in sorted({s for _, plan in plans for s, _ in plan}):
-        hows = [(label, how(plan, key)) for label, plan in plans]
-        if hows[0][1] != hows[1][1]:
-            out.append(f"{clip(key)}: " + "; ".join(f"{label} {text}" for label, text in hows))
-    return out[:_SHOWN]
+    for key in sorted(plan_a.keys() | plan_b.keys()):
+        got_a, got_b = plan_a.get(key, []), plan_b.get(key, [])
+        if got_a != got_b:
+            out.append(f"{clip(key)}: {label_a} {how(got_a)}; {label_b} {how(got_b)}")
+            if len(out) == _SHOWN:
+                break
+    return out
 
 
 def check_plans_agree(

@@ -206,9 +206,10 @@ class CollectiveWatch:
                     self.store.set(base + "all", "1")  # wake the ranks waiting there
                     return
                 call = _verdict_call(verdict)
-                if not (verdict.startswith(_LEFT) and call is not None and call < self._call):
+                if not (verdict.startswith(_LEFT) and (call is None or call < self._call)):
                     break
-                # A note a peer left after an earlier call: the peers skip that slot, so does this one.
+                # A note a peer left after an earlier call (or one unreadable): the peers' barriers
+                # skip that slot, so does this one.
         except Exception:  # the store is gone: nothing more runs on this watch
             self.group_failed()
             return
@@ -269,13 +270,14 @@ class CollectiveWatch:
             )
         if self._left is not None and self._left[0] == self._call:
             raise self._left_error(step, self._left[1])
-        wait_s = self._wait_s()
+        deadline = time.monotonic() + self._wait_s()  # one bound across the slots a barrier skips
         while True:
             self._seq += 1
             seq = self._seq
             base = f"{self.ns}b/{seq}/"
             self._publish()  # "seq": this rank arrived at barrier seq
             t0 = time.monotonic()
+            wait_s = max(0.05, deadline - t0)
             failure = self._wait_monitored(wait_s) if self.monitored else self._wait_in_store(base, step, wait_s)
             # The rank that gives up calls the roll then, and its verdict carries it: a rank that
             # reads the verdict later (one that arrived after it, perhaps after the lost rank woke
@@ -382,7 +384,7 @@ class CollectiveWatch:
 
     def _left_error(self, step: str, left: dict[str, Any]) -> RankFailedError:
         """The error for a barrier whose slot rank ``left["rank"]`` gave up in this call."""
-        rank = int(left.get("rank", -1))
+        rank = left["rank"] if type(left.get("rank")) is int else -1
         error = str(left.get("error"))[: _ERROR_CHARS + 3]
         return RankFailedError(
             f"{self.who} {rank} failed this {self._what} on its own in phase '{left.get('phase')}', so it will not "
@@ -403,7 +405,7 @@ class CollectiveWatch:
                 if str(note["call"]) == note["first_call"]
                 else f" (its engine call {note['call']}, theirs {note['first_call']})"
             )
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, OverflowError):
             rank, theirs, first, calls = -1, "?", "?", ""
         return CollectiveError(
             f"the ranks are out of step: {self.who} {rank} came to collective '{theirs}' where the {self.who}s before "
@@ -492,10 +494,11 @@ def _left_note(verdict: str) -> dict[str, Any]:
 
 
 def _verdict_call(verdict: str) -> int | None:
+    """The engine call a verdict or note names (``None`` where it names none it can read)."""
     try:
         doc = json.loads(verdict.partition(":")[2])
         return int(doc["call"]) if isinstance(doc, dict) else None
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, OverflowError):
         return None
 
 
@@ -507,7 +510,7 @@ def _verdict_roll(verdict: str) -> list[tuple[int, str]]:
         if isinstance(doc, dict):
             doc = doc.get("roll", [])
         return [(int(r), str(what)) for r, what in doc]
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         return []
 
 

@@ -58,3 +58,13 @@ def test_ranks_reading_other_stored_keys_are_not_compared() -> None:
     stage1_other, _ = _plan({"layers.1.w": "layers.1.w"})
     assert _split([stage0, stage1, stage0, stage1_other]) == ([1], [3])
     assert _split([None, None]) is None  # planners that send no digest
+
+
+def test_keys_with_any_character_are_named_and_a_long_plan_stops_at_the_first_differences() -> None:
+    odd = "a\x00b{0}"  # a NUL and a format field: the rows are JSON, the message never formats keys
+    keys = {odd: odd, **{f"k{i}": f"k{i}" for i in range(20_000)}}
+    _, rows0 = _plan(keys)
+    _, rows1 = _plan(keys, how={odd: "skip", **{f"k{i}": "skip" for i in range(10)}})
+    differ = _differences([("rank 0", _by_key(rows0)), ("rank 1", _by_key(rows1))])
+    assert len(differ) == 5
+    assert differ[0] == "'a\\x00b{0}': rank 0 load into 'a\\x00b{0}'; rank 1 skip into 'a\\x00b{0}'"

@@ -204,3 +204,16 @@ def test_a_rank_leaving_after_a_peer_already_left_the_next_call_takes_no_slot() 
     assert w0._seq == w1._seq
     _begin(watches, "save")
     _all_pass(watches, "prepare")
+
+
+def test_an_unreadable_note_is_passed_over_alike_by_a_leaving_rank_and_by_a_barrier() -> None:
+    w0, w1 = watches = _watches(2)
+    _begin(watches, "save")
+    _all_pass(watches, "prepare")
+    # The next slot holds a note no rank of this engine wrote (a number JSON reads as infinity).
+    w0.store.compare_set(f"left/b/{w0._seq + 1}/state", "", 'left:{"rank": "x", "call": 1e400}')
+    w0.store.set(f"left/b/{w0._seq + 1}/all", "1")
+    w1.leave(RuntimeError("failed on rank 1"))  # goes past it to the next slot
+    with pytest.raises(RankFailedError, match="rank 1 failed this save on its own"):
+        w0.barrier("write")  # passes it over too, and meets rank 1's note
+    assert w0._seq == w1._seq
