@@ -270,14 +270,14 @@ class CollectiveWatch:
             )
         if self._left is not None and self._left[0] == self._call:
             raise self._left_error(step, self._left[1])
-        deadline = time.monotonic() + self._wait_s()  # one bound across the slots a barrier skips
+        wait_s = self._wait_s()
+        deadline = time.monotonic() + wait_s  # one bound across the slots a barrier skips
         while True:
             self._seq += 1
             seq = self._seq
             base = f"{self.ns}b/{seq}/"
             self._publish()  # "seq": this rank arrived at barrier seq
             t0 = time.monotonic()
-            wait_s = max(0.05, deadline - t0)
             failure = self._wait_monitored(wait_s) if self.monitored else self._wait_in_store(base, step, wait_s)
             # The rank that gives up calls the roll then, and its verdict carries it: a rank that
             # reads the verdict later (one that arrived after it, perhaps after the lost rank woke
@@ -291,7 +291,8 @@ class CollectiveWatch:
                 break
             self._check_left(step, _left_note(verdict))
             # A rank gave this slot up after an earlier call the others had finished: it moved on
-            # to the next slot, and so does this barrier.
+            # to the next slot, and so does this barrier, in the time left.
+            wait_s = max(0.05, deadline - time.monotonic())
         if verdict.startswith(_ASTRAY):
             self.group_failed()
             raise self._astray_error(step, verdict)
