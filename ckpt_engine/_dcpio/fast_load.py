@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .coordination import Comm, check_plans_agree
 from .dedup_read import SharedReads, dedup_wanted
 from .fast_read import FastFileSystemReader
+from .hf_read import SafetensorsReader
 from .object_read import ObjectStoreReader
 from .planner import EngineLoadPlanner
 from .watch import phase
@@ -48,7 +49,9 @@ __all__ = ["LoadStats", "load_state_dict", "plans_locally"]
 #: ``isinstance(v, Stateful)`` (a runtime protocol) costs about 50 microseconds a value.
 _NEVER_STATEFUL = frozenset({torch.Tensor, dict, list, tuple, int, float, str, bytes, bool, type(None)})
 #: ``prepare_global_plan`` implementations that return the plans they are given.
-_IDENTITY_GLOBAL = frozenset({FileSystemReader.prepare_global_plan, ObjectStoreReader.prepare_global_plan})
+_IDENTITY_GLOBAL = frozenset(
+    {FileSystemReader.prepare_global_plan, ObjectStoreReader.prepare_global_plan, SafetensorsReader.prepare_global_plan}
+)
 
 
 def _is_stateful(value: Any) -> bool:

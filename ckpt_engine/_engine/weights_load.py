@@ -5,7 +5,8 @@ iteration 0.
   ``weights_only=True`` (nothing in the file runs), loaded non-strict, plain tensors distributed
   into DTensor parameters where the model is sharded.
 * Hugging Face safetensors weights, a file or an HF folder (:func:`load_safetensors`): through
-  ``dcp.load`` with the engine's own :class:`EngineLoadPlanner`, so ``remap_keys`` /
+  the engine's DCP load (:func:`~ckpt_engine._dcpio.fast_load.load_state_dict`, each rank
+  planning alone, its collectives bounded) with the engine's own :class:`EngineLoadPlanner`, so ``remap_keys`` /
   ``pre_load_plan`` plugins (``rename``, ``size_mismatch``, ``te_extra_state``), strictness and
   the report are those of any other load; only the storage reader
   (:class:`~ckpt_engine._dcpio.hf_read.SafetensorsReader`) differs.
@@ -19,12 +20,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._dcpio import dist as _dist
+from .._dcpio.fast_load import load_state_dict
 from .._dcpio.hf_read import SafetensorsReader, is_safetensors_path, read_index
 from .._dcpio.planner import EngineLoadPlanner
 from .._storage.store import Store
@@ -40,6 +41,7 @@ from ..errors import (
 from ..pipeline import Pipeline
 from ..report import ComponentReport, LoadReport, SkipRecord
 from ..types import LoadResult
+from .collectives import watch_group
 from .consensus import agreed
 from .rank_views import file_view, require_one_checkpoint, safetensors_view
 from .state import TrainingObjects, apply_component, component_state_dict
@@ -125,7 +127,9 @@ def load_safetensors(cfg: EngineConfig, pipeline: Pipeline, objs: TrainingObject
     reader = SafetensorsReader(index)
     try:
         with _dist.quiet_dcp():
-            dcp.load(sd, storage_reader=reader, planner=planner)
+            # Each rank plans alone, as in every engine load: bounded, and checked that the
+            # ranks that read the same stored keys planned them alike.
+            load_state_dict(sd, storage_reader=reader, planner=planner, process_group=watch_group())
     except (Exception, CheckpointException) as exc:
         err, ranks = first_failure(exc)
         if isinstance(err, CkptEngineError):

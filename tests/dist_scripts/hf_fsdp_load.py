@@ -5,7 +5,8 @@ the load must give); each rank then loads, reports whether its local shards matc
 tensor bytes its second load read (the reader's count, and ``rchar`` from ``/proc/self/io``; the first
 load imports what a load needs) against the
 total, and finally the model is saved as a 2-rank DCP checkpoint in ``ckpt/`` for the test to
-convert back.
+convert back. Last, a load whose ``pre_load_plan`` skips ``0.bias`` on rank 1 only: every rank
+must refuse it (``diverged``) and leave the model as it was.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,11 +22,21 @@ from _common import ckpt_test_exit, cpu_mesh, init, local, make_model, report, s
 from safetensors.torch import save_file
 from torch.distributed.tensor import distribute_tensor
 
-from ckpt_engine import CheckpointEngine
+from ckpt_engine import CheckpointEngine, hookimpl
 from ckpt_engine._dcpio import hf_read
 
 #: Large enough that the bytes read dominate anything else the load reads.
 SIZES = ((512, 1024), (1024, 256), (256, 1))
+
+
+class SkipOnRank1:
+    name = "skip_on_rank_1"
+
+    @hookimpl
+    def pre_load_plan(self, ctx: Any, entries: Any) -> Any:
+        if ctx.rank != 1:
+            return None
+        return [e.skip("keep rank 1's own") if e.dest_key == "0.bias" else e for e in entries]
 
 
 def rchar() -> int:
@@ -75,6 +87,18 @@ def main() -> None:
             want = local(distribute_tensor(expected[name], mesh, p.placements))
             exact &= bool(torch.equal(local(p.detach()), want))
         engine.save(1, model=model)
+    # A pre_load_plan that keeps rank 1's own 0.bias: both ranks refuse the load, nothing changes.
+    fresh = shard_fsdp2(make_model(seed=2, sizes=SIZES), mesh)
+    before = [local(p.detach()).clone() for p in fresh.parameters()]
+    with CheckpointEngine(
+        {"save_dir": os.path.join(work, "ckpt2"), "load_path": hf}, plugins=[SkipOnRank1()]
+    ) as engine:
+        try:
+            engine.load(model=fresh)
+            diverged = "no error"
+        except Exception as err:  # the test checks the type
+            diverged = type(err).__name__
+    unchanged = all(torch.equal(a, local(p.detach())) for a, p in zip(before, fresh.parameters(), strict=True))
     total = sum(v.numel() * 2 for v in expected.values())
     report(
         {
@@ -85,6 +109,8 @@ def main() -> None:
             "bytes_read": counted[0],
             "rchar": read,
             "total": total,
+            "diverged": diverged,
+            "diverged_unchanged": unchanged,
         }
     )
     dist.barrier()

@@ -200,6 +200,8 @@ def test_two_rank_fsdp2_load_reads_only_local_shards(tmp_path: Path) -> None:
         # each rank read only its shards' bytes: about half, nowhere near all of it
         assert r["bytes_read"] <= 0.6 * r["total"], r
         assert r["rchar"] < 0.75 * r["total"], r
+        # the ranks planned the weights differently: refused on every rank, nothing loaded
+        assert r["diverged"] == "CheckpointDisagreementError" and r["diverged_unchanged"], r
     assert sum(r["bytes_read"] for (r,) in results.values()) == results[0][0]["total"]
     # the 2-rank DCP checkpoint it saved, consolidated into an HF folder, matches the full weights
     code = main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--to", "hf", "--max-shard-size", "1KB"])
