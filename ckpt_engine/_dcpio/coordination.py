@@ -191,10 +191,8 @@ class Comm:
         failed = [r for r, (flag, _) in enumerate(pairs) if flag]
         if not failed:
             return value, [d for _, d in pairs]
-        box: list[Any] = [value if self.rank == failed[0] else None]
-        self._bound(name + " (error)")
-        dist.broadcast_object_list(box, src=self._global(failed[0]), group=self.group)
-        err = box[0].err if isinstance(box[0], _Failed) else RuntimeError(f"rank {failed[0]} failed in {name!r}")
+        sent = self.broadcast(name + " (error)", value if self.rank == failed[0] else None, failed[0])
+        err = sent.err if isinstance(sent, _Failed) else RuntimeError(f"rank {failed[0]} failed in {name!r}")
         raise checkpoint_error(name, dict.fromkeys(failed, err))
 
     @gc_paused()
@@ -248,20 +246,19 @@ class Comm:
         gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
         self._bound(name)
         dist.gather_object(value, gathered, dst=self._global(0), group=self.group)
-        box: list[Any] = [None]
+        result: Any = None
         if self.rank == 0:
             assert gathered is not None
             failures = {r: v.err for r, v in enumerate(gathered) if isinstance(v, _Failed)}
             if failures:
-                box[0] = checkpoint_error(name, failures)
+                result = checkpoint_error(name, failures)
             else:
                 out = _run(lambda: finish(gathered))
-                box[0] = checkpoint_error(name, {0: out.err}) if isinstance(out, _Failed) else out
-        self._bound(name + " (result)")
-        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
-        if isinstance(box[0], CheckpointException):
-            raise box[0]
-        return box[0]  # type: ignore[no-any-return]
+                result = checkpoint_error(name, {0: out.err}) if isinstance(out, _Failed) else out
+        result = self.broadcast(name + " (result)", result, 0)
+        if isinstance(result, CheckpointException):
+            raise result
+        return result  # type: ignore[no-any-return]
 
 
 # -- whether the ranks planned alike ----------------------------------------------------------

@@ -81,7 +81,7 @@ def plans_locally(planner: LoadPlanner, reader: StorageReader) -> bool:
 
 def _settle_plan(comm: Comm, planner: LoadPlanner, local_plan: LoadPlan) -> LoadPlan:
     """Each rank's own plan is its final one: settle the outcome, and (the engine's planner, with
-    several ranks) that the ranks holding the same keys planned them alike."""
+    several ranks) that the ranks reading the same stored keys planned them alike."""
     if not isinstance(planner, EngineLoadPlanner) or comm.world == 1:
         return comm.settle("plan", local_plan)
     final, digests = comm.settle_with("plan", local_plan, planner.digest)

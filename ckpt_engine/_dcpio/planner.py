@@ -261,7 +261,7 @@ class EngineLoadPlanner(DefaultLoadPlanner):
         items = self._read_items(entries)
         if is_rank_local(self.metadata):  # one rank's shards: what this rank needs must be there
             _require_cover(items, entries, self.state_dict, self._aliases, self.checkpoint_dir)
-        if self.world_size > 1 and not is_rank_local(self.metadata):  # each rank its own part: nothing shared
+        elif self.world_size > 1:  # (rank-local parts share nothing: each rank reads its own)
             self.digest, self.plan_rows = plan_digest(entries, mapped, key_map)
         report = self._build_report(entries, unexpected, tied)
         self.report = dataclasses.replace(report, notes=tuple(remap_ctx.notes), tied=tied)

@@ -205,7 +205,7 @@ class CollectiveWatch:
                 if verdict == note:
                     self.store.set(base + "all", "1")  # wake the ranks waiting there
                     return
-                call = _verdict_call(verdict)
+                call = _note_call(_note(verdict))
                 if not (verdict.startswith(_LEFT) and (call is None or call < self._call)):
                     break
                 # A note a peer left after an earlier call (or one unreadable): the peers' barriers
@@ -289,7 +289,7 @@ class CollectiveWatch:
             verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
             if not verdict.startswith(_LEFT):
                 break
-            self._check_left(step, _left_note(verdict))
+            self._check_left(step, _note(verdict))
             # A rank gave this slot up after an earlier call the others had finished: it moved on
             # to the next slot, and so does this barrier, in the time left.
             wait_s = max(0.05, deadline - time.monotonic())
@@ -370,11 +370,11 @@ class CollectiveWatch:
         """A barrier's slot holds ``left``, a note a rank left (:meth:`leave`): raise where it left
         this call (and fail every later barrier of the call at once) or a later one (the ranks are
         out of step); return where it left an earlier one (the barrier moves on to the next slot)."""
-        call = left.get("call")
+        call = _note_call(left)
         if call == self._call:
             self._left = (self._call, left)
             raise self._left_error(step, left)
-        if isinstance(call, int) and call > self._call:
+        if call is not None and call > self._call:
             self.group_failed()
             raise CollectiveError(
                 f"the ranks are out of step: {self.who} {left.get('rank')} left its engine call {call} at the "
@@ -398,16 +398,11 @@ class CollectiveWatch:
 
     def _astray_error(self, step: str, verdict: str) -> CollectiveError:
         """The error for a barrier the ranks came to for different collectives."""
-        try:
-            note = json.loads(verdict[len(_ASTRAY) :])
-            rank, theirs, first = int(note["rank"]), str(note["step"]), str(note["first"])
-            calls = (
-                ""
-                if str(note["call"]) == note["first_call"]
-                else f" (its engine call {note['call']}, theirs {note['first_call']})"
-            )
-        except (ValueError, TypeError, KeyError, OverflowError):
-            rank, theirs, first, calls = -1, "?", "?", ""
+        note = _note(verdict)
+        rank = note["rank"] if type(note.get("rank")) is int else -1
+        theirs, first = str(note.get("step", "?")), str(note.get("first", "?"))
+        call, first_call = _note_call(note), str(note.get("first_call"))
+        calls = "" if str(call) == first_call else f" (its engine call {call}, theirs {first_call})"
         return CollectiveError(
             f"the ranks are out of step: {self.who} {rank} came to collective '{theirs}' where the {self.who}s before "
             f"it came to '{first}'{calls} (one of them skipped or added a collective or a save or load), so none runs "
@@ -484,33 +479,28 @@ def c10d_cause(err: BaseException, depth: int = 8) -> BaseException | None:
     return None
 
 
-def _left_note(verdict: str) -> dict[str, Any]:
-    """The note a ``left:`` verdict carries (:meth:`CollectiveWatch.leave`; anything unreadable
-    names no call, so a barrier that meets it moves on to the next slot)."""
+def _note(verdict: str) -> dict[str, Any]:
+    """The JSON object a verdict carries after its ``kind:`` prefix (a ``left:`` note, a
+    ``timeout:`` roll call, an ``astray:`` report; written by this module on another rank of the
+    job): ``{}`` where there is none it can read."""
     try:
-        doc = json.loads(verdict[len(_LEFT) :])
+        doc = json.loads(verdict.partition(":")[2])
     except ValueError:
         return {}
     return doc if isinstance(doc, dict) else {}
 
 
-def _verdict_call(verdict: str) -> int | None:
-    """The engine call a verdict or note names (``None`` where it names none it can read)."""
-    try:
-        doc = json.loads(verdict.partition(":")[2])
-        return int(doc["call"]) if isinstance(doc, dict) else None
-    except (ValueError, TypeError, KeyError, OverflowError):
-        return None
+def _note_call(note: dict[str, Any]) -> int | None:
+    """The engine call a note names (``None`` where it names none it can read)."""
+    call = note.get("call")
+    return call if type(call) is int else None
 
 
 def _verdict_roll(verdict: str) -> list[tuple[int, str]]:
     """The roll call a ``timeout:`` verdict carries (written by :meth:`CollectiveWatch._barrier`
     of this engine on another rank of the job; anything unreadable names nobody)."""
     try:
-        doc = json.loads(verdict.partition(":")[2])
-        if isinstance(doc, dict):
-            doc = doc.get("roll", [])
-        return [(int(r), str(what)) for r, what in doc]
+        return [(int(r), str(what)) for r, what in _note(verdict).get("roll", [])]
     except (ValueError, TypeError, OverflowError):
         return []
 

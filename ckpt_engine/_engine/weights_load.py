@@ -6,8 +6,8 @@ iteration 0.
   into DTensor parameters where the model is sharded.
 * Hugging Face safetensors weights, a file or an HF folder (:func:`load_safetensors`): through
   the engine's DCP load (:func:`~ckpt_engine._dcpio.fast_load.load_state_dict`, each rank
-  planning alone, its collectives bounded) with the engine's own :class:`EngineLoadPlanner`, so ``remap_keys`` /
-  ``pre_load_plan`` plugins (``rename``, ``size_mismatch``, ``te_extra_state``), strictness and
+  planning alone, its collectives bounded) with the engine's own :class:`EngineLoadPlanner`,
+  so ``remap_keys`` / ``pre_load_plan`` plugins (``rename``, ``size_mismatch``, ``te_extra_state``), strictness and
   the report are those of any other load; only the storage reader
   (:class:`~ckpt_engine._dcpio.hf_read.SafetensorsReader`) differs.
 """
