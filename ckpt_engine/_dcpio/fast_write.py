@@ -44,7 +44,8 @@ from .._format.data_file import BlockHasher, DataFile
 from .._format.digests import write_part
 from .._format.hashing import new_hasher
 from .._format.metadata import remember_metadata
-from .._format.names import RANK_LOCAL_MARK
+from .._format.metadata_index import encode_index
+from .._format.names import METADATA_FILE, METADATA_INDEX_FILE, RANK_LOCAL_MARK
 from ..types import CarriedBy, CarryOver
 from ..types import WriteResult as ComponentWritten
 from .archive_write import tensor_archive
@@ -398,20 +399,24 @@ class FastFileSystemWriter(FileSystemWriter):
         return True
 
     def _publish(self, metadata: Metadata, data: bytes) -> None:
-        """Write ``.metadata`` (temporary file, fsync, rename), its digest part, and remember it."""
+        """Write ``.metadata`` and its compact index (each: temporary file, fsync, rename), their
+        digest part, and remember the metadata."""
         self.last_metadata = MetadataFile(data, metadata.storage_meta)
         folder = os.fspath(self.path)
-        final, tmp = os.path.join(folder, ".metadata"), os.path.join(folder, ".metadata.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.sync_files:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
+        files = {METADATA_FILE: data}
+        index = encode_index(metadata, data)
+        if index is not None:
+            files[METADATA_INDEX_FILE] = index
+        for name, content in files.items():
+            final, tmp = os.path.join(folder, name), os.path.join(folder, f"{name}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(content)
+                if self.sync_files:
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
         algorithm = getattr(self, "_checksum", None)
-        hasher = new_hasher(algorithm) if algorithm is not None else None
-        if hasher is not None:
-            hasher.update(data)
-            write_part(folder, "metadata", algorithm, {".metadata": (len(data), hasher.hexdigest())})
+        if algorithm is not None and new_hasher(algorithm) is not None:
+            write_part(folder, "metadata", algorithm, {name: _digested(algorithm, b) for name, b in files.items()})
         remember_metadata(folder, metadata)
 
     @staticmethod
@@ -495,3 +500,11 @@ def write_result(component: str, total_bytes: int, writer: Any, seconds: float) 
         bytes_reused=reused,
         carried_by=how,
     )
+
+
+def _digested(algorithm: str, data: bytes) -> tuple[int, str | None]:
+    """``data``'s size and hex digest with the manifest's ``algorithm``."""
+    hasher = new_hasher(algorithm)
+    assert hasher is not None  # the caller checked
+    hasher.update(data)
+    return len(data), hasher.hexdigest()

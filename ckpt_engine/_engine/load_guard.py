@@ -9,8 +9,10 @@
 
 * **One read of each ``.metadata`` per load.** With several ranks, rank 0 reads each
   component's ``.metadata`` (:func:`capturing` keeps the bytes its checks saw,
-  :func:`metadata_bytes` adds those of metadata this process wrote itself) and broadcasts them;
-  the other ranks parse the bytes (:func:`parse_shared_metadata`) instead of reading the file.
+  :func:`metadata_bytes` adds those of metadata this process wrote itself) and broadcasts them,
+  with those of each compact index beside them; the other ranks build the records from the
+  index where it describes exactly those bytes, else parse them (:func:`parse_shared_metadata`),
+  instead of reading the files.
 
 The lock a load holds while it reads is :mod:`ckpt_engine._format.read_lock`.
 """
@@ -27,8 +29,10 @@ from .._dcpio import dist as _dist
 from .._format.layout import CheckedCheckpoint, check_complete
 from .._format.manifest import Manifest, lookup_manifest, referenced_files, shard_files
 from .._format.metadata import validate_metadata
+from .._format.metadata_index import read_index
 from .._format.metadata_parser import parse_metadata
-from .._format.names import MANIFEST_FILE, METADATA_FILE
+from .._format.metadata_read import indexed_metadata
+from .._format.names import MANIFEST_FILE, METADATA_FILE, METADATA_INDEX_FILE
 from .._format.read_lock import ReadLock
 from .._format.verify import VerifyReport, check_against_manifest, iteration_problem, metadata_checker
 from .._storage.store import Store
@@ -121,22 +125,31 @@ def capturing(check: Callable[[str, bytes], None] | None, into: dict[str, bytes]
     return run
 
 
-def metadata_bytes(checked: CheckedCheckpoint, captured: dict[str, bytes], store: Store) -> dict[str, bytes]:
-    """Each component's ``.metadata`` bytes: as the checks read them (``captured``), or, for
-    metadata this process wrote and recalled without reading, from the (local) file."""
+def metadata_bytes(
+    checked: CheckedCheckpoint, captured: dict[str, bytes], store: Store
+) -> dict[str, tuple[bytes, bytes | None]]:
+    """Each component's ``.metadata`` bytes (as the checks read them, ``captured``, or, for
+    metadata this process wrote and recalled without reading, from the local file) and those of
+    its compact index where one lies beside it (a local folder)."""
     out = {}
     for name in checked.components:
-        path = store.join(store.join(checked.path, name), METADATA_FILE)
+        folder = store.join(checked.path, name)
+        path = store.join(folder, METADATA_FILE)
         data = captured.get(path)
         if data is None:
             with open(os.fspath(path), "rb") as f:
                 data = f.read()
-        out[name] = data
+        local = store.capabilities.local_files
+        out[name] = (data, read_index(os.path.join(folder, METADATA_INDEX_FILE), data) if local else None)
     return out
 
 
-def parse_shared_metadata(path: str, data: bytes) -> Any:
-    """The ``Metadata`` of ``path`` from the bytes rank 0 read (and already parsed and checked)."""
+def parse_shared_metadata(path: str, data: bytes, index: bytes | None = None) -> Any:
+    """The ``Metadata`` of ``path`` from the bytes rank 0 read (and already parsed and checked):
+    from its compact index where ``index`` describes exactly ``data``, else parsed."""
+    md = indexed_metadata(index, data, path)
+    if md is not None:
+        return md
     try:
         md = parse_metadata(data)
     except ValueError as err:

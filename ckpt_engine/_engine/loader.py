@@ -205,7 +205,7 @@ class Loader:
                 if mine is not None:
                     return mine
                 mds = {
-                    n: parse_shared_metadata(store.join(store.join(path, n), METADATA_FILE), d) for n, d in raw.items()
+                    n: parse_shared_metadata(store.join(store.join(path, n), METADATA_FILE), *d) for n, d in raw.items()
                 }
                 validated = Validated(CheckedCheckpoint(path, mds, listing), verified, reason, store, got)
                 if self.config.verify == "checksums" and verified:

@@ -3,7 +3,10 @@ import of ``torch.distributed.checkpoint`` (so that ``ckpt-engine ls`` need not 
 
 DCP's ``FileSystemReader.read_metadata`` calls ``pickle.load`` on ``.metadata``: a crafted file
 runs arbitrary code. The engine parses it with its own interpreter (:mod:`.metadata_parser`) and
-validates the result (:func:`validate_metadata`); :mod:`.metadata` hands it to DCP.
+validates the result (:func:`validate_metadata`); :mod:`.metadata` hands it to DCP. Where the
+engine's writer left the compact index of a ``.metadata`` beside it (:mod:`.metadata_index`),
+the records are built from the index instead, once it has shown it describes exactly the bytes
+read.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from ..errors import (
     clip,
     denied,
 )
+from .metadata_index import metadata_from_index, read_index
 from .metadata_parser import PickleMalformed, PickleRefused, parse_metadata
 from .metadata_types import current_types, dcp_types, plain_types
-from .names import METADATA_FILE, RANK_LOCAL_MARK
+from .names import METADATA_FILE, METADATA_INDEX_FILE, RANK_LOCAL_MARK
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -102,6 +106,10 @@ def read_metadata(
         raise CheckpointLoadError(f"cannot read {path}: {err.strerror or err}") from err
     if check_bytes is not None:
         check_bytes(path, data)
+    if store.capabilities.local_files:
+        md = indexed_metadata(read_index(os.path.join(component_dir, METADATA_INDEX_FILE), data), data, path)
+        if md is not None:
+            return md
     return metadata_from_bytes(data, path)
 
 
@@ -124,6 +132,26 @@ def metadata_from_bytes(data: bytes, path: str) -> Metadata:
                 f"{path} is not a valid DCP metadata file (truncated or damaged): {err}"
             ) from err
         validate_metadata(md, path)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return md
+
+
+def indexed_metadata(index: bytes | None, data: bytes, path: str) -> Metadata | None:
+    """The validated records that ``index``, the bytes of a compact index (:mod:`.metadata_index`),
+    gives for ``data``, the bytes of the ``.metadata`` at ``path``; ``None`` where there is no index
+    or it does not describe exactly those bytes, or its records fail :func:`validate_metadata` (the
+    caller then parses ``data``, whose error, if any, names the fault)."""
+    md = None if index is None else metadata_from_index(index, data)
+    if md is None:
+        return None
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        validate_metadata(md, path)
+    except CorruptCheckpointError:
+        return None
     finally:
         if was_enabled:
             gc.enable()

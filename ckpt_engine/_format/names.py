@@ -23,6 +23,9 @@ from ..errors import PerRankStateError, clip
 LATEST_FILE = "latest_checkpoint.txt"
 #: DCP's metadata file of one component folder.
 METADATA_FILE = ".metadata"
+#: The engine's compact index of that ``.metadata`` (written beside it at save; a load reads it in
+#: its place where it describes exactly those bytes; DCP ignores it).
+METADATA_INDEX_FILE = ".metadata_index"
 #: The engine's manifest at the top of a checkpoint folder (sizes, checksums; on an object store
 #: also the completion marker).
 MANIFEST_FILE = "ckpt_engine_manifest.json"

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ckpt_engine._dcpio.fast_read import FastFileSystemReader
 from ckpt_engine._dcpio.torch_save_archive import contiguous_region
+from ckpt_engine._format.names import METADATA_INDEX_FILE
 from ckpt_engine.testing import TinyTrainingState, make_engine
 
 warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
@@ -349,7 +350,8 @@ def test_fast_writer_output_loads_with_plain_dcp(tmp_path: Any, thread_count: in
     ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
     dcp.save(state, storage_writer=FastFileSystemWriter(ours, thread_count=thread_count))
     dcp.save(state, storage_writer=FileSystemWriter(theirs, thread_count=thread_count))
-    assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
+    # the same files, and the engine's compact index of its .metadata (which plain DCP ignores)
+    assert sorted(os.listdir(ours)) == sorted([*os.listdir(theirs), METADATA_INDEX_FILE])
     a = _load(ours, _template_for(state), FileSystemReader(ours))  # plain DCP reads ours
     b = _load(theirs, _template_for(state), FileSystemReader(theirs))
     for key, want in _flat_tensors(b).items():

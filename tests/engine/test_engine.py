@@ -98,12 +98,12 @@ def test_layout_matches_the_original_checkpointer(save_dir: str) -> None:
     assert sorted(os.listdir(save_dir)) == ["iter_000000005", "iter_000000012", "latest_checkpoint.txt"]
     assert Path(save_dir, "latest_checkpoint.txt").read_text() == "iter_000000012\n"
     ckpt = Path(save_dir, "iter_000000012")
-    # The original layout, plus the engine's manifest at the checkpoint level (never inside a
-    # component folder, so every component stays a plain DCP checkpoint) and the random state
-    # (rng: on by default, a component like any other).
+    # The original layout, plus the engine's manifest at the checkpoint level, the random state
+    # (rng: on by default, a component like any other) and in each component folder the compact
+    # index of its .metadata, which DCP ignores: every component stays a plain DCP checkpoint.
     assert sorted(os.listdir(ckpt)) == ["ckpt_engine_manifest.json", "model", "optim", "rng", "scheduler", "trainer"]
     for component in ("model", "optim", "scheduler", "trainer"):
-        assert sorted(os.listdir(ckpt / component)) == [".metadata", "__0_0.distcp"]
+        assert sorted(os.listdir(ckpt / component)) == [".metadata", ".metadata_index", "__0_0.distcp"]
 
     # Every component loads with plain dcp.load, in the original's component dicts.
     sd = get_model_state_dict(_fresh().model)
