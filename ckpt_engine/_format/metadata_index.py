@@ -232,18 +232,23 @@ def _storage_meta_doc(sm: Any, types: RecordTypes) -> list[Any] | None:
     return [where, _optional_str(sm.save_id), _optional_str(sm.load_id), [_optional_str(m) for m in sm.modules]]
 
 
-def _planner_doc(pd: Any, keys: list[str]) -> list[Any] | None:
-    """``planner_data``, one path per key in the keys' order (``0``: the path is the key alone)."""
+def _planner_doc(pd: Any, keys: list[str]) -> dict[str, Any] | None:
+    """``planner_data``: the position in ``keys`` of each of its keys, in its own order (``None``:
+    the keys' order), and each key's path (``0``: the key alone; ``1``: the key cut at its dots)."""
     if pd is None:
         return None
-    if type(pd) is not dict or len(pd) != len(keys) or list(pd) != keys:
+    if type(pd) is not dict or len(pd) != len(keys):
         raise _NotIndexable
-    out: list[Any] = []
+    key_at = {k: i for i, k in enumerate(keys)}
+    order = None if list(pd) == keys else [key_at.get(k, -1) for k in pd]
+    if order is not None and min(order) < 0:
+        raise _NotIndexable
+    paths: list[Any] = []
     for k, path in pd.items():
         if type(path) is not tuple or not all(type(x) is str or type(x) is int for x in path):
             raise _NotIndexable
-        out.append(0 if path == (k,) else list(path))
-    return out
+        paths.append(0 if path == (k,) else 1 if path == tuple(k.split(".")) else list(path))
+    return {"order": order, "paths": paths}
 
 
 def _storage_doc(sd: Any, keys: list[str], types: RecordTypes) -> dict[str, list[Any]] | None:
@@ -343,16 +348,20 @@ def _str_or_none(value: Any) -> str | None:
 def _build_planner(pl: Any, keys: list[str]) -> dict[str, tuple[Any, ...]] | None:
     if pl is None:
         return None
-    if type(pl) is not list or len(pl) != len(keys):
+    order, paths = pl["order"], pl["paths"]
+    named = keys if order is None else [keys[i] for i in _positions(order, len(keys))]
+    if type(paths) is not list or len(paths) != len(keys):
         raise ValueError("planner_data differs from the keys")
     out: dict[str, tuple[Any, ...]] = {}
-    for k, path in zip(keys, pl, strict=True):
-        if type(path) is int and path == 0:
-            out[k] = (k,)
+    for k, path in zip(named, paths, strict=True):
+        if type(path) is int and path in (0, 1):
+            out[k] = (k,) if path == 0 else tuple(k.split("."))
         elif type(path) is list and all(type(x) is str or type(x) is int for x in path):
             out[k] = tuple(path)
         else:
             raise TypeError("not a planner path")
+    if len(out) != len(keys):
+        raise ValueError("a planner key twice")
     return out
 
 

@@ -21,7 +21,7 @@ def test_two_ranks_commit_verify_fallback_lock_and_one_rank_failures(tmp_path: P
     assert sorted(results) == [0, 1], run.describe()
     # rng is on by default: each rank's generators are a component of their own
     components = ("model", "optim", "rng", "trainer")
-    names = [f"{c}/{f}" for c in components for f in (".metadata", "__0_0.distcp", "__1_0.distcp")]
+    names = [f"{c}/{f}" for c in components for f in (".metadata", ".metadata_index", "__0_0.distcp", "__1_0.distcp")]
     for rank in (0, 1):
         got = results[rank][0]
         what = f"rank {rank}"

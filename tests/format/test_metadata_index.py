@@ -219,7 +219,9 @@ def _set(path: str, value: Any) -> Any:
         pytest.param(_set("keys.1", 5), id="a key that is a number"),
         pytest.param(_set("props.0.0", "not_a_dtype"), id="an unknown dtype"),
         pytest.param(_set("props.0.3", 99), id="an unknown memory format"),
-        pytest.param(_set("planner.0", False), id="a planner path that is false"),
+        pytest.param(_set("planner.paths.0", False), id="a planner path that is false"),
+        pytest.param(_set("planner.paths.0", 2), id="a planner path of an unknown kind"),
+        pytest.param(_set("planner.order", [0] * 20), id="a planner order naming one key twice"),
         pytest.param(_set("storage_meta.0", ["url", "x"]), id="an unknown checkpoint id"),
         pytest.param(lambda doc: doc["storage"]["length"].pop(), id="columns of different lengths"),
         pytest.param(lambda doc: doc["keys"].__setitem__(1, doc["keys"][0]), id="a key twice"),
@@ -258,7 +260,7 @@ def test_records_the_index_cannot_describe_exactly_get_none(tmp_path: pathlib.Pa
     assert encode_index(metadata_from_bytes(data, folder), data) is not None
     for change in (
         lambda md: setattr(next(iter(md.storage_data.values())), "transform_descriptors", ["zstd"]),
-        lambda md: setattr(md, "planner_data", dict(reversed(list(md.planner_data.items())))),
+        lambda md: md.planner_data.update({"not a key": ("x",)}),
         lambda md: setattr(md, "planner_data", {k: [k] for k in md.planner_data}),
         lambda md: setattr(md, "version", 1),
         lambda md: md.state_dict_metadata.update({("a", "tuple"): md.state_dict_metadata.popitem()[1]}),
@@ -313,3 +315,53 @@ def test_ranks_that_get_the_metadata_from_rank_0_read_its_index_too(
     for name, (data, index) in sent.items():
         assert parse_shared_metadata(os.path.join(ckpt, name, METADATA_FILE), data, index) == want[name]
     assert parses == []
+
+
+def test_saves_that_reuse_the_last_metadata_bytes_write_an_index_of_them(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save of the same structure patches the previous ``.metadata``'s bytes instead of pickling
+    again (``finish_reused``): its index must describe the bytes written, new ``storage_meta``
+    included, not the previous save's."""
+    from ckpt_engine._dcpio.fast_write import FastFileSystemWriter
+
+    reused: list[str] = []
+    real = FastFileSystemWriter.finish_reused
+
+    def counted(self: Any, metadata: Any, previous: Any) -> bool:
+        done = real(self, metadata, previous)
+        if done:
+            reused.append(str(self.path))
+        return done
+
+    monkeypatch.setattr(FastFileSystemWriter, "finish_reused", counted)
+    state = TinyTrainingState.create(seed=5)
+    with make_engine(tmp_path, incremental=True) as engine:
+        for it in (1, 2, 3):
+            state.train(1, seed=it)
+            engine.save(it, **state.objects())
+    assert reused, "no save reused the previous .metadata's bytes"
+    save_ids: dict[str, set[str]] = {}
+    for it in (1, 2, 3):
+        for folder in _components(str(tmp_path / f"iter_{it:09}")):
+            data = pathlib.Path(folder, METADATA_FILE).read_bytes()
+            got = _from_index(os.path.join(folder, METADATA_INDEX_FILE), data)
+            assert got is not None, folder
+            _same_records(metadata_from_bytes(data, folder), got)
+            save_ids.setdefault(os.path.basename(folder), set()).add(got.storage_meta.save_id)
+    assert all(len(ids) == 3 for ids in save_ids.values()), save_ids  # each save's own storage_meta
+
+
+def test_planner_data_in_another_order_than_the_keys_keeps_its_order(tmp_path: pathlib.Path) -> None:
+    """Per-rank state (the ``rng`` component of several ranks) writes ``planner_data`` in another
+    order than ``state_dict_metadata``, with paths cut at the dots: both kept exactly."""
+    _, ckpt = _saved(tmp_path)
+    folder = os.path.join(ckpt, "optim")
+    data = pathlib.Path(folder, METADATA_FILE).read_bytes()
+    md = metadata_from_bytes(data, folder)
+    md.planner_data = {k: tuple(k.split(".")) if i % 2 else (k,) for i, k in enumerate(reversed(md.planner_data))}
+    raw = encode_index(md, data)
+    assert raw is not None
+    got = decode_index(raw, data, current_types())
+    assert got is not None
+    _same_records(md, got)
