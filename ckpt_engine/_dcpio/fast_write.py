@@ -158,7 +158,15 @@ def _changed_strings(old: StorageMeta | None, new: StorageMeta | None) -> list[t
         return None
     if isinstance(old.save_id, str) and isinstance(new.save_id, str):
         strings.append((old.save_id, new.save_id))
-    return [(x, y) for x, y in strings if x != y]
+    # pickle writes a string it meets twice once, then refers back to it (a path's parts are
+    # interned): rewriting that one copy would change both places, and a fresh pickle of the new
+    # one would refer back where the old wrote the string. Either way: not a patch.
+    olds = [x for x, _ in strings] + list(old.modules)
+    news = [y for _, y in strings] + list(new.modules)
+    changed = [(x, y) for x, y in strings if x != y]
+    if any(olds.count(x) > 1 or news.count(y) > 1 for x, y in changed):
+        return None
+    return changed
 
 
 class FastFileSystemWriter(FileSystemWriter):

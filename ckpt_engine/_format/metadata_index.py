@@ -76,7 +76,10 @@ def encode_index(md: Metadata, data: bytes) -> bytes | None:
         doc = _index_doc(md)
     except _NotIndexable:
         return None
-    body = json.dumps(doc, separators=(",", ":")).encode()
+    try:  # a string strict UTF-8 cannot hold (a lone surrogate) is one the parser refuses
+        body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return None
     head = {"format": INDEX_FORMAT, "version": INDEX_VERSION}
     head.update(metadata=[len(data), meta_digest], body=[len(body), _digest(body)])
     return json.dumps(head, separators=(",", ":")).encode() + b"\n" + body
@@ -349,9 +352,13 @@ def _build_planner(pl: Any, keys: list[str]) -> dict[str, tuple[Any, ...]] | Non
     if pl is None:
         return None
     order, paths = pl["order"], pl["paths"]
-    named = keys if order is None else [keys[i] for i in _positions(order, len(keys))]
     if type(paths) is not list or len(paths) != len(keys):
         raise ValueError("planner_data differs from the keys")
+    # a permutation of the keys, checked before any path is built (a key named many times would
+    # cost its length each time)
+    if order is not None and (len(_positions(order, len(keys))) != len(keys) or len(set(order)) != len(keys)):
+        raise ValueError("planner_data names a key twice")
+    named = keys if order is None else [keys[i] for i in order]
     out: dict[str, tuple[Any, ...]] = {}
     for k, path in zip(named, paths, strict=True):
         if type(path) is int and path in (0, 1):

@@ -365,3 +365,103 @@ def test_planner_data_in_another_order_than_the_keys_keeps_its_order(tmp_path: p
     got = decode_index(raw, data, current_types())
     assert got is not None
     _same_records(md, got)
+
+
+def test_a_string_strict_utf8_cannot_hold_gets_no_index(tmp_path: pathlib.Path) -> None:
+    """The parser refuses a lone surrogate (it reads strings as strict UTF-8), and JSON would join
+    an escaped pair into another character: such records get no index, so the index never loads
+    what the ``.metadata`` does not say."""
+    _, ckpt = _saved(tmp_path)
+    folder = os.path.join(ckpt, "position")
+    data = pathlib.Path(folder, METADATA_FILE).read_bytes()
+    for odd in ("lone\ud800", "pair\ud83d\ude00"):
+        md = metadata_from_bytes(data, folder)
+        md.version = odd
+        assert encode_index(md, data) is None
+        md = metadata_from_bytes(data, folder)
+        md.state_dict_metadata = {odd if i == 0 else k: v for i, (k, v) in enumerate(md.state_dict_metadata.items())}
+        md.planner_data = {odd if i == 0 else k: v for i, (k, v) in enumerate(md.planner_data.items())}
+        assert encode_index(md, data) is None
+    md = metadata_from_bytes(data, folder)
+    md.version = "ünïcode 😀"  # any string UTF-8 holds is fine
+    raw = encode_index(md, data)
+    assert raw is not None and decode_index(raw, data, current_types()).version == "ünïcode 😀"
+
+
+def test_a_save_into_a_folder_named_like_a_partial_one_patches_no_shared_string(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``finish_reused`` patched the one copy of the old checkpoint folder's name in the previous
+    ``.metadata``; where ``save_dir`` holds a part of the same name, pickle wrote it once and
+    referred back to it, so both changed and the file named a folder that never existed (and its
+    index, encoded from the records, disagreed with it). Such a save now pickles afresh."""
+    root = tmp_path / ".iter_000000001.partial"
+    state = TinyTrainingState.create(seed=5)
+    with make_engine(root, incremental=True) as engine:
+        for it in (1, 2):
+            state.train(1, seed=it)
+            engine.save(it, **state.objects())
+    folder = root / "iter_000000002" / "model"
+    data = (folder / METADATA_FILE).read_bytes()
+    parsed = metadata_from_bytes(data, str(folder))
+    assert parsed.storage_meta.checkpoint_id == root / ".iter_000000002.partial" / "model"
+    got = _from_index(str(folder / METADATA_INDEX_FILE), data)
+    assert got is not None
+    _same_records(parsed, got)
+
+
+def test_a_description_shared_by_many_keys_earns_its_validation_budget_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget of the chunk-overlap sweep grows with the coordinates stored; a description many
+    keys share is checked once, so it must count once, or a small crafted file (a pickle's memo
+    reference, an index's position) buys a budget many times its size."""
+    types = plain_types()
+    size = types.vocab.size_type
+    chunks = [types.ChunkStorageMetadata(offsets=size((i, 0)), sizes=size((1, 4))) for i in range(10)]
+    shared = types.TensorStorageMetadata(properties=types.TensorProperties(), size=size((10, 4)), chunks=chunks)
+    keys = [f"k{i}" for i in range(5)]
+    storage = {
+        types.MetadataIndex(fqn=k, offset=c.offsets): types.StorageInfo("__0_0.distcp", 0, 16)
+        for k in keys
+        for c in chunks
+    }
+    md = types.Metadata(state_dict_metadata=dict.fromkeys(keys, shared), storage_data=storage)
+    budgets: list[int] = []
+    real = metadata_read._check_chunks
+
+    def seen(key: str, item: Any, path: str, budget: list[int], partial: bool = False) -> None:
+        budgets.append(budget[0])
+        real(key, item, path, budget, partial)
+
+    monkeypatch.setattr(metadata_read, "_MIN_COMPARISONS", 0)
+    monkeypatch.setattr(metadata_read, "_check_chunks", seen)
+    metadata_read.validate_metadata(md, "crafted/.metadata")
+    assert budgets == [metadata_read._COMPARISONS_PER_COORD * 10 * 2]  # one description, 10 chunks of 2 dims
+
+
+def test_a_planner_order_naming_a_key_many_times_is_refused_before_any_path_is_built(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key cut at its dots costs its length; named n times in the order, n times its length (a
+    crafted 300 KB index took 23 s). The order must be a permutation, checked first."""
+    import ckpt_engine._format.metadata_index as metadata_index
+
+    _, ckpt = _saved(tmp_path)
+    folder = os.path.join(ckpt, "optim")
+    data = pathlib.Path(folder, METADATA_FILE).read_bytes()
+    raw = pathlib.Path(folder, METADATA_INDEX_FILE).read_bytes()
+    built: list[Any] = []
+
+    def counted(items: Any = ()) -> tuple[Any, ...]:
+        built.append(items)
+        return tuple(items)
+
+    monkeypatch.setattr(metadata_index, "tuple", counted, raising=False)  # the module's paths
+
+    def repeat(doc: dict[str, Any]) -> None:
+        n = len(doc["keys"])
+        doc["planner"] = {"order": [0] * n, "paths": [1] * n}
+
+    assert decode_index(_crafted(repeat, data, raw), data, current_types()) is None
+    assert built == []
+    cut = _crafted(lambda doc: doc["planner"].update(paths=[1] * len(doc["keys"])), data, raw)
+    assert decode_index(cut, data, current_types()) is not None and built  # a permutation is built so
