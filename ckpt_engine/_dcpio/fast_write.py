@@ -42,7 +42,7 @@ from torch.futures import Future
 
 from .._format.data_file import BlockHasher, DataFile
 from .._format.digests import write_part
-from .._format.hashing import new_hasher
+from .._format.hashing import hash_bytes, new_hasher
 from .._format.metadata import remember_metadata
 from .._format.metadata_index import encode_index
 from .._format.names import METADATA_FILE, METADATA_INDEX_FILE, RANK_LOCAL_MARK
@@ -424,7 +424,7 @@ class FastFileSystemWriter(FileSystemWriter):
             os.replace(tmp, final)
         algorithm = getattr(self, "_checksum", None)
         if algorithm is not None and new_hasher(algorithm) is not None:
-            write_part(folder, "metadata", algorithm, {name: _digested(algorithm, b) for name, b in files.items()})
+            write_part(folder, "metadata", algorithm, {n: (len(b), hash_bytes(b, algorithm)) for n, b in files.items()})
         remember_metadata(folder, metadata)
 
     @staticmethod
@@ -508,11 +508,3 @@ def write_result(component: str, total_bytes: int, writer: Any, seconds: float) 
         bytes_reused=reused,
         carried_by=how,
     )
-
-
-def _digested(algorithm: str, data: bytes) -> tuple[int, str | None]:
-    """``data``'s size and hex digest with the manifest's ``algorithm``."""
-    hasher = new_hasher(algorithm)
-    assert hasher is not None  # the caller checked
-    hasher.update(data)
-    return len(data), hasher.hexdigest()

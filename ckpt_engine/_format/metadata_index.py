@@ -22,7 +22,6 @@ and older engines ignore the file.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ import stat
 from typing import TYPE_CHECKING, Any
 
 from .bounded_json import nesting
-from .metadata_types import RecordTypes, current_types, dcp_types, plain_types
+from .metadata_types import RecordTypes, current_types, types_of
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -102,13 +101,7 @@ def metadata_from_index(raw: bytes, data: bytes) -> Metadata | None:
     """The records index ``raw`` gives for ``data`` (the ``.metadata`` bytes it should describe),
     built of the classes of this context (:func:`~.metadata_types.current_types`), or ``None``
     (the caller parses ``data``). The caller validates them, as it does the parser's."""
-    was_enabled = gc.isenabled()
-    gc.disable()  # no cyclic collection while the records are built (as parse_metadata)
-    try:
-        md = decode_index(raw, data, current_types())
-    finally:
-        if was_enabled:
-            gc.enable()
+    md = decode_index(raw, data, current_types())
     if md is None:
         logger.debug("a .metadata_index does not describe the .metadata beside it; parsing that")
     return md
@@ -134,17 +127,14 @@ def decode_index(raw: bytes, data: bytes, types: RecordTypes) -> Metadata | None
         return None
 
 
-def _types_of(md: Any) -> RecordTypes:
-    return plain_types() if type(md) is plain_types().Metadata else dcp_types()
-
-
 def _index_doc(md: Any) -> dict[str, Any]:
     """The index body of ``md``: its records as columns (see :func:`_build` for the reverse)."""
-    types = _types_of(md)
+    types = types_of(md)
     sdm = md.state_dict_metadata
     if type(sdm) is not dict or not all(type(k) is str for k in sdm):
         raise _NotIndexable
     keys = list(sdm)
+    key_at = {k: i for i, k in enumerate(keys)}
     describe = _Describer(types)
     kinds = [describe.item(v) for v in sdm.values()]
     return {
@@ -154,8 +144,8 @@ def _index_doc(md: Any) -> dict[str, Any]:
         "descs": describe.descs,
         "keys": keys,
         "kinds": kinds,
-        "planner": _planner_doc(md.planner_data, keys),
-        "storage": _storage_doc(md.storage_data, keys, types),
+        "planner": _planner_doc(md.planner_data, keys, key_at),
+        "storage": _storage_doc(md.storage_data, key_at, describe),
     }
 
 
@@ -167,9 +157,9 @@ class _Describer:
         self.codes = {v: k for k, v in types.vocab.memory_formats.items()}
         self.props: list[list[Any]] = []
         self.descs: list[list[Any]] = []
+        #: by ``id``: every object is reachable from the ``Metadata`` encoded, so no id is reused
         self._props_at: dict[int, int] = {}
         self._descs_at: dict[int, int] = {}
-        self._held: list[Any] = []  # keeps the ids above unique while encoding
 
     def item(self, v: Any) -> int:
         t = self.types
@@ -185,7 +175,6 @@ class _Describer:
                     raise _NotIndexable
                 chunks.append([self.ints(c.offsets), self.ints(c.sizes)])
             at = self._descs_at[id(v)] = len(self.descs)
-            self._held.append(v)
             self.descs.append([self.prop(v.properties), self.ints(v.size), chunks])
         return at
 
@@ -203,7 +192,6 @@ class _Describer:
         if type(p.pin_memory) is not bool:
             raise _NotIndexable
         at = self._props_at[id(p)] = len(self.props)
-        self._held.append(p)
         self.props.append([dtype, layout, p.requires_grad, code, p.pin_memory])
         return at
 
@@ -235,14 +223,13 @@ def _storage_meta_doc(sm: Any, types: RecordTypes) -> list[Any] | None:
     return [where, _optional_str(sm.save_id), _optional_str(sm.load_id), [_optional_str(m) for m in sm.modules]]
 
 
-def _planner_doc(pd: Any, keys: list[str]) -> dict[str, Any] | None:
+def _planner_doc(pd: Any, keys: list[str], key_at: dict[str, int]) -> dict[str, Any] | None:
     """``planner_data``: the position in ``keys`` of each of its keys, in its own order (``None``:
     the keys' order), and each key's path (``0``: the key alone; ``1``: the key cut at its dots)."""
     if pd is None:
         return None
     if type(pd) is not dict or len(pd) != len(keys):
         raise _NotIndexable
-    key_at = {k: i for i, k in enumerate(keys)}
     order = None if list(pd) == keys else [key_at.get(k, -1) for k in pd]
     if order is not None and min(order) < 0:
         raise _NotIndexable
@@ -254,14 +241,14 @@ def _planner_doc(pd: Any, keys: list[str]) -> dict[str, Any] | None:
     return {"order": order, "paths": paths}
 
 
-def _storage_doc(sd: Any, keys: list[str], types: RecordTypes) -> dict[str, list[Any]] | None:
-    """``storage_data`` as columns: each entry's key (its position in ``keys``), chunk offset,
-    index, file (its position in ``files``), offset and length."""
+def _storage_doc(sd: Any, key_at: dict[str, int], describe: _Describer) -> dict[str, list[Any]] | None:
+    """``storage_data`` as columns: each entry's key (its position in the keys, ``key_at``), chunk
+    offset, index, file (its position in ``files``), offset and length."""
     if sd is None:
         return None
     if type(sd) is not dict:
         raise _NotIndexable
-    key_at = {k: i for i, k in enumerate(keys)}
+    types = describe.types
     files: dict[str, int] = {}
     cols: dict[str, list[Any]] = {c: [] for c in ("key", "offset", "index", "file", "pos", "length")}
     for mi, si in sd.items():
@@ -275,7 +262,7 @@ def _storage_doc(sd: Any, keys: list[str], types: RecordTypes) -> dict[str, list
         if type(si.length) is not int:
             raise _NotIndexable
         cols["key"].append(k)
-        cols["offset"].append(None if mi.offset is None else _Describer(types).ints(mi.offset))
+        cols["offset"].append(None if mi.offset is None else describe.ints(mi.offset))
         cols["index"].append(mi.index)
         cols["file"].append(files.setdefault(rel, len(files)))
         cols["pos"].append(si.offset)
@@ -367,9 +354,7 @@ def _build_planner(pl: Any, keys: list[str]) -> dict[str, tuple[Any, ...]] | Non
             out[k] = tuple(path)
         else:
             raise TypeError("not a planner path")
-    if len(out) != len(keys):
-        raise ValueError("a planner key twice")
-    return out
+    return out  # one entry per key: the keys are distinct (``_build``) and ``order`` a permutation
 
 
 def _positions(column: list[Any], bound: int, least: int = 0) -> list[int]:

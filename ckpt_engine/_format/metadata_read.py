@@ -31,7 +31,7 @@ from ..errors import (
 )
 from .metadata_index import metadata_from_index, read_index
 from .metadata_parser import PickleMalformed, PickleRefused, parse_metadata
-from .metadata_types import current_types, dcp_types, plain_types
+from .metadata_types import current_types, types_of
 from .names import METADATA_FILE, METADATA_INDEX_FILE, RANK_LOCAL_MARK
 
 if TYPE_CHECKING:
@@ -143,13 +143,14 @@ def indexed_metadata(index: bytes | None, data: bytes, path: str) -> Metadata | 
     gives for ``data``, the bytes of the ``.metadata`` at ``path``; ``None`` where there is no index
     or it does not describe exactly those bytes, or its records fail :func:`validate_metadata` (the
     caller then parses ``data``, whose error, if any, names the fault)."""
-    md = None if index is None else metadata_from_index(index, data)
-    if md is None:
+    if index is None:
         return None
     was_enabled = gc.isenabled()
-    gc.disable()
+    gc.disable()  # no cyclic collection while the records are built and checked (as metadata_from_bytes)
     try:
-        validate_metadata(md, path)
+        md = metadata_from_index(index, data)
+        if md is not None:
+            validate_metadata(md, path)
     except CorruptCheckpointError:
         return None
     finally:
@@ -189,7 +190,7 @@ def validate_metadata(md: Metadata, path: str) -> None:
         _name_bad_entry(storage, path)
     # (a torch.Size hashes and compares as the tuple of its ints)
     stored: dict[tuple[str, Any], Any] = {(index.fqn, index.offset): info for index, info in storage.items()}
-    types = plain_types() if type(md) is plain_types().Metadata else dcp_types()
+    types = types_of(md)
     bytes_type = types.BytesStorageMetadata
     items: dict[str, Any] = md.state_dict_metadata
     # per distinct description: one shared by many keys is checked once, so it earns its budget once

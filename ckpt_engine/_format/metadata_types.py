@@ -41,6 +41,7 @@ __all__ = [
     "plain_dtype",
     "plain_types",
     "records_without_dcp",
+    "types_of",
 ]
 
 
@@ -348,6 +349,11 @@ _WITHOUT_DCP: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt_engine
 def plain_types() -> RecordTypes:
     """The stand-in classes (no DCP import)."""
     return _PLAIN
+
+
+def types_of(md: Any) -> RecordTypes:
+    """The classes ``md`` (a ``Metadata``) is built of: the stand-ins or DCP's."""
+    return _PLAIN if type(md) is _PLAIN.Metadata else dcp_types()
 
 
 def current_types() -> RecordTypes:
