@@ -56,6 +56,17 @@ def _all_pass(watches: list[CollectiveWatch], step: str) -> None:
     assert in_threads(*[lambda w=w: w.barrier(step) for w in watches]) == [None] * len(watches)
 
 
+def _rank_1_meets_rank_0s_note_and_both_go_on(watches: list[CollectiveWatch]) -> None:
+    """Rank 1's next barrier raises rank 0's failure at once; the ranks are then at one slot, and
+    the next call runs its collectives together."""
+    w0, w1 = watches
+    with pytest.raises(RankFailedError, match="rank 0 failed this save on its own"):
+        w1.barrier("prepare")
+    assert w0._seq == w1._seq
+    _begin(watches, "save")
+    _all_pass(watches, "prepare")
+
+
 def test_the_ranks_waiting_for_a_rank_that_failed_on_its_own_raise_at_once_naming_it() -> None:
     w0, w1, w2 = watches = _watches(3)
     _begin(watches, "save")
@@ -152,11 +163,7 @@ def test_a_note_left_at_the_start_of_a_call_goes_past_a_peers_note_of_the_previo
     w1.leave(RuntimeError("failed on rank 1 after the last collective"))  # end of call 1
     _begin(watches, "save")
     w0.leave(ValueError("bad argument on rank 0"))  # start of call 2: must not be lost
-    with pytest.raises(RankFailedError, match="rank 0 failed this save on its own"):
-        w1.barrier("prepare")
-    assert w0._seq == w1._seq
-    _begin(watches, "save")
-    _all_pass(watches, "prepare")
+    _rank_1_meets_rank_0s_note_and_both_go_on(watches)
 
 
 def test_a_note_left_after_the_others_timed_out_in_their_next_call_closes_the_group_in_that_call() -> None:
@@ -199,11 +206,7 @@ def test_a_rank_leaving_after_a_peer_already_left_the_next_call_takes_no_slot() 
     w0.leave(ValueError("bad argument on rank 0"))  # call 2
     w1.leave(RuntimeError("failed on rank 1 after the last collective"))  # still call 1
     w1.begin("save")
-    with pytest.raises(RankFailedError, match="rank 0 failed this save on its own"):
-        w1.barrier("prepare")
-    assert w0._seq == w1._seq
-    _begin(watches, "save")
-    _all_pass(watches, "prepare")
+    _rank_1_meets_rank_0s_note_and_both_go_on(watches)
 
 
 def test_an_unreadable_note_is_passed_over_alike_by_a_leaving_rank_and_by_a_barrier() -> None:
